@@ -1,0 +1,31 @@
+# flashstack: `make run` serves the gateway on embedded defaults; `make test` runs every test.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test test-gpu bench clean
+
+install: $(STAMP)
+
+# torch is pinned and installed first: the machines carry a local CPU wheel of 2.13.0, and an
+# unpinned torch pulled in by another package would download a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,cuda]'
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/flashstack serve
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-gpu: install
+	$(PY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) .flashstack
