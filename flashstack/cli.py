@@ -1,2 +1,126 @@
-def main() -> None:
-    raise SystemExit("not yet")
+"""The one entry point: `flashstack serve | engine serve | models`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from flashstack.config import Config, ConfigError, ModelConfig, load_config
+
+console = Console(stderr=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        raise SystemExit(2)
+    try:
+        args.func(args)
+    except ConfigError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise SystemExit(2) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashstack", description="LLM gateway, engine and CUDA toolkit")
+    sub = p.add_subparsers()
+
+    serve = sub.add_parser("serve", help="run the gateway (OpenAI + Anthropic endpoints)")
+    serve.add_argument("--config", type=Path, help="YAML config (default: embedded defaults)")
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8400)")
+    serve.add_argument("--model", type=Path, action="append", default=[], help="serve a local HF model directory")
+    serve.set_defaults(func=_serve)
+
+    models = sub.add_parser("models", help="list the models the gateway would serve")
+    models.add_argument("--config", type=Path)
+    models.set_defaults(func=_models)
+
+    engine = sub.add_parser("engine", help="the inference engine")
+    engine_sub = engine.add_subparsers()
+    eserve = engine_sub.add_parser("serve", help="OpenAI-compatible server for one model, like `vllm serve`")
+    eserve.add_argument("--model", type=Path, required=True)
+    eserve.add_argument("--host", default="127.0.0.1")
+    eserve.add_argument("--port", type=int, default=8000)
+    eserve.add_argument("--block-size", type=int, default=None)
+    eserve.add_argument("--max-num-seqs", type=int, default=None)
+    eserve.add_argument("--device", default="auto")
+    eserve.add_argument("--dtype", default="auto")
+    eserve.set_defaults(func=_engine_serve)
+    return p
+
+
+def resolve_config(path: Path | None, local_models: list[Path] | None = None) -> Config:
+    """The config file if given, else embedded defaults discovered from the environment."""
+    config = load_config(path)
+    for m in local_models or []:
+        config.models.append(ModelConfig(name=m.name, provider="local", model=str(m)))
+    if path is None and not config.models:
+        from flashstack.gateway.discovery import discover_models
+
+        config.models.extend(discover_models())
+        config.models.extend(_embedded_local_models(config))
+    return config
+
+
+def _embedded_local_models(config: Config) -> list[ModelConfig]:
+    try:
+        from flashstack.engine.tiny import TINY_DESCRIPTION, ensure_tiny_model
+    except ImportError:
+        return []
+    path = ensure_tiny_model(config.state_dir / "models" / "tiny-random")
+    return [ModelConfig(name="tiny-random", provider="local", model=str(path), description=TINY_DESCRIPTION)]
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from flashstack.gateway.app import create_app
+
+    config = resolve_config(args.config, args.model)
+    host = args.host or config.server.host
+    port = args.port or config.server.port
+    _print_models(config, host, port, from_file=args.config is not None)
+    uvicorn.run(
+        create_app(config), host=host, port=port, loop="uvloop", http="httptools",
+        log_level="warning", timeout_graceful_shutdown=5,
+    )
+
+
+def _print_models(config: Config, host: str, port: int, from_file: bool) -> None:
+    url = f"http://{host}:{port}"
+    console.print(f"[bold]flashstack gateway[/bold] on {url}  (OpenAI: {url}/v1/chat/completions, Anthropic: {url}/v1/messages)")
+    if not config.models:
+        console.print("[yellow]no models configured[/yellow]")
+    for m in config.models:
+        where = m.api_base or m.model
+        note = f" — {m.description}" if m.description else ""
+        console.print(f"  • [cyan]{m.name}[/cyan]  {m.provider}  {where}{note}")
+    if not from_file:
+        console.print(
+            "Add models: export ANTHROPIC_API_KEY, OPENAI_API_KEY/OPENAI_BASE_URL or OLLAMA_HOST, "
+            "pass --model PATH for a local HF directory, or write a config (docs/configuration.md) "
+            "and run `flashstack serve --config flashstack.yaml`."
+        )
+
+
+def _models(args: argparse.Namespace) -> None:
+    config = resolve_config(args.config)
+    for m in config.models:
+        print(f"{m.name}\t{m.provider}\t{m.model}")
+
+
+def _engine_serve(args: argparse.Namespace) -> None:
+    from flashstack.engine.server import serve
+
+    extra = {k: v for k, v in {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs}.items() if v}
+    serve(str(args.model), host=args.host, port=args.port, device=args.device, dtype=args.dtype, **extra)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

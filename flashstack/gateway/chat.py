@@ -1,0 +1,177 @@
+"""One chat request end to end: wire in → canonical → router → canonical → wire out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from flashstack.gateway import validation
+from flashstack.gateway.core import (
+    ChatRequest,
+    Error,
+    ErrorKind,
+    Event,
+    Finish,
+    GatewayError,
+    TextDelta,
+    invalid_request,
+)
+from flashstack.gateway.router import Router
+from flashstack.gateway.streaming import sse
+from flashstack.gateway.translate import anthropic as anthropic_t
+from flashstack.gateway.translate import openai as openai_t
+from flashstack.gateway.wire import anthropic as anthropic_w
+from flashstack.gateway.wire import openai as openai_w
+
+log = logging.getLogger("flashstack.gateway")
+
+
+class Encoder(Protocol):
+    def encode(self, ev: Event) -> Iterable[bytes]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WireFormat:
+    """Everything that differs between the OpenAI and Anthropic edges."""
+
+    name: str
+    request_type: type[BaseModel]
+    to_canonical: Callable[[Any], ChatRequest]
+    response_json: Callable[[Any, str], dict[str, Any]]
+    error_json: Callable[[GatewayError], dict[str, Any]]
+    encoder: Callable[[ChatRequest], Encoder]
+    ping: bytes | None
+
+
+OPENAI = WireFormat(
+    "openai",
+    openai_w.ChatCompletionRequest,
+    openai_t.to_canonical,
+    openai_t.response_json,
+    openai_t.error_json,
+    lambda req: openai_t.StreamEncoder(req.model, req.include_usage),
+    None,
+)
+ANTHROPIC = WireFormat(
+    "anthropic",
+    anthropic_w.MessagesRequest,
+    anthropic_t.to_canonical,
+    anthropic_t.response_json,
+    anthropic_t.error_json,
+    lambda req: anthropic_t.StreamEncoder(req.model),
+    anthropic_t.PING,
+)
+
+
+@dataclass(slots=True)
+class Limits:
+    max_body_bytes: int
+    stream_queue_size: int
+    ping_interval: float
+
+
+async def handle(wire: WireFormat, request: Request, router: Router, limits: Limits) -> Response:
+    """Serve one chat request; every failure becomes an error in the caller's format."""
+    try:
+        body = await read_json(request, limits.max_body_bytes)
+        req = parse(wire, body)
+        router.deployments(req.model)  # unknown model → 404 before any work
+        validation.check_request(req)
+        if req.stream:
+            return await _stream(wire, req, router, limits)
+        resp = await router.complete(req)
+        if req.response_format is not None:
+            validation.check_output(req.response_format, resp.text())
+        return json_response(wire.response_json(resp, req.model))
+    except GatewayError as e:
+        return error_response(wire, e)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    except Exception:
+        log.exception("unexpected error serving %s request", wire.name)
+        return error_response(wire, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log"))
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body, refused without reading further once it passes `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    try:
+        return orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as e:
+        raise invalid_request(f"request body is not valid JSON: {e}") from None
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        ErrorKind.REQUEST_TOO_LARGE,
+        f"request body is larger than the gateway's limit of {limit} bytes (server.max_body_bytes)",
+    )
+
+
+def parse(wire: WireFormat, body: Any) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object")
+    try:
+        parsed = wire.request_type.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    return wire.to_canonical(parsed)
+
+
+def _validation_error(e: ValidationError) -> GatewayError:
+    first = e.errors(include_url=False)[0]
+    # Discriminated unions add the tag to the path ("messages.0.user.content"); keep it readable.
+    loc = ".".join(str(p) for p in first["loc"])
+    more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
+    return invalid_request(f"{loc}: {first['msg']}{more}", loc or None)
+
+
+async def _stream(wire: WireFormat, req: ChatRequest, router: Router, limits: Limits) -> Response:
+    events = await router.open_stream(req)  # failures before the first byte raise here
+    if req.response_format is not None:
+        events = _validated(events, req)
+    body = sse(events, wire.encoder(req).encode, limits.stream_queue_size, wire.ping, limits.ping_interval)
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+
+async def _validated(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[Event]:
+    """Pass events through; replace the Finish with an Error if the text breaks the format."""
+    text: list[str] = []
+    try:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                text.append(ev.text)
+            elif isinstance(ev, Finish):
+                try:
+                    validation.check_output(req.response_format, "".join(text))
+                except GatewayError as e:
+                    yield Error(e)
+                    return
+            yield ev
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(wire: WireFormat, err: GatewayError) -> Response:
+    headers = {"retry-after": str(max(1, round(err.retry_after)))} if err.retry_after else None
+    return json_response(wire.error_json(err), err.status, headers)

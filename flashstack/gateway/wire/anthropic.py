@@ -1,0 +1,103 @@
+"""Anthropic Messages request types, field for field as the official SDK names them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Wire(BaseModel):
+    # Unknown fields are kept, not rejected: clients send newer fields than we know of.
+    model_config = ConfigDict(extra="allow")
+
+
+class Base64Source(_Wire):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLSource(_Wire):
+    type: Literal["url"]
+    url: str
+
+
+ImageSource = Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
+class TextBlock(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(_Wire):
+    type: Literal["image"]
+    source: ImageSource
+
+
+class ToolUseBlock(_Wire):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Wire):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_Wire):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Wire):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class MessageParam(_Wire):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolDef(_Wire):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Wire):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_Wire):
+    user_id: str | None = None
+
+
+class MessagesRequest(_Wire):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: Metadata | None = None

@@ -1,0 +1,136 @@
+"""OpenAI chat-completions request types, field for field as the official SDK names them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Wire(BaseModel):
+    # Unknown fields are kept, not rejected: clients send newer fields than we know of.
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Wire):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Wire):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class RefusalPart(_Wire):
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")]
+
+
+class FunctionCall(_Wire):
+    name: str
+    arguments: str
+
+
+class ToolCallWire(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Wire):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class UserMessage(_Wire):
+    role: Literal["user"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class AssistantMessage(_Wire):
+    role: Literal["assistant"]
+    content: str | list[TextPart | RefusalPart] | None = None
+    tool_calls: list[ToolCallWire] | None = None
+    refusal: str | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Wire):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+Message = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class FunctionDef(_Wire):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Wire):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JSONSchemaSpec(_Wire):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class StreamOptions(_Wire):
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(_Wire):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
