@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from flashstack.config import ModelConfig
 from flashstack.gateway import validation
 from flashstack.gateway.core import (
     ChatRequest,
@@ -20,6 +21,7 @@ from flashstack.gateway.core import (
     Event,
     Finish,
     GatewayError,
+    Image,
     TextDelta,
     invalid_request,
 )
@@ -82,7 +84,7 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
     try:
         body = await read_json(request, limits.max_body_bytes)
         req = parse(wire, body)
-        router.deployments(req.model)  # unknown model → 404 before any work
+        check_capabilities(req, router.config_of(req.model))  # unknown model → 404 before any work
         validation.check_request(req)
         if req.stream:
             return await _stream(wire, req, router, limits)
@@ -114,6 +116,18 @@ async def read_json(request: Request, limit: int) -> Any:
         return orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as e:
         raise invalid_request(f"request body is not valid JSON: {e}") from None
+
+
+def check_capabilities(req: ChatRequest, cfg: ModelConfig) -> None:
+    """Refuse what the model cannot take, instead of silently dropping it."""
+    if not cfg.supports_images and any(
+        isinstance(p, Image) for m in req.messages for p in m.parts
+    ):
+        raise invalid_request(
+            f"model {req.model!r} does not accept images (supports_images: false in its config); "
+            "remove the image parts or choose a vision model",
+            "messages",
+        )
 
 
 def _too_large(limit: int) -> GatewayError:
