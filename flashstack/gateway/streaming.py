@@ -17,6 +17,8 @@ from flashstack.gateway.core import Error, ErrorKind, Event, GatewayError
 log = logging.getLogger("flashstack.gateway")
 
 _END = object()
+# Readers still closing their upstream after the client left; held so the loop cannot drop them.
+_closing: set[asyncio.Task[None]] = set()
 
 
 async def bounded(events: AsyncIterator[Event], maxsize: int) -> AsyncIterator[Event]:
@@ -37,8 +39,12 @@ async def bounded(events: AsyncIterator[Event], maxsize: int) -> AsyncIterator[E
                 return
     finally:
         reader.cancel()
+        _closing.add(reader)
+        reader.add_done_callback(_closing.discard)
+        # Shielded: if this task is being cancelled, awaiting the reader directly would cancel it a
+        # second time and interrupt the upstream connection's own (shielded) close.
         with suppress(asyncio.CancelledError):
-            await reader
+            await asyncio.shield(reader)
 
 
 async def _read(events: AsyncIterator[Event], queue: asyncio.Queue[object]) -> None:

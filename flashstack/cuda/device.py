@@ -1,0 +1,114 @@
+"""Device: properties, and `with device:` that binds its primary context and restores the caller's."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
+
+from flashstack.cuda.backend import Backend, get_backend
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProperties:
+    """What a kernel author asks about a device."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    total_memory: int
+    sm_count: int
+    l2_cache_size: int
+
+
+class Device:
+    """One GPU by ordinal; uses only its primary context (the one torch and cuda.core share)."""
+
+    def __init__(self, ordinal: int = 0, backend: Backend | None = None) -> None:
+        self.backend = backend or get_backend()
+        count = self.backend.device_count()
+        if not 0 <= ordinal < count:
+            raise ValueError(f"device {ordinal} does not exist: this process sees {count} device(s)")
+        self.ordinal = ordinal
+        self._saved = threading.local()  # each thread restores its own caller's context
+        self._props: DeviceProperties | None = None
+
+    @property
+    def properties(self) -> DeviceProperties:
+        """Static properties, read once."""
+        if self._props is None:
+            self._props = DeviceProperties(**self.backend.device_properties(self.ordinal))
+        return self._props
+
+    @property
+    def name(self) -> str:
+        """Marketing name, e.g. 'NVIDIA H200'."""
+        return self.properties.name
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        """(major, minor), e.g. (9, 0) on Hopper."""
+        return self.properties.compute_capability
+
+    @property
+    def total_memory(self) -> int:
+        """Device memory in bytes."""
+        return self.properties.total_memory
+
+    @property
+    def sm_count(self) -> int:
+        """Number of streaming multiprocessors."""
+        return self.properties.sm_count
+
+    @property
+    def l2_cache_size(self) -> int:
+        """L2 cache in bytes."""
+        return self.properties.l2_cache_size
+
+    @property
+    def free_memory(self) -> int:
+        """Free device memory in bytes right now (driver's view, all processes)."""
+        with self:
+            return self.backend.mem_info(self.ordinal)[0]
+
+    def synchronize(self) -> None:
+        """Wait for all work on this device."""
+        with self:
+            self.backend.device_synchronize(self.ordinal)
+
+    def __enter__(self) -> Device:
+        stack = self._saved.__dict__.setdefault("stack", [])
+        stack.append(self.backend.ctx_get_current())
+        try:
+            self.backend.ctx_activate(self.ordinal)
+        except BaseException:
+            stack.pop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.backend.ctx_set_current(self._saved.stack.pop())
+
+    def releaser(self, fn: Callable[..., None], *handles: Any) -> Callable[[], None]:
+        """A release closure that runs `fn(*handles)` with this device's context bound."""
+
+        def release() -> None:
+            with self:
+                fn(*handles)
+
+        return release
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and (other.ordinal, other.backend) == (self.ordinal,
+                                                                               self.backend)
+
+    def __hash__(self) -> int:
+        return hash((self.ordinal, id(self.backend)))
+
+    def __repr__(self) -> str:
+        return f"<Device {self.ordinal} on {self.backend.name}>"
+
+
+def device_count() -> int:
+    """Number of devices the driver exposes."""
+    return get_backend().device_count()

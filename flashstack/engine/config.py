@@ -1,0 +1,39 @@
+"""Engine configuration: one slots dataclass that flows through every engine component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to run one model; filled in further by `LLM` after loading."""
+
+    model: str
+    block_size: int = 256
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value is served first)
+    num_kv_blocks: int | None = None  # None: sized from memory (see kv_cache_memory_gb, gpu_memory_utilization)
+    kv_cache_memory_gb: float | None = None  # CPU: KV budget; None means 1 GiB
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"  # "auto", "reference", or a name registered in kernels.attention
+    show_progress: bool = True
+    seed: int = 0
+    hf_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")

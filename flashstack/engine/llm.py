@@ -1,0 +1,362 @@
+"""Public engine API: `LLMEngine` (one step at a time), `LLM` (offline batch) and `AsyncLLM` (streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from flashstack.engine.block_manager import BlockManager
+from flashstack.engine.config import EngineConfig
+from flashstack.engine.loader import (count_tensors, load_model, read_hf_config, resolve_device,
+                                      resolve_dtype, safetensors_files)
+from flashstack.engine.model_runner import ModelRunner, kv_bytes_per_block
+from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
+from flashstack.engine.sampling import SamplingParams
+from flashstack.engine.scheduler import Scheduler
+from flashstack.engine.sequence import Sequence
+from flashstack.engine.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+_GiB = 1 << 30
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Progress]:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not enabled) as p:
+        yield p
+
+
+class LLMEngine:
+    """The synchronous engine core: add requests, call `step()`, read `StreamDelta`s."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = Path(config.model)
+        config.hf_config = hf = read_hf_config(path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf, self.device)
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        with _progress(config.show_progress) as progress:
+            self.model = self._load(path, progress)
+            num_blocks = self._size_kv_cache(progress)
+        self._set_max_model_len(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        if not eos and hf.get("eos_token_id") is not None:
+            eos = set(hf["eos_token_id"] if isinstance(hf["eos_token_id"], list) else [hf["eos_token_id"]])
+        self.scheduler = Scheduler(config, self.block_manager, eos)
+        self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
+        self.requests: dict[str, RequestState] = {}
+        self._aborted: list[StreamDelta] = []
+
+    def _load(self, path: Path, progress: Progress):
+        files = safetensors_files(path)
+        task = progress.add_task(f"loading {path.name}", total=count_tensors(files))
+        return load_model(path, self.dtype, self.device, lambda: progress.advance(task))
+
+    def _size_kv_cache(self, progress: Progress) -> int:
+        cfg = self.config
+        task = progress.add_task("sizing KV cache", total=1)
+        per_block = kv_bytes_per_block(self.model.args, cfg.block_size, self.dtype)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._cuda_kv_budget() // per_block
+        else:
+            budget = int((cfg.kv_cache_memory_gb or 1.0) * _GiB)
+            max_len = self._declared_max_len()
+            # No point reserving more than every sequence at full length could use.
+            enough = cfg.max_num_seqs * -(-max_len // cfg.block_size)
+            num_blocks = min(budget // per_block, enough)
+        if num_blocks < 1:
+            raise ValueError("no room for a single KV block: lower block_size or raise the KV memory budget")
+        progress.advance(task)
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        # Without a profiling run yet: reserve room for one max-size batch of activations (GPU issue refines).
+        free, total = torch.cuda.mem_get_info(self.device)
+        a = self.model.args
+        activations = self.config.max_num_batched_tokens * (4 * a.hidden_size + 3 * a.intermediate_size) * 4
+        used = total - free
+        return int(total * self.config.gpu_memory_utilization - used - activations - 256 * (1 << 20))
+
+    def _declared_max_len(self) -> int:
+        hf_len = self.config.hf_config.get("max_position_embeddings", 2048)
+        return min(self.config.max_model_len or hf_len, hf_len)
+
+    def _set_max_model_len(self, num_blocks: int) -> None:
+        # A sequence must fit in the whole cache, or recompute preemption could never make room for it.
+        self.config.max_model_len = min(self._declared_max_len(), num_blocks * self.config.block_size)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
+                      request_id: str | None = None, priority: int = 0) -> RequestState:
+        """Tokenize and validate a request without queueing it (safe to call from any thread)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json; pass token ids instead of text")
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            token_ids, text = list(prompt), None
+        self._validate(token_ids)
+        seq = Sequence(token_ids, params, request_id or uuid.uuid4().hex, priority)
+        return RequestState(seq, text, self.tokenizer)
+
+    def _validate(self, token_ids: list[int]) -> None:
+        cfg = self.config
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= cfg.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; this engine fits {cfg.max_model_len} "
+                             "tokens per sequence (prompt + output)")
+        if not cfg.enable_chunked_prefill and len(token_ids) > cfg.max_num_batched_tokens:
+            raise ValueError(f"prompt has {len(token_ids)} tokens > max_num_batched_tokens="
+                             f"{cfg.max_num_batched_tokens}; enable chunked prefill or raise the budget")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def add_state(self, state: RequestState) -> str:
+        """Queue a request made by `make_sequence`."""
+        rid = state.seq.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already live")
+        self.requests[rid] = state
+        self.scheduler.add(state.seq)
+        return rid
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        return self.add_state(self.make_sequence(prompt, params, request_id, priority))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now; its final delta comes with the next `step()`."""
+        state = self.requests.pop(request_id, None)
+        if state is None or self.scheduler.abort(request_id) is None:
+            return False
+        self._aborted.append(state.delta())
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StreamDelta]:
+        """Schedule, run the model once, sample; returns a delta for every request that changed."""
+        deltas, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return deltas
+        sampled = self.runner.execute(batch)
+        self.scheduler.postprocess(batch, sampled)
+        for seq, token_id in zip(batch.seqs, sampled):
+            if token_id is None:
+                continue
+            state = self.requests[seq.request_id]
+            stop = state.update_text()
+            if stop is not None:
+                seq.stop_reason = stop
+                if seq.is_finished:  # finished on length in the same step: the stop string wins
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+            deltas.append(state.delta())
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+        return deltas
+
+    def output(self, request_id: str) -> RequestOutput | None:
+        """Current output of a live request."""
+        state = self.requests.get(request_id)
+        return state.output() if state else None
+
+
+def _engine_config(model: str | Path, kwargs: dict[str, Any]) -> EngineConfig:
+    return EngineConfig(model=str(model), **kwargs)
+
+
+class LLM:
+    """Offline batch generation, vLLM style: `LLM(path).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | Path, block_size: int = 256, max_num_seqs: int = 256,
+                 dtype: str = "auto", device: str = "auto", **kwargs: Any) -> None:
+        self.engine = LLMEngine(_engine_config(model, dict(block_size=block_size, max_num_seqs=max_num_seqs,
+                                                           dtype=dtype, device=device, **kwargs)))
+        # Tests and tools may set this to inspect the engine after every step.
+        self.step_hook: Callable[[LLMEngine], None] | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None when the directory has no tokenizer.json)."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        states = [self.engine.make_sequence(p, sp, priority=(priority[i] if priority else 0))
+                  for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        for state in states:
+            self.engine.add_state(state)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            if self.step_hook is not None:
+                self.step_hook(self.engine)
+        return [state.output() for state in states]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer.json, so it cannot chat")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+
+class AsyncLLM:
+    """Streaming front end for servers: one engine loop in a worker thread, one queue per request.
+
+    ``async for delta in engine.stream(prompt, params)`` yields a `StreamDelta` per engine step that
+    produced something for the request; the last one has ``finish_reason`` set. Leaving the loop
+    early (client gone, task cancelled) aborts the request and frees its KV blocks.
+    """
+
+    def __init__(self, model: str | Path | LLMEngine, **kwargs: Any) -> None:
+        self.engine = model if isinstance(model, LLMEngine) else LLMEngine(_engine_config(model, kwargs))
+        self._queues: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
+        self._pending: list[tuple[str, Any]] = []
+        self._pending_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashstack-engine")
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, for chat templates and counting."""
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        """The model directory's name."""
+        return Path(self.engine.config.model).name
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamDelta]:
+        """Yield per-step deltas for one request until it finishes; raises ValueError on a bad request."""
+        state = self.engine.make_sequence(prompt, params, request_id, priority)
+        rid = state.seq.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already live")
+        queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._submit("add", state)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._submit("abort", rid)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> RequestOutput:
+        """Run one request to the end and return its full output."""
+        ids: list[int] = []
+        text: list[str] = []
+        logprobs: list[dict[int, float]] = []
+        last: StreamDelta | None = None
+        async for delta in self.stream(prompt, params, request_id, priority):
+            ids += delta.token_ids
+            text.append(delta.text)
+            logprobs += delta.logprobs or []
+            last = delta
+        assert last is not None
+        return RequestOutput(last.request_id, prompt if isinstance(prompt, str) else None,
+                             [] if isinstance(prompt, str) else list(prompt), ids, "".join(text),
+                             last.finish_reason, last.stop_reason, logprobs or None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a live request; its stream ends with finish_reason 'abort'."""
+        self._submit("abort", request_id)
+
+    def _submit(self, kind: str, arg: Any) -> None:
+        with self._pending_lock:
+            self._pending.append((kind, arg))
+        self._ensure_loop()
+        assert self._wakeup is not None
+        self._wakeup.set()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _step(self) -> list[StreamDelta]:
+        # Runs in the worker thread: the only place the engine is touched once the loop is up.
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for kind, arg in pending:
+            if kind == "add":
+                self.engine.add_state(arg)
+            else:
+                self.engine.abort_request(arg)
+        return self.engine.step() if self.engine.has_unfinished_requests() or self.engine._aborted else []
+
+    def _abort_all(self) -> None:
+        with self._pending_lock:
+            self._pending.clear()
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        self.engine._aborted.clear()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while True:
+            if not self.engine.has_unfinished_requests() and not self._pending:
+                await self._wakeup.wait()
+            self._wakeup.clear()
+            try:
+                deltas = await loop.run_in_executor(self._executor, self._step)
+            except Exception as exc:  # an engine failure ends every live stream with the error
+                for queue in self._queues.values():
+                    queue.put_nowait(exc)
+                await loop.run_in_executor(self._executor, self._abort_all)
+                continue
+            for delta in deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+
+    async def close(self) -> None:
+        """Stop the engine loop and its worker thread."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,109 @@
+"""Load a local Hugging Face checkpoint: config.json plus (sharded) *.safetensors, memory-mapped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from flashstack.engine.models import LlamaForCausalLM, model_class
+from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """Parse config.json of a local model directory."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: pass a local Hugging Face model directory")
+    return json.loads(config_file.read_text())
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' means CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf: dict[str, Any], device: torch.device) -> torch.dtype:
+    """'auto' keeps the checkpoint's dtype on GPU and uses float32 on CPU (half matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"), torch.bfloat16)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The checkpoint's weight files, from the shard index when there is one."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; convert the checkpoint to safetensors first")
+    return files
+
+
+def count_tensors(files: list[Path]) -> int:
+    """Number of tensors across the files (reads only headers)."""
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            total += len(list(sf.keys()))
+    return total
+
+
+def build_model(hf: dict[str, Any], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Allocate an uninitialised model (weights come from the checkpoint)."""
+    cls = model_class(hf)
+    with torch.device("meta"):
+        model = cls(cls.args_from_hf(hf)).to(dtype)
+    model.to_empty(device=device)
+    if model.args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # buffers are not in the checkpoint; recompute in fp32
+            module.inv_freq = rope_inv_freq(model.args.head_dim, model.args.rope).to(device)
+    return model.eval()
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path],
+                 on_tensor: Callable[[], None] | None = None) -> None:
+    """Copy every checkpoint tensor into the model; raise if a parameter stays unset."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = set(dict(model.named_parameters()))
+    with torch.no_grad():
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:  # mmap: only touched pages are read
+                for key in sf.keys():
+                    if key in params:
+                        params[key].copy_(sf.get_tensor(key))
+                        missing.discard(key)
+                    if on_tensor is not None:
+                        on_tensor()
+    if model.args.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               on_tensor: Callable[[], None] | None = None) -> LlamaForCausalLM:
+    """config.json + safetensors -> a ready model in eval mode."""
+    model = build_model(read_hf_config(path), dtype, device)
+    load_weights(model, safetensors_files(path), on_tensor)
+    return model

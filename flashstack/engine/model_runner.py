@@ -1,0 +1,103 @@
+"""Runs one scheduled batch: packs tokens, builds slot_mapping/block_tables, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashstack.engine.config import EngineConfig
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
+from flashstack.engine.models import LlamaForCausalLM, ModelArgs
+from flashstack.engine.sampling import sample
+from flashstack.engine.scheduler import ScheduledBatch
+from flashstack.engine.sequence import Sequence
+
+
+def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Device tensors for one forward pass, plus which rows get sampled."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # indices into the packed tokens whose logits are sampled
+    sample_seqs: list[int]  # positions in batch.seqs that sample this step
+
+
+class ModelRunner:
+    """Owns the model and the KV cache; turns a ScheduledBatch into sampled token ids."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config, self.model, self.device, self.dtype = config, model, device, dtype
+        a = model.args
+        # [layers, blocks, K|V, block_size, kv_heads, head_dim]: one block of one layer is contiguous.
+        self.kv_cache = torch.zeros(a.num_layers, num_blocks, 2, config.block_size, a.num_kv_heads,
+                                    a.head_dim, dtype=dtype, device=device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.backend = get_attention_backend(config.attention_backend, device)
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Pack the batch's new tokens and attention metadata."""
+        bs = self.config.block_size
+        input_ids, positions, slot_mapping, sample_rows, sample_seqs = [], [], [], [], []
+        query_start, query_lens, context_lens = [0], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            context_lens.append(end)
+            query_start.append(query_start[-1] + n)
+            if end == len(seq.token_ids):  # the chunk reaches the last token: its logits pick the next one
+                sample_rows.append(query_start[-1] - 1)
+                sample_seqs.append(i)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            block_tables=self._tensor(tables, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            query_start_loc=self._tensor(query_start, torch.int32),
+            block_size=bs, max_query_len=max(query_lens), max_context_len=max(context_lens),
+            query_lens_host=query_lens, context_lens_host=context_lens,
+        )
+        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                          self._tensor(sample_rows, torch.int64), sample_seqs)
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return seq.generator
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run the model on the batch; one sampled token per sequence whose prefill is complete, else None."""
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        if not inputs.sample_seqs:
+            return sampled
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        seqs = [batch.seqs[i] for i in inputs.sample_seqs]
+        result = sample(logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                        [s.output_token_ids for s in seqs], [self._generator(s) for s in seqs])
+        for i, seq, token_id, lp in zip(inputs.sample_seqs, seqs, result.token_ids, result.logprobs):
+            sampled[i] = token_id
+            if lp is not None:
+                seq.logprobs.append(lp)
+        return sampled

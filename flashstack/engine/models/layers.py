@@ -1,0 +1,90 @@
+"""Building blocks shared by the decoder families: RMSNorm, rotary embedding (incl. Llama 3 scaling), MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """Rope settings from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, p: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies for the rope type in `p` (default, linear, llama3)."""
+    inv_freq = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / p["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, p)
+    raise NotImplementedError(f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rotary embedding applied at explicit positions."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, params), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,128 @@
+"""Sampling parameters (vLLM's names and defaults) and the batched sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop; names and defaults follow vLLM."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature < 1e-5 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """Sampled tokens for a batch, and logprobs where requested."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    """Repetition (prompt+output, HF style), presence and frequency (output only) penalties."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device, dtype=torch.long)
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty,
+                                       vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids = torch.tensor(output_ids, device=logits.device, dtype=torch.long)
+        counts = torch.zeros_like(logits).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking (masked entries become -inf)."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p; the first token always stays.
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def top_logprobs(raw_logits: torch.Tensor, token_id: int, n: int) -> dict[int, float]:
+    """Logprobs of the model's raw distribution: the sampled token plus the top n."""
+    logp = raw_logits.float().log_softmax(-1)
+    out = {token_id: logp[token_id].item()}
+    if n > 0:
+        vals, ids = torch.topk(logp, min(n, logp.numel()))
+        for v, i in zip(vals.tolist(), ids.tolist()):
+            out.setdefault(i, v)
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+           output_ids: list[list[int]], generators: list[torch.Generator | None]) -> SampleResult:
+    """Pick one token per row of `logits` [batch, vocab] under each row's own parameters."""
+    logits = logits.float()
+    plain_greedy = [p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
+                    and not p.frequency_penalty for p in params]
+    # One argmax for the whole batch; rows that need more work are redone below.
+    token_ids = logits.argmax(-1).tolist()
+    for i, p in enumerate(params):
+        if plain_greedy[i]:
+            continue
+        row = apply_penalties(logits[i].clone(), p, prompt_ids[i], output_ids[i])
+        if p.greedy:
+            token_ids[i] = int(row.argmax())
+            continue
+        probs = filter_logits(row, p).softmax(-1)
+        token_ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+    logprobs = [top_logprobs(logits[i], token_ids[i], p.logprobs) if p.logprobs is not None else None
+                for i, p in enumerate(params)]
+    return SampleResult(token_ids, logprobs)

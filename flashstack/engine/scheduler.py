@@ -1,0 +1,171 @@
+"""Continuous batching: decode first, chunked prefill under a token budget, recompute preemption."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from flashstack.engine.block_manager import BlockManager
+from flashstack.engine.config import EngineConfig
+from flashstack.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: each sequence runs `num_new_tokens[i]` tokens starting at its computed count."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this step puts through the model."""
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    """Decides, step by step, which sequences run and how many tokens each computes."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_chunked_prefills = 0
+
+    def _order_key(self, seq: Sequence) -> tuple[int, float, int]:
+        prio = seq.priority if self.config.scheduling_policy == "priority" else 0
+        return (prio, seq.arrival_time, seq.seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new (or preempted) sequence in policy order."""
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._order_key)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Every live sequence."""
+        return self.running + self.waiting
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request now and free its blocks; returns it, or None when it is not live."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.finish(seq, "abort", remove=False)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str, remove: bool = True) -> None:
+        """Mark `seq` finished and release its blocks."""
+        if remove and seq in self.running:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        # Recompute preemption: drop the KV and re-prefill later (full blocks may come back from the cache).
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+        self.add(seq)
+
+    def _running_order(self, seq: Sequence) -> tuple[int, int, float, int]:
+        prio, arrival, seq_id = self._order_key(seq)
+        return (prio, int(seq.num_uncomputed_tokens > 1), arrival, seq_id)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's batch: running sequences first (decodes before chunk tails), then admissions."""
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        queue = sorted(self.running, key=self._running_order)
+        kept: list[Sequence] = []
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while bm.num_blocks_needed(seq, n) > bm.num_free_blocks and queue:
+                self._preempt(queue.pop(), batch)  # the lowest-ranked running sequence
+            if bm.num_blocks_needed(seq, n) > bm.num_free_blocks:
+                self._preempt(seq, batch)
+                break
+            bm.append_slots(seq, n)
+            self._add_to_batch(batch, seq, n)
+            kept.append(seq)
+            budget -= n
+        self.running = kept + queue
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            bm.match_prefix(seq)
+            n = seq.num_uncomputed_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                bm.free(seq)
+                break
+            n = min(n, budget)
+            if bm.num_blocks_needed(seq, n) > bm.num_free_blocks:
+                bm.free(seq)
+                break
+            bm.append_slots(seq, n)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        if n < seq.num_uncomputed_tokens:
+            self.num_chunked_prefills += 1
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish on token-level stops; returns finished."""
+        finished = []
+        for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, sampled):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token_id is None:
+                continue
+            seq.token_ids.append(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
+            if token_id in p.stop_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if self.config.max_model_len is not None and len(seq) >= self.config.max_model_len:
+            return "length"
+        return None
