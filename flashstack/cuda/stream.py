@@ -8,7 +8,7 @@ from flashstack.cuda._resource import Resource
 from flashstack.cuda.device import Device
 
 if TYPE_CHECKING:
-    from flashstack.cuda.graph import Graph
+    from flashstack.cuda.graph import GraphCapture
 
 
 class Stream(Resource):
@@ -23,7 +23,7 @@ class Stream(Resource):
         with self.device:
             self._h = backend.stream_create(self.device.ordinal, nonblocking, priority)
         self.priority = priority
-        self._capture: Graph | None = None
+        self._capture: GraphCapture | None = None
         # cuStreamDestroy with pending work returns at once; the driver frees it when done.
         super().__init__(self.device.releaser(backend.stream_destroy, self._h), keep=self.device)
 
