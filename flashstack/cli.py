@@ -59,7 +59,7 @@ def resolve_config(path: Path | None, local_models: list[Path] | None = None) ->
     """The config file if given, else embedded defaults discovered from the environment."""
     config = load_config(path)
     for m in local_models or []:
-        config.models.append(ModelConfig(name=m.name, provider="local", model=str(m)))
+        config.models.append(ModelConfig(name=m.name, provider="local", model=str(m), supports_images=False))
     if path is None and not config.models:
         from flashstack.gateway.discovery import discover_models
 
@@ -70,11 +70,14 @@ def resolve_config(path: Path | None, local_models: list[Path] | None = None) ->
 
 def _embedded_local_models(config: Config) -> list[ModelConfig]:
     try:
-        from flashstack.engine.tiny import TINY_DESCRIPTION, ensure_tiny_model
+        from flashstack.engine.tiny import DESCRIPTION, TINY_NAME, ensure_tiny_model
     except ImportError:
         return []
-    path = ensure_tiny_model(config.state_dir / "models" / "tiny-random")
-    return [ModelConfig(name="tiny-random", provider="local", model=str(path), description=TINY_DESCRIPTION)]
+    path = ensure_tiny_model(config.state_dir / "models" / TINY_NAME)
+    return [
+        ModelConfig(name=TINY_NAME, provider="local", model=str(path), description=DESCRIPTION,
+                    supports_images=False, max_output_tokens=128)
+    ]
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -93,6 +93,8 @@ def to_canonical(req: w.ChatCompletionRequest) -> ChatRequest:
         raise invalid_request("messages must contain at least one user or assistant message", "messages")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     extra = dict(req.model_extra or {})
+    if req.seed is not None:
+        extra["seed"] = req.seed
     metadata = dict(req.metadata or {})
     if req.user:
         metadata["user"] = req.user

@@ -1,0 +1,136 @@
+"""The in-process engine as a provider: no HTTP hop between the gateway and the model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from flashstack.config import ModelConfig
+from flashstack.gateway.core import (
+    BlockStop,
+    ChatRequest,
+    ChatResponse,
+    ErrorKind,
+    Event,
+    Finish,
+    GatewayError,
+    Image,
+    Start,
+    StopReason,
+    Text,
+    TextDelta,
+    ToolCall,
+    ToolResult,
+    Usage,
+    invalid_request,
+)
+from flashstack.gateway.providers.base import Health, collect
+
+DEFAULT_MAX_TOKENS = 512
+
+
+class LocalProvider:
+    """flashstack.engine's AsyncLLM, loaded on first use in a worker thread."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.name = f"local:{cfg.model}"
+        self._engine: Any = None
+        self._loading = asyncio.Lock()
+
+    async def engine(self) -> Any:
+        """The engine, loading it once (off the event loop) on first call."""
+        if self._engine is None:
+            async with self._loading:
+                if self._engine is None:
+                    from flashstack.engine import AsyncLLM
+
+                    options = {"enable_prefix_caching": True, **self.cfg.engine}
+                    self._engine = await asyncio.to_thread(AsyncLLM, self.cfg.model, **options)
+        return self._engine
+
+    async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        engine = await self.engine()
+        prompt = _prompt_ids(engine, request)
+        params = _sampling_params(request, self.cfg)
+        rid = "msg_" + uuid.uuid4().hex[:24]
+        started = False
+        try:
+            async for delta in engine.stream(prompt, params, request_id=rid):
+                if not started:
+                    started = True
+                    yield Start(rid, self.cfg.name, Usage(input_tokens=delta.prompt_tokens))
+                if delta.text:
+                    yield TextDelta(0, delta.text)
+                if delta.finished:
+                    yield BlockStop(0)
+                    yield _finish(delta)
+        except ValueError as e:  # the engine refuses a request it cannot run (too long, ...)
+            code = "context_length_exceeded" if "tokens" in str(e) else None
+            raise GatewayError(ErrorKind.INVALID_REQUEST, str(e), code=code) from None
+
+    async def complete(self, request: ChatRequest) -> ChatResponse:
+        return await collect(self.stream(request))
+
+    async def list_models(self) -> list[str]:
+        return [self.cfg.name]
+
+    async def health(self) -> Health:
+        from pathlib import Path
+
+        ok = Path(self.cfg.model, "config.json").is_file()
+        return Health(ok, 0.0 if ok else None, "" if ok else f"no model at {self.cfg.model}", time.time())
+
+    async def aclose(self) -> None:
+        if self._engine is not None:
+            await self._engine.close()
+
+
+def _finish(delta: Any) -> Finish:
+    usage = Usage(delta.prompt_tokens, delta.completion_tokens)
+    if delta.finish_reason == "length":
+        return Finish(StopReason.MAX_TOKENS, usage)
+    if delta.finish_reason == "abort":
+        raise GatewayError(ErrorKind.UPSTREAM, "the local engine aborted the request")
+    if isinstance(delta.stop_reason, str):
+        return Finish(StopReason.STOP_SEQUENCE, usage, delta.stop_reason)
+    return Finish(StopReason.END_TURN, usage)
+
+
+def _prompt_ids(engine: Any, request: ChatRequest) -> list[int]:
+    """Render the request with the model's own chat template."""
+    if engine.tokenizer is None:
+        raise invalid_request(f"local model {request.model!r} has no tokenizer; it cannot take chat requests")
+    messages: list[dict[str, str]] = []
+    if request.system:
+        messages.append({"role": "system", "content": request.system_text()})
+    for m in request.messages:
+        for p in m.parts:
+            if isinstance(p, Image):
+                raise invalid_request(f"local model {request.model!r} does not accept images", "messages")
+            if isinstance(p, (ToolCall, ToolResult)):
+                raise invalid_request(f"local model {request.model!r} does not support tool calls", "messages")
+        text = "".join(p.text for p in m.parts if isinstance(p, Text))
+        messages.append({"role": m.role, "content": text})
+    if request.tools and (request.tool_choice is None or request.tool_choice.mode != "none"):
+        raise invalid_request(f"local model {request.model!r} does not support tools", "tools")
+    return engine.tokenizer.encode_chat(messages)
+
+
+def _sampling_params(request: ChatRequest, cfg: ModelConfig) -> Any:
+    from flashstack.engine import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            max_tokens=request.max_tokens or cfg.max_output_tokens or DEFAULT_MAX_TOKENS,
+            stop=list(request.stop),
+            seed=request.extensions.get("seed"),
+        )
+    except ValueError as e:
+        raise invalid_request(str(e)) from None
