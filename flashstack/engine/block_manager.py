@@ -1,9 +1,10 @@
-"""Fixed-size KV blocks: O(1) allocate/free, reference counts, chain-hashed prefix cache, LRU eviction."""
+"""Fixed-size KV blocks: O(1) alloc/free, refcounts, chain-hashed prefix cache, LRU eviction."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 from flashstack.engine.sequence import Sequence
 
@@ -22,7 +23,9 @@ class BlockManager:
     kept in LRU order and evicted oldest first when `_free` runs dry).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"need at least one KV block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -94,7 +97,7 @@ class BlockManager:
         return max(0, needed - len(seq.block_table))
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks for `seq`'s leading full blocks; returns the number of tokens reused."""
+        """Attach cached blocks for `seq`'s leading full blocks; returns the tokens reused."""
         assert not seq.block_table, "match_prefix is only for sequences that own no blocks"
         seq.block_hashes = []
         seq.num_cached_tokens = 0
@@ -102,11 +105,11 @@ class BlockManager:
             return 0
         bs = self.block_size
         # The last token is always recomputed: its logits are needed to sample.
-        num_full = len(seq.token_ids) // bs
+        num_full = (len(seq.token_ids) - 1) // bs
         parent = None
         self.num_prefix_queries += num_full
         for i in range(num_full):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.block_tokens[block_id] != tuple(tokens):
@@ -133,7 +136,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // bs
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)
             block_id = seq.block_table[i]
@@ -144,7 +147,7 @@ class BlockManager:
                 self.block_tokens[block_id] = tokens
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq`; tail blocks first, so the LRU evicts them before the prefix."""
+        """Release `seq`'s blocks, tail first, so the LRU evicts them before the prefix."""
         for block_id in reversed(seq.block_table):
             self.free_block(block_id)
         seq.block_table = []
@@ -166,7 +169,9 @@ class BlockManager:
         free_ids = self._free + list(self._cached)
         assert len(free_ids) == len(set(free_ids)), "a block is in the free pools twice"
         assert all(self.ref_counts[b] == 0 for b in free_ids), "a free block has references"
-        assert all(self.block_hash[b] is None for b in self._free), "an uncached free block has a hash"
+        assert all(self.block_hash[b] is None for b in self._free), (
+            "an uncached free block has a hash"
+        )
         owners = [0] * self.num_blocks
         for seq in seqs:
             assert len(seq.block_table) == len(set(seq.block_table)), f"{seq} holds a block twice"
@@ -176,4 +181,6 @@ class BlockManager:
         used = sum(1 for r in self.ref_counts if r > 0)
         assert len(free_ids) + used == self.num_blocks, "free + used != total"
         for h, b in self.hash_to_block.items():
-            assert self.block_hash[b] == h, "prefix-cache index points at a block with other content"
+            assert self.block_hash[b] == h, (
+                "prefix-cache index points at a block with other content"
+            )

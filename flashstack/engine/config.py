@@ -20,10 +20,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value is served first)
-    num_kv_blocks: int | None = None  # None: sized from memory (see kv_cache_memory_gb, gpu_memory_utilization)
+    num_kv_blocks: int | None = (
+        None  # None: sized from memory (see kv_cache_memory_gb, gpu_memory_utilization)
+    )
     kv_cache_memory_gb: float | None = None  # CPU: KV budget; None means 1 GiB
     gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"  # "auto", "reference", or a name registered in kernels.attention
+    attention_backend: str = (
+        "auto"  # "auto", "reference", or a name registered in kernels.attention
+    )
     show_progress: bool = True
     seed: int = 0
     hf_config: dict[str, Any] = field(default_factory=dict)
@@ -36,4 +40,6 @@ class EngineConfig:
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )

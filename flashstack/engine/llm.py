@@ -1,15 +1,16 @@
-"""Public engine API: `LLMEngine` (one step at a time), `LLM` (offline batch) and `AsyncLLM` (streaming)."""
+"""Public engine API: `LLMEngine` (step by step), `LLM` (offline batch), `AsyncLLM` (streaming)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -17,8 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
-from flashstack.engine.loader import (count_tensors, load_model, read_hf_config, resolve_device,
-                                      resolve_dtype, safetensors_files)
+from flashstack.engine.loader import (
+    count_tensors,
+    load_model,
+    read_hf_config,
+    resolve_device,
+    resolve_dtype,
+    safetensors_files,
+)
 from flashstack.engine.model_runner import ModelRunner, kv_bytes_per_block
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
 from flashstack.engine.sampling import SamplingParams
@@ -32,7 +39,12 @@ _GiB = 1 << 30
 
 @contextmanager
 def _progress(enabled: bool) -> Iterator[Progress]:
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=not enabled) as p:
         yield p
 
@@ -51,10 +63,14 @@ class LLMEngine:
             self.model = self._load(path, progress)
             num_blocks = self._size_kv_cache(progress)
         self._set_max_model_len(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         if not eos and hf.get("eos_token_id") is not None:
-            eos = set(hf["eos_token_id"] if isinstance(hf["eos_token_id"], list) else [hf["eos_token_id"]])
+            eos = set(
+                hf["eos_token_id"] if isinstance(hf["eos_token_id"], list) else [hf["eos_token_id"]]
+            )
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
         self.requests: dict[str, RequestState] = {}
@@ -69,46 +85,65 @@ class LLMEngine:
         cfg = self.config
         task = progress.add_task("sizing KV cache", total=1)
         per_block = kv_bytes_per_block(self.model.args, cfg.block_size, self.dtype)
+        max_len = self._declared_max_len()
+        # No point reserving more than every sequence at full length could use.
+        enough = cfg.max_num_seqs * -(-max_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif self.device.type == "cuda":
-            num_blocks = self._cuda_kv_budget() // per_block
+            num_blocks = min(self._cuda_kv_budget() // per_block, enough)
         else:
-            budget = int((cfg.kv_cache_memory_gb or 1.0) * _GiB)
-            max_len = self._declared_max_len()
-            # No point reserving more than every sequence at full length could use.
-            enough = cfg.max_num_seqs * -(-max_len // cfg.block_size)
-            num_blocks = min(budget // per_block, enough)
+            num_blocks = min(int((cfg.kv_cache_memory_gb or 1.0) * _GiB) // per_block, enough)
         if num_blocks < 1:
-            raise ValueError("no room for a single KV block: lower block_size or raise the KV memory budget")
+            raise ValueError(
+                "no room for a single KV block: lower block_size, raise gpu_memory_utilization / "
+                "kv_cache_memory_gb, or free memory held by other processes"
+            )
         progress.advance(task)
         return int(num_blocks)
 
     def _cuda_kv_budget(self) -> int:
-        # Without a profiling run yet: reserve room for one max-size batch of activations (GPU issue refines).
+        # Without a profiling run yet: reserve room for one max-size batch of activations (GPU issue
+        # refines).
+        gc.collect()  # caches of engines already dropped still count as used until collected
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         a = self.model.args
-        activations = self.config.max_num_batched_tokens * (4 * a.hidden_size + 3 * a.intermediate_size) * 4
+        activations = (
+            self.config.max_num_batched_tokens * (4 * a.hidden_size + 3 * a.intermediate_size) * 4
+        )
         used = total - free
-        return int(total * self.config.gpu_memory_utilization - used - activations - 256 * (1 << 20))
+        return int(
+            total * self.config.gpu_memory_utilization - used - activations - 256 * (1 << 20)
+        )
 
     def _declared_max_len(self) -> int:
         hf_len = self.config.hf_config.get("max_position_embeddings", 2048)
         return min(self.config.max_model_len or hf_len, hf_len)
 
     def _set_max_model_len(self, num_blocks: int) -> None:
-        # A sequence must fit in the whole cache, or recompute preemption could never make room for it.
-        self.config.max_model_len = min(self._declared_max_len(), num_blocks * self.config.block_size)
+        # A sequence must fit in the whole cache, or recompute preemption could never make room for
+        # it.
+        self.config.max_model_len = min(
+            self._declared_max_len(), num_blocks * self.config.block_size
+        )
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams | None = None,
-                      request_id: str | None = None, priority: int = 0) -> RequestState:
+    def make_sequence(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestState:
         """Tokenize and validate a request without queueing it (safe to call from any thread)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json; pass token ids instead of text")
+                raise ValueError(
+                    "this model directory has no tokenizer.json; pass token ids instead of text"
+                )
             token_ids, text = self.tokenizer.encode(prompt), prompt
         else:
             token_ids, text = list(prompt), None
@@ -121,11 +156,15 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= cfg.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; this engine fits {cfg.max_model_len} "
-                             "tokens per sequence (prompt + output)")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; this engine fits {cfg.max_model_len} "
+                "tokens per sequence (prompt + output)"
+            )
         if not cfg.enable_chunked_prefill and len(token_ids) > cfg.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(token_ids)} tokens > max_num_batched_tokens="
-                             f"{cfg.max_num_batched_tokens}; enable chunked prefill or raise the budget")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens > max_num_batched_tokens="
+                f"{cfg.max_num_batched_tokens}; enable chunked prefill or raise the budget"
+            )
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -139,8 +178,13 @@ class LLMEngine:
         self.scheduler.add(state.seq)
         return rid
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
         return self.add_state(self.make_sequence(prompt, params, request_id, priority))
 
@@ -155,6 +199,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.has_unfinished()
+
+    def has_pending_output(self) -> bool:
+        """True when the next `step()` has something to report (live requests, abort notices)."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def abort_all(self) -> None:
+        """Abort every live request, dropping their final deltas (used after an engine failure)."""
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        self._aborted.clear()
 
     def step(self) -> list[StreamDelta]:
         """Schedule, run the model once, sample; returns a delta for every request that changed."""
@@ -193,10 +247,27 @@ def _engine_config(model: str | Path, kwargs: dict[str, Any]) -> EngineConfig:
 class LLM:
     """Offline batch generation, vLLM style: `LLM(path).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | Path, block_size: int = 256, max_num_seqs: int = 256,
-                 dtype: str = "auto", device: str = "auto", **kwargs: Any) -> None:
-        self.engine = LLMEngine(_engine_config(model, dict(block_size=block_size, max_num_seqs=max_num_seqs,
-                                                           dtype=dtype, device=device, **kwargs)))
+    def __init__(
+        self,
+        model: str | Path,
+        block_size: int = 256,
+        max_num_seqs: int = 256,
+        dtype: str = "auto",
+        device: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        self.engine = LLMEngine(
+            _engine_config(
+                model,
+                dict(
+                    block_size=block_size,
+                    max_num_seqs=max_num_seqs,
+                    dtype=dtype,
+                    device=device,
+                    **kwargs,
+                ),
+            )
+        )
         # Tests and tools may set this to inspect the engine after every step.
         self.step_hook: Callable[[LLMEngine], None] | None = None
 
@@ -205,14 +276,22 @@ class LLM:
         """The model's tokenizer (None when the directory has no tokenizer.json)."""
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        states = [self.engine.make_sequence(p, sp, priority=(priority[i] if priority else 0))
-                  for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        )
+        states = [
+            self.engine.make_sequence(p, sp, priority=(priority[i] if priority else 0))
+            for i, (p, sp) in enumerate(zip(prompts, params_list))
+        ]
         for state in states:
             self.engine.add_state(state)
         while self.engine.has_unfinished_requests():
@@ -221,13 +300,18 @@ class LLM:
                 self.step_hook(self.engine)
         return [state.output() for state in states]
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             params: SamplingParams | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer.json, so it cannot chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in convs]  # type: ignore[arg-type]
+        # type: ignore[arg-type]
+        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in convs]
         return self.generate(prompts, params)
 
 
@@ -237,10 +321,15 @@ class AsyncLLM:
     ``async for delta in engine.stream(prompt, params)`` yields a `StreamDelta` per engine step that
     produced something for the request; the last one has ``finish_reason`` set. Leaving the loop
     early (client gone, task cancelled) aborts the request and frees its KV blocks.
+    Bad requests (empty or too long prompt, bad token ids) raise ValueError before anything streams.
+    Text held back for a possible stop string arrives in a later delta, so concatenated
+    ``delta.text`` always equals the final text.
     """
 
     def __init__(self, model: str | Path | LLMEngine, **kwargs: Any) -> None:
-        self.engine = model if isinstance(model, LLMEngine) else LLMEngine(_engine_config(model, kwargs))
+        self.engine = (
+            model if isinstance(model, LLMEngine) else LLMEngine(_engine_config(model, kwargs))
+        )
         self._queues: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
         self._pending: list[tuple[str, Any]] = []
         self._pending_lock = threading.Lock()
@@ -258,9 +347,14 @@ class AsyncLLM:
         """The model directory's name."""
         return Path(self.engine.config.model).name
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamDelta]:
-        """Yield per-step deltas for one request until it finishes; raises ValueError on a bad request."""
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[StreamDelta]:
+        """Yield per-step deltas for one request until it ends; ValueError on a bad request."""
         state = self.engine.make_sequence(prompt, params, request_id, priority)
         rid = state.seq.request_id
         if rid in self._queues:
@@ -281,8 +375,28 @@ class AsyncLLM:
             if not finished:
                 self._submit("abort", rid)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> RequestOutput:
+    async def stream_chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        **template_kwargs: Any,
+    ) -> AsyncIterator[StreamDelta]:
+        """`stream` for a conversation: applies the model's chat template first."""
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer.json, so it cannot chat")
+        prompt = self.tokenizer.encode_chat(messages, **template_kwargs)
+        async for delta in self.stream(prompt, params, request_id, priority):
+            yield delta
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestOutput:
         """Run one request to the end and return its full output."""
         ids: list[int] = []
         text: list[str] = []
@@ -294,9 +408,16 @@ class AsyncLLM:
             logprobs += delta.logprobs or []
             last = delta
         assert last is not None
-        return RequestOutput(last.request_id, prompt if isinstance(prompt, str) else None,
-                             [] if isinstance(prompt, str) else list(prompt), ids, "".join(text),
-                             last.finish_reason, last.stop_reason, logprobs or None)
+        return RequestOutput(
+            last.request_id,
+            prompt if isinstance(prompt, str) else None,
+            [] if isinstance(prompt, str) else list(prompt),
+            ids,
+            "".join(text),
+            last.finish_reason,
+            last.stop_reason,
+            logprobs or None,
+        )
 
     async def abort(self, request_id: str) -> None:
         """Abort a live request; its stream ends with finish_reason 'abort'."""
@@ -310,7 +431,9 @@ class AsyncLLM:
         self._wakeup.set()
 
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
+        task = self._loop_task
+        # A new event loop (e.g. a second asyncio.run) needs its own engine-loop task.
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
@@ -323,14 +446,12 @@ class AsyncLLM:
                 self.engine.add_state(arg)
             else:
                 self.engine.abort_request(arg)
-        return self.engine.step() if self.engine.has_unfinished_requests() or self.engine._aborted else []
+        return self.engine.step() if self.engine.has_pending_output() else []
 
     def _abort_all(self) -> None:
         with self._pending_lock:
             self._pending.clear()
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
-        self.engine._aborted.clear()
+        self.engine.abort_all()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

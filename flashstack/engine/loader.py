@@ -13,15 +13,22 @@ from safetensors import safe_open
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """Parse config.json of a local model directory."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} not found: pass a local Hugging Face model directory")
+        raise FileNotFoundError(
+            f"{config_file} not found: pass a local Hugging Face model directory"
+        )
     return json.loads(config_file.read_text())
 
 
@@ -32,8 +39,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf: dict[str, Any], device: torch.device) -> torch.dtype:
-    """'auto' keeps the checkpoint's dtype on GPU and uses float32 on CPU (half matmuls are slow there)."""
+def resolve_dtype(
+    dtype: str | torch.dtype, hf: dict[str, Any], device: torch.device
+) -> torch.dtype:
+    """'auto': the checkpoint's dtype on GPU, float32 on CPU (half matmuls are slow there)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -54,7 +63,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}; convert the checkpoint to safetensors first")
+        raise FileNotFoundError(
+            f"no *.safetensors in {path}; convert the checkpoint to safetensors first"
+        )
     return files
 
 
@@ -76,13 +87,16 @@ def build_model(hf: dict[str, Any], dtype: torch.dtype, device: torch.device) ->
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
-        if isinstance(module, RotaryEmbedding):  # buffers are not in the checkpoint; recompute in fp32
+        if isinstance(
+            module, RotaryEmbedding
+        ):  # buffers are not in the checkpoint; recompute in fp32
             module.inv_freq = rope_inv_freq(model.args.head_dim, model.args.rope).to(device)
     return model.eval()
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path],
-                 on_tensor: Callable[[], None] | None = None) -> None:
+def load_weights(
+    model: LlamaForCausalLM, files: list[Path], on_tensor: Callable[[], None] | None = None
+) -> None:
     """Copy every checkpoint tensor into the model; raise if a parameter stays unset."""
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = set(dict(model.named_parameters()))
@@ -101,8 +115,12 @@ def load_weights(model: LlamaForCausalLM, files: list[Path],
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               on_tensor: Callable[[], None] | None = None) -> LlamaForCausalLM:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_tensor: Callable[[], None] | None = None,
+) -> LlamaForCausalLM:
     """config.json + safetensors -> a ready model in eval mode."""
     model = build_model(read_hf_config(path), dtype, device)
     load_weights(model, safetensors_files(path), on_tensor)

@@ -1,4 +1,4 @@
-"""Runs one scheduled batch: packs tokens, builds slot_mapping/block_tables, runs the model, samples."""
+"""Runs a scheduled batch: packs tokens, slot_mapping, block_tables; runs the model; samples."""
 
 from __future__ import annotations
 
@@ -34,13 +34,28 @@ class StepInputs:
 class ModelRunner:
     """Owns the model and the KV cache; turns a ScheduledBatch into sampled token ids."""
 
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
         a = model.args
-        # [layers, blocks, K|V, block_size, kv_heads, head_dim]: one block of one layer is contiguous.
-        self.kv_cache = torch.zeros(a.num_layers, num_blocks, 2, config.block_size, a.num_kv_heads,
-                                    a.head_dim, dtype=dtype, device=device)
+        # [layers, blocks, K|V, block_size, kv_heads, head_dim]: one block of one layer is
+        # contiguous.
+        self.kv_cache = torch.zeros(
+            a.num_layers,
+            num_blocks,
+            2,
+            config.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=dtype,
+            device=device,
+        )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.backend = get_attention_backend(config.attention_backend, device)
 
@@ -61,7 +76,9 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(end)
             query_start.append(query_start[-1] + n)
-            if end == len(seq.token_ids):  # the chunk reaches the last token: its logits pick the next one
+            if end == len(
+                seq.token_ids
+            ):  # the chunk reaches the last token: its logits pick the next one
                 sample_rows.append(query_start[-1] - 1)
                 sample_seqs.append(i)
         max_blocks = max(len(s.block_table) for s in batch.seqs)
@@ -71,11 +88,19 @@ class ModelRunner:
             block_tables=self._tensor(tables, torch.int32),
             context_lens=self._tensor(context_lens, torch.int32),
             query_start_loc=self._tensor(query_start, torch.int32),
-            block_size=bs, max_query_len=max(query_lens), max_context_len=max(context_lens),
-            query_lens_host=query_lens, context_lens_host=context_lens,
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            query_lens_host=query_lens,
+            context_lens_host=context_lens,
         )
-        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                          self._tensor(sample_rows, torch.int64), sample_seqs)
+        return StepInputs(
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            meta,
+            self._tensor(sample_rows, torch.int64),
+            sample_seqs,
+        )
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
@@ -86,17 +111,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run the model on the batch; one sampled token per sequence whose prefill is complete, else None."""
+        """Run the batch; a sampled token per sequence whose prefill is complete, else None."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend
+        )
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not inputs.sample_seqs:
             return sampled
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         seqs = [batch.seqs[i] for i in inputs.sample_seqs]
-        result = sample(logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
-                        [s.output_token_ids for s in seqs], [self._generator(s) for s in seqs])
-        for i, seq, token_id, lp in zip(inputs.sample_seqs, seqs, result.token_ids, result.logprobs):
+        result = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [self._generator(s) for s in seqs],
+        )
+        for i, seq, token_id, lp in zip(
+            inputs.sample_seqs, seqs, result.token_ids, result.logprobs
+        ):
             sampled[i] = token_id
             if lp is not None:
                 seq.logprobs.append(lp)

@@ -1,4 +1,4 @@
-"""What the engine hands back: final RequestOutputs and per-step StreamDeltas, and the text/stop logic."""
+"""What the engine hands back (RequestOutput, per-step StreamDelta) and the text/stop logic."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ class StreamDelta:
     finish_reason: str | None  # None until the request ends: "stop", "length" or "abort"
     prompt_tokens: int
     completion_tokens: int  # cumulative
-    logprobs: list[dict[int, float]] | None = None  # per new token: {token_id: logprob}, top-N included
+    logprobs: list[dict[int, float]] | None = (
+        None  # per new token: {token_id: logprob}, top-N included
+    )
     stop_reason: int | str | None = None
 
     @property
@@ -54,8 +56,11 @@ class RequestState:
         self.seq = seq
         self.prompt = prompt
         self.stops: list[str] = list(seq.params.stop or [])
-        self.detok = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
-                      if tokenizer is not None else None)
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+            if tokenizer is not None
+            else None
+        )
         self.text = ""
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
@@ -65,10 +70,10 @@ class RequestState:
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
 
     def update_text(self) -> str | None:
-        """Detokenize new tokens; returns the stop string that matched (text is cut before it), or None."""
+        """Detokenize new tokens; return the stop string that matched (text cut before it)."""
         if self.detok is None:
             return None
-        new_ids = self.seq.token_ids[self.seq.num_prompt_tokens + self.num_detok_tokens:]
+        new_ids = self.seq.token_ids[self.seq.num_prompt_tokens + self.num_detok_tokens :]
         self.num_detok_tokens += len(new_ids)
         prev_len = len(self.text)
         self.text += self.detok.step(new_ids)
@@ -84,24 +89,42 @@ class RequestState:
         """Everything not yet emitted, minus text that a stop string could still claim."""
         seq = self.seq
         done = seq.finish_reason is not None
-        end = len(self.text) if done or not self.stops else max(self.num_emitted_chars,
-                                                               len(self.text) - self.holdback)
-        text = self.text[self.num_emitted_chars:end]
+        end = (
+            len(self.text)
+            if done or not self.stops
+            else max(self.num_emitted_chars, len(self.text) - self.holdback)
+        )
+        text = self.text[self.num_emitted_chars : end]
         self.num_emitted_chars = end
         out_ids = seq.output_token_ids
-        new_ids = out_ids[self.num_emitted_tokens:]
+        new_ids = out_ids[self.num_emitted_tokens :]
         self.num_emitted_tokens = len(out_ids)
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs = seq.logprobs[self.num_emitted_logprobs:]
+            logprobs = seq.logprobs[self.num_emitted_logprobs :]
             self.num_emitted_logprobs = len(seq.logprobs)
-        return StreamDelta(seq.request_id, new_ids, text, seq.finish_reason, seq.num_prompt_tokens,
-                           len(out_ids), logprobs, seq.stop_reason)
+        return StreamDelta(
+            seq.request_id,
+            new_ids,
+            text,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            len(out_ids),
+            logprobs,
+            seq.stop_reason,
+        )
 
     def output(self) -> RequestOutput:
         """The request's final result."""
         seq = self.seq
-        return RequestOutput(seq.request_id, self.prompt, seq.prompt_token_ids, seq.output_token_ids,
-                             self.text, seq.finish_reason, seq.stop_reason,
-                             seq.logprobs if seq.params.logprobs is not None else None,
-                             seq.num_cached_tokens)
+        return RequestOutput(
+            seq.request_id,
+            self.prompt,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            self.text,
+            seq.finish_reason,
+            seq.stop_reason,
+            seq.logprobs if seq.params.logprobs is not None else None,
+            seq.num_cached_tokens,
+        )

@@ -61,19 +61,27 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
     """Repetition (prompt+output, HF style), presence and frequency (output only) penalties."""
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device, dtype=torch.long)
+        seen = torch.tensor(
+            sorted(set(prompt_ids) | set(output_ids)), device=logits.device, dtype=torch.long
+        )
         if seen.numel():
             vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty,
-                                       vals * params.repetition_penalty)
+            logits[seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
     if output_ids and (params.presence_penalty or params.frequency_penalty):
         ids = torch.tensor(output_ids, device=logits.device, dtype=torch.long)
-        counts = torch.zeros_like(logits).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        counts = torch.zeros_like(logits).scatter_add_(
+            0, ids, torch.ones_like(ids, dtype=logits.dtype)
+        )
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+            logits.dtype
+        )
     return logits
 
 
@@ -106,12 +114,22 @@ def top_logprobs(raw_logits: torch.Tensor, token_id: int, n: int) -> dict[int, f
     return out
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
-           output_ids: list[list[int]], generators: list[torch.Generator | None]) -> SampleResult:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+) -> SampleResult:
     """Pick one token per row of `logits` [batch, vocab] under each row's own parameters."""
     logits = logits.float()
-    plain_greedy = [p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
-                    and not p.frequency_penalty for p in params]
+    plain_greedy = [
+        p.greedy
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        for p in params
+    ]
     # One argmax for the whole batch; rows that need more work are redone below.
     token_ids = logits.argmax(-1).tolist()
     for i, p in enumerate(params):
@@ -123,6 +141,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[
             continue
         probs = filter_logits(row, p).softmax(-1)
         token_ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
-    logprobs = [top_logprobs(logits[i], token_ids[i], p.logprobs) if p.logprobs is not None else None
-                for i, p in enumerate(params)]
+    logprobs = [
+        top_logprobs(logits[i], token_ids[i], p.logprobs) if p.logprobs is not None else None
+        for i, p in enumerate(params)
+    ]
     return SampleResult(token_ids, logprobs)

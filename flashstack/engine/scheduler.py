@@ -12,7 +12,7 @@ from flashstack.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work: each sequence runs `num_new_tokens[i]` tokens starting at its computed count."""
+    """One step's work: sequence i runs `num_new_tokens[i]` tokens from its computed count on."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -30,7 +30,9 @@ class ScheduledBatch:
 class Scheduler:
     """Decides, step by step, which sequences run and how many tokens each computes."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
@@ -76,7 +78,8 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        # Recompute preemption: drop the KV and re-prefill later (full blocks may come back from the cache).
+        # Recompute preemption: drop the KV and re-prefill later (full blocks may come back from the
+        # cache).
         self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -88,7 +91,7 @@ class Scheduler:
         return (prio, int(seq.num_uncomputed_tokens > 1), arrival, seq_id)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's batch: running sequences first (decodes before chunk tails), then admissions."""
+        """This step's batch: running sequences (decodes before chunk tails), then admissions."""
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
@@ -141,7 +144,7 @@ class Scheduler:
         batch.num_new_tokens.append(n)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, finish on token-level stops; returns finished."""
+        """Advance computed counts, append samples, finish on token-level stops; return finished."""
         finished = []
         for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, sampled):
             seq.num_computed_tokens += n

@@ -23,14 +23,35 @@ _seq_counter = itertools.count()
 
 
 class Sequence:
-    """One request: prompt + generated tokens, how many have KV in the cache, and which blocks hold it."""
+    """One request: its tokens, how many have K/V in the cache, and which blocks hold them."""
 
-    __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "num_cached_tokens", "block_table", "block_hashes", "status", "params", "priority",
-                 "arrival_time", "finish_reason", "generator", "logprobs", "num_preemptions", "stop_reason")
+    __slots__ = (
+        "seq_id",
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_table",
+        "block_hashes",
+        "status",
+        "params",
+        "priority",
+        "arrival_time",
+        "finish_reason",
+        "generator",
+        "logprobs",
+        "num_preemptions",
+        "stop_reason",
+    )
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 priority: int = 0) -> None:
+    def __init__(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(token_ids)
@@ -53,18 +74,21 @@ class Sequence:
         return len(self.token_ids)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.request_id!r}, len={len(self)}, computed={self.num_computed_tokens}, "
-                f"blocks={self.block_table}, status={self.status.value})")
+        return (
+            f"Sequence(id={self.request_id!r}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table}, status={self.status.value})"
+        )
 
     @property
     def prompt_token_ids(self) -> list[int]:
         """The prompt as given."""
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
         """Tokens generated so far."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

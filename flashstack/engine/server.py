@@ -1,4 +1,4 @@
-"""OpenAI-compatible engine server, like `vllm serve`: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI-compatible engine server (like `vllm serve`): models, completions, chat completions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,10 +22,22 @@ from flashstack.engine.sampling import SamplingParams
 class APIError(Exception):
     """An error returned to the client as OpenAI's `{"error": {...}}`."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
 
 class StreamOptions(BaseModel):
@@ -60,11 +72,21 @@ class _Sampling(BaseModel):
         """The engine's SamplingParams for this request."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -95,15 +117,25 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
 
 
-def _error_body(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+def _error_body(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}},
+        status_code=status,
+    )
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _finish(reason: str | None) -> str | None:
@@ -120,8 +152,11 @@ def _message_text(m: ChatMessage) -> dict[str, Any]:
     if isinstance(content, list):
         kinds = {p.get("type") for p in content}
         if kinds - {"text"}:
-            raise APIError(400, f"only text content parts are supported, got {sorted(kinds - {'text'})}",
-                           param="messages")
+            raise APIError(
+                400,
+                f"only text content parts are supported, got {sorted(kinds - {'text'})}",
+                param="messages",
+            )
         content = "".join(p.get("text", "") for p in content)
     return {**m.model_dump(exclude_none=True), "content": content or ""}
 
@@ -135,20 +170,28 @@ class _Handler:
     def check_model(self, name: str) -> None:
         """404 for a model this server does not serve."""
         if name not in (self.model_name, self.engine.engine.config.model):
-            raise APIError(404, f"model {name!r} is not served here; use {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {name!r} is not served here; use {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def token_str(self, token_id: int) -> str:
         """Text of one token, for logprobs."""
         tok = self.engine.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok else str(token_id)
 
-    async def run(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, list[StreamDelta]]:
+    async def run(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str, list[StreamDelta]]:
         """Run to completion; the concatenated text and every delta."""
         deltas = [d async for d in self.stream(prompt, params)]
         return "".join(d.text for d in deltas), deltas
 
-    async def stream(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
+    async def stream(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[StreamDelta]:
         """Engine deltas with engine validation errors turned into 400s."""
         try:
             gen = self.engine.stream(prompt, params)
@@ -165,9 +208,17 @@ class _Handler:
         for d in deltas:
             for tid, lp in zip(d.token_ids, d.logprobs or []):
                 tops = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-                content.append({"token": self.token_str(tid), "logprob": lp[tid], "bytes": None,
-                                "top_logprobs": [{"token": self.token_str(t), "logprob": v, "bytes": None}
-                                                 for t, v in tops]})
+                content.append(
+                    {
+                        "token": self.token_str(tid),
+                        "logprob": lp[tid],
+                        "bytes": None,
+                        "top_logprobs": [
+                            {"token": self.token_str(t), "logprob": v, "bytes": None}
+                            for t, v in tops
+                        ],
+                    }
+                )
         return {"content": content}
 
     def completion_logprobs(self, deltas: list[StreamDelta], top: int) -> dict[str, Any]:
@@ -183,14 +234,22 @@ class _Handler:
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top_lps, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": top_lps,
+            "text_offset": offsets,
+        }
 
 
 def _chat_prompt(h: _Handler, req: ChatRequest) -> list[int]:
     tok = h.engine.tokenizer
     if tok is None:
-        raise APIError(400, "this model has no tokenizer, so chat is unavailable; use /v1/completions "
-                       "with token ids")
+        raise APIError(
+            400,
+            "this model has no tokenizer, so chat is unavailable; use /v1/completions "
+            "with token ids",
+        )
     try:
         return tok.encode_chat([_message_text(m) for m in req.messages], tools=req.tools)
     except ValueError as exc:
@@ -204,29 +263,58 @@ async def _chat(h: _Handler, req: ChatRequest) -> Any:
     if req.n != 1:
         raise APIError(400, "n > 1 is not supported", param="n")
     top = req.top_logprobs or 0
-    params = req.sampling_params(req.max_completion_tokens or req.max_tokens, top if req.logprobs else None)
+    params = req.sampling_params(
+        req.max_completion_tokens or req.max_tokens, top if req.logprobs else None
+    )
     prompt = _chat_prompt(h, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "created": created, "model": h.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream_response(_chat_chunks(h, prompt, params, base, include_usage, top, req.logprobs))
+        return await _stream_response(
+            _chat_chunks(h, prompt, params, base, include_usage, top, req.logprobs)
+        )
     text, deltas = await h.run(prompt, params)
     last = deltas[-1]
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "finish_reason": _finish(last.finish_reason),
-              "logprobs": h.chat_logprobs(deltas, top) if req.logprobs else None}
-    return {**base, "object": "chat.completion", "choices": [choice],
-            "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": _finish(last.finish_reason),
+        "logprobs": h.chat_logprobs(deltas, top) if req.logprobs else None,
+    }
+    return {
+        **base,
+        "object": "chat.completion",
+        "choices": [choice],
+        "usage": _usage(last.prompt_tokens, last.completion_tokens),
+    }
 
 
-async def _chat_chunks(h: _Handler, prompt: list[int], params: SamplingParams, base: dict[str, Any],
-                       include_usage: bool, top: int, logprobs: bool) -> AsyncIterator[str]:
+async def _chat_chunks(
+    h: _Handler,
+    prompt: list[int],
+    params: SamplingParams,
+    base: dict[str, Any],
+    include_usage: bool,
+    top: int,
+    logprobs: bool,
+) -> AsyncIterator[str]:
     chunk = {**base, "object": "chat.completion.chunk"}
     gen = h.stream(prompt, params)
     first = await gen.__anext__()  # raises APIError before any byte is sent
-    yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None, "logprobs": None}]})
+    yield _sse(
+        {
+            **chunk,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None,
+                    "logprobs": None,
+                }
+            ],
+        }
+    )
     last = first
 
     async def all_deltas() -> AsyncIterator[StreamDelta]:
@@ -237,12 +325,23 @@ async def _chat_chunks(h: _Handler, prompt: list[int], params: SamplingParams, b
     async for d in all_deltas():
         last = d
         if d.text or d.finished or (logprobs and d.token_ids):
-            yield _sse({**chunk, "choices": [{
-                "index": 0, "delta": {"content": d.text} if d.text else {},
-                "finish_reason": _finish(d.finish_reason),
-                "logprobs": h.chat_logprobs([d], top) if logprobs else None}]})
+            yield _sse(
+                {
+                    **chunk,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": d.text} if d.text else {},
+                            "finish_reason": _finish(d.finish_reason),
+                            "logprobs": h.chat_logprobs([d], top) if logprobs else None,
+                        }
+                    ],
+                }
+            )
     if include_usage:
-        yield _sse({**chunk, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+        yield _sse(
+            {**chunk, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+        )
     yield "data: [DONE]\n\n"
 
 
@@ -266,7 +365,9 @@ async def _completions(h: _Handler, req: CompletionRequest) -> Any:
         if len(prompts) != 1:
             raise APIError(400, "streaming supports one prompt per request", param="prompt")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream_response(_completion_chunks(h, prompts[0], params, base, include_usage, req))
+        return await _stream_response(
+            _completion_chunks(h, prompts[0], params, base, include_usage, req)
+        )
     results = await asyncio.gather(*(h.run(p, params) for p in prompts))
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, ((text, deltas), p) in enumerate(zip(results, prompts)):
@@ -274,26 +375,56 @@ async def _completions(h: _Handler, req: CompletionRequest) -> Any:
         prompt_tokens += last.prompt_tokens
         completion_tokens += last.completion_tokens
         echo = (p if isinstance(p, str) else h.engine.tokenizer.decode(p)) if req.echo else ""
-        choices.append({"index": i, "text": echo + text, "finish_reason": _finish(last.finish_reason),
-                        "logprobs": h.completion_logprobs(deltas, req.logprobs)
-                        if req.logprobs is not None else None})
-    return {**base, "object": "text_completion", "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens)}
+        choices.append(
+            {
+                "index": i,
+                "text": echo + text,
+                "finish_reason": _finish(last.finish_reason),
+                "logprobs": h.completion_logprobs(deltas, req.logprobs)
+                if req.logprobs is not None
+                else None,
+            }
+        )
+    return {
+        **base,
+        "object": "text_completion",
+        "choices": choices,
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
 
 
-async def _completion_chunks(h: _Handler, prompt: str | list[int], params: SamplingParams,
-                             base: dict[str, Any], include_usage: bool,
-                             req: CompletionRequest) -> AsyncIterator[str]:
+async def _completion_chunks(
+    h: _Handler,
+    prompt: str | list[int],
+    params: SamplingParams,
+    base: dict[str, Any],
+    include_usage: bool,
+    req: CompletionRequest,
+) -> AsyncIterator[str]:
     chunk = {**base, "object": "text_completion"}
     last: StreamDelta | None = None
     async for d in h.stream(prompt, params):
         last = d
         if d.text or d.finished:
-            yield _sse({**chunk, "choices": [{
-                "index": 0, "text": d.text, "finish_reason": _finish(d.finish_reason),
-                "logprobs": h.completion_logprobs([d], req.logprobs) if req.logprobs is not None else None}]})
+            yield _sse(
+                {
+                    **chunk,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": d.text,
+                            "finish_reason": _finish(d.finish_reason),
+                            "logprobs": h.completion_logprobs([d], req.logprobs)
+                            if req.logprobs is not None
+                            else None,
+                        }
+                    ],
+                }
+            )
     if include_usage and last is not None:
-        yield _sse({**chunk, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+        yield _sse(
+            {**chunk, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+        )
     yield "data: [DONE]\n\n"
 
 
@@ -306,12 +437,15 @@ async def _stream_response(chunks: AsyncIterator[str]) -> StreamingResponse:
         async for c in chunks:
             yield c
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def build_app(engine: AsyncLLM, model_name: str | None = None) -> FastAPI:
-    """An OpenAI-compatible FastAPI app over `engine`; the model is listed as `model_name` (default: dir name)."""
+    """An OpenAI-compatible app over `engine`, serving it as `model_name` (default: dir name)."""
     app = FastAPI(title="flashstack engine")
     h = _Handler(engine, model_name or engine.model_name)
     app.state.handler = h
@@ -329,9 +463,18 @@ def build_app(engine: AsyncLLM, model_name: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": h.model_name, "object": "model", "created": 0,
-                                            "owned_by": "flashstack",
-                                            "max_model_len": engine.engine.config.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": h.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "flashstack",
+                    "max_model_len": engine.engine.config.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -348,8 +491,13 @@ def build_app(engine: AsyncLLM, model_name: str | None = None) -> FastAPI:
     return app
 
 
-def serve(model_path: str, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          **engine_kwargs: Any) -> None:
+def serve(
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str | None = None,
+    **engine_kwargs: Any,
+) -> None:
     """Load the model and serve it until interrupted (`flashstack engine serve --model PATH`)."""
     import uvicorn
 

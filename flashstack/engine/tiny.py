@@ -1,7 +1,8 @@
 """A small random-weight Llama checkpoint with a real byte-level BPE tokenizer, built locally once.
 
 No weights can be downloaded here, so `make run` and the tests build this instead: the tokenizer is
-trained with `tokenizers` on the Python standard library's own source; the weights are random (untrained),
+trained with `tokenizers` on the Python standard library's own source; the weights are random
+(untrained),
 so the text it writes is gibberish, but every engine path (tokenize, chat template, prefill, decode,
 stream) runs for real.
 """
@@ -20,7 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 TINY_NAME = "tiny-random"
-DESCRIPTION = "tiny random-weight Llama (untrained: output is gibberish) with a BPE tokenizer trained on Python's stdlib"
+DESCRIPTION = (
+    "tiny random-weight Llama (untrained: output is gibberish) "
+    "with a BPE tokenizer trained on Python's stdlib"
+)
 _VERSION = 1  # bump when the recipe changes so cached copies are rebuilt
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -28,8 +32,14 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=4096)
+_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 
 
 def _stdlib_text(limit_bytes: int = 3_000_000) -> Iterator[str]:
@@ -54,12 +64,17 @@ def train_tokenizer(vocab_size: int = 4096):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=[BOS, EOS, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[BOS, EOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_stdlib_text(), trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
     return tok
 
 
@@ -75,11 +90,19 @@ def _random_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     w = {"model.embed_tokens.weight": randn(v, h), "model.norm.weight": torch.ones(h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": randn(h, h), p + "self_attn.k_proj.weight": randn(kv, h),
-                  p + "self_attn.v_proj.weight": randn(kv, h), p + "self_attn.o_proj.weight": randn(h, h),
-                  p + "mlp.gate_proj.weight": randn(inter, h), p + "mlp.up_proj.weight": randn(inter, h),
-                  p + "mlp.down_proj.weight": randn(h, inter),
-                  p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)})
+        w.update(
+            {
+                p + "self_attn.q_proj.weight": randn(h, h),
+                p + "self_attn.k_proj.weight": randn(kv, h),
+                p + "self_attn.v_proj.weight": randn(kv, h),
+                p + "self_attn.o_proj.weight": randn(h, h),
+                p + "mlp.gate_proj.weight": randn(inter, h),
+                p + "mlp.up_proj.weight": randn(inter, h),
+                p + "mlp.down_proj.weight": randn(h, inter),
+                p + "input_layernorm.weight": torch.ones(h),
+                p + "post_attention_layernorm.weight": torch.ones(h),
+            }
+        )
     return w
 
 
@@ -87,20 +110,42 @@ def _write(out: Path) -> None:
     tok = train_tokenizer()
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in (BOS, EOS, IM_START, IM_END)}
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_SHAPE,
-           "vocab_size": tok.get_vocab_size(), "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": ids[BOS],
-           "eos_token_id": [ids[EOS], ids[IM_END]], "torch_dtype": "float32",
-           "flashstack_tiny_version": _VERSION, "flashstack_description": DESCRIPTION}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **_SHAPE,
+        "vocab_size": tok.get_vocab_size(),
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "bos_token_id": ids[BOS],
+        "eos_token_id": [ids[EOS], ids[IM_END]],
+        "torch_dtype": "float32",
+        "flashstack_tiny_version": _VERSION,
+        "flashstack_description": DESCRIPTION,
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[IM_END]]}, indent=2))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": IM_END,
-         "pad_token": EOS, "model_max_length": _SHAPE["max_position_embeddings"],
-         "chat_template": CHAT_TEMPLATE}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[IM_END]]}, indent=2)
+    )
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": IM_END,
+                "pad_token": EOS,
+                "model_max_length": _SHAPE["max_position_embeddings"],
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
     save_file(_random_weights(cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "README.md").write_text(f"# {TINY_NAME}\n\n{DESCRIPTION}.\nBuilt by flashstack.engine.tiny.\n")
+    (out / "README.md").write_text(
+        f"# {TINY_NAME}\n\n{DESCRIPTION}.\nBuilt by flashstack.engine.tiny.\n"
+    )
 
 
 def _is_current(path: Path) -> bool:

@@ -1,4 +1,4 @@
-"""Engine kernels: each one has a plain-torch reference (test oracle, CPU path) and a dispatch point."""
+"""Engine kernels: a plain-torch reference per kernel (oracle, CPU path) and a dispatch point."""
 
 from flashstack.engine.kernels.attention import (
     AttentionBackend,

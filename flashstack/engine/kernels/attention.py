@@ -1,7 +1,7 @@
-"""Paged attention over a block-wise KV cache: torch reference and the backend registry Triton plugs into.
+"""Paged attention over a block-wise KV cache: torch reference, and the registry Triton plugs into.
 
-KV cache layout, per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``; index 0 is K, 1 is V.
-One block of one layer (K and V) is a single contiguous region, so a decode kernel streams it in one go.
+KV cache layout, per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``; 0 is K, 1 is V.
+One block of one layer (K and V) is a single contiguous region: a decode kernel streams it at once.
 Queries are packed varlen: sequence i owns rows ``query_start_loc[i]:query_start_loc[i+1]`` and its
 queries are the *last* ``query_len`` positions of its ``context_len`` cached tokens.
 """
@@ -9,7 +9,8 @@ queries are the *last* ``query_len`` positions of its ``context_len`` cached tok
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,8 +19,12 @@ import torch
 class AttentionMetadata:
     """Per-step attention inputs, passed explicitly down the model (no module-global context)."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset for each new token
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0 (masked by context_lens)
+    slot_mapping: (
+        torch.Tensor
+    )  # [num_tokens] int64: block_id * block_size + offset for each new token
+    block_tables: (
+        torch.Tensor
+    )  # [num_seqs, max_blocks] int32, padded with 0 (masked by context_lens)
     context_lens: torch.Tensor  # [num_seqs] int32: cached tokens after this step's writes
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
     block_size: int
@@ -28,6 +33,8 @@ class AttentionMetadata:
     # Host copies so the reference path never syncs with the device to read a length.
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # Per-step values a backend derives once and reuses in every layer (indices, masks).
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -41,7 +48,9 @@ class AttentionMetadata:
 
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-AttendFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor]
+AttendFn = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,73 +62,108 @@ class AttentionBackend:
     paged_attention: AttendFn  # (q, kv_cache, meta, scale, sliding_window) -> out
 
 
-def store_kvcache_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                            slot_mapping: torch.Tensor) -> None:
+def _flat_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    # Row of each slot's K in a layer viewed as [num_blocks * 2 * block_size, H, D]; its V is
+    # block_size further.
+    return (slots // block_size) * (2 * block_size) + slots % block_size
+
+
+def store_kvcache_reference(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write k, v [num_tokens, kv_heads, head_dim] into the cache at `slot_mapping`."""
-    block_size = kv_cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+    bs = kv_cache.shape[2]
+    rows = _flat_rows(slot_mapping, bs)
+    flat = kv_cache.view(-1, *kv_cache.shape[3:])
+    flat.index_copy_(0, rows, k.to(kv_cache.dtype))
+    flat.index_copy_(0, rows + bs, v.to(kv_cache.dtype))
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    num_blocks = -(-ctx // kv_cache.shape[2])
-    kv = kv_cache[block_table[:num_blocks].long()]  # [nb, 2, bs, H, D]
-    h, d = kv.shape[-2:]
-    return kv[:, 0].reshape(-1, h, d)[:ctx], kv[:, 1].reshape(-1, h, d)[:ctx]
+def _context_rows(block_tables: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+    """K rows of the first `num_tokens` positions of every table: [num_seqs, num_tokens]."""
+    pos = torch.arange(num_tokens, device=block_tables.device)
+    return block_tables.long()[:, pos // block_size] * (2 * block_size) + pos % block_size
 
 
-def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    mask = k_pos[None, :] <= q_pos[:, None]
+def _gather(kv_cache: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Row gathers (index_select) on the flat view: reads only live positions, whatever the block
+    # size.
+    flat = kv_cache.view(-1, *kv_cache.shape[3:])
+    bs = kv_cache.shape[2]
+    shape = (*rows.shape, *kv_cache.shape[3:])
+    k = flat.index_select(0, rows.flatten()).view(shape)
+    v = flat.index_select(0, (rows + bs).flatten()).view(shape)
+    return k.transpose(-3, -2), v.transpose(-3, -2)  # [..., H, T, D]
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    # q [B, Hq, n, D]; k, v [B, Hkv, T, D]; mask broadcastable to [B, 1, n, T] (True = attend).
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    # q_pos [..., n, 1], k_pos [..., 1, T]: causal, optionally limited to the last `window`
+    # positions.
+    mask = k_pos <= q_pos
     if window is not None:
-        mask &= k_pos[None, :] > q_pos[:, None] - window
+        mask &= k_pos > q_pos - window
     return mask
 
 
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    # q [n, Hq, D]; k, v [ctx, Hkv, D]; grouped-query heads share a KV head.
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(n, hkv, hq // hkv, d).float()
-    scores = torch.einsum("nhgd,khd->hgnk", qg, k.float()) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.einsum("hgnk,khd->nhgd", scores.softmax(-1), v.float())
-    return out.reshape(n, hq, d).to(q.dtype)
+def _decode_batched(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    # One query per sequence: one gather for the whole batch, masked past each context length.
+    key = ("decode", window)
+    if key not in meta.scratch:
+        rows = _context_rows(meta.block_tables, meta.max_context_len, meta.block_size)
+        k_pos = torch.arange(meta.max_context_len, device=q.device)[None, None, None, :]
+        q_pos = (meta.context_lens.long() - 1)[:, None, None, None]
+        meta.scratch[key] = (rows, _window_mask(q_pos, k_pos, window))
+    rows, mask = meta.scratch[key]
+    k, v = _gather(kv_cache, rows)
+    out = _sdpa(q[:, :, None, :].to(k.dtype), k, v, mask, scale)
+    return out[:, :, 0].to(q.dtype)
 
 
-def _decode_batched(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    window: int | None) -> torch.Tensor:
-    # One query per sequence: gather every block table at once and mask past each context length.
-    b, hq, d = q.shape
-    kv = kv_cache[meta.block_tables.long()]  # [B, nb, 2, bs, H, D]
-    hkv = kv.shape[-2]
-    k = kv[:, :, 0].reshape(b, -1, hkv, d).float()
-    v = kv[:, :, 1].reshape(b, -1, hkv, d).float()
-    k_pos = torch.arange(k.shape[1], device=q.device)
-    q_pos = meta.context_lens.long()[:, None] - 1
-    mask = k_pos[None, :] <= q_pos
-    if window is not None:
-        mask &= k_pos[None, :] > q_pos - window
-    qg = q.reshape(b, hkv, hq // hkv, d).float()
-    scores = torch.einsum("bhgd,bkhd->bhgk", qg, k) * scale
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(-1), v)
-    return out.reshape(b, hq, d).to(q.dtype)
+def _prefill_plan(meta: AttentionMetadata, window: int | None, device: torch.device) -> list:
+    plan = []
+    for i, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+        rows = _context_rows(meta.block_tables[i : i + 1], ctx, meta.block_size)
+        q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+        plan.append(
+            (n, rows, _window_mask(q_pos, torch.arange(ctx, device=device)[None, :], window))
+        )
+    return plan
 
 
-def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                              scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache."""
     if meta.is_decode_only:
         return _decode_batched(q, kv_cache, meta, scale, sliding_window)
+    key = ("prefill", sliding_window)
+    if key not in meta.scratch:
+        meta.scratch[key] = _prefill_plan(meta, sliding_window, q.device)
     out = torch.empty_like(q)
     start = 0
-    for i, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
-        k, v = _gather_kv(kv_cache, meta.block_tables[i], ctx)
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)
-        mask = _causal_mask(q_pos, torch.arange(ctx, device=q.device), sliding_window)
-        out[start:start + n] = _attend_one(q[start:start + n], k, v, mask, scale)
+    for n, rows, mask in meta.scratch[key]:
+        k, v = _gather(kv_cache, rows)  # [1, H, ctx, D]
+        qi = q[start : start + n].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, n, D]
+        out[start : start + n] = _sdpa(qi, k, v, mask, scale)[0].transpose(0, 1).to(q.dtype)
         start += n
     return out
 

@@ -24,9 +24,17 @@ def model_class(hf: dict[str, Any]) -> type[LlamaForCausalLM]:
     for name in [*(hf.get("architectures") or []), hf.get("model_type", "")]:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
-    raise ValueError(f"unsupported model: architectures={hf.get('architectures')}, "
-                     f"model_type={hf.get('model_type')!r}; supported: Llama, Mistral, Qwen2, Qwen3")
+    raise ValueError(
+        f"unsupported model: architectures={hf.get('architectures')}, "
+        f"model_type={hf.get('model_type')!r}; supported: Llama, Mistral, Qwen2, Qwen3"
+    )
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "ModelArgs", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-           "model_class"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "LlamaForCausalLM",
+    "ModelArgs",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "model_class",
+]

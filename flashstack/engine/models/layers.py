@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoder families: RMSNorm, rotary embedding (incl. Llama 3 scaling), MLP."""
+"""Blocks shared by the decoder families: RMSNorm, rotary embedding (incl. Llama 3 scaling), MLP."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """Rope settings from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`)."""
+    """Rope settings from transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, scaling)."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     params = {**scaling, **params}
@@ -47,7 +47,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 
 def rope_inv_freq(head_dim: int, p: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies for the rope type in `p` (default, linear, llama3)."""
-    inv_freq = 1.0 / (p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
     kind = p["rope_type"]
     if kind == "default":
         return inv_freq
@@ -55,21 +57,31 @@ def rope_inv_freq(head_dim: int, p: dict[str, Any]) -> torch.Tensor:
         return inv_freq / p["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, p)
-    raise NotImplementedError(f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3)")
+    raise NotImplementedError(
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3)"
+    )
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) rotary embedding applied at explicit positions."""
+    """Rotate-half rotary embedding; cos/sin are computed once per step for all layers."""
 
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, params), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [n, Hq, D] and k [n, Hkv, D] by their positions' angles."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

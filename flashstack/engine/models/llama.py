@@ -1,4 +1,4 @@
-"""Llama-style decoder (Llama 1-3, Mistral; Qwen2/3 reuse it with flags). Module names mirror Hugging Face's
+"""Llama-style decoder (Llama 1-3, Mistral; Qwen2/3 reuse it with flags). Module names mirror HF's
 so checkpoint keys load without renaming."""
 
 from __future__ import annotations
@@ -10,7 +10,15 @@ import torch
 from torch import nn
 
 from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from flashstack.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, rope_parameters
+from flashstack.engine.models.layers import (
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    rope_parameters,
+)
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -34,17 +42,22 @@ class ModelArgs:
     sliding_window: int | None = None
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], **overrides: Any) -> "ModelArgs":
+    def from_hf(cls, hf: dict[str, Any], **overrides: Any) -> ModelArgs:
         """Read the common fields of a Llama-family config.json."""
         heads = hf["num_attention_heads"]
         args = dict(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope=rope_parameters(hf),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=rope_parameters(hf),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qkv_bias=hf.get("attention_bias", False), o_bias=hf.get("attention_bias", False),
+            qkv_bias=hf.get("attention_bias", False),
+            o_bias=hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
         )
         args.update(overrides)
@@ -52,7 +65,7 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention that writes its K/V into the paged cache and reads the context back."""
+    """Grouped-query attention: writes its K/V into the paged cache, reads the context back."""
 
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
@@ -65,19 +78,24 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.qk_norm = a.qk_norm
-        self.rotary_emb = RotaryEmbedding(a.head_dim, a.rope)
         self.sliding_window = a.sliding_window
-        self.scale = a.head_dim ** -0.5
+        self.scale = a.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
         out = backend.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(n, -1))
@@ -93,9 +111,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache, backend)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,12 +131,20 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(a.head_dim, a.rope)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)  # shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, meta, kv_cache, backend)
+            x = layer(x, rope, meta, kv_cache, backend)
         return self.norm(x)
 
 
@@ -132,8 +164,14 @@ class LlamaForCausalLM(nn.Module):
         """Llama and Mistral read the common fields; Mistral may set a sliding window."""
         return ModelArgs.from_hf(hf, sliding_window=hf.get("sliding_window"))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         """Hidden states for the packed tokens."""
         return self.model(input_ids, positions, meta, kv_caches, backend)
 

@@ -1,0 +1,281 @@
+"""Triton kernels for the paged KV cache: store, split-KV decode attention, paged prefill attention.
+
+Cache layout per layer (see attention.py): [num_blocks, 2 (K|V), block_size, kv_heads, head_dim].
+A token's K for one head is head_dim contiguous elements (256 B at head_dim 128 in bf16: two whole
+128-byte segments), and consecutive tokens of a block are kv_heads * head_dim apart, so a tile of
+BLOCK_N tokens is BLOCK_N row loads of whole segments.
+
+Decode follows flash-decoding: the KV range of each sequence is split across programs so a single
+long sequence still occupies every SM; each program handles one KV head and all the query heads that
+share it (GQA), so K and V are read from memory once per KV head, not once per query head. A second
+small kernel merges the splits with their log-sum-exp weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flashstack.engine.kernels.attention import AttentionMetadata
+
+# Programs per SM the split heuristic aims for: enough to hide memory latency, few enough that the
+# merge stays negligible.
+_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_vt,
+    stride_cb, stride_ckv, stride_cs,
+    block_size,
+    HD: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    valid = slot >= 0  # padded slots (CUDA-graph padding) are -1 and write nothing
+    slot = tl.maximum(slot, 0)
+    blk = (slot // block_size).to(tl.int64)
+    off = slot % block_size
+    cols = tl.arange(0, BLOCK_HD)
+    mask = (cols < HD) & valid
+    k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
+    dst = cache_ptr + blk * stride_cb + off * stride_cs + cols
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kvcache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v [num_tokens, kv_heads, head_dim] into `kv_cache` at `slot_mapping` (-1 = skip)."""
+    num_tokens, heads, dim = k.shape
+    assert k.stride(-1) == 1 and k.stride(-2) == dim and v.stride(-1) == 1 and v.stride(-2) == dim
+    hd = heads * dim
+    _store_kv_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), v.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.shape[2],
+        HD=hd, BLOCK_HD=triton.next_power_of_2(hd),
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, cache_ptr, tables_ptr, ctx_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    stride_tb,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    scale, block_size, window, tokens_per_split,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, ctx)
+    if window > 0:
+        lo = tl.maximum(lo, ctx - window)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    gmask = g < G
+    dmask = d < D
+    heads = hkv * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = (q * scale).to(cache_ptr.dtype.element_ty)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        blk = tl.load(tables_ptr + b * stride_tb + n // block_size, mask=nmask, other=0)
+        row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
+             out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    num_splits,
+    S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    smask = s < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    parts = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_num_splits(batch: int, kv_heads: int, max_context_len: int, block_n: int, sm_count: int) -> int:
+    """Splits per sequence so batch × kv_heads × splits fills the GPU, never smaller than one tile."""
+    want = math.ceil(_PROGRAMS_PER_SM * sm_count / max(1, batch * kv_heads))
+    return max(1, min(want, math.ceil(max_context_len / block_n)))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits still exercise the merge
+
+
+def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float, max_context_len: int,
+                        sliding_window: int | None = None, num_splits: int | None = None,
+                        block_n: int = 64) -> torch.Tensor:
+    """One query per sequence, q [batch, heads, head_dim], over the paged cache; returns like q.
+
+    `max_context_len` fixes the grid (and must bound every context length); pass the engine's
+    max_model_len when capturing a CUDA graph, so one graph serves every step.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = kv_cache.shape[3]
+    group = heads // kv_heads
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, _sm_count(q.device))
+    tokens_per_split = math.ceil(max_context_len / num_splits / block_n) * block_n
+    part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    d_pad = triton.next_power_of_2(dim)
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, kv_cache, block_tables, context_lens, part, lse,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale, kv_cache.shape[2], sliding_window or 0, tokens_per_split,
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
+    )
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(batch, heads)](
+        part, lse, out,
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        num_splits,
+        S_PAD=max(2, triton.next_power_of_2(num_splits)), D=dim, D_PAD=d_pad,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr,
+    stride_qt, stride_qh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    stride_tb,
+    stride_ot, stride_oh,
+    scale, block_size, window,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    mtile = tl.program_id(2)
+    q_begin = tl.load(qstart_ptr + seq)
+    q_len = tl.load(qstart_ptr + seq + 1) - q_begin
+    if mtile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    hkv = h // G
+    i = mtile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence's chunk
+    imask = i < q_len
+    qpos = ctx - q_len + i  # absolute position of each query
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    q = tl.load(q_ptr + (q_begin + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=imask[:, None] & dmask[None, :], other=0.0)
+    q = (q * scale).to(cache_ptr.dtype.element_ty)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    tile_pos = ctx - q_len + mtile * BLOCK_M  # position of the tile's first query
+    last = tl.minimum(ctx, tile_pos + BLOCK_M)  # causal: no key past the tile's last query
+    first = tl.where(window > 0, tl.maximum(tile_pos - window + 1, 0), 0)
+    first = (first // BLOCK_N) * BLOCK_N
+    for start in range(first, last, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < last
+        blk = tl.load(tables_ptr + seq * stride_tb + n // block_size, mask=nmask, other=0)
+        row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
+        if window > 0:
+            allowed = allowed & (n[None, :] > qpos[:, None] - window)
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (q_begin + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=imask[:, None] & dmask[None, :])
+
+
+def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         sliding_window: int | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache,
+    cached prefixes included (the queries are the last query_len positions of each context)."""
+    num_tokens, heads, dim = q.shape
+    group = heads // kv_cache.shape[3]
+    out = torch.empty_like(q)
+    grid = (meta.num_seqs, heads, triton.cdiv(meta.max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, out,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        meta.block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale, kv_cache.shape[2], sliding_window or 0,
+        G=group, D=dim, D_PAD=triton.next_power_of_2(dim), BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out
+
+
+def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """The Triton backend's attention: split-KV decode for decode-only steps, paged prefill otherwise."""
+    if meta.is_decode_only:
+        max_len = meta.scratch.get("graph_max_context_len", meta.max_context_len)
+        return paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, scale, max_len,
+                                   sliding_window)
+    return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window)

@@ -1,0 +1,118 @@
+"""Sampling: seeded reproducibility, filters, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashstack.engine import SamplingParams
+from flashstack.engine.sampling import apply_penalties, filter_logits, sample
+from tests.engine.helpers import check_engine
+
+PROMPTS = ["def main():", "import sys\n", "class Foo:"]
+
+
+def test_same_seed_same_tokens_regardless_of_batch(tiny_llm) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = tiny_llm.generate(PROMPTS[0], params)[0].token_ids
+    batched = tiny_llm.generate(PROMPTS, params)
+    assert batched[0].token_ids == alone
+    again = tiny_llm.generate(PROMPTS[0], params)[0].token_ids
+    assert again == alone
+
+
+def test_different_seeds_differ(tiny_llm) -> None:
+    outs = [
+        tiny_llm.generate(
+            PROMPTS[0], SamplingParams(temperature=1.5, seed=s, max_tokens=16, ignore_eos=True)
+        )[0].token_ids
+        for s in (1, 2)
+    ]
+    assert outs[0] != outs[1]
+
+
+def test_top_k_one_is_greedy(tiny_llm) -> None:
+    greedy = tiny_llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    topk1 = tiny_llm.generate(
+        PROMPTS, SamplingParams(temperature=0.9, top_k=1, seed=3, max_tokens=8, ignore_eos=True)
+    )
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1]
+
+
+def test_filters_mask_exactly() -> None:
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    kept = lambda p: torch.isfinite(filter_logits(logits.clone(), p)).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(SamplingParams(top_k=2)) == [0, 1]
+    probs = logits.softmax(-1)
+    assert kept(SamplingParams(top_p=float(probs[0]) + 1e-4)) == [
+        0,
+        1,
+    ]  # first token alone is not enough
+    assert kept(SamplingParams(top_p=float(probs[0]) - 1e-4)) == [0]
+    assert kept(SamplingParams(min_p=math.exp(-1.5))) == [0, 1]  # keeps p >= min_p * p_max
+    assert kept(SamplingParams(top_p=1e-6)) == [0]  # the top token always survives
+
+
+def test_penalties_follow_vllm_semantics() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0])
+    rep = apply_penalties(logits.clone(), SamplingParams(repetition_penalty=2.0), [0], [1])
+    assert rep.tolist() == [1.0, -4.0, 1.0, 1.0]
+    pf = apply_penalties(
+        logits.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [2], [3, 3]
+    )
+    assert pf.tolist() == [2.0, -2.0, 1.0, 1.0 - 0.5 - 0.5]  # prompt tokens are not penalised
+
+
+def test_repetition_penalty_changes_greedy_output(tiny_llm) -> None:
+    base = tiny_llm.generate(
+        "x = x + x", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )[0]
+    pen = tiny_llm.generate(
+        "x = x + x",
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=5.0),
+    )[0]
+    assert len(set(pen.token_ids)) >= len(set(base.token_ids))
+    assert pen.token_ids != base.token_ids
+
+
+def test_logprobs_top_n() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    res = sample(logits, [SamplingParams(temperature=0, logprobs=2)], [[0]], [[]], [None])
+    lp = res.logprobs[0]
+    assert res.token_ids == [3] and set(lp) == {3, 2}
+    assert lp[3] == pytest.approx(float(logits.log_softmax(-1)[0, 3]))
+
+
+def test_engine_returns_logprobs(tiny_llm) -> None:
+    out = tiny_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tid, lp in zip(out.token_ids, out.logprobs):
+        assert max(lp, key=lp.get) == tid and 3 <= len(lp) <= 4 and all(v <= 0 for v in lp.values())
+
+
+def test_bad_params_are_rejected() -> None:
+    for bad in (
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(max_tokens=0),
+        dict(min_p=2),
+        dict(top_k=-5),
+    ):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_sampling_keeps_invariants(tiny_llm) -> None:
+    tiny_llm.step_hook = check_engine
+    tiny_llm.generate(
+        PROMPTS,
+        [
+            SamplingParams(temperature=0.7, top_k=20, min_p=0.01, seed=i, max_tokens=8)
+            for i in range(3)
+        ],
+    )
+    tiny_llm.step_hook = None

@@ -1,0 +1,129 @@
+"""Scheduler without a model: budgets, decode first, chunking, preemption, abort, priority."""
+
+from __future__ import annotations
+
+from flashstack.engine.block_manager import BlockManager
+from flashstack.engine.config import EngineConfig
+from flashstack.engine.sampling import SamplingParams
+from flashstack.engine.scheduler import Scheduler
+from flashstack.engine.sequence import Sequence, SequenceStatus
+
+EOS = 0
+
+
+def make(num_blocks: int = 64, block_size: int = 4, **kw) -> Scheduler:
+    cfg = EngineConfig(model="unused", block_size=block_size, max_model_len=1024, **kw)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), {EOS})
+
+
+def seq(n: int, max_tokens: int = 4, priority: int = 0) -> Sequence:
+    return Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), priority=priority)
+
+
+def step(s: Scheduler, token: int = 7):
+    """One scheduler step with a fake model that samples `token` wherever a prefill is complete."""
+    batch = s.schedule()
+    sampled = [
+        token if sq.num_computed_tokens + n == len(sq) else None
+        for sq, n in zip(batch.seqs, batch.num_new_tokens)
+    ]
+    s.postprocess(batch, sampled)
+    s.block_manager.check_invariants(s.seqs)
+    return batch
+
+
+def test_token_budget_and_chunked_prefill() -> None:
+    s = make(max_num_batched_tokens=5)
+    a = seq(12)
+    s.add(a)
+    sizes = [step(s).num_new_tokens for _ in range(3)]
+    assert sizes == [[5], [5], [2]] and a.num_output_tokens == 1
+    assert s.num_chunked_prefills == 2
+
+
+def test_without_chunking_a_prompt_waits_for_a_full_budget() -> None:
+    s = make(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    a, b = seq(6), seq(6)
+    s.add(a)
+    s.add(b)
+    batch = step(s)
+    assert batch.seqs == [a]  # b does not fit the remaining 2 tokens and is not chunked
+
+
+def test_decode_first_then_admissions() -> None:
+    s = make(max_num_batched_tokens=4)
+    a = seq(3, max_tokens=10)
+    s.add(a)
+    step(s)
+    b = seq(8)
+    s.add(b)
+    batch = step(s)
+    assert batch.seqs[0] is a and batch.num_new_tokens == [1, 3]
+
+
+def test_preemption_recomputes_and_finishes_everything() -> None:
+    s = make(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    seqs = [seq(7, max_tokens=6) for _ in range(2)]
+    for q in seqs:
+        s.add(q)
+    while s.has_unfinished():
+        step(s)
+    assert s.num_preemptions > 0
+    assert all(q.finish_reason == "length" and q.num_output_tokens == 6 for q in seqs)
+    assert s.block_manager.num_free_blocks == 5
+
+
+def test_abort_frees_blocks_immediately() -> None:
+    s = make(num_blocks=16)
+    a, b = seq(9, max_tokens=50), seq(5, max_tokens=50)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.abort(a.request_id) is a
+    assert a.status is SequenceStatus.FINISHED and a.finish_reason == "abort" and not a.block_table
+    s.block_manager.check_invariants(s.seqs)
+    assert s.abort("missing") is None
+    s.abort(b.request_id)
+    assert s.block_manager.num_free_blocks == 16 and not s.has_unfinished()
+
+
+def test_priority_policy_admits_lowest_value_first() -> None:
+    s = make(max_num_seqs=1, scheduling_policy="priority")
+    low, high = seq(3, priority=5), seq(3, priority=-1)
+    s.add(low)
+    s.add(high)
+    assert step(s).seqs == [high]
+    fcfs = make(max_num_seqs=1)
+    first, second = seq(3, priority=5), seq(3, priority=-1)
+    fcfs.add(first)
+    fcfs.add(second)
+    assert step(fcfs).seqs == [first]
+
+
+def test_priority_preemption_evicts_lowest_priority() -> None:
+    s = make(num_blocks=4, block_size=4, scheduling_policy="priority")
+    vip, bulk = seq(7, max_tokens=8, priority=0), seq(7, max_tokens=8, priority=9)
+    s.add(vip)
+    s.add(bulk)
+    step(s)
+    while vip.status is not SequenceStatus.FINISHED:
+        step(s)
+        assert vip.num_preemptions == 0
+    assert bulk.num_preemptions > 0
+
+
+def test_eos_and_stop_token_ids_finish() -> None:
+    s = make()
+    a = seq(3, max_tokens=10)
+    s.add(a)
+    step(s, token=EOS)
+    assert a.finish_reason == "stop" and a.stop_reason == EOS
+    b = Sequence([1, 2], SamplingParams(max_tokens=10, stop_token_ids=[42]))
+    s.add(b)
+    step(s, token=42)
+    assert b.finish_reason == "stop" and b.stop_reason == 42
+    c = Sequence([1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    s.add(c)
+    step(s, token=EOS)
+    step(s, token=EOS)
+    assert c.finish_reason == "length" and c.output_token_ids == [EOS, EOS]
