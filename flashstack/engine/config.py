@@ -28,8 +28,10 @@ class EngineConfig:
     attention_backend: str = (
         "auto"  # "auto", "reference", or a name registered in kernels.attention
     )
+    enforce_eager: bool = False  # True: no CUDA graphs for decode (debugging, or to save capture time)
     show_progress: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks (GPUs, or CPU processes over gloo) sharing one model
     hf_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -39,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

@@ -26,12 +26,16 @@ from flashstack.engine.loader import (
     resolve_dtype,
     safetensors_files,
 )
+from flashstack.engine.cuda_graphs import graph_buckets
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.model_runner import ModelRunner, kv_bytes_per_block
+from flashstack.engine.models.fused import fuse_model
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.scheduler import Scheduler
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.tokenizer import Tokenizer
+from flashstack.engine.worker import DriverRunner, launch
 
 Prompt = str | list[int]
 _GiB = 1 << 30
@@ -57,11 +61,17 @@ class LLMEngine:
         path = Path(config.model)
         config.hf_config = hf = read_hf_config(path)
         self.device = resolve_device(config.device)
+        # Tensor parallel: ranks 1..N-1 start loading their shards while this rank loads its own.
+        self.workers = launch(config, self.device) if config.tensor_parallel_size > 1 else None
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
+            if self.device.type == "cuda":
+                fuse_model(self.model)
             num_blocks = self._size_kv_cache(progress)
+        if self.workers is not None:  # every rank's cache gets rank 0's block count
+            num_blocks = self.workers.tp.broadcast_int(num_blocks)
         self._set_max_model_len(num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -72,14 +82,21 @@ class LLMEngine:
                 hf["eos_token_id"] if isinstance(hf["eos_token_id"], list) else [hf["eos_token_id"]]
             )
         self.scheduler = Scheduler(config, self.block_manager, eos)
-        self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
+        self.runner = (
+            ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
+            if self.workers is None
+            else DriverRunner(config, self.model, num_blocks, self.device, self.dtype, self.workers)
+        )
+        if self._use_graphs():
+            self._capture_graphs()
         self.requests: dict[str, RequestState] = {}
         self._aborted: list[StreamDelta] = []
 
     def _load(self, path: Path, progress: Progress):
         files = safetensors_files(path)
         task = progress.add_task(f"loading {path.name}", total=count_tensors(files))
-        return load_model(path, self.dtype, self.device, lambda: progress.advance(task))
+        tp = self.workers.tp if self.workers is not None else None
+        return load_model(path, self.dtype, self.device, lambda: progress.advance(task), tp)
 
     def _size_kv_cache(self, progress: Progress) -> int:
         cfg = self.config
@@ -102,20 +119,55 @@ class LLMEngine:
         progress.advance(task)
         return int(num_blocks)
 
+    def _use_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.runner.backend.name == "triton"
+
+    def _capture_graphs(self) -> None:
+        with _progress(self.config.show_progress) as progress:
+            buckets = graph_buckets(self.config.max_num_seqs)
+            task = progress.add_task("capturing CUDA graphs", total=len(buckets))
+            self.runner.capture_graphs(self.config.max_model_len, lambda: progress.advance(task))
+
     def _cuda_kv_budget(self) -> int:
-        # Without a profiling run yet: reserve room for one max-size batch of activations (GPU issue
-        # refines).
+        # What is left of gpu_memory_utilization once the weights, the measured peak of the largest
+        # step's activations and the decode graphs' pool are accounted for.
         gc.collect()  # caches of engines already dropped still count as used until collected
         torch.cuda.empty_cache()
+        activations = self._profile_activations()
         free, total = torch.cuda.mem_get_info(self.device)
-        a = self.model.args
-        activations = (
-            self.config.max_num_batched_tokens * (4 * a.hidden_size + 3 * a.intermediate_size) * 4
-        )
         used = total - free
-        return int(
-            total * self.config.gpu_memory_utilization - used - activations - 256 * (1 << 20)
+        graph_pool = 0 if self.config.enforce_eager else 512 * (1 << 20)
+        return int(total * self.config.gpu_memory_utilization - used - activations - graph_pool)
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """Peak activation bytes of the largest step, measured by running it once on dummy tokens."""
+        cfg, a = self.config, self.model.args
+        n = min(cfg.max_num_batched_tokens, self._declared_max_len())
+        blocks = -(-n // cfg.block_size)
+        caches = [
+            torch.zeros(blocks, 2, cfg.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(a.num_layers)
+        ]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev), block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
+            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            block_size=cfg.block_size, max_query_len=n, max_context_len=n, query_lens_host=[n], context_lens_host=[n],
         )
+        backend = get_attention_backend(cfg.attention_backend, dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.arange(n, device=dev), meta, caches, backend)
+        self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
 
     def _declared_max_len(self) -> int:
         hf_len = self.config.hf_config.get("max_position_embeddings", 2048)
@@ -233,6 +285,11 @@ class LLMEngine:
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
         return deltas
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also done when the engine is collected)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def output(self, request_id: str) -> RequestOutput | None:
         """Current output of a live request."""

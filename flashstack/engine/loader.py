@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
+from flashstack.engine.models.parallel import checkpoint_slices, shard_model
+
+if TYPE_CHECKING:
+    from flashstack.engine.distributed import TensorParallel
 
 _DTYPES = {
     "float32": torch.float32,
@@ -78,11 +82,16 @@ def count_tensors(files: list[Path]) -> int:
     return total
 
 
-def build_model(hf: dict[str, Any], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Allocate an uninitialised model (weights come from the checkpoint)."""
+def build_model(
+    hf: dict[str, Any], dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> LlamaForCausalLM:
+    """Allocate an uninitialised model (weights come from the checkpoint); `tp`: this rank's shard."""
     cls = model_class(hf)
     with torch.device("meta"):
-        model = cls(cls.args_from_hf(hf)).to(dtype)
+        model = cls(cls.args_from_hf(hf))
+        if tp is not None:
+            shard_model(model, tp)
+        model = model.to(dtype)
     model.to_empty(device=device)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -94,18 +103,31 @@ def build_model(hf: dict[str, Any], dtype: torch.dtype, device: torch.device) ->
     return model.eval()
 
 
+def _copy_in(param: torch.Tensor, sf: Any, key: str, where: tuple[int, int, int] | None) -> None:
+    # A tensor-parallel shard reads only its slice from the mmap (see models/parallel.py).
+    if where is None:
+        param.copy_(sf.get_tensor(key))
+        return
+    dim, start, stop = where
+    part = sf.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+    if part.shape[dim] < param.shape[dim]:
+        param.zero_()  # the last vocabulary part is padded so every rank's logits gather evenly
+    param.narrow(dim, 0, part.shape[dim]).copy_(part)
+
+
 def load_weights(
     model: LlamaForCausalLM, files: list[Path], on_tensor: Callable[[], None] | None = None
 ) -> None:
     """Copy every checkpoint tensor into the model; raise if a parameter stays unset."""
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = set(dict(model.named_parameters()))
+    slices = checkpoint_slices(model)
     with torch.no_grad():
         for f in files:
             with safe_open(str(f), framework="pt") as sf:  # mmap: only touched pages are read
                 for key in sf.keys():
                     if key in params:
-                        params[key].copy_(sf.get_tensor(key))
+                        _copy_in(params[key], sf, key, slices.get(key))
                         missing.discard(key)
                     if on_tensor is not None:
                         on_tensor()
@@ -120,8 +142,9 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     on_tensor: Callable[[], None] | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """config.json + safetensors -> a ready model in eval mode."""
-    model = build_model(read_hf_config(path), dtype, device)
+    """config.json + safetensors -> a ready model in eval mode (`tp`: only this rank's shard)."""
+    model = build_model(read_hf_config(path), dtype, device, tp)
     load_weights(model, safetensors_files(path), on_tensor)
     return model

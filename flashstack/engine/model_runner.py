@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from flashstack.engine.config import EngineConfig
+from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.sampling import sample
@@ -58,6 +59,31 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.backend = get_attention_backend(config.attention_backend, device)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_model_len: int, on_bucket=None) -> None:
+        """Capture decode CUDA graphs for every batch bucket (CUDA and a graph-safe backend only)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.config.block_size,
+                                   max_model_len, self.config.max_num_seqs, self.device)
+        self.graphs.capture(on_bucket)
+
+    def _graph_logits(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits from a graph replay when the batch is a plain decode step that fits one."""
+        graphs = self.graphs
+        if graphs is None or len(batch.seqs) > graphs.max_batch or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        bs = self.config.block_size
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for seq in batch.seqs:
+            p = seq.num_computed_tokens
+            if p + 1 != len(seq.token_ids):
+                return None
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            tables.append(seq.block_table)
+            lens.append(p + 1)
+        return graphs.run(ids, positions, slots, tables, lens)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -112,15 +138,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run the batch; a sampled token per sequence whose prefill is complete, else None."""
-        inputs = self.prepare(batch)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend
-        )
+        logits = self._graph_logits(batch)
+        if logits is not None:
+            sample_seqs = list(range(len(batch.seqs)))
+        else:
+            inputs = self.prepare(batch)
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend
+            )
+            sample_seqs = inputs.sample_seqs
+            if sample_seqs:
+                logits = self.model.compute_logits(hidden[inputs.sample_rows])
         sampled: list[int | None] = [None] * len(batch.seqs)
-        if not inputs.sample_seqs:
+        if not sample_seqs:
             return sampled
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        seqs = [batch.seqs[i] for i in inputs.sample_seqs]
+        seqs = [batch.seqs[i] for i in sample_seqs]
         result = sample(
             logits,
             [s.params for s in seqs],
@@ -128,9 +160,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [self._generator(s) for s in seqs],
         )
-        for i, seq, token_id, lp in zip(
-            inputs.sample_seqs, seqs, result.token_ids, result.logprobs
-        ):
+        for i, seq, token_id, lp in zip(sample_seqs, seqs, result.token_ids, result.logprobs):
             sampled[i] = token_id
             if lp is not None:
                 seq.logprobs.append(lp)

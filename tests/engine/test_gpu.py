@@ -30,3 +30,24 @@ def test_cuda_bf16_and_seeded_sampling(tiny_model_dir) -> None:
     assert all(len(o.token_ids) == 16 for o in out)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
     assert llm.generate("hello", params)[0].token_ids == llm.generate("hello", params)[0].token_ids
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_graphs_and_eager_agree_with_transformers(enforce_eager: bool, hf_checkpoints) -> None:
+    path, model = hf_checkpoints["llama"]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53)), [9] * 40]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    llm = LLM(path, block_size=16, device="cuda", dtype="float32", show_progress=False,
+              enforce_eager=enforce_eager, max_num_seqs=8)
+    assert (llm.engine.runner.graphs is None) == enforce_eager
+    assert llm.engine.runner.backend.name == "triton"
+    assert run_checked(llm, prompts, greedy(12)) == refs
+
+
+def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
+    path, model = hf_checkpoints["qwen3"]
+    prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
+    refs = [hf_greedy(model, p, 16) for p in prompts]
+    llm = LLM(path, block_size=16, device="cuda", dtype="float32", show_progress=False,
+              num_kv_blocks=12, max_num_seqs=6)
+    assert run_checked(llm, prompts, greedy(16)) == refs

@@ -180,8 +180,22 @@ def register_attention_backend(backend: AttentionBackend) -> None:
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """Resolve a backend name ('auto' picks the fastest one registered for this device)."""
+    if device.type == "cuda" and "triton" not in _BACKENDS:
+        _register_triton()
     if name == "auto":
         name = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
     return _BACKENDS[name]
+
+
+def _register_triton() -> None:
+    # Imported lazily: triton is only needed (and only compiles) on CUDA devices.
+    try:
+        from flashstack.engine.kernels.triton_attention import (
+            paged_attention_triton,
+            store_kvcache_triton,
+        )
+    except ImportError:
+        return
+    register_attention_backend(AttentionBackend("triton", store_kvcache_triton, paged_attention_triton))

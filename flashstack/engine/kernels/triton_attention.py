@@ -73,6 +73,7 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     scale, block_size, window, tokens_per_split,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -100,14 +101,14 @@ def _decode_split_kernel(
         row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k))
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
@@ -138,6 +139,11 @@ def _merge_splits_kernel(
                     mask=smask[:, None] & (d[None, :] < D), other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _precision(kv_cache: torch.Tensor) -> str:
+    # fp32 caches are for exactness checks: keep their dot products in full precision, not tf32.
+    return "ieee" if kv_cache.dtype == torch.float32 else "tf32"
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_context_len: int, block_n: int, sm_count: int) -> int:
@@ -179,6 +185,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         lse.stride(0), lse.stride(1),
         scale, kv_cache.shape[2], sliding_window or 0, tokens_per_split,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
+        PREC=_precision(kv_cache),
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, heads)](
@@ -201,6 +208,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     scale, block_size, window,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -233,7 +241,7 @@ def _prefill_kernel(
         row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k))
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
         if window > 0:
             allowed = allowed & (n[None, :] > qpos[:, None] - window)
@@ -244,7 +252,7 @@ def _prefill_kernel(
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_begin + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -267,6 +275,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
         out.stride(0), out.stride(1),
         scale, kv_cache.shape[2], sliding_window or 0,
         G=group, D=dim, D_PAD=triton.next_power_of_2(dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC=_precision(kv_cache),
     )
     return out
 

@@ -141,6 +141,10 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        if getattr(self, "fused", False):  # the CUDA fast path (models/fused.py)
+            from flashstack.engine.models.fused import fused_forward
+
+            return fused_forward(self, input_ids, positions, meta, kv_caches, backend)
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)  # shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -1,0 +1,185 @@
+"""Decode step time of the Llama-3-8B shape (bf16, random weights) vs its memory-bandwidth floor,
+transformers `generate` in the same run, plus greedy-token agreement with transformers.
+
+    PYTHONPATH=. python3 bench/engine_decode.py --json out.json
+
+Prints one JSON object. The floor is the bytes a step must read (every weight but the embedding
+table, which is only indexed, plus the KV cache of every sequence) over the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._shapes import LLAMA3_8B, random_hf_model, save_checkpoint  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# A CPU smoke-test shape: same code path, seconds instead of minutes.
+TINY = {**LLAMA3_8B, "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+
+COPY_BW = 4.26e12  # bytes/s, device-to-device copy measured on the H200 (shared/GPU.md)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    emb = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - emb.numel() * emb.element_size()
+
+
+def kv_bytes_read(shape: dict, batch: int, context: int) -> int:
+    return batch * context * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+
+
+def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 900, (batch, length), generator=g).tolist()
+
+
+@torch.inference_mode()
+def hf_step_ms(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    ids = torch.tensor(prompts(batch, prompt_len), device=DEVICE)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+    _sync()
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    _sync()
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    _sync()
+    return (time.perf_counter() - t - prefill) / (new_tokens - 1) * 1000
+
+
+@torch.inference_mode()
+def hf_greedy(model, batch_prompts: list[list[int]], n: int) -> list[list[int]]:
+    ids = torch.tensor(batch_prompts, device=DEVICE)
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def our_step_ms(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for p in prompts(batch, prompt_len, seed=1):
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()  # prefill (chunked) until every sequence has its first token
+    _sync()
+    t = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    _sync()
+    return (time.perf_counter() - t) / steps * 1000
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions equal up to the first divergence of each sequence (then counted as misses)."""
+    same = total = 0
+    for x, y in zip(a, b):
+        total += len(x)
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            same += 1
+    return same / total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hf-batches", default="1,32")
+    ap.add_argument("--block-sizes", default="256")
+    ap.add_argument("--eager", action="store_true", help="also measure without CUDA graphs")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    result: dict = {"shape": "llama3-8b", "dtype": "bfloat16", "prompt_len": args.prompt_len,
+                    "new_tokens": args.new_tokens, "copy_bw_tb_s": COPY_BW / 1e12,
+                    "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}
+    shape = TINY if args.tiny else LLAMA3_8B
+
+    def dump() -> None:
+        text = json.dumps(result, indent=2)
+        if args.json:
+            args.json.write_text(text)
+        print(text, flush=True)
+
+    root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    hf = random_hf_model(shape, DEVICE)
+    wbytes = weight_bytes_read(hf)
+    result["weight_bytes_read"] = wbytes
+    t = time.perf_counter()
+    save_checkpoint(hf, root / "llama3-8b")
+    result["checkpoint_write_s"] = round(time.perf_counter() - t, 1)
+    ctx = args.prompt_len + args.new_tokens // 2
+    try:
+        result["transformers"] = {str(b): round(hf_step_ms(hf, b, args.prompt_len, args.new_tokens), 3)
+                                  for b in (int(x) for x in args.hf_batches.split(","))}
+    except Exception:
+        result["transformers_error"] = traceback.format_exc()[-2000:]
+    agree_prompts = [[t % shape["vocab_size"] for t in p] for p in prompts(8, 64, seed=2)]
+    hf_tokens = hf_greedy(hf, agree_prompts, 64)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    dump()
+
+    from flashstack.engine import LLM, SamplingParams
+
+    runs = [(bs, False) for bs in (int(x) for x in args.block_sizes.split(","))]
+    if args.eager:
+        runs.append((runs[0][0], True))
+    for block_size, eager in runs:
+        key = f"flashstack_bs{block_size}" + ("_eager" if eager else "")
+        try:
+            t = time.perf_counter()
+            llm = LLM(str(root / "llama3-8b"), block_size=block_size, max_num_seqs=max(batches), dtype="bfloat16",
+                      enforce_eager=eager, gpu_memory_utilization=0.85, max_model_len=4096, show_progress=False,
+                      device=DEVICE)
+            entry: dict = {"load_s": round(time.perf_counter() - t, 1), "steps": {}}
+            ours = [o.token_ids for o in llm.generate(agree_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))]
+            entry["greedy_agreement_vs_transformers"] = round(agreement(ours, hf_tokens), 4)
+            for b in batches:
+                ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
+                floor = (wbytes + kv_bytes_read(shape, b, ctx)) / COPY_BW * 1000
+                entry["steps"][str(b)] = {"ms_per_step": round(ms, 3), "tokens_per_s": round(b * 1000 / ms, 1),
+                                          "floor_ms": round(floor, 3), "fraction_of_floor": round(floor / ms, 3)}
+                if "transformers" in result and str(b) in result["transformers"]:
+                    entry["steps"][str(b)]["speedup_vs_transformers"] = round(result["transformers"][str(b)] / ms, 1)
+                dump()
+            result[key] = entry
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        except Exception:
+            result[key + "_error"] = traceback.format_exc()[-3000:]
+        dump()
+
+
+if __name__ == "__main__":
+    main()

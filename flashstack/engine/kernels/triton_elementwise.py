@@ -1,0 +1,117 @@
+"""Fused Triton kernels for the per-token work between matmuls: RMSNorm (+ residual add), rotary
+embedding, SiLU-and-mul.
+
+In a decode step at batch 1 each of these touches a few kilobytes; what they cost is their launch
+count. Plain torch spends ~5 kernels on an RMSNorm and ~8 on a rotary embedding; each of these is one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
+                    n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        # The sum is rounded to the activation dtype, as the unfused `x + residual` would be.
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    var = tl.sum(x * x, 0) / n_cols
+    normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    r2 = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
+    _rmsnorm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+        x2.shape[1], eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(x2.shape[1]),
+    )
+    return out.view_as(x), (res_out.view_as(x) if residual is not None else None)
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The oracle: Hugging Face's RMSNorm, after an optional residual add."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return normed, (x if residual is not None else None)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_ct, num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
+    for which in tl.static_range(2):
+        if which == 0:
+            base, stride_t, stride_h, heads = q_ptr, stride_qt, stride_qh, num_q_heads
+        else:
+            base, stride_t, stride_h, heads = k_ptr, stride_kt, stride_kh, num_k_heads
+        mask = (h < heads)[:, None]
+        p1 = base + t * stride_t + h[:, None] * stride_h + d[None, :]
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p1, (x1 * cos[None, :] - x2 * sin[None, :]).to(base.dtype.element_ty), mask=mask)
+        tl.store(p1 + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(base.dtype.element_ty), mask=mask)
+
+
+def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of q [n, Hq, D] and k [n, Hkv, D] in place; cos/sin [n, 1, D]."""
+    n, hq, dim = q.shape
+    hk = k.shape[1]
+    cos2, sin2 = cos.reshape(n, dim), sin.reshape(n, dim)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos2.stride(-1) == 1
+    _rope_kernel[(n,)](
+        q, k, cos2, sin2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0),
+        hq, hk, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)),
+    )
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :n]) * x[..., n:] for x [tokens, 2n] (a fused gate_up projection's output)."""
+    rows, two_n = x.shape
+    n = two_n // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The oracle: silu(gate) * up, in the input dtype as the unfused MLP computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

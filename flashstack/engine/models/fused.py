@@ -1,0 +1,94 @@
+"""The GPU fast path of the Llama-family decoder: fused projections and fused Triton elementwise kernels.
+
+At batch 1 a decode step is a few hundred small kernels between the weight reads, and their launch
+gaps, not the arithmetic, are what separates a step from the bandwidth floor. Concatenating the
+q/k/v and gate/up weights halves the matmul launches and lets each read one contiguous weight; the
+Triton kernels collapse RMSNorm + residual add, rotary and SiLU-and-mul into one launch each.
+The plain modules stay the CPU path and the oracle; this path is taken only on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
+
+
+def _concat_linear(parts: list[nn.Linear]) -> nn.Linear:
+    first = parts[0]
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
+
+
+def fuse_model(model: nn.Module) -> bool:
+    """Switch a loaded decoder to the fused path; returns False (and changes nothing) off CUDA."""
+    decoder = model.model
+    if decoder.embed_tokens.weight.device.type != "cuda":
+        return False
+    head_dim = model.args.head_dim
+    if head_dim & (head_dim - 1):  # the rotary kernel works on power-of-two halves
+        return False
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up_proj = _concat_linear([mlp.gate_proj, mlp.up_proj])
+        # The unfused weights would double the memory the model holds; drop them.
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+    decoder.fused = True
+    torch.cuda.empty_cache()
+    return True
+
+
+def fused_forward(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
+    """DecoderModel.forward on the fused path: same math, a fraction of the launches."""
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+    hidden = decoder.embed_tokens(input_ids)
+    cos, sin = decoder.rotary_emb(positions, hidden.dtype)
+    residual: torch.Tensor | None = None
+    for layer, kv_cache in zip(decoder.layers, kv_caches):
+        x, residual = _norm(layer.input_layernorm, hidden, residual)
+        hidden = _attention(layer.self_attn, x, cos, sin, meta, kv_cache, backend)
+        x, residual = _norm(layer.post_attention_layernorm, hidden, residual)
+        hidden = _mlp(layer.mlp, x)
+    out, _ = rmsnorm_triton(hidden, decoder.norm.weight, decoder.norm.eps, residual)
+    return out
+
+
+def _norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+    out, new_residual = rmsnorm_triton(hidden, norm.weight, norm.eps, residual)
+    return out, (hidden if residual is None else new_residual)
+
+
+def _attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, rope_triton
+
+    n, d = x.shape[0], attn.head_dim
+    q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+    qkv = attn.qkv_proj(x)
+    q = qkv[:, :q_size].view(n, attn.num_heads, d)
+    k = qkv[:, q_size:q_size + kv_size].view(n, attn.num_kv_heads, d)
+    v = qkv[:, q_size + kv_size:].view(n, attn.num_kv_heads, d)
+    if attn.qk_norm:
+        q = rmsnorm_triton(q, attn.q_norm.weight, attn.q_norm.eps)[0]
+        k = rmsnorm_triton(k, attn.k_norm.weight, attn.k_norm.eps)[0]
+    q, k = rope_triton(q, k, cos, sin)
+    backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
+    out = backend.paged_attention(q, kv_cache, meta, attn.scale, attn.sliding_window)
+    return attn.o_proj(out.reshape(n, -1))
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
+
+    return mlp.down_proj(silu_and_mul_triton(mlp.gate_up_proj(x)))

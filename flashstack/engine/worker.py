@@ -1,0 +1,149 @@
+"""Tensor-parallel ranks: rank 0's runner that broadcasts each step, and the loop of ranks 1..N-1.
+
+Rank 0 lives in the caller's process and keeps the scheduler and block manager; ranks 1..N-1 are
+spawned processes that hold their own weight shard and KV cache. Every rank's cache has the same
+number of blocks and is addressed through rank 0's block tables, so the tables are identical.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flashstack.engine.config import EngineConfig
+from flashstack.engine.distributed import (
+    StepChannel,
+    TensorParallel,
+    disable_multicast,
+    init_rank,
+    master_store,
+    rank_device,
+)
+from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
+from flashstack.engine.model_runner import ModelRunner, StepInputs
+from flashstack.engine.models import LlamaForCausalLM
+from flashstack.engine.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class WorkerGroup:
+    """Rank 0's handle on the spawned ranks; `close()` stops them and leaves the process group."""
+
+    tp: TensorParallel
+    procs: list[mp.process.BaseProcess]
+    store: dist.TCPStore  # the other ranks rendezvous here; it lives as long as the group
+    channel: StepChannel | None = None
+    closed: bool = False
+
+    def close(self) -> None:
+        """Send exit, wait briefly, then kill stragglers; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.channel is not None and all(p.is_alive() for p in self.procs):
+            try:
+                self.channel.send_exit()
+            except Exception:  # a dead rank: fall through to terminate
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
+    """Spawn ranks 1..N-1 and join the group as rank 0."""
+    world = config.tensor_parallel_size
+    disable_multicast()  # before spawning: children inherit the environment
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"tensor_parallel_size={world} needs {world} GPUs; this process sees "
+            f"{torch.cuda.device_count()}"
+        )
+    store = master_store(world)
+    ctx = mp.get_context("spawn")  # fork after torch/CUDA init is unsafe
+    procs = [
+        ctx.Process(
+            target=worker_main,
+            args=(config, rank, store.port, str(device)),
+            name=f"flashstack-tp{rank}",
+            daemon=True,
+        )
+        for rank in range(1, world)
+    ]
+    for p in procs:
+        p.start()
+    tp = init_rank(0, world, store.port, rank_device(device, 0), store)
+    return WorkerGroup(tp, procs, store)
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: the single-GPU runner plus one broadcast of the packed step inputs."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        workers: WorkerGroup,
+    ) -> None:
+        super().__init__(config, model, num_blocks, device, dtype)
+        workers.channel = StepChannel(workers.tp, config.max_num_seqs, config.block_size)
+        self.workers = workers
+        weakref.finalize(self, workers.close)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Pack the batch as the single-GPU runner does, then send it to the other ranks."""
+        inputs = super().prepare(batch)
+        assert self.workers.channel is not None
+        self.workers.channel.send(inputs)
+        return inputs
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the process group."""
+        self.workers.close()
+
+
+def _watch_parent() -> None:
+    # The header wait never times out (an idle server); leave if rank 0's process is gone.
+    parent = mp.parent_process()
+    while parent is None or parent.is_alive():
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def worker_main(config: EngineConfig, rank: int, port: int, base_device: str) -> None:
+    """Rank `rank`'s whole life: join, load its shard, size the cache as rank 0 says, run steps."""
+    threading.Thread(target=_watch_parent, daemon=True, name="tp-watch-parent").start()
+    device = rank_device(torch.device(base_device), rank)
+    tp = init_rank(rank, config.tensor_parallel_size, port, device)
+    dtype = resolve_dtype(config.dtype, read_hf_config(config.model), device)
+    model = load_model(Path(config.model), dtype, device, tp=tp)
+    num_blocks = tp.broadcast_int(0)
+    runner = ModelRunner(config, model, num_blocks, device, dtype)
+    run_steps(runner, StepChannel(tp, config.max_num_seqs, config.block_size))
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def run_steps(runner: ModelRunner, channel: StepChannel) -> None:
+    """Mirror rank 0's forward passes until it says exit; sampling happens on rank 0 only."""
+    while (inputs := channel.recv()) is not None:
+        hidden = runner.model(
+            inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend
+        )
+        if inputs.sample_rows.numel():
+            runner.model.compute_logits(hidden[inputs.sample_rows])  # joins the logits gather
