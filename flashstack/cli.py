@@ -35,11 +35,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8400)")
     serve.add_argument("--model", type=Path, action="append", default=[], help="serve a local HF model directory")
+    serve.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate chain (reloaded on change)")
+    serve.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", type=Path, help="mTLS: require client certificates signed by this CA")
     serve.set_defaults(func=_serve)
 
     models = sub.add_parser("models", help="list the models the gateway would serve")
     models.add_argument("--config", type=Path)
     models.set_defaults(func=_models)
+
+    _add_keys_parser(sub)
 
     engine = sub.add_parser("engine", help="the inference engine")
     engine_sub = engine.add_subparsers()
@@ -51,8 +56,41 @@ def _parser() -> argparse.ArgumentParser:
     eserve.add_argument("--max-num-seqs", type=int, default=None)
     eserve.add_argument("--device", default="auto")
     eserve.add_argument("--dtype", default="auto")
+    eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
     eserve.set_defaults(func=_engine_serve)
     return p
+
+
+def _add_keys_parser(sub: argparse._SubParsersAction) -> None:
+    """`flashstack keys create|list|revoke`: API keys in the database the gateway uses."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, help="YAML config naming store.database_url (default: SQLite in .flashstack)")
+    keys = sub.add_parser("keys", help="API keys (stored hashed; a new key is shown once)")
+    keys_sub = keys.add_subparsers()
+    create = keys_sub.add_parser("create", parents=[common], help="create a key and print it, once")
+    create.add_argument("--name", required=True)
+    create.add_argument("--models", help="comma-separated model names the key may use (default: all)")
+    create.add_argument("--rpm", type=int, help="requests per minute")
+    create.add_argument("--tpm", type=int, help="tokens per minute")
+    create.add_argument("--expires-in", help="lifetime: 3600, 90m, 12h or 30d (default: never)")
+    create.set_defaults(func=_keys, action="create")
+    keys_sub.add_parser("list", parents=[common], help="list keys (never their secrets)").set_defaults(
+        func=_keys, action="list"
+    )
+    revoke = keys_sub.add_parser("revoke", parents=[common], help="revoke a key by id")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=_keys, action="revoke")
+
+
+def _keys(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from flashstack.gateway.auth import keys_command
+
+    for line in asyncio.run(keys_command(load_config(args.config), args)):
+        print(line)
+    if args.action == "create":
+        console.print("[yellow]Save this key now: it is stored hashed and cannot be shown again.[/yellow]")
 
 
 def resolve_config(path: Path | None, local_models: list[Path] | None = None) -> Config:
@@ -88,15 +126,40 @@ def _serve(args: argparse.Namespace) -> None:
     config = resolve_config(args.config, args.model)
     host = args.host or config.server.host
     port = args.port or config.server.port
-    _print_models(config, host, port, from_file=args.config is not None)
-    uvicorn.run(
-        create_app(config), host=host, port=port, loop="uvloop", http="httptools",
-        log_level="warning", timeout_graceful_shutdown=5,
-    )
+    tls = _server_tls(config, args)
+    _print_models(config, host, port, from_file=args.config is not None, scheme="https" if tls else "http")
+    app = create_app(config)
+    app.state.tls = tls  # readiness reports the certificate (gateway/tls.py)
+    options = tls.start().uvicorn_options("httptools") if tls else {"http": "httptools"}
+    try:
+        # access_log=False: uvicorn would build an access-log record per request only for it to be dropped.
+        uvicorn.run(app, host=host, port=port, loop="uvloop", log_level="warning", timeout_graceful_shutdown=5,
+                    access_log=False, **options)
+    finally:
+        if tls:
+            tls.close()
 
 
-def _print_models(config: Config, host: str, port: int, from_file: bool) -> None:
-    url = f"http://{host}:{port}"
+def _server_tls(config: Config, args: argparse.Namespace):  # -> ServerTLS | None
+    """Server TLS from the config's server.tls block, with --tls-* flags taking precedence."""
+    from flashstack.config import TLSConfig
+    from flashstack.gateway.tls import ServerTLS
+
+    flags = {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if flags:
+        merged = config.server.tls.model_dump(exclude_unset=True) | flags
+        if "cert_file" in flags:
+            merged.pop("vault", None)
+        try:
+            config.server.tls = TLSConfig(**merged)
+        except ValueError as e:
+            raise ConfigError(f"invalid TLS flags: {e}") from e
+    return ServerTLS.from_config(config.server.tls)
+
+
+def _print_models(config: Config, host: str, port: int, from_file: bool, scheme: str = "http") -> None:
+    url = f"{scheme}://{host}:{port}"
     console.print(f"[bold]flashstack gateway[/bold] on {url}  (OpenAI: {url}/v1/chat/completions, Anthropic: {url}/v1/messages)")
     if not config.models:
         console.print("[yellow]no models configured[/yellow]")
@@ -122,6 +185,8 @@ def _engine_serve(args: argparse.Namespace) -> None:
     from flashstack.engine.server import serve
 
     extra = {k: v for k, v in {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs}.items() if v}
+    if args.tp > 1:
+        extra["tensor_parallel_size"] = args.tp
     serve(str(args.model), host=args.host, port=args.port, device=args.device, dtype=args.dtype, **extra)
 
 

@@ -38,6 +38,16 @@ class ModelConfig(BaseModel):
     context_window: int | None = None
     max_output_tokens: int | None = None
     weight: float = 1.0
+    # Router (see RouterConfig): a stable deployment id, and where to go when this model fails.
+    id: str | None = None  # default "<name>#<n>"; names the deployment in headers, metrics, Redis
+    fallbacks: list[str] = Field(default_factory=list)
+    context_window_fallbacks: list[str] = Field(default_factory=list)
+    content_policy_fallbacks: list[str] = Field(default_factory=list)
+    ttft_timeout: float | None = None  # overrides router.ttft_timeout for this deployment
+    # Upstream mTLS (gateway/tls.py): our client certificate, and the CA that signs the upstream's.
+    tls_client_cert: Path | None = None  # PEM certificate (chain) presented to the upstream
+    tls_client_key: Path | None = None  # its PEM private key
+    tls_ca_bundle: Path | None = None  # verify the upstream against this CA instead of the system store
     # Extra fields the local engine takes (block_size, max_num_seqs, dtype, device, ...).
     engine: dict[str, Any] = Field(default_factory=dict)
 
@@ -45,6 +55,67 @@ class ModelConfig(BaseModel):
     @classmethod
     def _strip_slash(cls, v: str | None) -> str | None:
         return v.rstrip("/") if v else v
+
+
+# ---- TLS (gateway/tls.py, gateway/pki.py) ---------------------------------------------------
+
+
+class VaultConfig(BaseModel):
+    """Issue the server certificate from a Vault / OpenBao PKI engine and renew it before expiry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    addr: str  # https://vault.example.com:8200
+    ca_bundle: Path | None = None  # CA that signs Vault's own TLS certificate; None: the system store
+    namespace: str | None = None
+    token_env: str = "VAULT_TOKEN"  # token auth: the variable that holds the token
+    role_id_env: str = "VAULT_ROLE_ID"  # AppRole auth (used when the token variable is unset)
+    secret_id_env: str = "VAULT_SECRET_ID"
+    approle_mount: str = "approle"
+    pki_mount: str = "pki"
+    role: str  # issue from <pki_mount>/issue/<role>
+    common_name: str
+    alt_names: list[str] = Field(default_factory=list)
+    ip_sans: list[str] = Field(default_factory=list)
+    ttl: str = "24h"
+    renew_at: float = Field(2 / 3, gt=0, lt=1)  # fraction of the lifetime after which to renew
+    retry_min: float = Field(1.0, gt=0)  # backoff when Vault is unreachable: first wait, doubling…
+    retry_max: float = Field(60.0, gt=0)  # …up to this
+    timeout: float = Field(10.0, gt=0)  # seconds per Vault request
+
+
+class TLSConfig(BaseModel):
+    """Server TLS: a certificate from files (watched) or Vault, and optional client certificates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cert_file: Path | None = None  # PEM certificate chain; reloaded when it changes
+    key_file: Path | None = None
+    vault: VaultConfig | None = None  # instead of cert_file/key_file
+    client_ca_file: Path | None = None  # mTLS: clients must present a certificate signed by this CA
+    client_auth: Literal["required", "optional"] = "required"  # with client_ca_file
+    client_names: list[str] = Field(default_factory=list)  # allowed CN/SAN globs; []: any from the CA
+    min_version: Literal["TLSv1.2", "TLSv1.3"] = "TLSv1.2"
+    watch_interval: float = Field(2.0, gt=0)  # seconds between checks of cert_file/key_file
+    renew_at: float = Field(2 / 3, gt=0, lt=1)  # files: warn in readiness after this much lifetime
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None or self.vault is not None
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "TLSConfig":
+        if self.vault is not None and (self.cert_file or self.key_file):
+            raise ValueError("server.tls: set either cert_file/key_file or vault, not both")
+        if self.cert_file is not None and self.key_file is None:
+            raise ValueError("server.tls.cert_file needs server.tls.key_file (the PEM private key)")
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("server.tls.key_file needs server.tls.cert_file (the PEM certificate)")
+        if (self.client_ca_file or self.client_names) and not self.enabled:
+            raise ValueError("server.tls.client_ca_file needs a server certificate: cert_file or vault")
+        if self.client_names and not self.client_ca_file:
+            raise ValueError("server.tls.client_names needs server.tls.client_ca_file to verify against")
+        return self
 
 
 class ServerConfig(BaseModel):
@@ -55,6 +126,139 @@ class ServerConfig(BaseModel):
     max_body_bytes: int = 32 * 1024 * 1024
     stream_queue_size: int = 64  # events buffered between upstream reader and client writer
     stream_ping_interval: float = 15.0  # Anthropic `ping` events while upstream is silent
+    tls: TLSConfig = Field(default_factory=TLSConfig)  # off unless cert_file or vault is set
+
+
+class RouterConfig(BaseModel):
+    """Retries, fallbacks, circuit breakers, health checks and load balancing across deployments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_retries: int = Field(2, ge=0)  # extra attempts inside one model group before its fallbacks
+    retry_backoff: float = Field(0.1, ge=0)  # seconds before the first retry of a deployment; doubles
+    retry_backoff_max: float = Field(2.0, ge=0)
+    max_retry_after: float = Field(5.0, ge=0)  # wait for a retry-after at most this long, else move on
+    max_fallbacks: int = Field(5, ge=0, le=5)  # fallback hops after the requested model
+    default_fallbacks: list[str] = Field(default_factory=list)
+    strategy: Literal["weighted_random", "least_in_flight", "lowest_latency"] = "weighted_random"
+    ttft_timeout: float = Field(30.0, gt=0)  # stream: seconds to the first token before failing over
+    breaker_failures: int = Field(5, ge=1)  # consecutive failures that open a breaker
+    breaker_failure_rate: float = Field(0.5, gt=0, le=1)  # ...or this failure rate over the window
+    breaker_window: float = Field(30.0, gt=0)
+    breaker_min_requests: int = Field(20, ge=1)  # the rate counts only with this many in the window
+    breaker_cooldown: float = Field(30.0, gt=0)  # open → half-open after this (or the retry-after)
+    breaker_max_cooldown: float = Field(300.0, gt=0)
+    health_check_interval: float = Field(30.0, ge=0)  # seconds between active probes; 0: none
+    health_check_timeout: float = Field(2.0, gt=0)
+    redis_url: str | None = None  # shared breaker, cooldown and in-flight state across replicas
+    redis_prefix: str = "flashstack:router:"
+
+
+# ---- vision (gateway/vision.py) -------------------------------------------------------------
+
+
+class ImageTargetLimits(BaseModel):
+    """What one upstream takes per image; larger images are resized and re-encoded, others pass."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_long_edge: int | None = Field(None, gt=0)  # pixels; None: any size
+    max_bytes: int | None = Field(None, gt=0)  # decoded bytes per image; None: the gateway's cap
+
+
+def _default_target_limits() -> dict[str, ImageTargetLimits]:
+    # Anthropic: 1568 px long edge is the size it resizes to itself (8000 is the hard maximum), 5 MB
+    # per image. OpenAI takes 20 MB and scales server-side. Ollama and the engine take what they get.
+    return {
+        "anthropic": ImageTargetLimits(max_long_edge=1568, max_bytes=5 * 1024 * 1024),
+        "openai": ImageTargetLimits(max_bytes=20 * 1024 * 1024),
+    }
+
+
+class ImageURLConfig(BaseModel):
+    """Fetching http(s) image URLs: off by default, because the gateway would fetch for the caller."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    allowed_hosts: list[str] = Field(default_factory=list)  # "cdn.example.com", "*.example.com"; [] = any
+    max_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    timeout: float = Field(5.0, gt=0)  # seconds for the whole fetch, redirects included
+    max_redirects: int = Field(3, ge=0)
+    allow_private_addresses: bool = False  # loopback, private, link-local: only for trusted networks
+
+
+class VisionConfig(BaseModel):
+    """Limits on image payloads and how they are normalized for each upstream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_image_bytes: int = Field(20 * 1024 * 1024, gt=0)  # decoded bytes per image
+    max_pixels: int = Field(64_000_000, gt=0)  # width × height from the header, before decoding
+    max_images_per_request: int = Field(100, ge=0)
+    urls: ImageURLConfig = Field(default_factory=ImageURLConfig)
+    targets: dict[str, ImageTargetLimits] = Field(default_factory=_default_target_limits)  # by provider
+    model_targets: dict[str, ImageTargetLimits] = Field(default_factory=dict)  # by model name; wins
+    gpu: Literal["auto", "off"] = "auto"  # nvJPEG for batches of JPEGs to resize, when CUDA is present
+    gpu_min_batch: int = Field(2, ge=1)  # fewer JPEGs to resize than this stay on the CPU
+    offload_bytes: int = Field(256 * 1024, ge=0)  # base64 above this is checked in a worker thread
+    max_concurrent: int = Field(4, ge=1)  # requests decoding images at once (bounds memory)
+
+
+# ---- sessions, API keys and rate limits (gateway/sessions/, gateway/auth.py) ---------------
+
+
+class StoreConfig(BaseModel):
+    """Where sessions and API keys live: SQLite in state_dir by default, PostgreSQL for replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    database_url: str | None = None  # None: sqlite+aiosqlite:///<state_dir>/flashstack.db (WAL)
+    db_schema: str | None = None  # PostgreSQL only: tables live in this schema (created if missing)
+    pool_size: int = Field(10, ge=1)  # PostgreSQL connections per replica (SQLite: one writer)
+    max_message_bytes: int = Field(1024 * 1024, gt=0)  # per session message; larger → 413
+    lock_timeout: float = Field(120.0, gt=0)  # seconds a turn waits for its session before a 409
+    lease_ttl: float = Field(30.0, gt=0)  # a crashed replica's session lock frees itself after this
+
+
+class AuthConfig(BaseModel):
+    """API keys and limits: off unless master_key is set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_key: str | None = None  # admin key (use env:NAME); None: no authentication at all
+    redis_url: str | None = None  # shared rate limits across replicas; None: per process
+    redis_prefix: str = "flashstack:limits:"
+    # mTLS: a verified client certificate whose CN or SAN matches a glob acts as that API key id
+    # (when the request sends no key), e.g. {"svc-*.internal": "key_0123456789abcdef"}.
+    client_cert_keys: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.master_key)
+
+
+# ---- context compression (gateway/compress.py) ---------------------------------------------
+
+CompressionMode = Literal["auto", "off", "truncate"]
+
+
+class CompressionConfig(BaseModel):
+    """When and how a conversation that outgrows its model's window is compressed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: CompressionMode = "auto"  # a request's `compression` field overrides it
+    model_modes: dict[str, CompressionMode] = Field(default_factory=dict)  # by model name; wins over mode
+    threshold: float = Field(0.85, gt=0, le=1)  # compress when prompt + output reserve > this × window
+    keep_last_turns: int = Field(4, ge=1)  # the newest messages, always kept verbatim
+    dbscan_eps: float = Field(0.35, gt=0, lt=2)  # cosine distance; picked with bench/compress_eval.py
+    summarizer: Literal["llm", "extractive"] = "extractive"  # extractive: offline, no model call
+    summarizer_model: str | None = None  # llm: a configured model name; None: the routed model
+    summary_sentences: int = Field(3, ge=1)
+    embed_threads: int = Field(2, ge=1)
+    embed_cache_size: int = Field(50_000, ge=0)  # embeddings kept in memory (1.5 KiB each)
+    cache_dir: Path | None = None  # the built ONNX models; None: <state_dir>/models
 
 
 class Config(BaseSettings):
@@ -64,6 +268,11 @@ class Config(BaseSettings):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: list[ModelConfig] = Field(default_factory=list)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    vision: VisionConfig = Field(default_factory=VisionConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
     state_dir: Path = Path(".flashstack")
 
     @model_validator(mode="after")

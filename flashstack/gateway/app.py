@@ -15,7 +15,10 @@ from starlette.responses import Response
 from flashstack.config import Config
 from flashstack.gateway import chat
 from flashstack.gateway.core import ErrorKind, GatewayError
+from flashstack.gateway.compress import Compressor
 from flashstack.gateway.router import Router
+from flashstack.gateway.sessions import api as sessions_api
+from flashstack.gateway.sessions.turns import open_sessions
 
 _STARTED = int(time.time())
 
@@ -25,22 +28,36 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.router = router or Router(config.models)
+        app.state.router = router or Router(config.models, config.router)
+        app.state.router.start()  # background health probes
+        # Context compression; its embedding model loads on the first request that needs it.
+        app.state.compressor = Compressor(config.compression, config.state_dir, app.state.router)
+        # Sessions, API keys and rate limits: the database is migrated before the first request.
+        app.state.sessions = await open_sessions(config)
+        app.state.auth = app.state.sessions.auth
         yield
+        await app.state.sessions.aclose()
+        app.state.compressor.close()
         await app.state.router.aclose()
 
     app = FastAPI(title="flashstack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     limits = chat.Limits(
-        config.server.max_body_bytes, config.server.stream_queue_size, config.server.stream_ping_interval
+        config.server.max_body_bytes, config.server.stream_queue_size, config.server.stream_ping_interval,
+        vision=config.vision,
     )
 
-    @app.post("/v1/chat/completions")
+    _add_session_routes(app, limits)
+
     async def chat_completions(request: Request) -> Response:
         return await chat.handle(chat.OPENAI, request, request.app.state.router, limits)
 
-    @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await chat.handle(chat.ANTHROPIC, request, request.app.state.router, limits)
+
+    # Plain Starlette routes for the hot path: FastAPI's per-route layer (dependency solving, exit
+    # stack) costs CPU on every request and these handlers use none of it (docs/benchmarks.md).
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/messages", messages, methods=["POST"])
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -58,11 +75,22 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
     async def liveness() -> Response:
         return chat.json_response({"status": "ok"})
 
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body = await request.app.state.router.render_metrics()
+        body += request.app.state.compressor.render_metrics()  # flashstack_compression_*
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/health/readiness")
     async def readiness(request: Request) -> Response:
         report = await request.app.state.router.readiness()
         ready = all(any(d["ok"] for d in deps) for deps in report.values()) if report else False
-        return chat.json_response({"status": "ready" if ready else "degraded", "models": report}, 200 if ready else 503)
+        body: dict[str, object] = {"models": report}
+        tls = getattr(request.app.state, "tls", None)  # gateway/tls.py ServerTLS, set by `serve`
+        if tls is not None:  # a renewal failing is a warning; only an expired certificate is unready
+            body["tls"] = tls_report = tls.status()
+            ready = ready and tls_report["status"] != "expired"
+        return chat.json_response({"status": "ready" if ready else "degraded", **body}, 200 if ready else 503)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -71,6 +99,50 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         return chat.error_response(_wire_of(request), err)
 
     return app
+
+
+def _add_session_routes(app: FastAPI, limits: chat.Limits) -> None:
+    """`/v1/sessions` (OpenAI Conversations-shaped) and `/v1/keys` (master key only)."""
+
+    @app.post("/v1/sessions")
+    async def create_session(request: Request) -> Response:
+        return await sessions_api.create_session(request, limits)
+
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request) -> Response:
+        return await sessions_api.list_sessions(request)
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request) -> Response:
+        return await sessions_api.get_session(request, session_id)
+
+    @app.post("/v1/sessions/{session_id}")
+    async def update_session(session_id: str, request: Request) -> Response:
+        return await sessions_api.update_session(request, session_id, limits)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> Response:
+        return await sessions_api.delete_session(request, session_id)
+
+    @app.post("/v1/sessions/{session_id}/messages")
+    async def post_session_message(session_id: str, request: Request) -> Response:
+        return await sessions_api.post_message(request, session_id, limits)
+
+    @app.get("/v1/sessions/{session_id}/messages")
+    async def list_session_messages(session_id: str, request: Request) -> Response:
+        return await sessions_api.list_messages(request, session_id)
+
+    @app.post("/v1/keys")
+    async def create_key(request: Request) -> Response:
+        return await sessions_api.create_key(request, limits)
+
+    @app.get("/v1/keys")
+    async def list_keys(request: Request) -> Response:
+        return await sessions_api.list_keys(request)
+
+    @app.delete("/v1/keys/{key_id}")
+    async def revoke_key(key_id: str, request: Request) -> Response:
+        return await sessions_api.revoke_key(request, key_id)
 
 
 def _wire_of(request: Request) -> chat.WireFormat:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
+from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from flashstack.config import ModelConfig
-from flashstack.gateway import validation
+from flashstack.config import ModelConfig, VisionConfig
+from flashstack.gateway import compress, overhead, validation, vision
 from flashstack.gateway.core import (
     ChatRequest,
     Error,
@@ -25,7 +26,9 @@ from flashstack.gateway.core import (
     TextDelta,
     invalid_request,
 )
-from flashstack.gateway.router import Router
+from flashstack.gateway.router import Router, RouteTrace
+from flashstack.gateway.sessions import hooks as session_hooks
+from flashstack.gateway.sessions.turns import Turn
 from flashstack.gateway.streaming import sse
 from flashstack.gateway.translate import anthropic as anthropic_t
 from flashstack.gateway.translate import openai as openai_t
@@ -77,23 +80,37 @@ class Limits:
     max_body_bytes: int
     stream_queue_size: int
     ping_interval: float
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
 
 async def handle(wire: WireFormat, request: Request, router: Router, limits: Limits) -> Response:
     """Serve one chat request; every failure becomes an error in the caller's format."""
+    trace = RouteTrace.from_header(request.headers.get("x-request-id"))  # what routing did → headers
+    clock = overhead.start()  # → X-Flashstack-Overhead-Ms: this handler's time minus the upstreams'
     try:
+        caller = await session_hooks.authenticate(request)  # 401 before the body is read
         body = await read_json(request, limits.max_body_bytes)
         req = parse(wire, body)
         check_capabilities(req, router.config_of(req.model))  # unknown model → 404 before any work
         validation.check_request(req)
-        if req.stream:
-            return await _stream(wire, req, router, limits)
-        resp = await router.complete(req)
-        if req.response_format is not None:
-            validation.check_output(req.response_format, resp.text())
-        return json_response(wire.response_json(resp, req.model))
+        # Images: decoded, checked and resized for the model's upstreams (in a thread when large).
+        await vision.prepare(req, vision.target_configs(router, req.model), limits.vision)
+        # 403/429 for the key; with X-Session-Id the session is locked and its history prepended.
+        turn = await session_hooks.begin_turn(request, req, caller, body)
+        async with turn.guard():  # a failure below is stored as the turn's error, never half a turn
+            # Over the model's window: compress (or 400 context_length_exceeded), said in x-flashstack-* headers.
+            req, squeezed = await compress.for_request(request, req, router.config_of(req.model))
+            if req.stream:
+                response = await stream_response(wire, req, turn.route(router), limits, trace, turn)
+                return overhead.stamp(clock, squeezed.stamp(response))
+            resp = await turn.route(router).complete(req, trace)
+            if req.response_format is not None:
+                validation.check_output(req.response_format, resp.text())
+            await turn.complete(resp)  # stored before the client sees the reply
+            response = json_response(wire.response_json(resp, req.model), headers=trace.headers())
+            return overhead.stamp(clock, squeezed.stamp(response))
     except GatewayError as e:
-        return error_response(wire, e)
+        return error_response(wire, e, trace.headers())
     except ClientDisconnect:
         return Response(status_code=499)
     except Exception:
@@ -155,13 +172,19 @@ def _validation_error(e: ValidationError) -> GatewayError:
     return invalid_request(f"{loc}: {first['msg']}{more}", loc or None)
 
 
-async def _stream(wire: WireFormat, req: ChatRequest, router: Router, limits: Limits) -> Response:
-    events = await router.open_stream(req)  # failures before the first byte raise here
+async def stream_response(
+    wire: WireFormat, req: ChatRequest, router: Router, limits: Limits, trace: RouteTrace, turn: Turn
+) -> Response:
+    events = await router.open_stream(req, trace)  # failures before the first byte raise here
     if req.response_format is not None:
         events = _validated(events, req)
+    events = turn.watch(events)  # the session turn is stored before the final event goes out
     body = sse(events, wire.encoder(req).encode, limits.stream_queue_size, wire.ping, limits.ping_interval)
-    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **trace.headers()}
+    # The background task runs even when the client left before the body began.
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers=headers, background=BackgroundTask(turn.close_stream)
+    )
 
 
 async def _validated(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[Event]:
@@ -186,6 +209,8 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def error_response(wire: WireFormat, err: GatewayError) -> Response:
-    headers = {"retry-after": str(max(1, round(err.retry_after)))} if err.retry_after else None
-    return json_response(wire.error_json(err), err.status, headers)
+def error_response(wire: WireFormat, err: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    headers = dict(headers or {})
+    if err.retry_after:
+        headers["retry-after"] = str(max(1, round(err.retry_after)))
+    return json_response(wire.error_json(err), err.status, headers or None)

@@ -1,31 +1,140 @@
-"""Which deployment serves a request, and what happens when it fails before the first byte."""
+"""Which deployment serves a request: balancing, retries, fallbacks and circuit breakers.
+
+A request for model M is tried on M's deployments (1 + `num_retries` attempts, a different healthy
+deployment first, backoff with jitter before a deployment is tried again), then on M's fallbacks in
+order (at most `max_fallbacks` hops). A stream may move to another deployment only until its first
+token: after that the client has bytes, and a failure becomes an error event in its format.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from flashstack.config import ModelConfig
-from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, GatewayError
+import orjson
+
+from flashstack.config import ConfigError, ModelConfig, RouterConfig
+from flashstack.gateway import balancer
+from flashstack.gateway.breaker import Breakers, counts_against_upstream
+from flashstack.gateway.core import (
+    ChatRequest,
+    ChatResponse,
+    Error,
+    ErrorKind,
+    Event,
+    Finish,
+    GatewayError,
+    Start,
+    Text,
+)
+from flashstack.gateway.health import HealthChecker, probe
+from flashstack.gateway.metrics import RouterMetrics
 from flashstack.gateway.providers import Provider, build_provider
+from flashstack.gateway.providers.base import Health
+from flashstack.gateway.state import BreakerState, Snapshot, build_state
+
+log = logging.getLogger("flashstack.router")
+T = TypeVar("T")
+
+# Upstream error codes and phrases that mean "the prompt is too long" / "refused by a content filter".
+_CONTEXT_WINDOW_HINTS = ("context_length_exceeded", "context window", "context length", "prompt is too long",
+                         "maximum context", "too many tokens")
+_CONTENT_POLICY_HINTS = ("content_policy", "content_filter", "content management policy", "safety system")
 
 
 @dataclass(slots=True)
 class Deployment:
+    """One configured upstream of a model, with what this replica knows about it."""
+
+    id: str
     cfg: ModelConfig
     provider: Provider
-    in_flight: int = 0
+    in_flight: int = 0  # this replica
+    latency: float | None = None  # EWMA of TTFT (streams) or response time, seconds
+    health: Health | None = None  # last active probe
+
+    @property
+    def weight(self) -> float:
+        return self.cfg.weight
+
+
+@dataclass(slots=True)
+class Attempt:
+    deployment: str
+    result: str  # "ok", an HTTP status, or "ttft_timeout"
+    ms: float
+
+
+@dataclass(slots=True)
+class RouteTrace:
+    """What routing did for one request; chat.py turns it into response headers."""
+
+    request_id: str = field(default_factory=lambda: "req_" + uuid.uuid4().hex[:24])
+    attempts: list[Attempt] = field(default_factory=list)
+    served_by: str | None = None
+
+    @classmethod
+    def from_header(cls, request_id: str | None) -> RouteTrace:
+        """A trace carrying the client's x-request-id when it sent a sane one."""
+        if request_id and len(request_id) <= 128 and request_id.isprintable():
+            return cls(request_id)
+        return cls()
+
+    def headers(self) -> dict[str, str]:
+        h = {"x-request-id": self.request_id, "x-flashstack-attempts": str(len(self.attempts))}
+        if self.attempts:
+            h["x-flashstack-route"] = " ".join(f"{a.deployment}={a.result}" for a in self.attempts)
+        if self.served_by:
+            h["x-flashstack-deployment"] = self.served_by
+        return h
+
+
+@dataclass(slots=True)
+class _View:
+    """A deployment as the balancer sees it for one pick."""
+
+    dep: Deployment
+    weight: float
+    in_flight: int
+    latency: float | None
 
 
 class Router:
-    """Model name → deployments; tries the next deployment on a retryable failure."""
+    """Model name → deployments, with retries, fallbacks, breakers, health checks and balancing."""
 
-    def __init__(self, models: list[ModelConfig], providers: dict[int, Provider] | None = None) -> None:
+    def __init__(self, models: list[ModelConfig], cfg: RouterConfig | None = None,
+                 providers: dict[int, Provider] | None = None) -> None:
+        self.cfg = cfg or RouterConfig()
         self.groups: dict[str, list[Deployment]] = {}
-        for i, cfg in enumerate(models):
-            provider = (providers or {}).get(i) or build_provider(cfg)
-            self.groups.setdefault(cfg.name, []).append(Deployment(cfg, provider))
+        for i, m in enumerate(models):
+            provider = (providers or {}).get(i) or build_provider(m)
+            group = self.groups.setdefault(m.name, [])
+            group.append(Deployment(m.id or f"{m.name}#{len(group)}", m, provider))
+        self._check_fallbacks(models)
+        self.metrics = RouterMetrics()
+        self.breakers = Breakers(build_state(self.cfg.redis_url, self.cfg.redis_prefix), self.cfg)
+        self.checker = HealthChecker(self.cfg.health_check_interval, self.cfg.health_check_timeout,
+                                     self._on_probe)
+
+    def _check_fallbacks(self, models: list[ModelConfig]) -> None:
+        """Every fallback must name a configured model: a typo would otherwise surface mid-outage."""
+        named = [("router.default_fallbacks", f) for f in self.cfg.default_fallbacks]
+        for m in models:
+            for field_name in ("fallbacks", "context_window_fallbacks", "content_policy_fallbacks"):
+                named += [(f"{field_name} of model {m.name!r}", f) for f in getattr(m, field_name)]
+        for where, name in named:
+            if name not in self.groups:
+                raise ConfigError(f"{where} lists {name!r}, which is not a configured model name; "
+                                  f"configured: {', '.join(self.groups) or 'none'}")
+
+    # ---- the public surface the gateway uses -------------------------------------------------
 
     def model_names(self) -> list[str]:
         return list(self.groups)
@@ -45,75 +154,326 @@ class Router:
             )
         return group
 
-    def _order(self, name: str) -> list[Deployment]:
-        group = self.deployments(name)
-        if len(group) == 1:
-            return group
-        # Weighted random order: the first pick gets the traffic, the rest are fallbacks.
-        remaining, order = list(group), []
-        while remaining:
-            pick = random.choices(remaining, [d.cfg.weight for d in remaining])[0]
-            remaining.remove(pick)
-            order.append(pick)
-        return order
+    def all_deployments(self) -> list[Deployment]:
+        return [d for group in self.groups.values() for d in group]
 
-    async def open_stream(self, request: ChatRequest) -> AsyncIterator[Event]:
-        """A stream whose first event has arrived; failures before it fall through the group."""
-        last: GatewayError | None = None
-        for dep in self._order(request.model):
-            events = dep.provider.stream(request)
-            try:
-                first = await anext(events)
-            except StopAsyncIteration:
-                last = GatewayError(ErrorKind.UPSTREAM, f"{dep.provider.name} sent an empty stream")
-                continue
-            except GatewayError as e:
-                await events.aclose()
-                if not e.retryable:
-                    raise
-                last = e
-                continue
-            return _prepend(first, events, dep)
-        assert last is not None
-        raise last
+    def start(self) -> None:
+        """Start the active health probes (needs a running event loop; idempotent)."""
+        self.checker.start(self.all_deployments())
 
-    async def complete(self, request: ChatRequest) -> ChatResponse:
-        last: GatewayError | None = None
-        for dep in self._order(request.model):
-            dep.in_flight += 1
-            try:
-                return await dep.provider.complete(request)
-            except GatewayError as e:
-                if not e.retryable:
-                    raise
-                last = e
-            finally:
-                dep.in_flight -= 1
-        assert last is not None
-        raise last
+    async def open_stream(self, request: ChatRequest, trace: RouteTrace | None = None) -> AsyncIterator[Event]:
+        """A stream whose first token has arrived; failures before it move to another deployment."""
+        return await self._route(request, trace or RouteTrace(), self._open_on)
+
+    async def complete(self, request: ChatRequest, trace: RouteTrace | None = None) -> ChatResponse:
+        """The whole response, from the first deployment (or fallback) that gives one."""
+        return await self._route(request, trace or RouteTrace(), self._complete_on)
 
     async def readiness(self) -> dict[str, list[dict[str, object]]]:
+        """Per model, per deployment: breaker state, in-flight count, last health probe."""
+        deps = self.all_deployments()
+        # Without background probes, each readiness call probes (bounded); with them, only the unprobed.
+        active = self.cfg.health_check_interval > 0
+        unprobed = [d for d in deps if d.health is None] if active else deps
+        results = await asyncio.gather(*(probe(d.provider, self.cfg.health_check_timeout) for d in unprobed))
+        for d, h in zip(unprobed, results):
+            self._on_probe(d, h)
+        snaps = await self._snapshot(deps)
         report: dict[str, list[dict[str, object]]] = {}
-        for name, group in self.groups.items():
-            for dep in group:
-                h = await dep.provider.health()
-                report.setdefault(name, []).append(
-                    {"provider": dep.provider.name, "ok": h.ok, "latency_ms": h.latency_ms, "detail": h.detail}
-                )
+        for d, s in zip(deps, snaps):
+            h = d.health or Health(False, detail="not probed")
+            report.setdefault(d.cfg.name, []).append({
+                "deployment": d.id, "provider": d.provider.name, "ok": h.ok and s.state is not BreakerState.OPEN,
+                "breaker": s.state.name.lower(), "cooldown_s": round(s.open_for, 3), "in_flight": s.in_flight,
+                "latency_ms": h.latency_ms, "detail": h.detail,
+            })
         return report
 
+    async def render_metrics(self) -> bytes:
+        """Prometheus text, with breaker states read fresh (they may be shared by other replicas)."""
+        await self._snapshot(self.all_deployments())
+        return self.metrics.render()
+
     async def aclose(self) -> None:
-        for group in self.groups.values():
-            for dep in group:
-                await dep.provider.aclose()
+        await self.checker.aclose()
+        for d in self.all_deployments():
+            await d.provider.aclose()
+        await self.breakers.aclose()
 
+    # ---- routing -----------------------------------------------------------------------------
 
-async def _prepend(first: Event, rest: AsyncIterator[Event], dep: Deployment) -> AsyncIterator[Event]:
-    dep.in_flight += 1
-    try:
-        yield first
-        async for ev in rest:
-            yield ev
-    finally:
+    async def _route(self, request: ChatRequest, trace: RouteTrace,
+                     attempt: Callable[[Deployment, ChatRequest, RouteTrace], Awaitable[T]]) -> T:
+        self.start()
+        t0 = time.perf_counter()
+        model, chain, hops = request.model, self._fallbacks(request.model), 0
+        visited = {model}
+        while True:
+            try:
+                result = await self._try_group(model, request, trace, attempt, first=hops == 0)
+            except GatewayError as e:
+                reason = _fallback_reason(e)
+                if reason is None:
+                    self._finish(request, trace, t0, f"error_{e.status}")
+                    raise
+                if reason != "error":  # a special chain replaces the ordinary one for what is left
+                    chain = self._special_fallbacks(model, reason)
+                nxt = next((m for m in chain if m not in visited and m in self.groups), None)
+                if nxt is None or hops >= self.cfg.max_fallbacks:
+                    self._finish(request, trace, t0, f"error_{e.status}")
+                    raise
+                hops += 1
+                visited.add(nxt)
+                self.metrics.fallbacks.labels(model, nxt, reason).inc()
+                _log("fallback", trace, from_model=model, to_model=nxt, reason=reason, error=e.message)
+                model = nxt
+                continue
+            self._finish(request, trace, t0, "ok")
+            return result
+
+    def _finish(self, request: ChatRequest, trace: RouteTrace, t0: float, outcome: str) -> None:
+        self.metrics.requests.labels(request.model, outcome).inc()
+        if outcome == "ok":
+            self.metrics.latency.labels(request.model, str(request.stream).lower()).observe(time.perf_counter() - t0)
+        _log("routed", trace, model=request.model, outcome=outcome, deployment=trace.served_by,
+             attempts=len(trace.attempts), ms=round((time.perf_counter() - t0) * 1000, 2))
+
+    async def _try_group(self, name: str, request: ChatRequest, trace: RouteTrace,
+                         attempt: Callable[[Deployment, ChatRequest, RouteTrace], Awaitable[T]], first: bool) -> T:
+        group = self.deployments(name)
+        self._check_window(name, group, request)
+        failed: dict[str, int] = {}  # deployment id → failures on this request
+        skip: set[str] = set()  # told to come back later than we are willing to wait
+        last: GatewayError | None = None
+        for n in range(1 + self.cfg.num_retries):
+            dep = await self._pick(name, group, failed, skip, last)
+            if dep is None:
+                break
+            if n:
+                self.metrics.retries.labels(name).inc()
+            if dep.id in failed:
+                await asyncio.sleep(self._backoff(failed[dep.id], last))
+            try:
+                return await attempt(dep, request, trace)
+            except GatewayError as e:
+                if not counts_against_upstream(e):
+                    raise
+                last = e
+                failed[dep.id] = failed.get(dep.id, 0) + 1
+                if e.retry_after and e.retry_after > self.cfg.max_retry_after:
+                    skip.add(dep.id)
+        if last is None:
+            last = await self._all_open_error(name, group)
+        raise last
+
+    async def _pick(self, name: str, group: list[Deployment], failed: dict[str, int], skip: set[str],
+                    last: GatewayError | None) -> Deployment | None:
+        """A deployment for the next attempt, or None when every one is open or ruled out."""
+        for _ in range(2):  # a second pass after waiting out a short cooldown
+            snaps = await self._snapshot(group)
+            usable = [(d, s) for d, s in zip(group, snaps) if s.state is not BreakerState.OPEN and d.id not in skip]
+            fresh = [(d, s) for d, s in usable if d.id not in failed]  # a different deployment first
+            pool = fresh or usable
+            # Prefer deployments whose last active probe passed, unless none did.
+            healthy = [(d, s) for d, s in pool if d.health is None or d.health.ok]
+            pool = healthy or pool
+            while pool:
+                i = balancer.choose([_View(d, d.weight, s.in_flight, d.latency) for d, s in pool], self.cfg.strategy)
+                dep, snap = pool.pop(i)
+                if snap.state is BreakerState.CLOSED or await self.breakers.try_probe(dep.id, self._probe_ttl(dep)):
+                    return dep
+            wait = min((s.open_for for d, s in zip(group, snaps) if s.state is BreakerState.OPEN and d.id not in skip),
+                       default=None)
+            if last is None or wait is None or wait > self.cfg.max_retry_after:
+                return None
+            await asyncio.sleep(wait + 0.01)
+        return None
+
+    def _backoff(self, failures: int, last: GatewayError | None) -> float:
+        """Exponential backoff with jitter; the upstream's retry-after, when it sent one, is a floor."""
+        cap = min(self.cfg.retry_backoff_max, self.cfg.retry_backoff * 2 ** (failures - 1))
+        delay = random.uniform(cap / 2, cap)
+        if last is not None and last.retry_after:
+            delay = max(delay, last.retry_after)  # > max_retry_after never gets here: skipped instead
+        return delay
+
+    def _probe_ttl(self, dep: Deployment) -> float:
+        return min(dep.cfg.timeout, max(self._ttft_timeout(dep), 5.0))
+
+    def _ttft_timeout(self, dep: Deployment) -> float:
+        return dep.cfg.ttft_timeout or self.cfg.ttft_timeout
+
+    async def _all_open_error(self, name: str, group: list[Deployment]) -> GatewayError:
+        snaps = await self._snapshot(group)
+        wait = min((s.open_for for s in snaps if s.state is BreakerState.OPEN), default=0.0)
+        return GatewayError(
+            ErrorKind.OVERLOADED,
+            f"every deployment of model {name!r} is cooling down after failures (circuit open); "
+            f"retry in {max(wait, 1):.0f} s or configure fallbacks",
+            status=503, code="circuit_open", retry_after=max(wait, 1.0),
+        )
+
+    def _fallbacks(self, name: str) -> list[str]:
+        own = [m for d in self.groups.get(name, []) for m in d.cfg.fallbacks]
+        return list(dict.fromkeys(own or self.cfg.default_fallbacks))
+
+    def _special_fallbacks(self, name: str, reason: str) -> list[str]:
+        group = self.groups.get(name, [])
+        if reason == "context_window":
+            return list(dict.fromkeys(m for d in group for m in d.cfg.context_window_fallbacks))
+        return list(dict.fromkeys(m for d in group for m in d.cfg.content_policy_fallbacks))
+
+    def _check_window(self, name: str, group: list[Deployment], request: ChatRequest) -> None:
+        """Skip a model whose context window the prompt clearly exceeds, when it has somewhere to go."""
+        window = group[0].cfg.context_window
+        if window and self._special_fallbacks(name, "context_window") and _estimate_tokens(request) > window:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, f"the prompt is longer than the context window of "
+                               f"{name!r} ({window} tokens)", code="context_length_exceeded")
+
+    # ---- one attempt on one deployment -------------------------------------------------------
+
+    async def _complete_on(self, dep: Deployment, request: ChatRequest, trace: RouteTrace) -> ChatResponse:
+        t0 = time.perf_counter()
+        await self._enter(dep)
+        try:
+            resp = await dep.provider.complete(request)
+        except GatewayError as e:
+            await self._failed(dep, e, trace, t0)
+            raise
+        finally:
+            await self._leave(dep)
+        await self._served(dep, trace, t0, time.perf_counter() - t0)
+        return resp
+
+    async def _open_on(self, dep: Deployment, request: ChatRequest, trace: RouteTrace) -> AsyncIterator[Event]:
+        t0 = time.perf_counter()
+        await self._enter(dep)
+        events = dep.provider.stream(request)
+        head: list[Event] = []
+        try:
+            head = await self._first_token(dep, events)
+        except BaseException as e:
+            with suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]
+            await self._leave(dep)
+            if isinstance(e, GatewayError):
+                await self._failed(dep, e, trace, t0)
+            raise
+        ttft = time.perf_counter() - t0
+        self.metrics.ttft.labels(dep.id).observe(ttft)
+        await self._served(dep, trace, t0, ttft)
+        return self._relay(dep, head, events, trace)
+
+    async def _first_token(self, dep: Deployment, events: AsyncIterator[Event]) -> list[Event]:
+        """Events up to and including the first that carries content, within the TTFT timeout."""
+        head: list[Event] = []
+        timeout = self._ttft_timeout(dep)
+        try:
+            async with asyncio.timeout(timeout):
+                async for ev in events:
+                    if isinstance(ev, Error):
+                        raise ev.error
+                    head.append(ev)
+                    if not isinstance(ev, Start):
+                        return head
+        except TimeoutError:
+            raise GatewayError(ErrorKind.TIMEOUT, f"deployment {dep.id} sent no token within {timeout:g} s "
+                               "(ttft_timeout)", code="ttft_timeout") from None
+        raise GatewayError(ErrorKind.UPSTREAM, f"deployment {dep.id} ended the stream before any token")
+
+    async def _relay(self, dep: Deployment, head: list[Event], events: AsyncIterator[Event],
+                     trace: RouteTrace) -> AsyncIterator[Event]:
+        """The stream after its first token; a failure now is passive health evidence, not a retry."""
+        finished = any(isinstance(ev, Finish) for ev in head)
+        try:
+            for ev in head:
+                yield ev
+            async for ev in events:
+                if isinstance(ev, Error) and counts_against_upstream(ev.error):
+                    await self._midstream_failure(dep, ev.error, trace)
+                finished = finished or isinstance(ev, Finish)
+                yield ev
+            if not finished:  # a truncated upstream: never pass half an answer off as complete
+                raise GatewayError(ErrorKind.UPSTREAM, f"deployment {dep.id} ended the stream before it finished")
+        except GatewayError as e:
+            if counts_against_upstream(e):
+                await self._midstream_failure(dep, e, trace)
+            raise
+        finally:
+            with suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]
+            await asyncio.shield(self._leave(dep))
+
+    async def _midstream_failure(self, dep: Deployment, e: GatewayError, trace: RouteTrace) -> None:
+        self.metrics.attempts.labels(dep.id, "midstream_error").inc()
+        _log("midstream_error", trace, deployment=dep.id, status=e.status, error=e.message)
+        if await self.breakers.failure(dep.id, e):
+            self._opened(dep, e, trace)
+
+    async def _enter(self, dep: Deployment) -> None:
+        dep.in_flight += 1
+        self.metrics.in_flight.labels(dep.id).set(dep.in_flight)
+        await self.breakers.add_in_flight(dep.id, 1)
+
+    async def _leave(self, dep: Deployment) -> None:
         dep.in_flight -= 1
-        await rest.aclose()
+        self.metrics.in_flight.labels(dep.id).set(dep.in_flight)
+        await self.breakers.add_in_flight(dep.id, -1)
+
+    async def _served(self, dep: Deployment, trace: RouteTrace, t0: float, latency: float) -> None:
+        trace.attempts.append(Attempt(dep.id, "ok", (time.perf_counter() - t0) * 1000))
+        trace.served_by = dep.id
+        self.metrics.attempts.labels(dep.id, "ok").inc()
+        dep.latency = latency if dep.latency is None else 0.8 * dep.latency + 0.2 * latency
+        if await self.breakers.success(dep.id):
+            self.metrics.breaker.labels(dep.id).set(BreakerState.CLOSED)
+            _log("breaker_closed", trace, deployment=dep.id)
+
+    async def _failed(self, dep: Deployment, e: GatewayError, trace: RouteTrace, t0: float) -> None:
+        result = e.code if e.code == "ttft_timeout" else str(e.status)
+        trace.attempts.append(Attempt(dep.id, result, (time.perf_counter() - t0) * 1000))
+        self.metrics.attempts.labels(dep.id, result).inc()
+        _log("attempt_failed", trace, deployment=dep.id, status=e.status, error=e.message,
+             retry_after=e.retry_after)
+        if counts_against_upstream(e) and await self.breakers.failure(dep.id, e):
+            self._opened(dep, e, trace)
+
+    def _opened(self, dep: Deployment, e: GatewayError, trace: RouteTrace) -> None:
+        self.metrics.breaker.labels(dep.id).set(BreakerState.OPEN)
+        self.metrics.breaker_opened.labels(dep.id).inc()
+        _log("breaker_opened", trace, deployment=dep.id, cooldown_s=self.breakers.cooldown(e), error=e.message)
+
+    # ---- state -------------------------------------------------------------------------------
+
+    async def _snapshot(self, deps: list[Deployment]) -> list[Snapshot]:
+        snaps = await self.breakers.snapshot([d.id for d in deps])
+        for d, s in zip(deps, snaps):
+            self.metrics.breaker.labels(d.id).set(s.state)
+        return snaps
+
+    def _on_probe(self, dep: Deployment, health: Health) -> None:
+        dep.health = health
+        self.metrics.health.labels(dep.id).set(1 if health.ok else 0)
+
+
+def _fallback_reason(e: GatewayError) -> str | None:
+    """Why a failed group may hand over to a fallback: "error", "context_window", "content_policy"."""
+    text = f"{e.code or ''} {e.message}".lower()
+    if e.status in (400, 413) and any(h in text for h in _CONTEXT_WINDOW_HINTS):
+        return "context_window"
+    if e.status == 400 and any(h in text for h in _CONTENT_POLICY_HINTS):
+        return "content_policy"
+    return "error" if counts_against_upstream(e) else None
+
+
+def _estimate_tokens(request: ChatRequest) -> int:
+    """A cheap upper-ish estimate (4 characters a token) to spot prompts far over a window."""
+    chars = sum(len(t.text) for t in request.system)
+    chars += sum(len(p.text) for m in request.messages for p in m.parts if isinstance(p, Text))
+    return chars // 4
+
+
+def _log(event: str, trace: RouteTrace, **fields: object) -> None:
+    """One JSON line per routing event, carrying the request id."""
+    if log.isEnabledFor(logging.INFO):
+        log.info(orjson.dumps({"event": event, "request_id": trace.request_id, **fields}).decode())

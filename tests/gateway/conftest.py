@@ -6,12 +6,16 @@ import anthropic
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig, ServerConfig
+from flashstack.config import Config, ModelConfig, RouterConfig, ServerConfig
 from flashstack.gateway.app import create_app
 from tests.fakes import anthropic_upstream, ollama_upstream, openai_upstream
 from tests.fakes.server import FakeServer
 
 API_KEY = "sk-test-upstream"
+# The fakes fail per prompt ([[status:500]]), not per deployment: no waiting between attempts and
+# breakers that never trip keep these tests independent. tests/gateway/router/ tests the router itself.
+DIRECT_ROUTING = RouterConfig(num_retries=1, retry_backoff=0, max_retry_after=0, breaker_failures=10**6,
+                              breaker_min_requests=10**6, health_check_interval=0)
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +33,7 @@ def upstreams():
 def gateway_config(upstreams, **server) -> Config:
     return Config(
         server=ServerConfig(**server),
+        router=DIRECT_ROUTING,
         models=[
             ModelConfig(name="claude", provider="anthropic", model="claude-sonnet-4-5",
                         api_base=upstreams["anthropic"].url, api_key=API_KEY),

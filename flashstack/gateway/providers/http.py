@@ -12,7 +12,10 @@ import httpx
 import orjson
 
 from flashstack.config import ModelConfig
+from flashstack.gateway import overhead
 from flashstack.gateway.core import ErrorKind, GatewayError
+from flashstack.gateway.providers.aiohttp_transport import AiohttpTransport
+from flashstack.gateway.tls import upstream_ssl_context
 
 ErrorDecoder = Callable[[int, Any, "float | None"], GatewayError]
 
@@ -21,8 +24,13 @@ def make_client(cfg: ModelConfig, headers: dict[str, str]) -> httpx.AsyncClient:
     """One pooled HTTP/2-capable client per upstream; the router is the only retry loop."""
     timeout = httpx.Timeout(cfg.timeout, connect=cfg.connect_timeout)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30)
+    verify = upstream_ssl_context(cfg) or True  # upstream mTLS / private CA (gateway/tls.py)
+    # Plain http:// means HTTP/1.1, where aiohttp costs a fifth of httpcore's CPU (docs/benchmarks.md,
+    # "Gateway overhead"); https keeps httpx's own transport for HTTP/2 and the TLS settings above.
+    plain = (cfg.api_base or "").startswith("http://")
     return httpx.AsyncClient(
-        base_url=cfg.api_base or "", headers=headers, timeout=timeout, limits=limits, http2=True
+        base_url=cfg.api_base or "", headers=headers, timeout=timeout, limits=limits, http2=True,
+        verify=verify, transport=AiohttpTransport() if plain else None,
     )
 
 
@@ -68,10 +76,13 @@ async def open_stream(
 ) -> AsyncIterator[httpx.Response]:
     """POST `body` and yield the streaming response once its status says success."""
     request = client.build_request("POST", path, content=orjson.dumps(body), headers=_JSON)
+    sent = time.perf_counter()
     try:
         response = await client.send(request, stream=True)
     except httpx.HTTPError as e:
         raise transport_error(name, e) from e
+    finally:
+        overhead.add_upstream(time.perf_counter() - sent)  # time to first byte: the response head
     try:
         if response.status_code >= 400:
             raise await error_from_response(response, decode)
@@ -83,10 +94,13 @@ async def open_stream(
 async def post_json(
     client: httpx.AsyncClient, name: str, path: str, body: dict[str, Any], decode: ErrorDecoder
 ) -> Any:
+    sent = time.perf_counter()
     try:
         response = await client.post(path, content=orjson.dumps(body), headers=_JSON)
     except httpx.HTTPError as e:
         raise transport_error(name, e) from e
+    finally:
+        overhead.add_upstream(time.perf_counter() - sent)
     if response.status_code >= 400:
         raise await error_from_response(response, decode)
     try:
@@ -98,10 +112,14 @@ async def post_json(
 async def sse_events(response: httpx.Response, name: str) -> AsyncIterator[tuple[str, str]]:
     """(event name, data) pairs of a server-sent-events body, parsed as bytes arrive."""
     event, data = "", []
+    waiting = time.perf_counter()  # the head is in; the wait for the first event is upstream time too
     try:
         async for line in response.aiter_lines():
             if not line:
                 if data:
+                    if waiting:
+                        overhead.add_upstream(time.perf_counter() - waiting)
+                        waiting = 0.0
                     yield event or "message", "\n".join(data)
                 event, data = "", []
             elif line.startswith("data:"):

@@ -29,9 +29,11 @@ class OpenAICompatProvider:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         decoder = t.ChunkDecoder()
+        done = False
         async with open_stream(self.client, self.name, "/chat/completions", body, t.upstream_error) as resp:
             async for _, data in sse_events(resp, self.name):
                 if data.strip() == "[DONE]":
+                    done = True
                     break
                 try:
                     chunk = orjson.loads(data)
@@ -39,6 +41,8 @@ class OpenAICompatProvider:
                     raise GatewayError(ErrorKind.UPSTREAM, f"{self.name} sent a chunk that is not JSON") from e
                 for ev in decoder.feed(chunk):
                     yield ev
+        if not done and decoder.finish_reason is None:  # closed mid-answer: never pass it off as complete
+            raise GatewayError(ErrorKind.UPSTREAM, f"{self.name} ended the stream early (no finish_reason, no [DONE])")
         for ev in decoder.finish():
             yield ev
 

@@ -1,0 +1,586 @@
+"""Context-window compression: keep what the next answer needs, summarize or drop the rest.
+
+When prompt + output reserve passes `threshold` × the model's window, messages are grouped into
+units that must stay whole (a tool call with its results), and the newest `keep_last_turns`
+messages, pinned messages, the system prompt and tool schemas are kept. The other units are ranked
+by embedding similarity to the latest user turn: the most relevant stay verbatim, the rest are
+clustered with DBSCAN (cosine distance) and each cluster is replaced by a summary in the system
+prompt. A conversation whose kept part alone does not fit gets a 400 `context_length_exceeded`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from flashstack.config import CompressionConfig, CompressionMode, ModelConfig
+from flashstack.gateway import tokens
+from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Message, Text, ToolCall, ToolResult
+from flashstack.gateway.core import invalid_request
+
+if TYPE_CHECKING:
+    from flashstack.gateway.embed import Embedder
+    from flashstack.gateway.router import Router
+
+log = logging.getLogger("flashstack.gateway.compress")
+
+MODES: tuple[CompressionMode, ...] = ("auto", "off", "truncate")
+VERBATIM_SHARE = 0.6  # of the free budget, for the most relevant old units; the rest for summaries
+MIN_SUMMARY_TOKENS = 24  # a cluster summary shorter than this says nothing; drop the cluster instead
+CHUNK_WORDS = 180  # MiniLM reads 256 word pieces; longer messages are embedded in chunks
+MAX_SENTENCES = 200  # per cluster, for extractive summaries
+SOURCE_UNITS = 3  # extractive summaries draw on this many most central + most relevant units
+SUMMARY_HEADER = (
+    "Earlier parts of this conversation were compressed by the gateway to fit the model's context "
+    "window. Summaries of the omitted messages, oldest first:"
+)
+SUMMARIZE_PROMPT = (
+    "Summarize the conversation excerpt below in at most {n} sentences. Keep every name, number, "
+    "identifier, decision and code symbol exactly as written. Reply with the summary only.\n\n{text}"
+)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def context_length_exceeded(message: str) -> GatewayError:
+    """The 400 a conversation gets when even its kept part does not fit the window."""
+    return GatewayError(ErrorKind.INVALID_REQUEST, message, param="messages", code="context_length_exceeded")
+
+
+# ---- what the caller asked for ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The request's `compression` extension: a mode, or {"mode": ..., "pinned": [message indexes]}."""
+
+    mode: CompressionMode | None = None
+    pinned: frozenset[int] = frozenset()
+
+
+def request_options(req: ChatRequest) -> Options:
+    """Parse `compression` from the request's extension fields; bad values are the caller's 400."""
+    raw = req.extensions.get("compression")
+    if raw is None:
+        return Options()
+    if isinstance(raw, str):
+        return Options(_mode(raw))
+    if not isinstance(raw, dict) or set(raw) - {"mode", "pinned"}:
+        raise invalid_request(
+            'compression must be "auto", "off", "truncate" or an object {"mode": ..., "pinned": [indexes]}',
+            "compression",
+        )
+    pinned = raw.get("pinned", [])
+    if not isinstance(pinned, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(req.messages) for i in pinned
+    ):
+        raise invalid_request(
+            f"compression.pinned must list message indexes between 0 and {len(req.messages) - 1}",
+            "compression.pinned",
+        )
+    mode = raw.get("mode")
+    return Options(None if mode is None else _mode(mode), frozenset(pinned))
+
+
+def _mode(value: Any) -> CompressionMode:
+    if value not in MODES:
+        raise invalid_request(f"compression mode must be one of {', '.join(MODES)}; got {value!r}", "compression")
+    return value
+
+
+# ---- what happened ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What compression did to one request; becomes response headers and metrics."""
+
+    action: Literal["none", "compressed", "truncated"]
+    tokens_before: int
+    tokens_after: int
+    messages_summarized: int = 0
+    messages_dropped: int = 0
+
+    def stamp(self, response: Any) -> Any:
+        """`response` with this outcome's headers added."""
+        response.headers.update(self.headers())
+        return response
+
+    def headers(self) -> dict[str, str]:
+        if self.action == "none":
+            return {}
+        return {
+            "x-flashstack-compression": self.action,
+            "x-flashstack-tokens-before": str(self.tokens_before),
+            "x-flashstack-tokens-after": str(self.tokens_after),
+            "x-flashstack-messages-summarized": str(self.messages_summarized),
+            "x-flashstack-messages-dropped": str(self.messages_dropped),
+        }
+
+
+class CompressionMetrics:
+    """Prometheus counters of compression, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("flashstack_compression_requests", "Requests compression acted on, by action",
+                                ["model", "action"], registry=r)
+        self.tokens_saved = Counter("flashstack_compression_tokens_saved", "Prompt tokens removed",
+                                    ["model"], registry=r)
+        self.summarized = Counter("flashstack_compression_messages_summarized", "Messages replaced by summaries",
+                                  ["model"], registry=r)
+        self.dropped = Counter("flashstack_compression_messages_dropped", "Messages dropped entirely",
+                               ["model"], registry=r)
+        self.refused = Counter("flashstack_compression_refused", "Requests refused as context_length_exceeded",
+                               ["model"], registry=r)
+
+    def record(self, model: str, outcome: Outcome) -> None:
+        self.requests.labels(model, outcome.action).inc()
+        self.tokens_saved.labels(model).inc(max(0, outcome.tokens_before - outcome.tokens_after))
+        self.summarized.labels(model).inc(outcome.messages_summarized)
+        self.dropped.labels(model).inc(outcome.messages_dropped)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ---- units: messages that must stay together -------------------------------------------------
+
+
+@dataclass(slots=True)
+class Unit:
+    """Messages [start, end) kept, summarized or dropped as one (a tool call and its results)."""
+
+    start: int
+    end: int
+    text: str
+    tokens: int
+    vector: np.ndarray | None = None
+    relevance: float = 0.0
+
+
+def unit_spans(messages: Sequence[Message]) -> list[tuple[int, int]]:
+    """Contiguous spans such that no tool call is ever separated from its results."""
+    called_at: dict[str, int] = {}
+    reach = list(range(len(messages)))  # reach[i]: the last message that must stay with message i
+    for j, msg in enumerate(messages):
+        for p in msg.parts:
+            if isinstance(p, ToolCall):
+                called_at[p.id] = j
+            elif isinstance(p, ToolResult) and p.tool_call_id in called_at:
+                i = called_at[p.tool_call_id]
+                reach[i] = max(reach[i], j)
+    spans, start, end = [], 0, -1
+    for i in range(len(messages)):
+        end = max(end, reach[i])
+        if i == end:
+            spans.append((start, i + 1))
+            start = i + 1
+    return spans
+
+
+def query_index(messages: Sequence[Message]) -> int:
+    """The latest user turn with text of its own (not only tool results); else the last message."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.role == "user" and any(isinstance(p, Text) and p.text.strip() for p in m.parts):
+            return i
+    return len(messages) - 1
+
+
+# ---- the plan (blocking; runs on the embedder's thread) --------------------------------------
+
+
+@dataclass(slots=True)
+class Cluster:
+    units: list[Unit]
+    relevance: float
+    summary: str = ""
+    tokens: int = 0
+
+    @property
+    def n_messages(self) -> int:
+        return sum(u.end - u.start for u in self.units)
+
+    def key(self, summarizer: str) -> str:
+        h = hashlib.sha256(summarizer.encode())
+        for u in self.units:
+            h.update(hashlib.sha256(u.text.encode()).digest())
+        return h.hexdigest()
+
+
+@dataclass(slots=True)
+class Plan:
+    """Which units stay verbatim and which clusters become summaries, within `target` tokens."""
+
+    target: int
+    tokens_before: int
+    fixed_tokens: int  # system prompt, tools, per-request overhead
+    kept: list[Unit]  # verbatim, in order
+    clusters: list[Cluster]  # summarized, most relevant first
+    dropped: list[Unit] = field(default_factory=list)
+    truncated: bool = False
+    header_tokens: int = 0  # the summaries' heading in the system prompt
+
+    def tokens_after(self) -> int:
+        summaries = sum(c.tokens for c in self.clusters) + (self.header_tokens if self.clusters else 0)
+        return self.fixed_tokens + sum(u.tokens for u in self.kept) + summaries
+
+
+def summary_budget_per_cluster(free: int, n: int) -> int:
+    return max(MIN_SUMMARY_TOKENS, free // max(1, n))
+
+
+def split_sentences(text: str) -> list[str]:
+    return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
+
+
+def chunks(text: str) -> list[str]:
+    """Pieces MiniLM can read whole (it truncates at 256 word pieces)."""
+    words = text.split()
+    if len(words) <= CHUNK_WORDS:
+        return [text or " "]
+    return [" ".join(words[i:i + CHUNK_WORDS]) for i in range(0, len(words), CHUNK_WORDS)]
+
+
+def dbscan_labels(vectors: np.ndarray, eps: float, min_samples: int = 2) -> np.ndarray:
+    """DBSCAN over cosine distance of unit vectors; noise points become clusters of their own."""
+    from sklearn.cluster import DBSCAN
+
+    if len(vectors) == 0:
+        return np.zeros(0, np.int64)
+    dist = np.clip(1.0 - vectors @ vectors.T, 0.0, 2.0)
+    labels = DBSCAN(eps=eps, min_samples=min_samples, metric="precomputed").fit_predict(dist)
+    next_label = labels.max() + 1
+    for i in np.flatnonzero(labels < 0):
+        labels[i] = next_label
+        next_label += 1
+    return labels
+
+
+class Planner:
+    """The blocking part of compression: counting, embedding, ranking, clustering, extracting."""
+
+    def __init__(self, cfg: CompressionConfig, embedder: Embedder) -> None:
+        self.cfg = cfg
+        self.embedder = embedder
+        self._counts: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def count(self, counter: tokens.Counter, text: str) -> int:
+        key = (counter.name, text)  # str keys: Python caches a string's hash, no digest per lookup
+        n = self._counts.get(key)
+        if n is None:
+            n = self._counts[key] = counter.tokens(text)
+            if len(self._counts) > 100_000:
+                self._counts.popitem(last=False)
+        return n
+
+    def units(self, counter: tokens.Counter, messages: Sequence[Message]) -> list[Unit]:
+        out = []
+        for start, end in unit_spans(messages):
+            texts = [tokens.message_text(m) for m in messages[start:end]]
+            n = sum(self.count(counter, t) + tokens.PER_MESSAGE + tokens.PER_IMAGE * tokens.image_count(m)
+                    for t, m in zip(texts, messages[start:end]))
+            out.append(Unit(start, end, "\n".join(texts), n))
+        return out
+
+    def fixed_tokens(self, counter: tokens.Counter, req: ChatRequest) -> int:
+        return self.count(counter, tokens.fixed_text(req)) + tokens.PER_REQUEST
+
+    def measure(self, counter: tokens.Counter, req: ChatRequest) -> tuple[int, list[Unit], int]:
+        """(fixed tokens, units, total prompt tokens) of a request."""
+        fixed = self.fixed_tokens(counter, req)
+        units = self.units(counter, req.messages)
+        return fixed, units, fixed + sum(u.tokens for u in units)
+
+    def plan(self, counter: tokens.Counter, req: ChatRequest, target: int, mode: CompressionMode,
+             pinned: frozenset[int] = frozenset()) -> Plan:
+        """Choose what stays verbatim, what is summarized and what is dropped to fit `target`."""
+        fixed, units, total = self.measure(counter, req)
+        last = len(req.messages) - self.cfg.keep_last_turns
+        q = query_index(req.messages)
+        protected = [u.end > last or u.start <= q < u.end or any(u.start <= i < u.end for i in pinned)
+                     for u in units]
+        kept = [u for u, p in zip(units, protected) if p]
+        free = target - fixed - sum(u.tokens for u in kept)
+        if free < 0:
+            raise context_length_exceeded(
+                f"this conversation needs {total} prompt tokens; even after compression its system prompt, "
+                f"tools, pinned and last {self.cfg.keep_last_turns} messages take {target - free} tokens, "
+                f"more than the {target} this model has room for with the output reserved. Shorten them, "
+                "lower max_tokens, or choose a model with a larger context window"
+            )
+        old = [u for u, p in zip(units, protected) if not p]
+        if mode == "truncate":
+            return self._truncate(target, total, fixed, kept, old, free)
+        return self._compress(counter, req, target, total, fixed, kept, old, free, q)
+
+    @staticmethod
+    def _truncate(target: int, total: int, fixed: int, kept: list[Unit], old: list[Unit], free: int) -> Plan:
+        keep, dropped = [], []
+        for u in reversed(old):  # newest first
+            if u.tokens <= free and not dropped:
+                keep.append(u)
+                free -= u.tokens
+            else:
+                dropped.append(u)
+        kept = sorted(kept + keep, key=lambda u: u.start)
+        return Plan(target, total, fixed, kept, [], sorted(dropped, key=lambda u: u.start), truncated=True)
+
+    def _compress(self, counter: tokens.Counter, req: ChatRequest, target: int, total: int, fixed: int,
+                  kept: list[Unit], old: list[Unit], free: int, q: int) -> Plan:
+        query = tokens.message_text(req.messages[q])
+        qvec = self.embedder.embed([query])[0]
+        self._rank(old, qvec)
+        verbatim, rest, used = [], [], 0
+        for u in sorted(old, key=lambda u: (-u.relevance, -u.start)):
+            if used + u.tokens <= free * VERBATIM_SHARE:
+                verbatim.append(u)
+                used += u.tokens
+            else:
+                rest.append(u)
+        header = self.count(counter, SUMMARY_HEADER) + tokens.PER_MESSAGE
+        clusters = self._clusters(rest)
+        clusters, dropped = self._extract(counter, clusters, qvec, free - used - header)
+        return Plan(target, total, fixed, sorted(kept + verbatim, key=lambda u: u.start), clusters,
+                    sorted(dropped, key=lambda u: u.start), header_tokens=header)
+
+    def _rank(self, units: list[Unit], qvec: np.ndarray) -> None:
+        pieces = [chunks(u.text) for u in units]
+        flat = [c for cs in pieces for c in cs]
+        if not flat:
+            return
+        vecs = self.embedder.embed(flat)
+        starts = np.cumsum([0] + [len(cs) for cs in pieces[:-1]])
+        relevance = np.maximum.reduceat(vecs @ qvec, starts)  # a unit is as relevant as its best chunk
+        means = np.add.reduceat(vecs, starts, axis=0)
+        means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-9)
+        for u, r, v in zip(units, relevance.tolist(), means):
+            u.relevance, u.vector = r, v
+
+    def _clusters(self, units: list[Unit]) -> list[Cluster]:
+        if not units:
+            return []
+        labels = dbscan_labels(np.stack([u.vector for u in units]), self.cfg.dbscan_eps)
+        groups: dict[int, list[Unit]] = {}
+        for u, label in zip(units, labels):
+            groups.setdefault(int(label), []).append(u)
+        clusters = [Cluster(sorted(g, key=lambda u: u.start), max(u.relevance for u in g)) for g in groups.values()]
+        return sorted(clusters, key=lambda c: (-c.relevance, c.units[0].start))
+
+    def _extract(self, counter: tokens.Counter, clusters: list[Cluster], qvec: np.ndarray,
+                 free: int) -> tuple[list[Cluster], list[Unit]]:
+        """Extractive summaries, most relevant cluster first, while they fit in `free` tokens."""
+        out, dropped = [], []
+        for n, c in enumerate(clusters):
+            cap = min(free, max(MIN_SUMMARY_TOKENS, free // (len(clusters) - n)))
+            if cap < MIN_SUMMARY_TOKENS:
+                dropped.extend(c.units)
+                continue
+            c.summary = self.extractive_summary(counter, c, qvec, cap)
+            c.tokens = self.count(counter, "- " + c.summary) + 1 if c.summary else 0
+            if not c.summary or c.tokens > free:
+                dropped.extend(c.units)
+                continue
+            free -= c.tokens
+            out.append(c)
+        return out, dropped
+
+    def extractive_summary(self, counter: tokens.Counter, c: Cluster, qvec: np.ndarray, cap: int) -> str:
+        """The cluster's most central sentences (and those nearest the question), in their order, ≤ cap tokens."""
+        centroid = np.stack([u.vector for u in c.units]).mean(0)
+        centroid /= max(float(np.linalg.norm(centroid)), 1e-9)
+        # Sentences come from the most central and the most relevant units only: embedding every
+        # sentence of a large cluster would double the cold cost for sentences that never win.
+        central = sorted(c.units, key=lambda u: (-float(u.vector @ centroid), u.start))[:SOURCE_UNITS]
+        relevant = sorted(c.units, key=lambda u: (-u.relevance, u.start))[:SOURCE_UNITS]
+        sources = sorted({u.start: u for u in central + relevant}.values(), key=lambda u: u.start)
+        sentences = list(dict.fromkeys(s for u in sources for s in split_sentences(u.text)))[:MAX_SENTENCES]
+        if not sentences:
+            return ""
+        vecs = self.embedder.embed(sentences)
+        # Centrality says what the cluster was about; nearness to the question keeps what the next
+        # answer needs if the cluster holds it.
+        score = vecs @ centroid + vecs @ qvec
+        best = sorted(np.argsort(-score, kind="stable")[: self.cfg.summary_sentences].tolist())
+        while best:
+            text = " ".join(sentences[i] for i in best)
+            if self.count(counter, text) + 3 <= cap:
+                return text
+            best.remove(min(best, key=lambda i: score[i]))  # drop the weakest sentence and retry
+        return _clip(counter, sentences[int(np.argmax(score))], cap - 3)
+
+
+def _clip(counter: tokens.Counter, text: str, cap: int) -> str:
+    words = text.split()
+    while words and counter.tokens(" ".join(words) + " …") > cap:
+        words = words[: max(0, min(len(words) - 1, int(len(words) * 0.8)))]
+    return " ".join(words) + " …" if words else ""
+
+
+# ---- the compressor --------------------------------------------------------------------------
+
+
+class Compressor:
+    """Checks every chat request against its model's window and compresses it when it must."""
+
+    def __init__(self, cfg: CompressionConfig, state_dir: Path, router: Router | None = None,
+                 embedder: Embedder | None = None) -> None:
+        self.cfg = cfg
+        self.cache_dir = cfg.cache_dir or Path(state_dir) / "models"
+        self.router = router
+        self.metrics = CompressionMetrics()
+        self._embedder = embedder
+        self._planner: Planner | None = None
+        self._load_lock = asyncio.Lock()
+        self._summaries: OrderedDict[str, str] = OrderedDict()  # LLM summaries per cluster key
+
+    async def planner(self) -> Planner:
+        """The planner, loading the embedding model on first use (in a thread: it takes seconds)."""
+        if self._planner is None:
+            async with self._load_lock:
+                if self._planner is None:
+                    if self._embedder is None:
+                        self._embedder = await asyncio.to_thread(self._load_embedder)
+                    self._planner = Planner(self.cfg, self._embedder)
+        return self._planner
+
+    def _load_embedder(self) -> Embedder:
+        from flashstack.gateway.embed import Embedder
+
+        return Embedder(self.cache_dir, threads=self.cfg.embed_threads, cache_size=self.cfg.embed_cache_size)
+
+    def mode_for(self, req: ChatRequest, cfg: ModelConfig, options: Options) -> CompressionMode:
+        return options.mode or self.cfg.model_modes.get(cfg.name) or self.cfg.mode
+
+    async def maybe_compress(self, req: ChatRequest, cfg: ModelConfig) -> tuple[ChatRequest, Outcome]:
+        """`req` itself when it fits (or compression is off), else a compressed copy; never a silent cut."""
+        options = request_options(req)
+        mode = self.mode_for(req, cfg, options)
+        window = tokens.context_window(cfg)
+        if mode == "off" or window is None or not req.messages:
+            return req, Outcome("none", 0, 0)
+        reserve = tokens.output_reserve(req, cfg, window)
+        limit = math.floor(self.cfg.threshold * window)
+        counter = tokens.counter_for(cfg)
+        if tokens.request_upper_bound(counter, req) + reserve <= limit:
+            return req, Outcome("none", 0, 0)  # cannot be over: no tokenizer, no thread hop
+        planner = await self.planner()
+        fixed, units, total = await self._run(planner.measure, counter, req)
+        if total + reserve <= limit:
+            return req, Outcome("none", total, total)
+        if reserve >= limit:
+            raise context_length_exceeded(
+                f"max_tokens ({reserve}) leaves no room for the prompt in this model's {window}-token "
+                f"window (compression threshold {self.cfg.threshold}); lower max_tokens"
+            )
+        try:
+            new, outcome = await self.compress(req, cfg, limit - reserve, mode, options.pinned)
+        except GatewayError as e:
+            if e.code == "context_length_exceeded":
+                self.metrics.refused.labels(cfg.name).inc()
+            raise
+        self.metrics.record(cfg.name, outcome)
+        return new, outcome
+
+    async def compress(self, req: ChatRequest, cfg: ModelConfig, target: int, mode: CompressionMode = "auto",
+                       pinned: frozenset[int] = frozenset()) -> tuple[ChatRequest, Outcome]:
+        """A copy of `req` whose prompt fits `target` tokens (the trigger already fired)."""
+        planner = await self.planner()
+        counter = tokens.counter_for(cfg)
+        plan = await self._run(planner.plan, counter, req, target, mode, pinned)
+        if self.cfg.summarizer == "llm" and plan.clusters and self.router is not None:
+            await self._llm_summaries(plan, req, cfg, counter)
+        return apply(req, plan), outcome_of(plan)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        assert self._embedder is not None
+        return await self._embedder.run(fn, *args)
+
+    async def _llm_summaries(self, plan: Plan, req: ChatRequest, cfg: ModelConfig, counter: tokens.Counter) -> None:
+        model = self.cfg.summarizer_model or req.model
+        results = await asyncio.gather(*(self._llm_summary(c, model, counter) for c in plan.clusters))
+        for c, text in zip(plan.clusters, results):
+            if text is None:
+                continue  # the extractive summary stays
+            n = counter.tokens("- " + text) + 1
+            if n <= c.tokens:
+                c.summary, c.tokens = text, n
+            else:  # longer than the cluster's share: keep the extractive one, which fits
+                log.info("LLM summary of %d tokens exceeds the cluster's %d; keeping the extractive one", n, c.tokens)
+
+    async def _llm_summary(self, c: Cluster, model: str, counter: tokens.Counter) -> str | None:
+        key = c.key("llm:" + model)
+        if key in self._summaries:
+            self._summaries.move_to_end(key)
+            return self._summaries[key]
+        assert self.router is not None
+        text = self._summarizer_input(c, model, counter)
+        request = ChatRequest(model=model, messages=[Message("user", [Text(SUMMARIZE_PROMPT.format(
+            n=self.cfg.summary_sentences, text=text))])], max_tokens=max(32, c.tokens), temperature=0.0)
+        try:
+            summary = (await self.router.complete(request)).text().strip()
+        except GatewayError as e:
+            log.warning("LLM summarizer %s failed (%s); using the extractive summary", model, e.message)
+            return None
+        if summary:
+            self._summaries[key] = summary
+            if len(self._summaries) > 10_000:
+                self._summaries.popitem(last=False)
+        return summary or None
+
+    def _summarizer_input(self, c: Cluster, model: str, counter: tokens.Counter) -> str:
+        """The cluster's text, cut to leave room for the summarizer's own prompt and answer."""
+        assert self.router is not None
+        window = tokens.context_window(self.router.config_of(model)) or 8_192
+        room = int(window * self.cfg.threshold) - 256 - max(32, c.tokens)
+        parts, used = [], 0
+        for u in sorted(c.units, key=lambda u: -u.relevance):  # most relevant first if it must be cut
+            if used + u.tokens > room:
+                continue
+            parts.append((u.start, u.text))
+            used += u.tokens
+        return "\n\n".join(t for _, t in sorted(parts))
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    def close(self) -> None:
+        if self._embedder is not None:
+            self._embedder.close()
+
+
+def apply(req: ChatRequest, plan: Plan) -> ChatRequest:
+    """The compressed request: kept messages in order, summaries appended to the system prompt."""
+    messages = [m for u in plan.kept for m in req.messages[u.start:u.end]]
+    system = list(req.system)
+    if plan.clusters:
+        lines = [SUMMARY_HEADER] + [f"- {c.summary}" for c in sorted(plan.clusters, key=lambda c: c.units[0].start)]
+        system.append(Text("\n".join(lines)))
+    return dataclasses.replace(req, messages=messages, system=system)
+
+
+def outcome_of(plan: Plan) -> Outcome:
+    summarized = sum(c.n_messages for c in plan.clusters)
+    dropped = sum(u.end - u.start for u in plan.dropped)
+    action: Literal["compressed", "truncated"] = "truncated" if plan.truncated else "compressed"
+    return Outcome(action, plan.tokens_before, plan.tokens_after(), summarized, dropped)
+
+
+async def for_request(request: Any, req: ChatRequest, cfg: ModelConfig) -> tuple[ChatRequest, Outcome]:
+    """chat.py's hook: the app's compressor (app.state.compressor) applied to `req`, if there is one."""
+    compressor: Compressor | None = getattr(request.app.state, "compressor", None)
+    if compressor is None:
+        return req, Outcome("none", 0, 0)
+    return await compressor.maybe_compress(req, cfg)

@@ -1,0 +1,223 @@
+"""The database: one async SQLAlchemy engine (two for SQLite), tables, and versioned migrations.
+
+SQLite is the embedded default (WAL, synchronous=FULL so an acknowledged commit survives power
+loss, not only a crash); PostgreSQL is for replicas. Both run the same SQL.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from flashstack.config import Config, ConfigError
+
+meta = sa.MetaData()
+
+sessions = sa.Table(
+    "fs_sessions", meta,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),  # unix ms
+    sa.Column("metadata", sa.Text, nullable=False),  # JSON object
+    sa.Column("model", sa.Text),
+    sa.Column("system", sa.Text),
+    sa.Column("next_seq", sa.BigInteger, nullable=False),
+    sa.Column("lease_token", sa.Text),
+    sa.Column("lease_until", sa.Float),  # unix seconds
+)
+
+messages = sa.Table(
+    "fs_messages", meta,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("session_id", sa.Text, nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("turn_id", sa.Text, nullable=False),
+    sa.Column("role", sa.Text, nullable=False),
+    sa.Column("content", sa.Text, nullable=False),  # JSON list of parts
+    sa.Column("status", sa.Text, nullable=False),  # completed | incomplete
+    sa.Column("error", sa.Text),  # JSON {type, message} when incomplete
+    sa.Column("model", sa.Text),
+    sa.Column("stop_reason", sa.Text),
+    sa.Column("usage", sa.Text),  # JSON
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+)
+
+idempotency = sa.Table(
+    "fs_idempotency", meta,
+    sa.Column("owner", sa.Text, primary_key=True),
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("fingerprint", sa.Text, nullable=False),
+    sa.Column("session_id", sa.Text, nullable=False),
+    sa.Column("turn_id", sa.Text, nullable=False),
+    sa.Column("response", sa.Text, nullable=False),  # JSON of the canonical reply
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+)
+
+api_keys = sa.Table(
+    "fs_api_keys", meta,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("key_hash", sa.Text, nullable=False, unique=True),
+    sa.Column("prefix", sa.Text, nullable=False),
+    sa.Column("models", sa.Text),  # JSON list; NULL: every model
+    sa.Column("rpm", sa.Integer),
+    sa.Column("tpm", sa.Integer),
+    sa.Column("expires_at", sa.Float),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float),
+)
+
+# Append-only: a released version never changes, a new one is added. Plain SQL that SQLite and
+# PostgreSQL both accept, so the two stores cannot drift apart.
+MIGRATIONS: list[list[str]] = [
+    [
+        """CREATE TABLE fs_sessions (
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at BIGINT NOT NULL,
+            metadata TEXT NOT NULL, model TEXT, system TEXT, next_seq BIGINT NOT NULL,
+            lease_token TEXT, lease_until DOUBLE PRECISION)""",
+        "CREATE INDEX fs_sessions_owner ON fs_sessions (owner, created_at, id)",
+        """CREATE TABLE fs_messages (
+            id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq BIGINT NOT NULL, turn_id TEXT NOT NULL,
+            role TEXT NOT NULL, content TEXT NOT NULL, status TEXT NOT NULL, error TEXT,
+            model TEXT, stop_reason TEXT, usage TEXT, created_at BIGINT NOT NULL,
+            UNIQUE (session_id, seq))""",
+        """CREATE TABLE fs_idempotency (
+            owner TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
+            session_id TEXT NOT NULL, turn_id TEXT NOT NULL, response TEXT NOT NULL,
+            created_at BIGINT NOT NULL, PRIMARY KEY (owner, key))""",
+        """CREATE TABLE fs_api_keys (
+            id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL,
+            models TEXT, rpm INTEGER, tpm INTEGER, expires_at DOUBLE PRECISION,
+            created_at DOUBLE PRECISION NOT NULL, revoked_at DOUBLE PRECISION)""",
+    ],
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def database_url(config: Config) -> str:
+    """The configured URL, or the embedded SQLite file under state_dir."""
+    url = config.store.database_url
+    if url:
+        return url
+    return f"sqlite+aiosqlite:///{Path(config.state_dir) / 'flashstack.db'}"
+
+
+class Database:
+    """Async engines over the configured URL; `read()` and `write()` give connections."""
+
+    def __init__(self, url: str, schema: str | None = None, pool_size: int = 10) -> None:
+        self.url = sa.make_url(url)
+        self.is_sqlite = self.url.get_backend_name() == "sqlite"
+        if not self.is_sqlite and self.url.get_backend_name() != "postgresql":
+            raise ConfigError(
+                f"store.database_url {url!r}: use sqlite+aiosqlite:///PATH or postgresql+asyncpg://…"
+            )
+        if schema is not None and not _IDENTIFIER.match(schema):
+            raise ConfigError(f"store.db_schema {schema!r} must be a plain SQL identifier")
+        self.schema = schema
+        if self.is_sqlite:
+            self._reader = _sqlite_engine(self.url, "BEGIN")
+            # One writer connection: in-process writers queue in the pool instead of spinning on
+            # SQLITE_BUSY; BEGIN IMMEDIATE takes the write lock up front, so a transaction never
+            # fails half-way on a lock upgrade (which busy_timeout does not retry).
+            self._writer = _sqlite_engine(self.url, "BEGIN IMMEDIATE", pool_size=1)
+        else:
+            args: dict[str, Any] = {"server_settings": {"search_path": schema}} if schema else {}
+            self._reader = self._writer = create_async_engine(
+                self.url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                connect_args=args,
+            )
+
+    @classmethod
+    def from_config(cls, config: Config) -> Database:
+        return cls(database_url(config), config.store.db_schema, config.store.pool_size)
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        async with self._reader.connect() as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def write(self, durable: bool = True) -> AsyncIterator[AsyncConnection]:
+        """A transaction: committed when the block ends, rolled back if it raises.
+
+        `durable=False` (PostgreSQL) skips the commit's WAL flush: for writes a database crash may
+        lose harmlessly, like taking or renewing a session lock.
+        """
+        async with self._writer.begin() as conn:
+            if not durable and not self.is_sqlite:
+                await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+            yield conn
+
+    async def open(self) -> Database:
+        """Create what is missing (file, schema) and apply pending migrations."""
+        if self.is_sqlite and self.url.database and self.url.database != ":memory:":
+            Path(self.url.database).parent.mkdir(parents=True, exist_ok=True)
+        if self.schema:
+            async with self._writer.begin() as conn:
+                await conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+        await migrate(self)
+        return self
+
+    async def close(self) -> None:
+        await self._reader.dispose()
+        if self._writer is not self._reader:
+            await self._writer.dispose()
+
+
+def _sqlite_engine(url: sa.URL, begin: str, pool_size: int = 5) -> AsyncEngine:
+    engine = create_async_engine(url, pool_size=pool_size, max_overflow=0, pool_timeout=120)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        # The driver's own implicit transactions are off; `begin` below opens ours.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql(begin)
+
+    return engine
+
+
+async def migrate(db: Database) -> int:
+    """Apply the migrations this database lacks, in one transaction; returns the schema version."""
+    async with db.write() as conn:
+        # Serializes concurrent start-ups: SQLite by BEGIN IMMEDIATE, PostgreSQL by this lock.
+        if not db.is_sqlite:
+            await conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7305917260)")
+        await conn.exec_driver_sql(
+            "CREATE TABLE IF NOT EXISTS fs_schema_version (version INTEGER PRIMARY KEY, applied_at BIGINT NOT NULL)"
+        )
+        current = (await conn.exec_driver_sql("SELECT MAX(version) FROM fs_schema_version")).scalar() or 0
+        if current > SCHEMA_VERSION:
+            raise ConfigError(
+                f"the database is at schema version {current}, newer than this flashstack ({SCHEMA_VERSION}); "
+                "upgrade flashstack"
+            )
+        for version in range(current + 1, SCHEMA_VERSION + 1):
+            for statement in MIGRATIONS[version - 1]:
+                await conn.exec_driver_sql(statement)
+            await conn.execute(
+                sa.text("INSERT INTO fs_schema_version (version, applied_at) VALUES (:v, :t)"),
+                {"v": version, "t": _now_ms()},
+            )
+    return SCHEMA_VERSION
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,44 @@
+"""What the chat endpoints call: authenticate the caller, and join the session a request names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+
+from flashstack.gateway.tls import client_identity
+from flashstack.gateway.auth import ANONYMOUS, Auth, Caller
+from flashstack.gateway.core import ChatRequest, invalid_request
+from flashstack.gateway.sessions.turns import Idempotency, Sessions, Turn
+
+SESSION_HEADER = "x-session-id"
+
+
+def _state(request: Request, name: str) -> Any:
+    return getattr(request.app.state, name, None)
+
+
+async def authenticate(request: Request) -> Caller:
+    """The caller (401 when auth is on and the key is missing, unknown, revoked or expired)."""
+    auth: Auth | None = _state(request, "auth")
+    return await auth.authenticate(request.headers, client_identity(request)) if auth else ANONYMOUS
+
+
+async def begin_turn(request: Request, req: ChatRequest, caller: Caller, body: Any) -> Turn:
+    """Admit the request (403/429) and, with `X-Session-Id` or `metadata.session_id`, lock that
+    session and prepend its history (404 if it is not the caller's)."""
+    auth: Auth | None = _state(request, "auth")
+    sessions: Sessions | None = _state(request, "sessions")
+    if auth is not None:
+        await auth.admit(caller, req.model)
+    session_id = request.headers.get(SESSION_HEADER) or req.metadata.get("session_id")
+    if not session_id or sessions is None:
+        return Turn(sessions, caller)
+    if not isinstance(session_id, str):
+        raise invalid_request("metadata.session_id must be a string", "metadata.session_id")
+    idem = Idempotency.of(request.headers, request.url.path + "\0" + session_id, body)
+    turn = await sessions.open_turn(caller, session_id, list(req.messages), idem)
+    req.messages = turn.history + req.messages
+    if not req.system:
+        req.system = turn.system()
+    return turn

@@ -1,0 +1,388 @@
+"""Sessions and their messages in the database: every write is one transaction.
+
+A turn is serialized per session by a lease row lock (`lease_token`, `lease_until` on the session):
+taken with a conditional UPDATE, renewed while the model answers, and released by the same
+transaction that appends the turn. The commit only succeeds while the lease is still ours, and
+`UNIQUE (session_id, seq)` is the last guard, so two replicas can never interleave a session's
+messages. A replica that dies holding a lease loses it after `lease_ttl`; what it had not committed
+was never written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from flashstack.gateway.core import (
+    ChatResponse,
+    ErrorKind,
+    GatewayError,
+    Message,
+    StopReason,
+    invalid_request,
+)
+from flashstack.gateway.sessions import codec
+from flashstack.gateway.sessions.db import Database, idempotency, messages, sessions
+
+Order = Literal["asc", "desc"]
+MAX_METADATA_PAIRS = 16
+
+
+def new_id(prefix: str) -> str:
+    """`prefix_` + microseconds + randomness: ids sort by creation time, as cursors expect."""
+    return f"{prefix}_{time.time_ns() // 1000:014x}{secrets.token_hex(9)}"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def not_found(session_id: str) -> GatewayError:
+    return GatewayError(
+        ErrorKind.NOT_FOUND, f"session {session_id!r} does not exist (or belongs to another key)",
+        param="session_id", code="session_not_found",
+    )
+
+
+def session_busy(session_id: str, waited: float) -> GatewayError:
+    return GatewayError(
+        ErrorKind.RATE_LIMIT,
+        f"session {session_id!r} has been busy with another turn for over {waited:.0f} s; retry later",
+        status=409, retry_after=1, code="session_busy",
+    )
+
+
+class LeaseLost(GatewayError):
+    """The turn's lease expired or its session was deleted; the turn was not stored."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            ErrorKind.INTERNAL,
+            f"session {session_id!r} changed while this turn ran (deleted, or its lock expired); "
+            "the turn was not stored — send it again",
+            status=409,
+        )
+
+
+@dataclass(slots=True)
+class Page:
+    data: list[dict[str, Any]]
+    has_more: bool
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": self.data,
+            "first_id": self.data[0]["id"] if self.data else None,
+            "last_id": self.data[-1]["id"] if self.data else None,
+            "has_more": self.has_more,
+        }
+
+
+@dataclass(slots=True)
+class Failure:
+    """What an incomplete turn records next to the user's message."""
+
+    type: str
+    message: str
+
+
+class SessionStore:
+    """Session and message reads and writes for one owner at a time (the caller's key)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    async def create(
+        self, owner: str, metadata: dict[str, str], model: str | None, system: str | None
+    ) -> dict[str, Any]:
+        row = {
+            "id": new_id("sess"), "owner": owner, "created_at": now_ms(),
+            "metadata": orjson.dumps(check_metadata(metadata)).decode(), "model": model,
+            "system": system, "next_seq": 0,
+        }
+        async with self.db.write() as conn:
+            await conn.execute(sessions.insert().values(**row))
+        return session_json(row)
+
+    async def get(self, owner: str, session_id: str) -> dict[str, Any]:
+        async with self.db.read() as conn:
+            return session_json(await _session_row(conn, owner, session_id))
+
+    async def update(self, owner: str, session_id: str, metadata: dict[str, str]) -> dict[str, Any]:
+        body = orjson.dumps(check_metadata(metadata)).decode()
+        async with self.db.write() as conn:
+            result = await conn.execute(
+                sessions.update().where(_owned(owner, session_id)).values(metadata=body)
+            )
+            if result.rowcount != 1:
+                raise not_found(session_id)
+            return session_json(await _session_row(conn, owner, session_id))
+
+    async def delete(self, owner: str, session_id: str) -> dict[str, Any]:
+        async with self.db.write() as conn:
+            result = await conn.execute(sessions.delete().where(_owned(owner, session_id)))
+            if result.rowcount != 1:
+                raise not_found(session_id)
+            await conn.execute(messages.delete().where(messages.c.session_id == session_id))
+            await conn.execute(idempotency.delete().where(idempotency.c.session_id == session_id))
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    async def list(self, owner: str, after: str | None, limit: int, order: Order) -> Page:
+        check_page(limit, order)
+        key = sa.tuple_(sessions.c.created_at, sessions.c.id)
+        query = sessions.select().where(sessions.c.owner == owner)
+        async with self.db.read() as conn:
+            if after is not None:
+                anchor = (await conn.execute(
+                    sa.select(sessions.c.created_at, sessions.c.id).where(_owned(owner, after))
+                )).first()
+                if anchor is None:
+                    raise invalid_request(
+                        f"after: {after!r} is not a session of this key; pass the last_id of a page", "after"
+                    )
+                bound = sa.tuple_(sa.literal(anchor.created_at), sa.literal(anchor.id))
+                query = query.where(key > bound if order == "asc" else key < bound)
+            ordered = (sessions.c.created_at, sessions.c.id)
+            query = query.order_by(*(c.asc() if order == "asc" else c.desc() for c in ordered))
+            rows = (await conn.execute(query.limit(limit + 1))).mappings().all()
+        return Page([session_json(r) for r in rows[:limit]], len(rows) > limit)
+
+    # ---- messages ---------------------------------------------------------------------------
+
+    async def list_messages(
+        self, owner: str, session_id: str, after: str | None, limit: int, order: Order
+    ) -> Page:
+        check_page(limit, order)
+        query = messages.select().where(messages.c.session_id == session_id)
+        async with self.db.read() as conn:
+            await _session_row(conn, owner, session_id)
+            if after is not None:
+                seq = (await conn.execute(
+                    sa.select(messages.c.seq).where(messages.c.id == after, messages.c.session_id == session_id)
+                )).scalar()
+                if seq is None:
+                    raise invalid_request(
+                        f"after: {after!r} is not a message of session {session_id!r}; pass the last_id of a page",
+                        "after",
+                    )
+                query = query.where(messages.c.seq > seq if order == "asc" else messages.c.seq < seq)
+            query = query.order_by(messages.c.seq.asc() if order == "asc" else messages.c.seq.desc())
+            rows = (await conn.execute(query.limit(limit + 1))).mappings().all()
+        return Page([message_json(r) for r in rows[:limit]], len(rows) > limit)
+
+    async def history(self, session_id: str) -> list[Message]:
+        """The completed messages, oldest first: what the model sees before the new turn."""
+        query = (
+            sa.select(messages.c.role, messages.c.content)
+            .where(messages.c.session_id == session_id, messages.c.status == "completed")
+            .order_by(messages.c.seq)
+        )
+        async with self.db.read() as conn:
+            rows = (await conn.execute(query)).all()
+        return [Message(r.role, codec.parts_from_json(orjson.loads(r.content))) for r in rows]
+
+    async def message(self, message_id: str) -> dict[str, Any]:
+        async with self.db.read() as conn:
+            row = (await conn.execute(messages.select().where(messages.c.id == message_id))).mappings().one()
+        return message_json(row)
+
+    # ---- the per-session lease --------------------------------------------------------------
+
+    async def acquire(self, owner: str, session_id: str, token: str, ttl: float, timeout: float) -> dict[str, Any]:
+        """Take the session's lease, waiting up to `timeout` s; returns the session row."""
+        deadline, delay = time.monotonic() + timeout, 0.005
+        while True:
+            now = time.time()
+            free = sa.or_(sessions.c.lease_until.is_(None), sessions.c.lease_until < now)
+            async with self.db.write(durable=False) as conn:
+                result = await conn.execute(
+                    sessions.update().where(_owned(owner, session_id), free)
+                    .values(lease_token=token, lease_until=now + ttl)
+                )
+                if result.rowcount == 1:
+                    return dict(await _session_row(conn, owner, session_id))
+            async with self.db.read() as conn:
+                await _session_row(conn, owner, session_id)  # 404 rather than waiting for nothing
+            if time.monotonic() > deadline:
+                raise session_busy(session_id, timeout)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    async def renew(self, session_id: str, token: str, ttl: float) -> bool:
+        async with self.db.write(durable=False) as conn:
+            result = await conn.execute(
+                sessions.update().where(sessions.c.id == session_id, sessions.c.lease_token == token)
+                .values(lease_until=time.time() + ttl)
+            )
+        return result.rowcount == 1
+
+    async def release(self, session_id: str, token: str) -> None:
+        async with self.db.write(durable=False) as conn:
+            await _release(conn, session_id, token, 0)
+
+    # ---- turns ------------------------------------------------------------------------------
+
+    async def commit_turn(
+        self,
+        session_id: str,
+        token: str,
+        inputs: list[Message],
+        reply: ChatResponse | None,
+        failure: Failure | None = None,
+        idem: tuple[str, str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Append a whole turn and release the lease, in one transaction; returns the rows.
+
+        Completed: the inputs and the reply. Failed (`failure` set, `reply` None): the inputs only,
+        marked incomplete with the error, so the user's words are kept but never replayed as history.
+        """
+        turn_id, created = new_id("turn"), now_ms()
+        async with self.db.write() as conn:
+            seq = (await conn.execute(
+                sa.select(sessions.c.next_seq).where(sessions.c.id == session_id, sessions.c.lease_token == token)
+            )).scalar()
+            if seq is None:
+                raise LeaseLost(session_id)
+            rows = _turn_rows(session_id, turn_id, seq, created, inputs, reply, failure)
+            await conn.execute(messages.insert(), rows)
+            if not await _release(conn, session_id, token, len(rows)):
+                raise LeaseLost(session_id)
+            if idem is not None and reply is not None:
+                await conn.execute(idempotency.insert().values(
+                    owner=idem[0], key=idem[1], fingerprint=idem[2], session_id=session_id,
+                    turn_id=turn_id, response=orjson.dumps(reply_json(reply, rows[-1]["id"])).decode(),
+                    created_at=created,
+                ))
+        return rows
+
+    async def idempotent_reply(self, owner: str, key: str) -> dict[str, Any] | None:
+        async with self.db.read() as conn:
+            row = (await conn.execute(
+                idempotency.select().where(idempotency.c.owner == owner, idempotency.c.key == key)
+            )).mappings().first()
+        return dict(row) if row else None
+
+
+async def _release(conn: AsyncConnection, session_id: str, token: str, appended: int) -> bool:
+    result = await conn.execute(
+        sessions.update().where(sessions.c.id == session_id, sessions.c.lease_token == token)
+        .values(next_seq=sessions.c.next_seq + appended, lease_token=None, lease_until=None)
+    )
+    return result.rowcount == 1
+
+
+def _turn_rows(
+    session_id: str, turn_id: str, seq: int, created: int, inputs: list[Message],
+    reply: ChatResponse | None, failure: Failure | None,
+) -> list[dict[str, Any]]:
+    status = "completed" if failure is None else "incomplete"
+    error = orjson.dumps({"type": failure.type, "message": failure.message}).decode() if failure else None
+    rows = [
+        _row(session_id, turn_id, seq + i, created, m.role, codec.parts_json(m.parts), status, error)
+        for i, m in enumerate(inputs)
+    ]
+    if reply is not None and failure is None:
+        content = codec.parts_json(reply.content)
+        row = _row(session_id, turn_id, seq + len(rows), created, "assistant", content, status, None)
+        row.update(
+            model=reply.model, stop_reason=reply.stop_reason.value,
+            usage=orjson.dumps(codec.usage_json(reply.usage)).decode(),
+        )
+        rows.append(row)
+    return rows
+
+
+def _row(
+    session_id: str, turn_id: str, seq: int, created: int, role: str, content: list[Any],
+    status: str, error: str | None,
+) -> dict[str, Any]:
+    return {
+        "id": new_id("msg"), "session_id": session_id, "seq": seq, "turn_id": turn_id, "role": role,
+        "content": orjson.dumps(content).decode(), "status": status, "error": error,
+        "model": None, "stop_reason": None, "usage": None, "created_at": created,
+    }
+
+
+def _owned(owner: str, session_id: str) -> sa.ColumnElement[bool]:
+    return sa.and_(sessions.c.id == session_id, sessions.c.owner == owner)
+
+
+async def _session_row(conn: AsyncConnection, owner: str, session_id: str) -> Any:
+    row = (await conn.execute(sessions.select().where(_owned(owner, session_id)))).mappings().first()
+    if row is None:
+        raise not_found(session_id)
+    return row
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """OpenAI's metadata rules: at most 16 string pairs, keys ≤ 64 and values ≤ 512 characters."""
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid_request(f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs", "metadata")
+    for k, v in metadata.items():
+        if not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise invalid_request(
+                f"metadata[{k[:64]!r}]: keys are strings of at most 64 characters, values of at most 512",
+                "metadata",
+            )
+    return metadata
+
+
+def check_page(limit: int, order: str) -> None:
+    if not 1 <= limit <= 100:
+        raise invalid_request(f"limit must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise invalid_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
+
+
+def session_json(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "object": "session",
+        "created_at": row["created_at"] // 1000,
+        "metadata": orjson.loads(row["metadata"]),
+        "model": row["model"],
+        "system": row["system"],
+    }
+
+
+def message_json(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "object": "session.message",
+        "session_id": row["session_id"],
+        "turn_id": row["turn_id"],
+        "role": row["role"],
+        "content": orjson.loads(row["content"]),
+        "status": row["status"],
+        "error": orjson.loads(row["error"]) if row["error"] else None,
+        "model": row["model"],
+        "stop_reason": row["stop_reason"],
+        "usage": orjson.loads(row["usage"]) if row["usage"] else None,
+        "created_at": row["created_at"] // 1000,
+    }
+
+
+def reply_json(reply: ChatResponse, message_id: str) -> dict[str, Any]:
+    """The canonical reply as stored for idempotent replays."""
+    return {
+        "id": reply.id, "model": reply.model, "content": codec.parts_json(reply.content),
+        "stop_reason": reply.stop_reason.value, "stop_sequence": reply.stop_sequence,
+        "usage": codec.usage_json(reply.usage), "created": reply.created, "message_id": message_id,
+    }
+
+
+def reply_from_json(d: dict[str, Any]) -> ChatResponse:
+    return ChatResponse(
+        d["id"], d["model"], codec.parts_from_json(d["content"]), StopReason(d["stop_reason"]),
+        codec.usage_from_json(d["usage"]), d.get("stop_sequence"), d.get("created", 0),
+    )

