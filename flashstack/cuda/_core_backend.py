@@ -107,6 +107,16 @@ class CoreBackend:
     def stream_wrap(self, ordinal: int, raw: int, owner: object) -> Any:
         return cc.Stream.from_handle(int(raw))
 
+    def can_access_peer(self, ordinal: int, peer: int) -> bool:
+        return bool(_check(driver.cuDeviceCanAccessPeer(ordinal, peer)))
+
+    def enable_peer_access(self, ordinal: int, peer: int) -> None:
+        # Called with `ordinal`'s primary context current; the peer's must have been activated.
+        (err,) = driver.cuCtxEnablePeerAccess(self._primary[peer], 0)
+        if err not in (driver.CUresult.CUDA_SUCCESS,
+                       driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+            _check((err,))
+
     def stream_raw(self, stream: Any) -> int:
         return int(stream.handle)
 

@@ -53,6 +53,7 @@ class FakeBackend:
         self._allocs: dict[int, FakeHandle] = {}
         # name -> python function(backend, *args) run when a kernel of that name launches
         self.kernels: dict[str, Any] = {}
+        self.peers: set[tuple[int, int]] = set()  # (device, peer) pairs with access enabled
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _call(self, op: str, what: object = "") -> None:
@@ -120,6 +121,15 @@ class FakeBackend:
 
     def device_synchronize(self, ordinal: int) -> None:
         self._call("device_synchronize", ordinal)
+
+    def can_access_peer(self, ordinal: int, peer: int) -> bool:
+        return ordinal != peer and max(ordinal, peer) < self.devices
+
+    def enable_peer_access(self, ordinal: int, peer: int) -> None:
+        self._call("enable_peer_access", (ordinal, peer))
+        if self._require_ctx("enable_peer_access") != f"ctx{ordinal}":
+            self.violations.append(f"wrong-context: enable_peer_access {ordinal}->{peer}")
+        self.peers.add((ordinal, peer))
 
     def _require_ctx(self, op: str) -> str:
         ctx = self.ctx_get_current()

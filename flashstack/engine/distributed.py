@@ -26,6 +26,7 @@ MULTICAST_OFF = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 _OP_STEP, _OP_EXIT = 1, 2
+OP_PROFILE, OP_START = 3, 4  # start-up: mirror rank 0's profiling forward; then the KV block count
 _HEADER_FIXED = 4  # op, num_tokens, num_seqs, max_blocks (then num_sample, then host lists)
 # An idle server sends no steps for hours: the header wait must not time out (workers watch rank 0
 # instead, see worker.py).
@@ -140,8 +141,18 @@ class StepChannel:
 
     def send_exit(self) -> None:
         """Tell the other ranks to leave their loops."""
-        self._header[0] = _OP_EXIT
+        self.send_control(_OP_EXIT, 0)
+
+    def send_control(self, op: int, value: int) -> None:
+        """A start-up or shutdown message: an op code and one integer."""
+        self._header[:2] = torch.tensor([op, value])
         dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
+
+    def recv_control(self) -> tuple[int, int]:
+        """The next start-up message from rank 0."""
+        dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
+        op, value = self._header[:2].tolist()
+        return op, value
 
     def recv(self) -> StepInputs | None:
         """The next step's inputs on this rank's device; None when rank 0 says exit."""

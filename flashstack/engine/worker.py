@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.distributed import (
+    OP_PROFILE,
+    OP_START,
     StepChannel,
     TensorParallel,
     disable_multicast,
@@ -29,7 +31,9 @@ from flashstack.engine.distributed import (
 )
 from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
 from flashstack.engine.model_runner import ModelRunner, StepInputs
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM
+from flashstack.engine.models.fused import fuse_model
 from flashstack.engine.scheduler import ScheduledBatch
 
 
@@ -42,6 +46,17 @@ class WorkerGroup:
     store: dist.TCPStore  # the other ranks rendezvous here; it lives as long as the group
     channel: StepChannel | None = None
     closed: bool = False
+
+    def mirror_profile(self, num_tokens: int) -> None:
+        """Have the other ranks run rank 0's activation-profiling forward alongside it."""
+        assert self.channel is not None
+        self.channel.send_control(OP_PROFILE, num_tokens)
+
+    def start(self, num_blocks: int) -> int:
+        """Give every rank rank 0's KV block count (equal shards on equal GPUs need no more)."""
+        assert self.channel is not None
+        self.channel.send_control(OP_START, num_blocks)
+        return num_blocks
 
     def close(self) -> None:
         """Send exit, wait briefly, then kill stragglers; safe to call twice."""
@@ -85,7 +100,11 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     for p in procs:
         p.start()
     tp = init_rank(0, world, store.port, rank_device(device, 0), store)
-    return WorkerGroup(tp, procs, store)
+    # Decode graphs would replay collectives the other ranks never issue: eager until graphs are
+    # captured on every rank.
+    config.enforce_eager = True
+    channel = StepChannel(tp, config.max_num_seqs, config.block_size)
+    return WorkerGroup(tp, procs, store, channel)
 
 
 class DriverRunner(ModelRunner):
@@ -101,7 +120,6 @@ class DriverRunner(ModelRunner):
         workers: WorkerGroup,
     ) -> None:
         super().__init__(config, model, num_blocks, device, dtype)
-        workers.channel = StepChannel(workers.tp, config.max_num_seqs, config.block_size)
         self.workers = workers
         weakref.finalize(self, workers.close)
 
@@ -132,10 +150,41 @@ def worker_main(config: EngineConfig, rank: int, port: int, base_device: str) ->
     tp = init_rank(rank, config.tensor_parallel_size, port, device)
     dtype = resolve_dtype(config.dtype, read_hf_config(config.model), device)
     model = load_model(Path(config.model), dtype, device, tp=tp)
-    num_blocks = tp.broadcast_int(0)
-    runner = ModelRunner(config, model, num_blocks, device, dtype)
-    run_steps(runner, StepChannel(tp, config.max_num_seqs, config.block_size))
+    if device.type == "cuda":
+        fuse_model(model)  # as rank 0 does: same kernels, same collectives
+    channel = StepChannel(tp, config.max_num_seqs, config.block_size)
+    while (msg := channel.recv_control())[0] == OP_PROFILE:
+        profile_step(model, msg[1], config, device, dtype)
+    if msg[0] != OP_START:  # rank 0 closed during start-up
+        return
+    runner = ModelRunner(config, model, msg[1], device, dtype)
+    run_steps(runner, channel)
     dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def profile_step(
+    model: LlamaForCausalLM, n: int, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Rank 0's profiling forward (LLMEngine._profile_activations) with the same shapes."""
+    a, bs = model.args, config.block_size
+    blocks = -(-n // bs)
+    caches = [
+        torch.zeros(blocks, 2, bs, a.num_kv_heads, a.head_dim, dtype=dtype, device=device)
+        for _ in range(a.num_layers)
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        block_size=bs, max_query_len=n, max_context_len=n, query_lens_host=[n],
+        context_lens_host=[n],
+    )
+    backend = get_attention_backend(config.attention_backend, device)
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    hidden = model(ids, torch.arange(n, device=device), meta, caches, backend)
+    model.compute_logits(hidden[-min(n, config.max_num_seqs) :])
 
 
 @torch.inference_mode()

@@ -1,0 +1,218 @@
+"""Tensor parallelism: decode-step time on 2 GPUs vs 1, and greedy agreement, Llama-3-8B shape bf16.
+
+Random weights are written on the fly as safetensors in a temp dir (no download). The vocabulary
+head is planted (lm_head row j = embedding row perm(j), embeddings of std 1): greedy then has a wide
+logit margin, so agreement measures the two engines, not bf16 rounding on near-uniform logits; the
+decoder weights (std 0.01) still move the hidden state, and every matmul has the real shape.
+
+    PYTHONPATH=. python bench/engine_tp.py --tp 2 --out result.json
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+# Same code path at a size a CPU runs in seconds: `--shape tiny --device cpu` smoke-tests the bench.
+TINY = {**LLAMA3_8B, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+DEVICE = "cuda"
+
+
+def _rand(*shape: int, std: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, generator=gen, dtype=torch.bfloat16) * std
+
+
+def _layer(i: int, c: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    h, f, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    shapes = dict(
+        q_proj=(q, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q),
+        gate_proj=(f, h), up_proj=(f, h), down_proj=(h, f),
+    )
+    p = f"model.layers.{i}."
+    out = {
+        p + ("mlp." if n.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn.")
+        + n + ".weight": _rand(*s, std=0.01, gen=gen)
+        for n, s in shapes.items()
+    }
+    out[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16, device=DEVICE)
+    out[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16, device=DEVICE)
+    return {k: v.cpu() for k, v in out.items()}
+
+
+def write_checkpoint(path: Path, layers: int, shape: dict[str, Any] = LLAMA3_8B) -> float:
+    """Random Llama-3-8B-shaped weights as one safetensors file per layer; returns seconds."""
+    t0 = time.perf_counter()
+    c = {**shape, "num_hidden_layers": layers}
+    (path / "config.json").write_text(json.dumps(c))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    v, h = c["vocab_size"], c["hidden_size"]
+    embed = _rand(v, h, std=1.0, gen=gen)
+    perm = (torch.arange(v, device=DEVICE) * 7919 + 1) % v  # 7919 is prime, v is not its multiple
+    head = {
+        "model.embed_tokens.weight": embed.cpu(),
+        "lm_head.weight": embed[perm].cpu(),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    del embed
+    save_file(head, str(path / "model-head.safetensors"))
+    for i in range(layers):
+        save_file(_layer(i, c, gen), str(path / f"model-layer{i:02d}.safetensors"))
+    return time.perf_counter() - t0
+
+
+def _engine(path: Path, tp: int, eager: bool):
+    from flashstack.engine import LLM
+
+    return LLM(
+        path, tensor_parallel_size=tp, enforce_eager=eager, device=DEVICE, dtype="bfloat16", block_size=256,
+        max_num_seqs=32, num_kv_blocks=96, enable_prefix_caching=False, show_progress=False,
+    )
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n, length), generator=g).tolist()
+
+
+def step_ms(llm: Any, batch: int, steps: int, warmup: int = 5) -> float:
+    """Median wall time of one decode step with `batch` sequences (each step ends in a host read)."""
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 4, ignore_eos=True)
+    for p in _prompts(batch, 64, batch):
+        engine.add_request(p, params)
+    engine.step()  # the whole batch prefills in one step (64 * 32 tokens < the 8192 budget)
+    for _ in range(warmup):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    engine.abort_all()
+    return statistics.median(times)
+
+
+def run_engine(path: Path, tp: int, eager: bool, steps: int, agree_tokens: int) -> dict[str, Any]:
+    """Load, greedy-generate the agreement prompts, then time decode at batch 1 and 32."""
+    from flashstack.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _engine(path, tp, eager)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=agree_tokens, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate(_prompts(32, 16, 7), params)]
+    graphs = llm.engine.runner.graphs is not None
+    result = {"tp": tp, "cuda_graphs": graphs, "load_s": round(load_s, 1), "tokens": tokens}
+    for batch in (1, 32):
+        result[f"step_ms_b{batch}"] = round(step_ms(llm, batch, steps), 3)
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def peer_copy_gbps(nbytes: int = 1 << 30, reps: int = 10) -> float | None:
+    """GPU 0 -> GPU 1 copy bandwidth through flashstack.cuda.peer (None without a P2P link)."""
+    from flashstack import cuda as fc
+    from flashstack.cuda.peer import can_access_peer, copy_peer, enable_peer_access
+
+    d0, d1 = fc.Device(0), fc.Device(1)
+    if not can_access_peer(d0, d1):
+        return None
+    enable_peer_access(d0, d1)
+    with fc.Stream(d0) as s, fc.Stream(d1) as s1:
+        src, dst = fc.DeviceBuffer(nbytes, d0, s), fc.DeviceBuffer(nbytes, d1, s1)
+        copy_peer(dst, src, s)
+        s.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            copy_peer(dst, src, s)
+        s.synchronize()
+        dt = time.perf_counter() - t0
+        src.close()
+        dst.close()
+    return round(nbytes * reps / dt / 1e9, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--agree-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--shape", choices=["llama3-8b", "tiny"], default="llama3-8b")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    shape = LLAMA3_8B if args.shape == "llama3-8b" else TINY
+    out: dict[str, Any] = {"model": f"{args.shape} shape, random bf16", "layers": args.layers}
+
+    def emit() -> None:
+        text = json.dumps(out)
+        if args.out is not None:
+            args.out.write_text(text)  # after every stage: a timeout still leaves what was measured
+        print(text, flush=True)
+
+    try:
+        out["peer_copy_GBps"] = peer_copy_gbps() if DEVICE == "cuda" else None
+    except Exception as exc:  # the bench's point is the engine; report and go on
+        out["peer_copy_error"] = repr(exc)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        out["write_s"] = round(write_checkpoint(Path(tmp), args.layers, shape), 1)
+        emit()
+        runs = {}
+        # 1 GPU with decode graphs (the default), 1 GPU eager, N GPUs (eager: graphs are 1-rank only).
+        for name, tp, eager in (("tp1", 1, False), ("tp1_eager", 1, True), (f"tp{args.tp}", args.tp, True)):
+            runs[name] = run_engine(Path(tmp), tp, eager, args.steps, args.agree_tokens)
+            out[name] = {k: v for k, v in runs[name].items() if k != "tokens"}
+            emit()
+    a, b = runs["tp1_eager"]["tokens"], runs[f"tp{args.tp}"]["tokens"]
+    same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))
+    out["greedy_agreement_vs_tp1_eager"] = round(same / sum(len(s) for s in a), 4)
+    out["exact_sequences"] = sum(s == t for s, t in zip(a, b))
+    for base in ("tp1", "tp1_eager"):
+        for batch in (1, 32):
+            one, many = runs[base][f"step_ms_b{batch}"], runs[f"tp{args.tp}"][f"step_ms_b{batch}"]
+            out[f"speedup_b{batch}_vs_{base}"] = round(one / many, 2)
+    emit()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Tensor parallelism over 2 ranks (gloo on CPU, NCCL on GPUs) is token-identical to 1 rank and to
+transformers; heads, vocabulary and weights split the way the spec says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashstack.engine import LLM
+from flashstack.engine.models.parallel import HeadSplit, vocab_range
+from tests.engine.conftest import make_hf_model
+from tests.engine.helpers import greedy, hf_greedy, run_checked
+
+MAX_TOKENS = 10
+_SHARED = [7 + (i * 13) % 300 for i in range(21)]
+PROMPTS = [
+    _SHARED + [40, 41, 42],
+    [3, 4],
+    [100 + i for i in range(37)],
+    _SHARED + [40, 41, 42],  # shares its prefix blocks with the first prompt
+    [9],
+]
+# Small blocks, a small token budget and a tight cache: chunked prefill, prefix hits and
+# preemption all happen, so many differently shaped steps cross the broadcast.
+ENGINE = dict(
+    device="cpu",
+    show_progress=False,
+    block_size=4,
+    max_num_batched_tokens=16,
+    num_kv_blocks=18,
+    max_num_seqs=8,
+)
+
+
+@pytest.fixture(autouse=True)
+def _bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A broken rank must fail the test in seconds, not hang it (children inherit the variable).
+    monkeypatch.setenv("FLASHSTACK_TP_TIMEOUT_S", "30")
+
+
+@pytest.fixture(scope="module")
+def mqa_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """A Llama with one KV head (fewer than ranks) and an odd vocabulary (uneven vocab split)."""
+    import transformers as tf
+
+    torch.manual_seed(5)
+    cfg = tf.LlamaConfig(
+        vocab_size=383,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.15) if "norm" not in name else p.uniform_(0.8, 1.2)
+    path = tmp_path_factory.mktemp("llama-mqa")
+    model.eval().save_pretrained(path, max_shard_size="100KB")
+    return path, model
+
+
+def _generate(path: Path, tp: int) -> tuple[list[list[int]], LLM]:
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+    try:
+        return run_checked(llm, PROMPTS, greedy(MAX_TOKENS)), llm
+    finally:
+        llm.engine.shutdown()
+
+
+def _check_identical(path: Path, hf_model: object) -> LLM:
+    refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
+    one, _ = _generate(path, 1)
+    two, llm = _generate(path, 2)
+    assert one == refs, "1 rank differs from transformers"
+    for i, (got, ref) in enumerate(zip(two, refs)):
+        assert got == ref, f"prompt {i}: 2 ranks {got} != transformers/1 rank {ref}"
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
+    assert llm.engine.scheduler.num_chunked_prefills > 0
+    assert not any(p.is_alive() for p in llm.engine.workers.procs), "shutdown leaves no rank"
+    return llm
+
+
+def test_llama_kv_heads_split_over_ranks(hf_checkpoints) -> None:
+    path, model = hf_checkpoints["llama"]  # 4 query heads, 2 KV heads: one KV head per rank
+    llm = _check_identical(path, model)
+    attn = llm.engine.model.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+    assert attn.q_proj.weight.shape == (2 * 16, 64), "rank 0 must hold only its query heads"
+    assert llm.engine.runner.kv_cache.shape[4] == 1, "rank 0 caches only its KV head"
+
+
+def test_llama_kv_heads_replicated_and_vocab_padded(mqa_checkpoint) -> None:
+    path, model = mqa_checkpoint  # 1 KV head < 2 ranks: replicated; vocab 383 = 192 + 191
+    llm = _check_identical(path, model)
+    m = llm.engine.model
+    assert m.model.embed_tokens.weight.shape == (192, 64)
+    assert m.model.layers[0].mlp.down_proj.weight.shape == (64, 64), "half the intermediate width"
+
+
+def test_qwen3_tied_embeddings(hf_checkpoints) -> None:
+    path, model = hf_checkpoints["qwen3"]  # q/k norm, head_dim 32, tied lm_head
+    llm = _check_identical(path, model)
+    m = llm.engine.model
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+
+
+def test_head_split_respects_gqa() -> None:
+    # 32 q heads / 8 KV heads over 2 ranks: each rank owns a contiguous half of both.
+    assert HeadSplit.of(32, 8, 1, 2) == HeadSplit(16, 16, 4, 4)
+    # 8 q heads / 2 KV heads over 4 ranks: ranks 0,1 share KV head 0; ranks 2,3 share KV head 1.
+    assert [HeadSplit.of(8, 2, r, 4).kv_start for r in range(4)] == [0, 0, 1, 1]
+    assert all(HeadSplit.of(8, 2, r, 4).num_kv == 1 for r in range(4))
+    with pytest.raises(ValueError, match="KV heads"):
+        HeadSplit.of(12, 6, 0, 4)
+    with pytest.raises(ValueError, match="attention heads"):
+        HeadSplit.of(6, 2, 0, 4)
+
+
+def test_vocab_range_covers_vocabulary_once() -> None:
+    parts = [vocab_range(383, r, 3) for r in range(3)]
+    assert [(a, b) for a, b, _ in parts] == [(0, 128), (128, 256), (256, 383)]
+    assert {size for *_, size in parts} == {128}
+
+
+def test_cli_tp_option() -> None:
+    from flashstack.cli import _parser  # the gateway's settings stack: not needed by the engine
+
+    args = _parser().parse_args(["engine", "serve", "--model", "m", "--tp", "2"])
+    assert args.tp == 2
+
+
+def test_bad_tensor_parallel_size() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM("unused", tensor_parallel_size=0, **ENGINE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_two_gpus_match_one(hf_checkpoints) -> None:
+    path, model = hf_checkpoints["llama"]
+    refs = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    kw = {**ENGINE, "device": "cuda", "dtype": "float32"}
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        assert run_checked(llm, PROMPTS, greedy(MAX_TOKENS)) == refs
+    finally:
+        llm.engine.shutdown()
