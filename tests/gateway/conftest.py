@@ -50,7 +50,7 @@ def gateway_config(upstreams, **server) -> Config:
 @pytest.fixture(scope="session")
 def gateway(upstreams):
     config = gateway_config(upstreams, max_body_bytes=1024 * 1024)
-    server = FakeServer(create_app(config), lifespan="on", loop="asyncio").start()
+    server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
     yield server
     server.stop()
 

@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
 def local_gateway(tiny):
     cfg = Config(models=[ModelConfig(name="tiny", provider="local", model=str(tiny), supports_images=False,
                                      engine={"block_size": 16, "max_num_seqs": 8})])
-    with FakeServer(create_app(cfg), lifespan="on", loop="asyncio") as gw:
+    with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         yield gw
 
 

@@ -39,7 +39,7 @@ def test_server_error_before_first_byte_anthropic(anthropic_client, model):
 def test_upstream_auth_failure_is_reported(upstreams):
     cfg = gateway_config(upstreams)
     cfg.models = [ModelConfig(name="claude", provider="anthropic", model="m", api_base=upstreams["anthropic"].url, api_key="wrong")]
-    with FakeServer(create_app(cfg), lifespan="on", loop="asyncio") as gw:
+    with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         client = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0)
         with pytest.raises(anthropic.AuthenticationError):
             client.messages.create(model="claude", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
@@ -72,7 +72,7 @@ def test_unreachable_deployment_falls_back_to_the_next(upstreams):
     dead = ModelConfig(name="gpt", provider="openai", model="m", api_base="http://127.0.0.1:9/v1", weight=1000)
     live = ModelConfig(name="gpt", provider="openai", model="m", api_base=upstreams["openai"].url + "/v1", api_key=API_KEY, weight=0.001)
     cfg.models = [dead, live]
-    with FakeServer(create_app(cfg), lifespan="on", loop="asyncio") as gw:
+    with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         for stream in (False, True):
             r = client.chat.completions.create(model="gpt", stream=stream, messages=[{"role": "user", "content": "hi"}])
@@ -83,7 +83,7 @@ def test_unreachable_deployment_falls_back_to_the_next(upstreams):
 def test_unreachable_single_deployment_is_502(upstreams):
     cfg = gateway_config(upstreams)
     cfg.models = [ModelConfig(name="gpt", provider="openai", model="m", api_base="http://127.0.0.1:9/v1")]
-    with FakeServer(create_app(cfg), lifespan="on", loop="asyncio") as gw:
+    with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         client = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0)
         with pytest.raises(anthropic.APIStatusError) as exc:
             client.messages.create(model="gpt", max_tokens=5, messages=[{"role": "user", "content": "hi"}])

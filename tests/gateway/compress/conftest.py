@@ -82,6 +82,6 @@ def small_gateway(upstreams):
         compression=CompressionConfig(cache_dir=MODELS_DIR),
         state_dir=MODELS_DIR.parent,
     )
-    server = FakeServer(create_app(config), lifespan="on", loop="asyncio").start()
+    server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
     yield server
     server.stop()

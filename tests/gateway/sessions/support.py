@@ -112,7 +112,7 @@ def gateway_config(upstreams: Any, store: ScratchStore, tmp: Path, master_key: s
 
 
 def start_gateway(config: Config) -> FakeServer:
-    return FakeServer(create_app(config), lifespan="on", loop="asyncio").start()
+    return FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
 
 
 def free_port() -> int:

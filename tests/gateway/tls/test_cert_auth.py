@@ -41,7 +41,7 @@ def cert_gateway(pki: PKI, openai_upstream, tmp_path_factory):
     tls = ServerTLS.from_config(TLSConfig(cert_file=pki.server.cert_file, key_file=pki.server.key_file,
                                           client_ca_file=pki.ca.cert_file, client_auth="optional"))
     app = tls_app(config, tls)
-    server = FakeServer(app, lifespan="on", loop="asyncio", **tls.uvicorn_options("httptools"))
+    server = FakeServer(app, lifespan="on", loop="uvloop", **tls.uvicorn_options("httptools"))
     tls.start()
     server.start()
     yield types.SimpleNamespace(url=f"https://127.0.0.1:{server.port}", key_id=key_id)

@@ -40,7 +40,7 @@ def client(pki, mtls_upstream):
         model("untrusted", tls_client_cert=pki.client.cert_file, tls_client_key=pki.client.key_file),
     ])
     config.router.num_retries = 0
-    with FakeServer(create_app(config), lifespan="on", loop="asyncio") as gw:
+    with FakeServer(create_app(config), lifespan="on", loop="uvloop") as gw:
         yield openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
 
 
@@ -90,7 +90,7 @@ def test_rotated_client_certificate_files_are_used_for_new_upstream_connections(
                         tls_client_cert=cert_file, tls_client_key=key_file, tls_ca_bundle=pki.ca.cert_file)
     with FakeServer(recording, timeout_keep_alive=1, **upstream_tls.uvicorn_options()) as up:
         model.api_base = f"https://127.0.0.1:{up.port}/v1"
-        with FakeServer(create_app(Config(models=[model])), lifespan="on", loop="asyncio") as gw:
+        with FakeServer(create_app(Config(models=[model])), lifespan="on", loop="uvloop") as gw:
             client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=20)
             ask = lambda: client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "x"}])  # noqa: E731
             assert ask().choices[0].message.content == "echo: x"

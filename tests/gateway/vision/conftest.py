@@ -36,7 +36,7 @@ def _start(upstreams, vision: VisionConfig, **server: object) -> FakeServer:
     config = gateway_config(upstreams, **server)
     small = config.models[0].model_copy(update={"name": "claude-small"})
     config = config.model_copy(update={"models": [*config.models, small], "vision": vision})
-    return FakeServer(create_app(config), lifespan="on", loop="asyncio").start()
+    return FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
 
 
 @pytest.fixture(scope="session")
