@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from flashstack.engine.sequence import Sequence
+from flashstack.engine.swap import HostBlockPool
 
 
 def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
@@ -24,7 +25,11 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"need at least one KV block, got {num_blocks}")
@@ -40,6 +45,7 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.host = HostBlockPool(num_host_blocks)  # swapped-out sequences' blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,8 +152,50 @@ class BlockManager:
                 self.block_hash[block_id] = h
                 self.block_tokens[block_id] = tokens
 
+    def num_computed_blocks(self, seq: Sequence) -> int:
+        """Blocks holding `seq`'s computed K/V: what a swap-out has to move."""
+        return -(-seq.num_computed_tokens // self.block_size)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """True when `seq` has K/V to save and the host pool has room for it."""
+        n = self.num_computed_blocks(seq)
+        return 0 < n <= self.host.num_free_blocks
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give `seq`'s device blocks back for host blocks; (device, host) pairs to copy first.
+
+        The device blocks are free at once: the runner copies them out before the step's forward,
+        which is the first thing that can write them again.
+        """
+        n = self.num_computed_blocks(seq)
+        pairs = list(zip(seq.block_table[:n], self.host.allocate(seq.seq_id, n)))
+        for block_id in reversed(seq.block_table):
+            self.free_block(block_id)
+        seq.block_table = []
+        return pairs
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """True when `seq`'s swapped blocks plus room for `num_new_tokens` fit the free blocks."""
+        held = len(self.host.tables.get(seq.seq_id, ()))
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(held, needed) <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give `seq` device blocks for its host blocks; (host, device) pairs to copy first."""
+        host_ids = self.host.release(seq.seq_id)
+        seq.block_table = [self.allocate_block() for _ in host_ids]
+        bs = self.block_size
+        for i, h in enumerate(seq.block_hashes):  # the content is back: make it shareable again
+            block_id = seq.block_table[i]
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block_id
+                self.block_hash[block_id] = h
+                self.block_tokens[block_id] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        return list(zip(host_ids, seq.block_table))
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first, so the LRU evicts them before the prefix."""
+        self.host.release(seq.seq_id)
         for block_id in reversed(seq.block_table):
             self.free_block(block_id)
         seq.block_table = []
@@ -166,6 +214,7 @@ class BlockManager:
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Raise AssertionError unless free + used == total and every reference is accounted for."""
+        seqs = list(seqs)
         free_ids = self._free + list(self._cached)
         assert len(free_ids) == len(set(free_ids)), "a block is in the free pools twice"
         assert all(self.ref_counts[b] == 0 for b in free_ids), "a free block has references"
@@ -184,3 +233,9 @@ class BlockManager:
             assert self.block_hash[b] == h, (
                 "prefix-cache index points at a block with other content"
             )
+        self.host.check_invariants()
+        live = {seq.seq_id for seq in seqs}
+        assert set(self.host.tables) <= live, "host blocks held for a sequence that is gone"
+        for seq in seqs:
+            if seq.seq_id in self.host.tables:
+                assert not seq.block_table, f"{seq} holds device blocks while swapped out"

@@ -32,6 +32,13 @@ class EngineConfig:
     show_progress: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (GPUs, or CPU processes over gloo) sharing one model
+    # Preemption when KV blocks run out: "swap" the victim's blocks to host memory, "recompute" its
+    # prefill later, or "auto": whichever engine/swap.py's cost estimate says is cheaper.
+    preemption_mode: str = "auto"
+    swap_space_gb: float = 4.0  # host memory for swapped-out KV blocks (pinned on CUDA)
+    # The estimate's constants; None takes engine/swap.py's DEVICE_DEFAULTS for the device type.
+    swap_bandwidth_gbps: float | None = None  # host<->device copy rate, GB/s
+    recompute_tflops: float | None = None  # achieved prefill rate, TFLOP/s
     hf_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,6 +50,13 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                "preemption_mode must be 'auto', 'swap' or 'recompute', "
+                f"got {self.preemption_mode!r}"
+            )
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

@@ -33,6 +33,7 @@ from flashstack.engine.models.fused import fuse_model
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.scheduler import Scheduler
+from flashstack.engine.swap import PreemptionCost, num_host_blocks
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.tokenizer import Tokenizer
 from flashstack.engine.worker import DriverRunner, launch
@@ -71,22 +72,30 @@ class LLMEngine:
                 fuse_model(self.model)
             num_blocks = self._size_kv_cache(progress)
         if self.workers is not None:  # every rank's cache gets rank 0's block count
-            num_blocks = self.workers.tp.broadcast_int(num_blocks)
+            num_blocks = self.workers.start(num_blocks)
         self._set_max_model_len(num_blocks)
+        per_block = kv_bytes_per_block(self.model.args, config.block_size, self.dtype)
+        num_host = num_host_blocks(config, per_block)  # 0: swap off (recompute mode, or TP)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, num_host
         )
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         if not eos and hf.get("eos_token_id") is not None:
             eos = set(
                 hf["eos_token_id"] if isinstance(hf["eos_token_id"], list) else [hf["eos_token_id"]]
             )
-        self.scheduler = Scheduler(config, self.block_manager, eos)
+        cost = None
+        if num_host:
+            args = self.model.args
+            cost = PreemptionCost.for_model(config, self.model, args, per_block, self.device)
+        self.scheduler = Scheduler(config, self.block_manager, eos, cost)
         self.runner = (
             ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
             if self.workers is None
             else DriverRunner(config, self.model, num_blocks, self.device, self.dtype, self.workers)
         )
+        if num_host:
+            self.runner.enable_swap(num_host)
         if self._use_graphs():
             self._capture_graphs()
         self.requests: dict[str, RequestState] = {}
@@ -144,6 +153,8 @@ class LLMEngine:
         """Peak activation bytes of the largest step, measured by running it once on dummy tokens."""
         cfg, a = self.config, self.model.args
         n = min(cfg.max_num_batched_tokens, self._declared_max_len())
+        if self.workers is not None:  # the other ranks run the same forward: its collectives match
+            self.workers.mirror_profile(n)
         blocks = -(-n // cfg.block_size)
         caches = [
             torch.zeros(blocks, 2, cfg.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)

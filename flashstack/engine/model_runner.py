@@ -13,6 +13,7 @@ from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.sampling import sample
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
+from flashstack.engine.swap import SwapSpace
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -60,6 +61,11 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.backend = get_attention_backend(config.attention_backend, device)
         self.graphs: DecodeGraphs | None = None
+        self.swap_space: SwapSpace | None = None
+
+    def enable_swap(self, num_host_blocks: int) -> None:
+        """Give the runner a host KV pool of `num_host_blocks` blocks for swap preemption."""
+        self.swap_space = SwapSpace(self.kv_cache, num_host_blocks)
 
     def capture_graphs(self, max_model_len: int, on_bucket=None) -> None:
         """Capture decode CUDA graphs for every batch bucket (CUDA and a graph-safe backend only)."""
@@ -138,6 +144,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run the batch; a sampled token per sequence whose prefill is complete, else None."""
+        if batch.swap_out or batch.swap_in:
+            assert self.swap_space is not None, "the scheduler swapped without a host pool"
+            self.swap_space.swap(batch.swap_out, batch.swap_in)
+        if not batch.seqs:
+            return []
         logits = self._graph_logits(batch)
         if logits is not None:
             sample_seqs = list(range(len(batch.seqs)))

@@ -1,4 +1,5 @@
-"""Continuous batching: decode first, chunked prefill under a token budget, recompute preemption."""
+"""Continuous batching: decode first, chunked prefill under a token budget, swap or recompute
+preemption."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.sequence import Sequence, SequenceStatus
+from flashstack.engine.swap import PreemptionCost
 
 
 @dataclass(slots=True)
@@ -17,6 +19,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block copies
 
     @property
     def num_tokens(self) -> int:
@@ -24,21 +28,29 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def __bool__(self) -> bool:
-        return bool(self.seqs)
+        # A step may only swap (every running sequence preempted): its copies must still run.
+        return bool(self.seqs or self.swap_out or self.swap_in)
 
 
 class Scheduler:
     """Decides, step by step, which sequences run and how many tokens each computes."""
 
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, eos_token_ids: set[int]
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        eos_token_ids: set[int],
+        preemption_cost: PreemptionCost | None = None,  # None: always recompute
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # preempted with their K/V in the host pool
+        self.preemption_cost = preemption_cost
         self.num_preemptions = 0
+        self.num_swap_outs = 0
         self.num_chunked_prefills = 0
 
     def _order_key(self, seq: Sequence) -> tuple[int, float, int]:
@@ -51,17 +63,17 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=self._order_key)
 
     def has_unfinished(self) -> bool:
-        """True while any sequence waits or runs."""
-        return bool(self.waiting or self.running)
+        """True while any sequence waits, runs or is swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def seqs(self) -> list[Sequence]:
         """Every live sequence."""
-        return self.running + self.waiting
+        return self.running + self.swapped + self.waiting
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stop a request now and free its blocks; returns it, or None when it is not live."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.swapped, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -78,13 +90,24 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        # Recompute preemption: drop the KV and re-prefill later (full blocks may come back from the
-        # cache).
-        self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)
+        if self._should_swap(seq):
+            batch.swap_out += self.block_manager.swap_out(seq)
+            self.num_swap_outs += 1
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=self._order_key)
+            return
+        # Recompute: drop the KV and re-prefill later (full blocks may come back from the cache).
+        self.block_manager.free(seq)
         self.add(seq)
+
+    def _should_swap(self, seq: Sequence) -> bool:
+        cost, bm = self.preemption_cost, self.block_manager
+        if cost is None or not bm.can_swap_out(seq):
+            return False
+        return cost.prefers_swap(bm.num_computed_blocks(seq), seq.num_computed_tokens)
 
     def _running_order(self, seq: Sequence) -> tuple[int, int, float, int]:
         prio, arrival, seq_id = self._order_key(seq)
@@ -95,7 +118,10 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
-            self._schedule_waiting(batch, budget)
+            budget = self._schedule_swapped(batch, budget)
+            # Swapped sequences come back before new ones are admitted, or they could starve.
+            if not self.swapped:
+                self._schedule_waiting(batch, budget)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -115,6 +141,23 @@ class Scheduler:
             kept.append(seq)
             budget -= n
         self.running = kept + queue
+        return budget
+
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+        # Never in a step that swaps out: a host block freed here must be read before it is reused.
+        bm = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_swap_in(seq, n):
+                break
+            self.swapped.pop(0)
+            batch.swap_in += bm.swap_in(seq)
+            bm.append_slots(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:

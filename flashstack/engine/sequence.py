@@ -16,6 +16,7 @@ class SequenceStatus(enum.Enum):
 
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks in the host pool
     FINISHED = "finished"
 
 
