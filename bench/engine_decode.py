@@ -94,6 +94,31 @@ def our_step_ms(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
     return (time.perf_counter() - t) / steps * 1000
 
 
+def teacher_forced(llm, base: list[list[int]], hf_tokens: list[list[int]]) -> float:
+    """Per-position agreement: given transformers' own prefix, is our next greedy token its token?
+    Unlike free-running agreement, one near-tie does not turn every later position into a miss."""
+    from flashstack.engine import SamplingParams
+
+    prompts = [p + t[:k] for p, t in zip(base, hf_tokens) for k in range(len(t))]
+    want = [t[k] for t in hf_tokens for k in range(len(t))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    return sum(o.token_ids[0] == w for o, w in zip(outs, want)) / len(want)
+
+
+def graph_replay_ms(graphs, bucket: int, iters: int = 50) -> float:
+    """Replay one bucket's captured decode graph back to back; CUDA-event time per replay."""
+    g = graphs.graphs[bucket]
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of positions equal up to the first divergence of each sequence (then counted as misses)."""
     same = total = 0
@@ -116,6 +141,7 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="256")
     ap.add_argument("--eager", action="store_true", help="also measure without CUDA graphs")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
+    ap.add_argument("--keep", type=Path, help="write the checkpoint here (for engine_long.py --checkpoint)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     result: dict = {"shape": "llama3-8b", "dtype": "bfloat16", "prompt_len": args.prompt_len,
@@ -129,7 +155,7 @@ def main() -> None:
             args.json.write_text(text)
         print(text, flush=True)
 
-    root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    root = args.keep or Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     hf = random_hf_model(shape, DEVICE)
     wbytes = weight_bytes_read(hf)
     result["weight_bytes_read"] = wbytes
@@ -164,6 +190,10 @@ def main() -> None:
             entry: dict = {"load_s": round(time.perf_counter() - t, 1), "steps": {}}
             ours = [o.token_ids for o in llm.generate(agree_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))]
             entry["greedy_agreement_vs_transformers"] = round(agreement(ours, hf_tokens), 4)
+            entry["teacher_forced_agreement_vs_transformers"] = round(teacher_forced(llm, agree_prompts, hf_tokens), 4)
+            graphs = llm.engine.runner.graphs
+            if graphs is not None:  # the GPU's own time for one step, without any host work
+                entry["graph_replay_ms"] = {str(b): round(graph_replay_ms(graphs, b), 3) for b in (1, 8, 32) if b in graphs.graphs}
             for b in batches:
                 ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
                 floor = (wbytes + kv_bytes_read(shape, b, ctx)) / COPY_BW * 1000

@@ -1,0 +1,137 @@
+"""Long context on the Llama-3-8B shape: 32K-token prefill against the compute floor, and the paged
+decode-attention kernel's KV-read bandwidth at 32K across batch sizes and block sizes.
+
+    PYTHONPATH=. python3 bench/engine_long.py --json out.json
+
+The block-size sweep is the measurement behind the KV layout: each block is one contiguous region
+per layer, so a kernel reading a sequence's context streams whole 128-byte segments whatever the
+block size; the sweep shows what the block size still costs (table lookups, partial tiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._shapes import LLAMA3_8B, random_hf_model, save_checkpoint  # noqa: E402
+
+COPY_BW = 4.26e12
+BF16_PEAK = 790e12  # dense bf16 matmul measured on the H200 (shared/GPU.md)
+
+
+def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads: int = 8, heads: int = 32,
+                            dim: int = 128, iters: int = 50) -> dict:
+    """KV bytes read per second by one layer's split-KV decode kernel over a paged cache."""
+    from flashstack.engine.kernels.triton_attention import paged_decode_triton
+
+    blocks_per_seq = math.ceil(context / block_size)
+    num_blocks = batch * blocks_per_seq
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)  # scattered blocks, as after churn
+    tables = perm.view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+    run = lambda: paged_decode_triton(q, cache, tables, lens, dim ** -0.5, context)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    sec = start.elapsed_time(end) / 1000 / iters
+    kv_bytes = batch * context * 2 * kv_heads * dim * 2
+    return {"us": round(sec * 1e6, 1), "gb_s": round(kv_bytes / sec / 1e9, 1),
+            "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3)}
+
+
+def prefill(path: Path, length: int) -> dict:
+    from flashstack.engine import LLM, SamplingParams
+
+    llm = LLM(str(path), block_size=256, max_num_seqs=1, dtype="bfloat16", max_model_len=length + 64,
+              max_num_batched_tokens=8192, gpu_memory_utilization=0.85, show_progress=False, enforce_eager=True)
+    prompt = torch.randint(10, 100000, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt[:2048]], params)  # warm-up: kernels compiled
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate([prompt], params)
+    torch.cuda.synchronize()
+    sec = time.perf_counter() - t
+    s = LLAMA3_8B
+    params_nonemb = 15.01e9 / 2
+    attn = 2 * s["num_hidden_layers"] * s["num_attention_heads"] * s["head_dim"] * length * length  # causal QK^T + PV
+    flops = 2 * params_nonemb * length + attn
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"tokens": length, "seconds": round(sec, 3), "tflops": round(flops / sec / 1e12, 1),
+            "mfu": round(flops / sec / BF16_PEAK, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--checkpoint", type=Path, help="an 8B-shape checkpoint dir (engine_decode.py --keep)")
+    args = ap.parse_args()
+    result: dict = {"gpu": torch.cuda.get_device_name(), "context": args.context, "decode_kernel": {}, "block_sweep": {}}
+
+    def dump() -> None:
+        text = json.dumps(result, indent=2)
+        if args.json:
+            args.json.write_text(text)
+        print(text, flush=True)
+
+    for batch in (1, 2, 4, 8, 16):
+        try:
+            result["decode_kernel"][str(batch)] = decode_kernel_bandwidth(batch, args.context, 256)
+        except Exception:
+            result["decode_kernel"][f"{batch}_error"] = traceback.format_exc()[-1500:]
+    for bs in (16, 64, 128, 256, 512):
+        try:
+            result["block_sweep"][str(bs)] = decode_kernel_bandwidth(8, args.context, bs)
+        except Exception:
+            result["block_sweep"][f"{bs}_error"] = traceback.format_exc()[-1500:]
+    dump()
+    if not args.skip_prefill:
+        try:
+            if args.checkpoint:
+                path = args.checkpoint / "llama3-8b"
+                cfg_file = path / "config.json"
+                cfg = json.loads(cfg_file.read_text())
+                cfg["max_position_embeddings"] = args.context + 1024  # random weights: any length is as valid
+                cfg_file.write_text(json.dumps(cfg))
+            else:
+                root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+                hf = random_hf_model({**LLAMA3_8B, "max_position_embeddings": args.context + 1024})
+                path = save_checkpoint(hf, root / "llama3-8b")
+                del hf
+                gc.collect()
+                torch.cuda.empty_cache()
+            result["prefill"] = prefill(path, args.context)
+        except Exception:
+            result["prefill_error"] = traceback.format_exc()[-3000:]
+    dump()
+
+
+if __name__ == "__main__":
+    main()
