@@ -97,7 +97,7 @@ def main() -> None:
         llm = LLM(str(root / "qwen3"), block_size=256, max_num_seqs=args.max_num_seqs, dtype="bfloat16",
                   max_model_len=4096, gpu_memory_utilization=0.85, show_progress=False)
         llm.generate([prompts[0][:64]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        sampling = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True, seed=i) for i, o in enumerate(outputs)]
+        sampling = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outputs]
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate(prompts, sampling)

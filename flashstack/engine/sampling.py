@@ -85,6 +85,48 @@ def apply_penalties(
     return logits
 
 
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Batched `filter_logits` then softmax: temperature, top-k, top-p, min-p, each per row."""
+    logits = logits / _column([p.temperature for p in params], logits)
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    top_k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], logits)
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p; the first token always stays.
+        drop = (probs.cumsum(-1) - probs) >= _column([p.top_p for p in params], logits)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        probs = sorted_logits.softmax(-1)
+        floor = _column([p.min_p for p in params], logits) * probs[:, :1]
+        sorted_logits = sorted_logits.masked_fill(probs < floor, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return filtered.softmax(-1)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row; seeded rows use their own generator so their tokens never depend on the batch."""
+    free = [i for i, g in enumerate(generators) if g is None]
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    if free:
+        rows = torch.tensor(free, device=probs.device)
+        out[rows] = torch.multinomial(probs[rows], 1).squeeze(1)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return out
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masking (masked entries become -inf)."""
     logits = logits / params.temperature
@@ -121,28 +163,28 @@ def sample(
     output_ids: list[list[int]],
     generators: list[torch.Generator | None],
 ) -> SampleResult:
-    """Pick one token per row of `logits` [batch, vocab] under each row's own parameters."""
-    logits = logits.float()
-    plain_greedy = [
-        p.greedy
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-        for p in params
-    ]
-    # One argmax for the whole batch; rows that need more work are redone below.
-    token_ids = logits.argmax(-1).tolist()
-    for i, p in enumerate(params):
-        if plain_greedy[i]:
-            continue
-        row = apply_penalties(logits[i].clone(), p, prompt_ids[i], output_ids[i])
-        if p.greedy:
-            token_ids[i] = int(row.argmax())
-            continue
-        probs = filter_logits(row, p).softmax(-1)
-        token_ids[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+    """Pick one token per row of `logits` [batch, vocab] under each row's own parameters.
+
+    Every row is handled in one batched pass (penalties aside) and the host reads the tokens once:
+    a per-row loop with a host read per row costs a device sync per sequence per step.
+    """
+    logits = raw = logits.float()
+    chosen = logits.argmax(-1)
+    penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
+    if penalized:
+        logits = logits.clone()
+        for i in penalized:
+            logits[i] = apply_penalties(logits[i], params[i], prompt_ids[i], output_ids[i])
+        rows = torch.tensor(penalized, device=logits.device)
+        chosen[rows] = logits[rows].argmax(-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        chosen[rows] = _draw(probs, [generators[i] for i in sampled_rows])
+    token_ids = chosen.tolist()
     logprobs = [
-        top_logprobs(logits[i], token_ids[i], p.logprobs) if p.logprobs is not None else None
+        top_logprobs(raw[i], token_ids[i], p.logprobs) if p.logprobs is not None else None
         for i, p in enumerate(params)
     ]
     return SampleResult(token_ids, logprobs)

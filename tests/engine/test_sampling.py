@@ -116,3 +116,32 @@ def test_sampling_keeps_invariants(tiny_llm) -> None:
         ],
     )
     tiny_llm.step_hook = None
+
+
+def test_batched_filtering_matches_the_per_row_filter() -> None:
+    from flashstack.engine.sampling import _filtered_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.5, min_p=0.1),
+        SamplingParams(temperature=0.9, top_k=10, top_p=0.6, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=1),
+    ]
+    batched = _filtered_probs(logits.clone(), params)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(batched[i], filter_logits(logits[i].clone(), p).softmax(-1))
+
+
+def test_unseeded_batch_samples_follow_the_distribution() -> None:
+    # Two allowed tokens with probabilities 0.25 / 0.75 after top-k: frequencies must match.
+    logits = torch.full((4000, 10), -10.0)
+    logits[:, 3] = 0.0
+    logits[:, 7] = float(torch.log(torch.tensor(3.0)))
+    params = [SamplingParams(temperature=1.0, top_k=2)] * 4000
+    ids = torch.tensor(sample(logits, params, [[0]] * 4000, [[]] * 4000, [None] * 4000).token_ids)
+    assert set(ids.tolist()) <= {3, 7}
+    assert abs((ids == 7).float().mean().item() - 0.75) < 0.04
