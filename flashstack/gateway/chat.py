@@ -95,11 +95,14 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
         validation.check_request(req)
         # Images: decoded, checked and resized for the model's upstreams (in a thread when large).
         await vision.prepare(req, vision.target_configs(router, req.model), limits.vision)
+        compress.request_options(req)  # a bad `compression` field is a 400 before any session is touched
         # 403/429 for the key; with X-Session-Id the session is locked and its history prepended.
+        own_messages = len(req.messages)
         turn = await session_hooks.begin_turn(request, req, caller, body)
+        compress.shift_pinned(req, len(req.messages) - own_messages)
         async with turn.guard():  # a failure below is stored as the turn's error, never half a turn
             # Over the model's window: compress (or 400 context_length_exceeded), said in x-flashstack-* headers.
-            req, squeezed = await compress.for_request(request, req, router.config_of(req.model))
+            req, squeezed = await compress.for_request(request, req, router.config_of(req.model), turn)
             if req.stream:
                 response = await stream_response(wire, req, turn.route(router), limits, trace, turn)
                 return overhead.stamp(clock, squeezed.stamp(response))

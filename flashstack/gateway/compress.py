@@ -93,10 +93,23 @@ def request_options(req: ChatRequest) -> Options:
     return Options(None if mode is None else _mode(mode), frozenset(pinned))
 
 
-def _mode(value: Any) -> CompressionMode:
+def shift_pinned(req: ChatRequest, offset: int) -> None:
+    """Keep `compression.pinned` pointing at the caller's messages once `offset` stored ones precede them."""
+    raw = req.extensions.get("compression")
+    if offset and isinstance(raw, dict) and raw.get("pinned"):
+        req.extensions["compression"] = {**raw, "pinned": [i + offset for i in raw["pinned"]]}
+
+
+def _mode(value: Any, param: str = "compression") -> CompressionMode:
     if value not in MODES:
-        raise invalid_request(f"compression mode must be one of {', '.join(MODES)}; got {value!r}", "compression")
+        raise invalid_request(f"{param} must be one of {', '.join(MODES)}; got {value!r}", param)
     return value
+
+
+def session_mode(metadata: dict[str, Any]) -> CompressionMode | None:
+    """A session's `metadata.compression`, checked (400 at session create/update when it is bad)."""
+    value = metadata.get("compression")
+    return None if value is None else _mode(value, "metadata.compression")
 
 
 # ---- what happened ---------------------------------------------------------------------------
@@ -168,6 +181,7 @@ class Unit:
     tokens: int
     vector: np.ndarray | None = None
     relevance: float = 0.0
+    message_texts: tuple[str, ...] = ()  # embedded per message, so stored message embeddings apply
 
 
 def unit_spans(messages: Sequence[Message]) -> list[tuple[int, int]]:
@@ -208,6 +222,8 @@ class Cluster:
     relevance: float
     summary: str = ""
     tokens: int = 0
+    source: str = "extractive"  # the summarizer that wrote `summary`
+    cached: bool = False  # `summary` came from the session's stored summaries
 
     @property
     def n_messages(self) -> int:
@@ -292,7 +308,7 @@ class Planner:
             texts = [tokens.message_text(m) for m in messages[start:end]]
             n = sum(self.count(counter, t) + tokens.PER_MESSAGE + tokens.PER_IMAGE * tokens.image_count(m)
                     for t, m in zip(texts, messages[start:end]))
-            out.append(Unit(start, end, "\n".join(texts), n))
+            out.append(Unit(start, end, "\n".join(texts), n, message_texts=tuple(texts)))
         return out
 
     def fixed_tokens(self, counter: tokens.Counter, req: ChatRequest) -> int:
@@ -305,8 +321,12 @@ class Planner:
         return fixed, units, fixed + sum(u.tokens for u in units)
 
     def plan(self, counter: tokens.Counter, req: ChatRequest, target: int, mode: CompressionMode,
-             pinned: frozenset[int] = frozenset()) -> Plan:
-        """Choose what stays verbatim, what is summarized and what is dropped to fit `target`."""
+             pinned: frozenset[int] = frozenset(), summaries: dict[str, str] | None = None,
+             summarizer: str = "extractive") -> Plan:
+        """Choose what stays verbatim, what is summarized and what is dropped to fit `target`.
+
+        `summaries`: a session's stored summaries by cluster key; one of `summarizer` is reused if it fits.
+        """
         fixed, units, total = self.measure(counter, req)
         last = len(req.messages) - self.cfg.keep_last_turns
         q = query_index(req.messages)
@@ -324,7 +344,7 @@ class Planner:
         old = [u for u, p in zip(units, protected) if not p]
         if mode == "truncate":
             return self._truncate(target, total, fixed, kept, old, free)
-        return self._compress(counter, req, target, total, fixed, kept, old, free, q)
+        return self._compress(counter, req, target, total, fixed, kept, old, free, q, summaries, summarizer)
 
     @staticmethod
     def _truncate(target: int, total: int, fixed: int, kept: list[Unit], old: list[Unit], free: int) -> Plan:
@@ -339,7 +359,8 @@ class Planner:
         return Plan(target, total, fixed, kept, [], sorted(dropped, key=lambda u: u.start), truncated=True)
 
     def _compress(self, counter: tokens.Counter, req: ChatRequest, target: int, total: int, fixed: int,
-                  kept: list[Unit], old: list[Unit], free: int, q: int) -> Plan:
+                  kept: list[Unit], old: list[Unit], free: int, q: int, summaries: dict[str, str] | None,
+                  summarizer: str) -> Plan:
         query = tokens.message_text(req.messages[q])
         qvec = self.embedder.embed([query])[0]
         self._rank(old, qvec)
@@ -352,12 +373,12 @@ class Planner:
                 rest.append(u)
         header = self.count(counter, SUMMARY_HEADER) + tokens.PER_MESSAGE
         clusters = self._clusters(rest)
-        clusters, dropped = self._extract(counter, clusters, qvec, free - used - header)
+        clusters, dropped = self._extract(counter, clusters, qvec, free - used - header, summaries, summarizer)
         return Plan(target, total, fixed, sorted(kept + verbatim, key=lambda u: u.start), clusters,
                     sorted(dropped, key=lambda u: u.start), header_tokens=header)
 
     def _rank(self, units: list[Unit], qvec: np.ndarray) -> None:
-        pieces = [chunks(u.text) for u in units]
+        pieces = [[c for t in (u.message_texts or (u.text,)) for c in chunks(t)] for u in units]
         flat = [c for cs in pieces for c in cs]
         if not flat:
             return
@@ -379,14 +400,21 @@ class Planner:
         clusters = [Cluster(sorted(g, key=lambda u: u.start), max(u.relevance for u in g)) for g in groups.values()]
         return sorted(clusters, key=lambda c: (-c.relevance, c.units[0].start))
 
-    def _extract(self, counter: tokens.Counter, clusters: list[Cluster], qvec: np.ndarray,
-                 free: int) -> tuple[list[Cluster], list[Unit]]:
-        """Extractive summaries, most relevant cluster first, while they fit in `free` tokens."""
+    def _extract(self, counter: tokens.Counter, clusters: list[Cluster], qvec: np.ndarray, free: int,
+                 summaries: dict[str, str] | None = None,
+                 summarizer: str = "extractive") -> tuple[list[Cluster], list[Unit]]:
+        """Summaries (stored, else extractive), most relevant cluster first, while they fit in `free` tokens."""
         out, dropped = [], []
         for n, c in enumerate(clusters):
             cap = min(free, max(MIN_SUMMARY_TOKENS, free // (len(clusters) - n)))
             if cap < MIN_SUMMARY_TOKENS:
                 dropped.extend(c.units)
+                continue
+            stored = summaries.get(c.key(summarizer)) if summaries else None
+            if stored and (n_stored := self.count(counter, "- " + stored) + 1) <= cap:
+                c.summary, c.tokens, c.source, c.cached = stored, n_stored, summarizer, True
+                free -= c.tokens
+                out.append(c)
                 continue
             c.summary = self.extractive_summary(counter, c, qvec, cap)
             c.tokens = self.count(counter, "- " + c.summary) + 1 if c.summary else 0
@@ -461,13 +489,17 @@ class Compressor:
 
         return Embedder(self.cache_dir, threads=self.cfg.embed_threads, cache_size=self.cfg.embed_cache_size)
 
-    def mode_for(self, req: ChatRequest, cfg: ModelConfig, options: Options) -> CompressionMode:
-        return options.mode or self.cfg.model_modes.get(cfg.name) or self.cfg.mode
+    def mode_for(self, req: ChatRequest, cfg: ModelConfig, options: Options,
+                 memory: SessionMemory | None = None) -> CompressionMode:
+        """The request's mode, else its session's, else its model's, else the default."""
+        return (options.mode or (memory.mode if memory else None) or self.cfg.model_modes.get(cfg.name)
+                or self.cfg.mode)
 
-    async def maybe_compress(self, req: ChatRequest, cfg: ModelConfig) -> tuple[ChatRequest, Outcome]:
+    async def maybe_compress(self, req: ChatRequest, cfg: ModelConfig,
+                             memory: SessionMemory | None = None) -> tuple[ChatRequest, Outcome]:
         """`req` itself when it fits (or compression is off), else a compressed copy; never a silent cut."""
         options = request_options(req)
-        mode = self.mode_for(req, cfg, options)
+        mode = self.mode_for(req, cfg, options, memory)
         window = tokens.context_window(cfg)
         if mode == "off" or window is None or not req.messages:
             return req, Outcome("none", 0, 0)
@@ -486,7 +518,7 @@ class Compressor:
                 f"window (compression threshold {self.cfg.threshold}); lower max_tokens"
             )
         try:
-            new, outcome = await self.compress(req, cfg, limit - reserve, mode, options.pinned)
+            new, outcome = await self.compress(req, cfg, limit - reserve, mode, options.pinned, memory)
         except GatewayError as e:
             if e.code == "context_length_exceeded":
                 self.metrics.refused.labels(cfg.name).inc()
@@ -495,14 +527,34 @@ class Compressor:
         return new, outcome
 
     async def compress(self, req: ChatRequest, cfg: ModelConfig, target: int, mode: CompressionMode = "auto",
-                       pinned: frozenset[int] = frozenset()) -> tuple[ChatRequest, Outcome]:
+                       pinned: frozenset[int] = frozenset(),
+                       memory: SessionMemory | None = None) -> tuple[ChatRequest, Outcome]:
         """A copy of `req` whose prompt fits `target` tokens (the trigger already fired)."""
         planner = await self.planner()
         counter = tokens.counter_for(cfg)
-        plan = await self._run(planner.plan, counter, req, target, mode, pinned)
+        summarizer = self._summarizer_name(req)
+        stored_vectors: dict[str, bytes] = {}
+        if memory is None or mode != "auto":  # truncation embeds nothing: no memory to read or keep
+            plan = await self._run(planner.plan, counter, req, target, mode, pinned)
+        else:
+            stored_vectors, stored_summaries = await memory.load()
+            await self._run(seed_vectors, planner.embedder, req.messages, memory.turn.history_ids, stored_vectors)
+            plan = await self._run(planner.plan, counter, req, target, mode, pinned, stored_summaries, summarizer)
         if self.cfg.summarizer == "llm" and plan.clusters and self.router is not None:
             await self._llm_summaries(plan, req, cfg, counter)
+        if memory is not None and mode == "auto":
+            await memory.save_summaries({c.key(c.source): c.summary for c in plan.clusters
+                                         if not c.cached and c.source == summarizer})
+            memory.turn.vectors.update(await self._run(
+                new_vectors, planner.embedder, req.messages, memory.turn.history_ids, len(memory.turn.history),
+                len(memory.turn.history) + len(memory.turn.inputs), stored_vectors))
         return apply(req, plan), outcome_of(plan)
+
+    def _summarizer_name(self, req: ChatRequest) -> str:
+        """What wrote a summary, part of its cache key: `extractive` or `llm:<model>`."""
+        if self.cfg.summarizer == "llm" and self.router is not None:
+            return "llm:" + (self.cfg.summarizer_model or req.model)
+        return "extractive"
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         assert self._embedder is not None
@@ -510,13 +562,14 @@ class Compressor:
 
     async def _llm_summaries(self, plan: Plan, req: ChatRequest, cfg: ModelConfig, counter: tokens.Counter) -> None:
         model = self.cfg.summarizer_model or req.model
-        results = await asyncio.gather(*(self._llm_summary(c, model, counter) for c in plan.clusters))
-        for c, text in zip(plan.clusters, results):
+        fresh = [c for c in plan.clusters if not c.cached]  # a stored summary is not asked for again
+        results = await asyncio.gather(*(self._llm_summary(c, model, counter) for c in fresh))
+        for c, text in zip(fresh, results):
             if text is None:
                 continue  # the extractive summary stays
             n = counter.tokens("- " + text) + 1
             if n <= c.tokens:
-                c.summary, c.tokens = text, n
+                c.summary, c.tokens, c.source = text, n, "llm:" + model
             else:  # longer than the cluster's share: keep the extractive one, which fits
                 log.info("LLM summary of %d tokens exceeds the cluster's %d; keeping the extractive one", n, c.tokens)
 
@@ -578,9 +631,95 @@ def outcome_of(plan: Plan) -> Outcome:
     return Outcome(action, plan.tokens_before, plan.tokens_after(), summarized, dropped)
 
 
-async def for_request(request: Any, req: ChatRequest, cfg: ModelConfig) -> tuple[ChatRequest, Outcome]:
-    """chat.py's hook: the app's compressor (app.state.compressor) applied to `req`, if there is one."""
+async def for_request(request: Any, req: ChatRequest, cfg: ModelConfig,
+                      turn: Any = None) -> tuple[ChatRequest, Outcome]:
+    """chat.py's hook: the app's compressor (app.state.compressor) applied to `req`, if there is one.
+
+    `turn` (a sessions.turns.Turn) lends the session's mode, stored embeddings and summaries.
+    """
     compressor: Compressor | None = getattr(request.app.state, "compressor", None)
     if compressor is None:
         return req, Outcome("none", 0, 0)
-    return await compressor.maybe_compress(req, cfg)
+    memory = SessionMemory.of(turn) if turn is not None and turn.in_session else None
+    return await compressor.maybe_compress(req, cfg, memory)
+
+
+# ---- session memory: embeddings stored with messages, summaries per session -------------------
+
+
+@dataclass(slots=True)
+class SessionMemory:
+    """What a session lends compression: its mode, and its stored message embeddings and summaries."""
+
+    turn: Any  # sessions.turns.Turn: history (with ids) + inputs are req.messages' first messages
+    mode: CompressionMode | None
+
+    @classmethod
+    def of(cls, turn: Any) -> SessionMemory:
+        return cls(turn, session_mode(turn.metadata()))
+
+    async def load(self) -> tuple[dict[str, bytes], dict[str, str]]:
+        return await self.turn.sessions.store.compression_memory(self.turn.session_id)
+
+    async def save_summaries(self, new: dict[str, str]) -> None:
+        try:
+            await self.turn.sessions.store.save_summaries(self.turn.session_id, new)
+        except Exception:  # a summary not kept is computed again next turn; the turn goes on
+            log.exception("could not store summaries of session %s", self.turn.session_id)
+
+
+def message_texts(m: Message) -> list[str]:
+    """Every text the planner may embed for one message: its chunks, then its sentences."""
+    text = tokens.message_text(m)
+    return list(dict.fromkeys(chunks(text) + split_sentences(text)))
+
+
+def pack_vectors(vectors: Sequence[np.ndarray | None]) -> bytes:
+    """float16 rows, one per `message_texts` entry; NaN rows for texts never embedded."""
+    from flashstack.gateway.embed import DIM
+
+    out = np.full((len(vectors), DIM), np.nan, np.float16)
+    for i, v in enumerate(vectors):
+        if v is not None:
+            out[i] = v
+    return out.tobytes()
+
+
+def unpack_vectors(blob: bytes) -> np.ndarray:
+    from flashstack.gateway.embed import DIM
+
+    return np.frombuffer(blob, np.float16).reshape(-1, DIM).astype(np.float32)
+
+
+def seed_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[str],
+                 stored: dict[str, bytes]) -> int:
+    """Put the stored embeddings of the history's messages into the embedder's cache; returns how many."""
+    pairs = []
+    for m, mid in zip(messages, ids):
+        blob = stored.get(mid)
+        if blob is None:
+            continue
+        texts, rows = message_texts(m), unpack_vectors(blob)
+        if len(rows) != len(texts):  # stored by a build that split texts differently: recompute
+            continue
+        pairs += [(t, r) for t, r in zip(texts, rows) if not np.isnan(r[0])]
+    embedder.seed(pairs)
+    return len(pairs)
+
+
+def new_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[str], n_history: int,
+                n_session: int, stored: dict[str, bytes]) -> dict[int, bytes]:
+    """Embeddings to store, by message position: the new inputs' (embedded now if the plan did not),
+    and any history message whose known embeddings grew since they were stored."""
+    new_chunks = [c for m in messages[n_history:n_session] for c in chunks(tokens.message_text(m))]
+    if new_chunks:
+        embedder.embed(new_chunks)  # the next turn reads them from the store instead
+    out = {}
+    for i, m in enumerate(messages[:n_session]):
+        known = embedder.known(message_texts(m))
+        n_known = sum(v is not None for v in known)
+        blob = stored.get(ids[i]) if i < len(ids) else None
+        n_stored = 0 if blob is None else int((~np.isnan(unpack_vectors(blob)[:, 0])).sum())
+        if n_known > n_stored:
+            out[i] = pack_vectors(known)
+    return out

@@ -201,6 +201,19 @@ class Embedder:
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
 
+    def known(self, texts: Sequence[str]) -> list[np.ndarray | None]:
+        """The cached vector of each text, None where it has not been embedded."""
+        with self._lock:
+            return [self._cache.get(text_key(t)) for t in texts]
+
+    def seed(self, pairs: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Cache vectors computed elsewhere (stored with session messages), so they are not recomputed."""
+        with self._lock:
+            for text, vector in pairs:
+                key = text_key(text)
+                if key not in self._cache:
+                    self._remember(key, vector)
+
     def cached(self, text: str) -> bool:
         return text_key(text) in self._cache
 

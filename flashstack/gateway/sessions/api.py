@@ -60,6 +60,7 @@ class PostMessage(_Body):
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
+    compression: Literal["auto", "off", "truncate"] | None = None  # overrides metadata.compression
 
 
 class CreateKey(_Body):
@@ -139,6 +140,7 @@ async def create_session(request: Request, limits: chat.Limits) -> Response:
     sessions, auth = _service(request)
     caller = await auth.authenticate(request.headers, client_identity(request))
     body, _ = await _parse(request, CreateSession, limits.max_body_bytes, empty_ok=True)
+    compress.session_mode(body.metadata)  # 400 for a bad metadata.compression
     if body.model is not None:
         _check_model(request.app.state.router, caller, body.model)
     if body.system is not None and len(body.system.encode()) > sessions.config.max_message_bytes:
@@ -159,6 +161,7 @@ async def update_session(request: Request, session_id: str, limits: chat.Limits)
     sessions, auth = _service(request)
     caller = await auth.authenticate(request.headers, client_identity(request))
     body, _ = await _parse(request, UpdateSession, limits.max_body_bytes)
+    compress.session_mode(body.metadata)  # 400 for a bad metadata.compression
     return chat.json_response(await sessions.store.update(caller.owner, session_id, body.metadata))
 
 
@@ -207,10 +210,11 @@ async def post_message(request: Request, session_id: str, limits: chat.Limits) -
         model, turn.history + turn.inputs, turn.system(), max_tokens=body.max_tokens,
         temperature=body.temperature, include_usage=True,
         stream=body.stream or "text/event-stream" in request.headers.get("accept", ""),
+        extensions={} if body.compression is None else {"compression": body.compression},
     )
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
     async with turn.guard():
-        req, squeezed = await compress.for_request(request, req, router.config_of(model))
+        req, squeezed = await compress.for_request(request, req, router.config_of(model), turn)
         if req.stream:
             return squeezed.stamp(
                 await chat.stream_response(wire_of(request), req, turn.route(router), limits, trace, turn)

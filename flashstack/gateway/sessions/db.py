@@ -75,6 +75,22 @@ api_keys = sa.Table(
     sa.Column("revoked_at", sa.Float),
 )
 
+# Compression memory (issue 11): each message's embeddings, and cluster summaries per session.
+message_vectors = sa.Table(
+    "fs_message_vectors", meta,
+    sa.Column("message_id", sa.Text, primary_key=True),
+    sa.Column("session_id", sa.Text, nullable=False),
+    sa.Column("vectors", sa.LargeBinary, nullable=False),  # compress.pack_vectors
+)
+
+summaries = sa.Table(
+    "fs_summaries", meta,
+    sa.Column("session_id", sa.Text, primary_key=True),
+    sa.Column("key", sa.Text, primary_key=True),  # summarizer + cluster content hash
+    sa.Column("summary", sa.Text, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+)
+
 # Append-only: a released version never changes, a new one is added. Plain SQL that SQLite and
 # PostgreSQL both accept, so the two stores cannot drift apart.
 MIGRATIONS: list[list[str]] = [
@@ -97,6 +113,14 @@ MIGRATIONS: list[list[str]] = [
             id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL,
             models TEXT, rpm INTEGER, tpm INTEGER, expires_at DOUBLE PRECISION,
             created_at DOUBLE PRECISION NOT NULL, revoked_at DOUBLE PRECISION)""",
+    ],
+    [  # 2: compression memory. BYTEA has no meaning to SQLite, which stores the blob as given.
+        """CREATE TABLE fs_message_vectors (
+            message_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, vectors BYTEA NOT NULL)""",
+        "CREATE INDEX fs_message_vectors_session ON fs_message_vectors (session_id)",
+        """CREATE TABLE fs_summaries (
+            session_id TEXT NOT NULL, key TEXT NOT NULL, summary TEXT NOT NULL, created_at BIGINT NOT NULL,
+            PRIMARY KEY (session_id, key))""",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

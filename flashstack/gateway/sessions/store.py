@@ -29,7 +29,7 @@ from flashstack.gateway.core import (
     invalid_request,
 )
 from flashstack.gateway.sessions import codec
-from flashstack.gateway.sessions.db import Database, idempotency, messages, sessions
+from flashstack.gateway.sessions.db import Database, idempotency, message_vectors, messages, sessions, summaries
 
 Order = Literal["asc", "desc"]
 MAX_METADATA_PAIRS = 16
@@ -135,6 +135,8 @@ class SessionStore:
                 raise not_found(session_id)
             await conn.execute(messages.delete().where(messages.c.session_id == session_id))
             await conn.execute(idempotency.delete().where(idempotency.c.session_id == session_id))
+            await conn.execute(message_vectors.delete().where(message_vectors.c.session_id == session_id))
+            await conn.execute(summaries.delete().where(summaries.c.session_id == session_id))
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     async def list(self, owner: str, after: str | None, limit: int, order: Order) -> Page:
@@ -182,14 +184,43 @@ class SessionStore:
 
     async def history(self, session_id: str) -> list[Message]:
         """The completed messages, oldest first: what the model sees before the new turn."""
+        return (await self.history_with_ids(session_id))[0]
+
+    async def history_with_ids(self, session_id: str) -> tuple[list[Message], list[str]]:
+        """`history`, and each message's id (what its stored embeddings are keyed by)."""
         query = (
-            sa.select(messages.c.role, messages.c.content)
+            sa.select(messages.c.id, messages.c.role, messages.c.content)
             .where(messages.c.session_id == session_id, messages.c.status == "completed")
             .order_by(messages.c.seq)
         )
         async with self.db.read() as conn:
             rows = (await conn.execute(query)).all()
-        return [Message(r.role, codec.parts_from_json(orjson.loads(r.content))) for r in rows]
+        return [Message(r.role, codec.parts_from_json(orjson.loads(r.content))) for r in rows], [r.id for r in rows]
+
+    # ---- compression memory: embeddings per message, summaries per session ------------------
+
+    async def compression_memory(self, session_id: str) -> tuple[dict[str, bytes], dict[str, str]]:
+        """The session's stored message embeddings (by message id) and cluster summaries (by key)."""
+        async with self.db.read() as conn:
+            vectors = (await conn.execute(
+                sa.select(message_vectors.c.message_id, message_vectors.c.vectors)
+                .where(message_vectors.c.session_id == session_id)
+            )).all()
+            texts = (await conn.execute(
+                sa.select(summaries.c.key, summaries.c.summary).where(summaries.c.session_id == session_id)
+            )).all()
+        return {r.message_id: bytes(r.vectors) for r in vectors}, {r.key: r.summary for r in texts}
+
+    async def save_summaries(self, session_id: str, new: dict[str, str]) -> None:
+        """Keep cluster summaries; a key another replica stored first keeps its summary."""
+        if not new:
+            return
+        rows = [{"s": session_id, "k": k, "v": v, "t": now_ms()} for k, v in new.items()]
+        async with self.db.write(durable=False) as conn:  # a lost summary is only computed again
+            await conn.execute(sa.text(
+                "INSERT INTO fs_summaries (session_id, key, summary, created_at) VALUES (:s, :k, :v, :t) "
+                "ON CONFLICT (session_id, key) DO NOTHING"
+            ), rows)
 
     async def message(self, message_id: str) -> dict[str, Any]:
         async with self.db.read() as conn:
@@ -240,11 +271,14 @@ class SessionStore:
         reply: ChatResponse | None,
         failure: Failure | None = None,
         idem: tuple[str, str, str] | None = None,
+        vectors: dict[int, bytes] | None = None,
+        history_ids: list[str] | None = None,
     ) -> list[dict[str, Any]]:
         """Append a whole turn and release the lease, in one transaction; returns the rows.
 
         Completed: the inputs and the reply. Failed (`failure` set, `reply` None): the inputs only,
         marked incomplete with the error, so the user's words are kept but never replayed as history.
+        `vectors` are message embeddings by position in history + inputs (with `history_ids`).
         """
         turn_id, created = new_id("turn"), now_ms()
         async with self.db.write() as conn:
@@ -257,6 +291,8 @@ class SessionStore:
             await conn.execute(messages.insert(), rows)
             if not await _release(conn, session_id, token, len(rows)):
                 raise LeaseLost(session_id)
+            if vectors and reply is not None:
+                await _save_vectors(conn, session_id, vectors, (history_ids or []) + [r["id"] for r in rows])
             if idem is not None and reply is not None:
                 await conn.execute(idempotency.insert().values(
                     owner=idem[0], key=idem[1], fingerprint=idem[2], session_id=session_id,
@@ -271,6 +307,14 @@ class SessionStore:
                 idempotency.select().where(idempotency.c.owner == owner, idempotency.c.key == key)
             )).mappings().first()
         return dict(row) if row else None
+
+
+async def _save_vectors(conn: AsyncConnection, session_id: str, vectors: dict[int, bytes], ids: list[str]) -> None:
+    rows = [{"m": ids[i], "s": session_id, "v": v} for i, v in vectors.items() if i < len(ids)]
+    await conn.execute(sa.text(
+        "INSERT INTO fs_message_vectors (message_id, session_id, vectors) VALUES (:m, :s, :v) "
+        "ON CONFLICT (message_id) DO UPDATE SET vectors = excluded.vectors"
+    ).bindparams(sa.bindparam("v", type_=sa.LargeBinary)), rows)
 
 
 async def _release(conn: AsyncConnection, session_id: str, token: str, appended: int) -> bool:

@@ -134,7 +134,7 @@ class Sessions:
             if idem is not None:
                 await self._replay(turn, idem)
             if turn.replay is None:
-                turn.history = await self.store.history(session_id)
+                turn.history, turn.history_ids = await self.store.history_with_ids(session_id)
             else:
                 await turn.close()  # nothing to store: the first request stored it
         except BaseException:
@@ -170,6 +170,9 @@ class Turn:
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     session: dict[str, Any] = field(default_factory=dict)
     history: list[Message] = field(default_factory=list)
+    history_ids: list[str] = field(default_factory=list)
+    # Message embeddings the compressor computed, by position in history + inputs; stored with the turn.
+    vectors: dict[int, bytes] = field(default_factory=dict)
     replay: ChatResponse | None = None  # the stored reply of an idempotent retry
     replay_message_id: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)  # what the commit stored
@@ -184,6 +187,11 @@ class Turn:
     def route(self, router: Any) -> Any:
         """The router this turn's request goes to: an idempotent retry gets the stored reply."""
         return router if self.replay is None else ReplayRouter(self.replay)
+
+    def metadata(self) -> dict[str, str]:
+        """The session's metadata (empty without a session)."""
+        raw = self.session.get("metadata")
+        return orjson.loads(raw) if isinstance(raw, str | bytes) else dict(raw or {})
 
     def system(self) -> list[Text]:
         text = self.session.get("system")
@@ -211,6 +219,7 @@ class Turn:
             self.rows = await self.sessions.store.commit_turn(
                 self.session_id, self.token, self.inputs, resp,  # type: ignore[arg-type]
                 idem=(self.caller.owner, self.idem.key, self.idem.fingerprint) if self.idem else None,
+                vectors=self.vectors, history_ids=self.history_ids,
             )
         finally:
             await self._finish()
