@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -115,3 +114,26 @@ def test_client_disconnect_cancels_upstream_within_a_second(gateway_process, ups
     cancelled = dict(srv.cancelled)
     assert index in cancelled, "the upstream request was never cancelled"
     assert cancelled[index] - closed_at < 1.0
+
+
+def test_quiet_upstream_gets_pings_and_the_stream_goes_on(upstreams):
+    """While the upstream is silent, Anthropic clients get `ping` events; the stream itself survives them."""
+    from flashstack.gateway.app import create_app
+    from tests.fakes.server import FakeServer
+    from tests.gateway.conftest import gateway_config
+
+    cfg = gateway_config(upstreams, stream_ping_interval=0.2)
+    body = {"model": "gpt", "max_tokens": 100, "stream": True, "messages": [{"role": "user", "content": "[[slow:0.5]]"}]}
+    with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
+        events: list[str] = []
+        with httpx.stream("POST", gw.url + "/v1/messages", json=body, timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line[7:])
+                if events.count("content_block_delta") >= 4:
+                    break
+    assert events[0] == "message_start"
+    assert events.count("content_block_delta") >= 4, events  # the stream outlived the pings
+    first_delta = events.index("content_block_delta")
+    assert "ping" in events[first_delta:], events  # pings between the slow deltas, not only the opening one
+    assert "error" not in events and "message_stop" not in events
