@@ -20,7 +20,9 @@ class FakeServer:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", **uvicorn_options: Any) -> None:
         self.app = app
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections only when the
+        # listening socket says it is TCP; with proto 0 Nagle + delayed ACK add ~40 ms per response.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, 0))
         self.host, self.port = self._socket.getsockname()[:2]
