@@ -269,13 +269,13 @@ class VaultCertSource:
         if left > 0:
             log.warning(
                 "renewing the server certificate from Vault failed (attempt %d): %s. The current certificate "
-                "(serial %s) keeps serving until %s (%.0f s left); retrying in %.1f s",
+                "(serial %s) keeps serving until %s (%.0f s left); retrying in %.2f s",
                 self.failures, self.error, current.serial_hex, until, left, delay,
             )
         else:
             log.error(
                 "the server certificate (serial %s) EXPIRED at %s and Vault still fails (attempt %d): %s. "
-                "New TLS handshakes are rejected by clients; retrying in %.1f s",
+                "New TLS handshakes are rejected by clients; retrying in %.2f s",
                 current.serial_hex, until, self.failures, self.error, delay,
             )
 
