@@ -105,10 +105,10 @@ class DecodeGraphs:
         n = len(input_ids)
         bs = self.bucket_for(n)
         width = self.static.block_tables.shape[1]
-        tables = torch.zeros(bs, width, dtype=torch.int32, pin_memory=True)
-        for i, row in enumerate(block_tables):
-            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         pad = bs - n
+        # One host tensor for the whole table: a tensor per row would cost a construction per sequence.
+        rows = [row + [0] * (width - len(row)) for row in block_tables] + [[0] * width] * pad
+        tables = torch.tensor(rows, dtype=torch.int32, pin_memory=True)
         host = {
             "input_ids": torch.tensor(input_ids + [0] * pad, dtype=torch.int64, pin_memory=True),
             "positions": torch.tensor(positions + [0] * pad, dtype=torch.int64, pin_memory=True),
