@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import loadgen  # noqa: E402
 from gateway.loadgen import Target, closed_loop, open_loop, summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,6 @@ Starts the mock on core 1 and runs each client on core 0; prints JSON.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess

@@ -10,7 +10,6 @@ import torch
 
 from flashstack.engine import LLM
 from flashstack.engine.models.parallel import HeadSplit, vocab_range
-from tests.engine.conftest import make_hf_model
 from tests.engine.helpers import greedy, hf_greedy, run_checked
 
 MAX_TOKENS = 10

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
-import httpx
 import orjson
 
 from flashstack.config import ModelConfig
 from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, GatewayError
-from flashstack.gateway.providers.base import Health
+from flashstack.gateway.providers.base import Health, probe_health
 from flashstack.gateway.providers.http import make_client, open_stream, post_json, sse_events
 from flashstack.gateway.translate import anthropic as t
 
@@ -57,12 +55,7 @@ class AnthropicProvider:
         return [m["id"] for m in resp.json().get("data", [])]
 
     async def health(self) -> Health:
-        t0 = time.perf_counter()
-        try:
-            await self.list_models()
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            return Health(False, detail=f"{type(e).__name__}: {e}")
-        return Health(True, (time.perf_counter() - t0) * 1000)
+        return await probe_health(self.list_models)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+import httpx
 
 from flashstack.gateway.core import (
     BlockStop,
@@ -14,6 +16,7 @@ from flashstack.gateway.core import (
     Error,
     Event,
     Finish,
+    GatewayError,
     Part,
     Start,
     StopReason,
@@ -56,6 +59,18 @@ class Provider(Protocol):
     async def list_models(self) -> list[str]: ...
 
     async def aclose(self) -> None: ...
+
+
+async def probe_health(list_models: Callable[[], Awaitable[list[str]]]) -> Health:
+    """Health from one model-list call: ok with its latency, or the failure it met."""
+    t0 = time.perf_counter()
+    try:
+        await list_models()
+    except GatewayError as e:
+        return Health(False, detail=e.message)
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        return Health(False, detail=f"{type(e).__name__}: {e}")
+    return Health(True, (time.perf_counter() - t0) * 1000)
 
 
 async def collect(events: AsyncIterator[Event]) -> ChatResponse:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -34,7 +33,7 @@ from flashstack.gateway.core import (
     error_for_status,
     invalid_request,
 )
-from flashstack.gateway.providers.base import Health, collect
+from flashstack.gateway.providers.base import Health, collect, probe_health
 from flashstack.gateway.providers.http import make_client, open_stream, post_json, transport_error
 
 
@@ -71,12 +70,7 @@ class OllamaProvider:
         return [m["name"] for m in resp.json().get("models", [])]
 
     async def health(self) -> Health:
-        t0 = time.perf_counter()
-        try:
-            await self.list_models()
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            return Health(False, detail=f"{type(e).__name__}: {e}")
-        return Health(True, (time.perf_counter() - t0) * 1000)
+        return await probe_health(self.list_models)
 
     async def aclose(self) -> None:
         await self.client.aclose()

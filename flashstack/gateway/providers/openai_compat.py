@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -10,7 +9,7 @@ import orjson
 
 from flashstack.config import ModelConfig
 from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, GatewayError
-from flashstack.gateway.providers.base import Health
+from flashstack.gateway.providers.base import Health, probe_health
 from flashstack.gateway.providers.http import make_client, open_stream, post_json, sse_events, transport_error
 from flashstack.gateway.translate import openai as t
 
@@ -61,12 +60,7 @@ class OpenAICompatProvider:
             raise transport_error(self.name, e if isinstance(e, httpx.HTTPError) else httpx.HTTPError(str(e))) from e
 
     async def health(self) -> Health:
-        t0 = time.perf_counter()
-        try:
-            await self.list_models()
-        except GatewayError as e:
-            return Health(False, detail=e.message)
-        return Health(True, (time.perf_counter() - t0) * 1000)
+        return await probe_health(self.list_models)
 
     async def aclose(self) -> None:
         await self.client.aclose()
