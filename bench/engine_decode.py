@@ -119,6 +119,26 @@ def graph_replay_ms(graphs, bucket: int, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def graph_kernel_profile(graphs, bucket: int, iters: int = 20, top: int = 20) -> list[dict]:
+    """Where one replay's GPU time goes: kernels of the captured graph, summed by name, per replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = graphs.graphs[bucket]
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows) / iters
+    out = [{"kernel": "ALL", "us_per_replay": round(total, 1), "count_per_replay": sum(e.count for e in rows) / iters}]
+    out += [{"kernel": e.key[:90], "us_per_replay": round(e.device_time_total / iters, 1),
+             "count_per_replay": e.count / iters} for e in rows[:top]]
+    return out
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of positions equal up to the first divergence of each sequence (then counted as misses)."""
     same = total = 0
@@ -141,6 +161,7 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="256")
     ap.add_argument("--eager", action="store_true", help="also measure without CUDA graphs")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
+    ap.add_argument("--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay")
     ap.add_argument("--keep", type=Path, help="write the checkpoint here (for engine_long.py --checkpoint)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -194,6 +215,8 @@ def main() -> None:
             graphs = llm.engine.runner.graphs
             if graphs is not None:  # the GPU's own time for one step, without any host work
                 entry["graph_replay_ms"] = {str(b): round(graph_replay_ms(graphs, b), 3) for b in (1, 8, 32) if b in graphs.graphs}
+                if args.profile:
+                    entry["graph_kernels_b1"] = graph_kernel_profile(graphs, 1)
             for b in batches:
                 ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
                 floor = (wbytes + kv_bytes_read(shape, b, ctx)) / COPY_BW * 1000

@@ -125,7 +125,30 @@ def step_ms(llm: Any, batch: int, steps: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def run_engine(path: Path, tp: int, eager: bool, steps: int, agree_tokens: int) -> dict[str, Any]:
+def profile_steps(llm: Any, steps: int = 10, top: int = 15) -> list[dict[str, Any]]:
+    """Rank 0's GPU time per batch-1 decode step, by kernel (summed over the profiled steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(_prompts(1, 64, 3)[0], SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    engine.abort_all()
+    rows = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    out = [{"kernel": "ALL", "us_per_step": round(sum(e.device_time_total for e in rows) / steps, 1),
+            "calls_per_step": sum(e.count for e in rows) / steps}]
+    return out + [{"kernel": e.key[:80], "us_per_step": round(e.device_time_total / steps, 1),
+                   "calls_per_step": e.count / steps} for e in rows[:top]]
+
+
+def run_engine(path: Path, tp: int, eager: bool, steps: int, agree_tokens: int,
+               profile_b1: bool = False) -> dict[str, Any]:
     """Load, greedy-generate the agreement prompts, then time decode at batch 1 and 32."""
     from flashstack.engine import SamplingParams
 
@@ -138,6 +161,8 @@ def run_engine(path: Path, tp: int, eager: bool, steps: int, agree_tokens: int) 
     result = {"tp": tp, "cuda_graphs": graphs, "load_s": round(load_s, 1), "tokens": tokens}
     for batch in (1, 32):
         result[f"step_ms_b{batch}"] = round(step_ms(llm, batch, steps), 3)
+    if profile_b1 and DEVICE == "cuda":
+        result["kernels_b1"] = profile_steps(llm)
     llm.engine.shutdown()
     del llm
     gc.collect()
@@ -178,6 +203,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--shape", choices=["llama3-8b", "tiny"], default="llama3-8b")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--graphs-only", action="store_true", help="skip the eager runs")
+    ap.add_argument("--profile", action="store_true", help="kernel time per batch-1 step, by kernel")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -198,19 +225,29 @@ def main() -> None:
         out["write_s"] = round(write_checkpoint(Path(tmp), args.layers, shape), 1)
         emit()
         runs = {}
-        # 1 GPU with decode graphs (the default), 1 GPU eager, N GPUs (eager: graphs are 1-rank only).
-        for name, tp, eager in (("tp1", 1, False), ("tp1_eager", 1, True), (f"tp{args.tp}", args.tp, True)):
-            runs[name] = run_engine(Path(tmp), tp, eager, args.steps, args.agree_tokens)
+        n = args.tp
+        # 1 GPU and N GPUs, each with decode graphs (the default) and eager.
+        plan = [("tp1", 1, False), ("tp1_eager", 1, True), (f"tp{n}", n, False), (f"tp{n}_eager", n, True)]
+        for name, tp, eager in plan:
+            if eager and args.graphs_only:
+                continue
+            runs[name] = run_engine(Path(tmp), tp, eager, args.steps, args.agree_tokens, args.profile)
             out[name] = {k: v for k, v in runs[name].items() if k != "tokens"}
             emit()
-    a, b = runs["tp1_eager"]["tokens"], runs[f"tp{args.tp}"]["tokens"]
-    same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))
-    out["greedy_agreement_vs_tp1_eager"] = round(same / sum(len(s) for s in a), 4)
-    out["exact_sequences"] = sum(s == t for s, t in zip(a, b))
-    for base in ("tp1", "tp1_eager"):
+    for many, one in ((f"tp{n}", "tp1"), (f"tp{n}_eager", "tp1_eager"), (f"tp{n}", f"tp{n}_eager")):
+        if many not in runs or one not in runs:
+            continue
+        a, b = runs[one]["tokens"], runs[many]["tokens"]
+        same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))
+        out[f"greedy_agreement_{many}_vs_{one}"] = round(same / sum(len(s) for s in a), 4)
+        out[f"exact_sequences_{many}_vs_{one}"] = sum(s == t for s, t in zip(a, b))
+    for many, one in ((f"tp{n}", "tp1"), (f"tp{n}_eager", "tp1_eager")):
+        if many not in runs or one not in runs:
+            continue
         for batch in (1, 32):
-            one, many = runs[base][f"step_ms_b{batch}"], runs[f"tp{args.tp}"][f"step_ms_b{batch}"]
-            out[f"speedup_b{batch}_vs_{base}"] = round(one / many, 2)
+            out[f"speedup_b{batch}_{many}_vs_{one}"] = round(
+                runs[one][f"step_ms_b{batch}"] / runs[many][f"step_ms_b{batch}"], 2
+            )
     emit()
 
 

@@ -116,6 +116,11 @@ class CoreBackend:
         if err not in (driver.CUresult.CUDA_SUCCESS,
                        driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
             _check((err,))
+        # Context peer access covers cuMemAlloc memory only; DeviceBuffers come from the peer's
+        # stream-ordered pool, which grants access per device (cuMemPoolSetAccess).
+        pool = cc.Device(peer).memory_resource
+        if isinstance(pool, cc.DeviceMemoryResource) and ordinal not in pool.peer_accessible_by:
+            pool.peer_accessible_by.add(ordinal)
 
     def stream_raw(self, stream: Any) -> int:
         return int(stream.handle)

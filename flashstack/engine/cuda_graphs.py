@@ -1,14 +1,18 @@
 """Decode steps as CUDA graphs: one graph per batch bucket, all sharing one memory pool.
 
 A captured graph replays the whole forward pass (and the logits) with one launch, so the CPU cost of
-a step no longer depends on the model's depth. Each bucket reads its inputs from static buffers; a
-step copies its real inputs in (asynchronously, from pinned host memory), pads the rest (slot -1
-writes nothing, context length 1 reads one harmless slot), replays, and slices off its rows.
+a step no longer depends on the model's depth. A step's inputs travel as one packed int64 tensor
+(ids, positions, slots, context lengths, block-table rows: `bucket * (4 + width)` values): one
+asynchronous copy from pinned host memory, and under tensor parallelism one broadcast to the other
+ranks. Each bucket's graph reads the packed buffer in its own layout and converts the two int32
+inputs of the attention kernels itself. Padded rows write nothing (slot -1) and read one harmless
+slot (context length 1).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +20,7 @@ import torch
 from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
 
 MAX_GRAPH_BATCH = 512
+_INPUT_ROWS = 4  # ids, positions, slots, context lengths; the block table follows
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -29,13 +34,18 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 @dataclass(slots=True)
-class _Static:
+class _BucketInputs:
+    """Views of the packed buffer in one bucket's layout."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor  # int64; the graph converts it
+    block_tables: torch.Tensor  # int64 [bucket, width]; the graph converts it
+
+
+# Called between staging a step and replaying it: (bucket, live sequences, packed inputs).
+StepHook = Callable[[int, int, torch.Tensor], None]
 
 
 class DecodeGraphs:
@@ -47,43 +57,63 @@ class DecodeGraphs:
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.buckets = graph_buckets(max_num_seqs)
         top = self.buckets[-1]
-        width = math.ceil(max_model_len / block_size)
-        self.static = _Static(
-            input_ids=torch.zeros(top, dtype=torch.int64, device=device),
-            positions=torch.zeros(top, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((top,), -1, dtype=torch.int64, device=device),
-            block_tables=torch.zeros(top, width, dtype=torch.int32, device=device),
-            context_lens=torch.ones(top, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(top + 1, dtype=torch.int32, device=device),
-        )
+        self.width = math.ceil(max_model_len / block_size)
+        self.packed = torch.zeros(top * (_INPUT_ROWS + self.width), dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor | None] = {}
         self.pool = None
+        self.before_replay: StepHook | None = None  # rank 0 of a tensor-parallel group broadcasts
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        s = self.static
+    def packed_size(self, bs: int) -> int:
+        """Values in bucket `bs`'s packed inputs."""
+        return bs * (_INPUT_ROWS + self.width)
+
+    def _views(self, bs: int) -> _BucketInputs:
+        p = self.packed
+        ids, pos, slots, ctx = (p[i * bs : (i + 1) * bs] for i in range(_INPUT_ROWS))
+        tables = p[_INPUT_ROWS * bs : self.packed_size(bs)].view(bs, self.width)
+        return _BucketInputs(ids, pos, slots, ctx, tables)
+
+    def _meta(self, bs: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(
-            slot_mapping=s.slot_mapping[:bs], block_tables=s.block_tables[:bs], context_lens=s.context_lens[:bs],
-            query_start_loc=s.query_start_loc[: bs + 1], block_size=self.block_size, max_query_len=1,
+            slot_mapping=slot_mapping, block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1], block_size=self.block_size, max_query_len=1,
             max_context_len=self.max_model_len, query_lens_host=[1] * bs, context_lens_host=[1] * bs,
         )
         # One grid for every step of this bucket: split-KV sized for the longest possible context.
         meta.scratch["graph_max_context_len"] = self.max_model_len
         return meta
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        s = self.static
-        hidden = self.model(s.input_ids[:bs], s.positions[:bs], self._meta(bs), self.kv_caches, self.backend)
-        return self.model.compute_logits(hidden)
+    def _forward(self, bs: int) -> torch.Tensor | None:
+        v = self._views(bs)
+        self.context_lens[:bs].copy_(v.context_lens)
+        self.block_tables[:bs].copy_(v.block_tables)
+        hidden = self.model(v.input_ids, v.positions, self._meta(bs, v.slot_mapping), self.kv_caches, self.backend)
+        return self.model.compute_logits(hidden)  # None on ranks other than a group's rank 0
+
+    def _pad(self, bs: int) -> None:
+        """Fill bucket `bs`'s inputs with padding rows (what warm-up and capture run on)."""
+        v = self._views(bs)
+        for t, value in ((v.input_ids, 0), (v.positions, 0), (v.slot_mapping, -1), (v.context_lens, 1),
+                         (v.block_tables, 0)):
+            t.fill_(value)
 
     @torch.inference_mode()
     def capture(self, on_bucket=None) -> None:
-        """Capture every bucket, largest first so the shared pool is sized once."""
+        """Capture every bucket, largest first so the shared pool is sized once.
+
+        Under tensor parallelism every rank calls this at once: warm-ups and captures issue the
+        same collectives in the same order on every rank.
+        """
         for bs in reversed(self.buckets):
+            self._pad(bs)
             self._forward(bs)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -96,6 +126,15 @@ class DecodeGraphs:
                 on_bucket()
         torch.cuda.synchronize(self.device)
 
+    def release(self) -> None:
+        """Destroy every graph and drop the pool."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        self.pool = None
+
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
@@ -104,20 +143,25 @@ class DecodeGraphs:
         """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch)."""
         n = len(input_ids)
         bs = self.bucket_for(n)
-        width = self.static.block_tables.shape[1]
-        pad = bs - n
-        # One host tensor for the whole table: a tensor per row would cost a construction per sequence.
-        rows = [row + [0] * (width - len(row)) for row in block_tables] + [[0] * width] * pad
-        tables = torch.tensor(rows, dtype=torch.int32, pin_memory=True)
-        host = {
-            "input_ids": torch.tensor(input_ids + [0] * pad, dtype=torch.int64, pin_memory=True),
-            "positions": torch.tensor(positions + [0] * pad, dtype=torch.int64, pin_memory=True),
-            "slot_mapping": torch.tensor(slot_mapping + [-1] * pad, dtype=torch.int64, pin_memory=True),
-            "context_lens": torch.tensor(context_lens + [1] * pad, dtype=torch.int32, pin_memory=True),
-        }
-        s = self.static
-        for name, value in host.items():
-            getattr(s, name)[:bs].copy_(value, non_blocking=True)
-        s.block_tables[:bs].copy_(tables, non_blocking=True)
+        pad, width = bs - n, self.width
+        values = input_ids + [0] * pad
+        values += positions + [0] * pad
+        values += slot_mapping + [-1] * pad
+        values += context_lens + [1] * pad
+        for row in block_tables:
+            values += row
+            values += [0] * (width - len(row))
+        values += [0] * (width * pad)
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        staged = self.packed[: host.numel()]
+        staged.copy_(host, non_blocking=True)
+        if self.before_replay is not None:
+            self.before_replay(bs, n, staged)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        logits = self.logits[bs]
+        assert logits is not None, "only the rank that samples replays through run()"
+        return logits[:n]
+
+    def replay_received(self, bs: int) -> None:
+        """Replay bucket `bs` on inputs another rank has just written into `packed` (a TP rank)."""
+        self.graphs[bs].replay()

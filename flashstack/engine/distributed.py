@@ -9,7 +9,9 @@ after start-up.
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,7 +27,7 @@ MULTICAST_OFF = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
-_OP_STEP, _OP_EXIT = 1, 2
+_OP_STEP, _OP_EXIT, _OP_GRAPH, _OP_CAPTURE = 1, 2, 5, 6
 OP_PROFILE, OP_START = 3, 4  # start-up: mirror rank 0's profiling forward; then the KV block count
 _HEADER_FIXED = 4  # op, num_tokens, num_seqs, max_blocks (then num_sample, then host lists)
 # An idle server sends no steps for hours: the header wait must not time out (workers watch rank 0
@@ -53,6 +55,7 @@ class TensorParallel:
     device: torch.device
     group: dist.ProcessGroup
     cpu_group: dist.ProcessGroup
+    fast: SymmetricAllReduce | None = None  # small all-reduces over NVLink peer memory
 
     @property
     def is_driver(self) -> bool:
@@ -60,22 +63,90 @@ class TensorParallel:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks in place (after row-parallel layers)."""
+        """Sum `x` over the ranks (the vocabulary-parallel embedding's partial rows)."""
+        if self.fast is not None and self.fast.fits(x):
+            staged = self.fast.stage(x.shape)
+            staged.copy_(x)
+            return self.fast.reduce(staged)
         dist.all_reduce(x, group=self.group)
         return x
 
+    def linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T` summed over the ranks (a row-parallel layer's output)."""
+        shape = (*x.shape[:-1], weight.shape[0])
+        if self.fast is not None and self.fast.fits_shape(shape, x.dtype):
+            staged = self.fast.stage(shape)
+            torch.matmul(x, weight.t(), out=staged)  # straight into peer-visible memory: no copy
+            return self.fast.reduce(staged)
+        y = torch.nn.functional.linear(x, weight)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+    def enable_fast_all_reduce(self, max_numel: int, dtype: torch.dtype) -> None:
+        """Collective: set up peer-memory all-reduces of up to `max_numel` values on every rank.
+
+        NCCL's all-reduce costs ~19 µs per call inside a CUDA graph on 2 H200s (measured), about
+        1.2 ms per decode step of a 32-layer model; a one-shot all-reduce over symmetric memory reads
+        the peers' buffers directly. GPUs only, and only where torch's symmetric memory is usable;
+        FLASHSTACK_TP_FAST_ALLREDUCE=0 keeps NCCL for everything.
+        """
+        if self.device.type != "cuda" or os.environ.get("FLASHSTACK_TP_FAST_ALLREDUCE", "1") == "0":
+            return
+        self.fast = SymmetricAllReduce(self.group, max_numel, dtype, self.device)
+
     def gather_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` along the last dim on rank 0; None elsewhere."""
+        # An all-gather, not a gather: NCCL's gather is point-to-point sends, and a decode graph
+        # captures the collective kernel far more cheaply than a group of sends.
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_driver else None
-        dist.gather(x, parts, dst=0, group=self.group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        parts = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))  # ranks stacked on dim 0
+        dist.all_gather_into_tensor(parts, x, group=self.group)
+        if not self.is_driver:
+            return None
+        return torch.cat(parts.chunk(self.world_size), dim=-1)
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's `value` on every rank (start-up agreement, e.g. the KV block count)."""
         t = torch.tensor([value], dtype=torch.int64)
         dist.broadcast(t, src=0, group=self.cpu_group)
         return int(t.item())
+
+
+class SymmetricAllReduce:
+    """One-shot all-reduce through buffers every rank maps (torch symmetric memory, P2P over
+    NVLink; multicast stays off). Each call stages its values in a buffer, then every rank reads
+    all peers' copies and sums them after a barrier.
+
+    Two buffers, used in turn: the barrier only says every rank has *arrived*, so a fast rank may
+    stage call k+1 while a slow one still reads call k. By call k+2 the fast rank has passed call
+    k+1's barrier, which the slow one reaches only after finishing call k: reuse is safe.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, max_numel: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name, self.dtype, self.max_numel = group.group_name, dtype, max_numel
+        self.buffers = [symm_mem.empty(max_numel, dtype=dtype, device=device) for _ in range(2)]
+        for buffer in self.buffers:
+            symm_mem.rendezvous(buffer, group)
+        self.turn = 0  # the same on every rank: every rank makes the same calls in the same order
+
+    def fits_shape(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        return dtype == self.dtype and math.prod(shape) <= self.max_numel
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return self.fits_shape(tuple(x.shape), x.dtype)
+
+    def stage(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """This call's buffer viewed as `shape`: write the local part here."""
+        buffer = self.buffers[self.turn]
+        self.turn ^= 1
+        return buffer[: math.prod(shape)].view(shape)
+
+    def reduce(self, staged: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of what each staged, as a new tensor."""
+        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)
 
 
 def init_rank(
@@ -97,6 +168,20 @@ def init_rank(
     return TensorParallel(rank, world_size, device, group, cpu_group)
 
 
+def leave_group(timeout_s: float = 10.0) -> None:
+    """Destroy this process's groups, waiting at most `timeout_s`.
+
+    NCCL can hang tearing down a communicator whose collectives were captured in CUDA graphs
+    (pytorch/pytorch#115388) even after the graphs are freed: a stuck teardown must not hang the
+    caller's shutdown, so it runs in a daemon thread.
+    """
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, daemon=True, name="tp-leave-group")
+    done.start()
+    done.join(timeout_s)
+
+
 def master_store(world_size: int) -> dist.TCPStore:
     """Rank 0's store on a free port (port 0: the OS picks one, so parallel test runs don't clash)."""
     return dist.TCPStore(
@@ -109,6 +194,24 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     if base.type != "cuda":
         return base
     return torch.device("cuda", (base.index or 0) + rank)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphStep:
+    """A decode step replayed from a captured graph: bucket `bucket`, `size` packed int64 inputs."""
+
+    bucket: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureGraphs:
+    """Capture the decode graphs now, alongside rank 0, for contexts up to `max_model_len`."""
+
+    max_model_len: int
+
+
+Message = StepInputs | GraphStep | CaptureGraphs
 
 
 class StepChannel:
@@ -139,6 +242,20 @@ class StepChannel:
         packed = torch.cat([p.to(torch.int64) for p in parts])
         dist.broadcast(packed, src=0, group=self.tp.group)
 
+    def send_graph_step(self, bucket: int, packed: torch.Tensor) -> None:
+        """Broadcast a graph step's packed inputs (already on rank 0's device) to every rank."""
+        self._header[:3] = torch.tensor([_OP_GRAPH, bucket, packed.numel()])
+        dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
+        dist.broadcast(packed, src=0, group=self.tp.group)
+
+    def recv_packed(self, into: torch.Tensor) -> None:
+        """Receive a graph step's packed inputs straight into the graphs' input buffer."""
+        dist.broadcast(into, src=0, group=self.tp.group)
+
+    def send_capture(self, max_model_len: int) -> None:
+        """Have the other ranks capture their decode graphs alongside rank 0."""
+        self.send_control(_OP_CAPTURE, max_model_len)
+
     def send_exit(self) -> None:
         """Tell the other ranks to leave their loops."""
         self.send_control(_OP_EXIT, 0)
@@ -154,13 +271,18 @@ class StepChannel:
         op, value = self._header[:2].tolist()
         return op, value
 
-    def recv(self) -> StepInputs | None:
-        """The next step's inputs on this rank's device; None when rank 0 says exit."""
+    def recv(self) -> Message | None:
+        """The next message: a step's inputs on this rank's device, a graph step (its inputs follow
+        through `recv_packed`), a capture request; None when rank 0 says exit."""
         h = self._header
         dist.broadcast(h, src=0, group=self.tp.cpu_group)
         op, n, num_seqs, max_blocks, num_sample = h[: _HEADER_FIXED + 1].tolist()
         if op == _OP_EXIT:
             return None
+        if op == _OP_GRAPH:
+            return GraphStep(bucket=n, size=num_seqs)
+        if op == _OP_CAPTURE:
+            return CaptureGraphs(max_model_len=n)
         lens = h[_HEADER_FIXED + 1 : _HEADER_FIXED + 1 + 2 * num_seqs].tolist()
         query_lens, context_lens = lens[:num_seqs], lens[num_seqs:]
         sizes = [n, n, n, num_seqs * max_blocks, num_seqs, num_seqs + 1, num_sample]

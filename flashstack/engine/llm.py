@@ -300,6 +300,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (also done when the engine is collected)."""
         if self.workers is not None:
+            self.runner.release_graphs()  # graphs holding NCCL work block the group's teardown
             self.workers.close()
 
     def output(self, request_id: str) -> RequestOutput | None:

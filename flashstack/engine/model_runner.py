@@ -73,6 +73,12 @@ class ModelRunner:
                                    max_model_len, self.config.max_num_seqs, self.device)
         self.graphs.capture(on_bucket)
 
+    def release_graphs(self) -> None:
+        """Free the decode graphs (back to eager); a tensor-parallel group can then be torn down."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def _graph_logits(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Logits from a graph replay when the batch is a plain decode step that fits one."""
         graphs = self.graphs

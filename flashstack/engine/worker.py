@@ -7,8 +7,10 @@ number of blocks and is addressed through rank 0's block tables, so the tables a
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 import weakref
@@ -19,19 +21,23 @@ import torch
 import torch.distributed as dist
 
 from flashstack.engine.config import EngineConfig
+from flashstack.engine.cuda_graphs import graph_buckets
 from flashstack.engine.distributed import (
     OP_PROFILE,
     OP_START,
+    CaptureGraphs,
+    GraphStep,
     StepChannel,
     TensorParallel,
     disable_multicast,
     init_rank,
+    leave_group,
     master_store,
     rank_device,
 )
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
 from flashstack.engine.model_runner import ModelRunner, StepInputs
-from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM
 from flashstack.engine.models.fused import fuse_model
 from flashstack.engine.scheduler import ScheduledBatch
@@ -73,8 +79,8 @@ class WorkerGroup:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.tp.fast = None
+        leave_group()
 
 
 def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
@@ -100,9 +106,6 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     for p in procs:
         p.start()
     tp = init_rank(0, world, store.port, rank_device(device, 0), store)
-    # Decode graphs would replay collectives the other ranks never issue: eager until graphs are
-    # captured on every rank.
-    config.enforce_eager = True
     channel = StepChannel(tp, config.max_num_seqs, config.block_size)
     return WorkerGroup(tp, procs, store, channel)
 
@@ -130,9 +133,25 @@ class DriverRunner(ModelRunner):
         self.workers.channel.send(inputs)
         return inputs
 
+    def capture_graphs(self, max_model_len: int, on_bucket=None) -> None:
+        """Capture on every rank at once (the graphs hold collectives), then broadcast each replay's
+        packed inputs before it."""
+        channel = self.workers.channel
+        assert channel is not None
+        channel.send_capture(max_model_len)
+        self.workers.tp.enable_fast_all_reduce(fast_all_reduce_numel(self), self.dtype)
+        super().capture_graphs(max_model_len, on_bucket)
+        assert self.graphs is not None
+        self.graphs.before_replay = lambda bucket, n, packed: channel.send_graph_step(bucket, packed)
+
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group."""
         self.workers.close()
+
+
+def fast_all_reduce_numel(runner: ModelRunner) -> int:
+    """Values in the largest decode step's all-reduce: the top graph bucket's hidden states."""
+    return graph_buckets(runner.config.max_num_seqs)[-1] * runner.model.args.hidden_size
 
 
 def _watch_parent() -> None:
@@ -146,6 +165,7 @@ def _watch_parent() -> None:
 def worker_main(config: EngineConfig, rank: int, port: int, base_device: str) -> None:
     """Rank `rank`'s whole life: join, load its shard, size the cache as rank 0 says, run steps."""
     threading.Thread(target=_watch_parent, daemon=True, name="tp-watch-parent").start()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
     device = rank_device(torch.device(base_device), rank)
     tp = init_rank(rank, config.tensor_parallel_size, port, device)
     dtype = resolve_dtype(config.dtype, read_hf_config(config.model), device)
@@ -159,7 +179,8 @@ def worker_main(config: EngineConfig, rank: int, port: int, base_device: str) ->
         return
     runner = ModelRunner(config, model, msg[1], device, dtype)
     run_steps(runner, channel)
-    dist.destroy_process_group()
+    runner.release_graphs()
+    leave_group()
 
 
 @torch.inference_mode()
@@ -191,6 +212,15 @@ def profile_step(
 def run_steps(runner: ModelRunner, channel: StepChannel) -> None:
     """Mirror rank 0's forward passes until it says exit; sampling happens on rank 0 only."""
     while (inputs := channel.recv()) is not None:
+        if isinstance(inputs, CaptureGraphs):
+            channel.tp.enable_fast_all_reduce(fast_all_reduce_numel(runner), runner.dtype)
+            runner.capture_graphs(inputs.max_model_len)
+            continue
+        if isinstance(inputs, GraphStep):
+            assert runner.graphs is not None, "rank 0 replays graphs this rank never captured"
+            channel.recv_packed(runner.graphs.packed[: inputs.size])
+            runner.graphs.replay_received(inputs.bucket)
+            continue
         hidden = runner.model(
             inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend
         )

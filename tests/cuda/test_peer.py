@@ -60,11 +60,6 @@ def test_no_peer_for_missing_device() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not fc.cuda_available() or fc.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.xfail(
-    strict=True,
-    reason="H200 x2 run: cuMemcpyAsync -> CUDA_ERROR_INVALID_VALUE. DeviceBuffer comes from a "
-    "stream-ordered pool, which cuCtxEnablePeerAccess does not cover (needs cuMemPoolSetAccess)",
-)
 def test_real_peer_copy() -> None:
     d0, d1 = fc.Device(0), fc.Device(1)
     if not can_access_peer(d0, d1):

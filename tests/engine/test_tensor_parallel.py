@@ -147,6 +147,7 @@ def test_nccl_two_gpus_match_one(hf_checkpoints) -> None:
     kw = {**ENGINE, "device": "cuda", "dtype": "float32"}
     llm = LLM(path, tensor_parallel_size=2, **kw)
     try:
+        assert llm.engine.runner.graphs is not None, "decode graphs are captured on every rank"
         assert run_checked(llm, PROMPTS, greedy(MAX_TOKENS)) == refs
     finally:
         llm.engine.shutdown()

@@ -82,7 +82,7 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
 
