@@ -198,7 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--shape", choices=["llama3-8b", "tiny"], default="llama3-8b")

@@ -1,9 +1,10 @@
 """Tensor-parallel process groups and the per-step broadcast from rank 0 to the other ranks.
 
-One process per rank. Rank 0 (the caller's process) owns the scheduler; each step it broadcasts a
-fixed-size int64 header on a gloo group (host lengths the attention path needs without a device
-sync) and then one packed int64 tensor (input ids, positions, slot_mapping, block tables, context
-lens, query starts, sampled rows) on the device group: NCCL on GPUs, gloo on CPU. Nothing is pickled
+One process per rank. Rank 0 (the caller's process) owns the scheduler; each step it posts an int64
+header to a shared-memory mailbox (host lengths the attention path needs without a device sync) and
+then broadcasts one packed int64 tensor (input ids, positions, slot_mapping, block tables, context
+lens, query starts, sampled rows) on the device group: NCCL on GPUs, gloo on CPU. A decode step
+replayed from CUDA graphs sends only its bucket and the graphs' packed inputs. Nothing is pickled
 after start-up.
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flashstack.engine.kernels.attention import AttentionMetadata
+from flashstack.engine.mailbox import Mailbox
 from flashstack.engine.model_runner import StepInputs
 
 # NVLink multicast (NVLS) can put a shared host's GPUs out of service: it stays off everywhere.
@@ -30,9 +32,6 @@ MULTICAST_OFF = {
 _OP_STEP, _OP_EXIT, _OP_GRAPH, _OP_CAPTURE = 1, 2, 5, 6
 OP_PROFILE, OP_START = 3, 4  # start-up: mirror rank 0's profiling forward; then the KV block count
 _HEADER_FIXED = 4  # op, num_tokens, num_seqs, max_blocks (then num_sample, then host lists)
-# An idle server sends no steps for hours: the header wait must not time out (workers watch rank 0
-# instead, see worker.py).
-_IDLE_TIMEOUT = timedelta(days=365)
 
 
 def collective_timeout() -> timedelta:
@@ -47,14 +46,12 @@ def disable_multicast() -> None:
 
 @dataclass(slots=True)
 class TensorParallel:
-    """This rank's place in the group: the device collectives go on `group`, step headers on
-    `cpu_group`."""
+    """This rank's place in the group; the device collectives go on `group`."""
 
     rank: int
     world_size: int
     device: torch.device
     group: dist.ProcessGroup
-    cpu_group: dist.ProcessGroup
     fast: SymmetricAllReduce | None = None  # small all-reduces over NVLink peer memory
 
     @property
@@ -86,8 +83,8 @@ class TensorParallel:
         """Collective: set up peer-memory all-reduces of up to `max_numel` values on every rank.
 
         NCCL's all-reduce costs ~19 µs per call inside a CUDA graph on 2 H200s (measured), about
-        1.2 ms per decode step of a 32-layer model; a one-shot all-reduce over symmetric memory reads
-        the peers' buffers directly. GPUs only, and only where torch's symmetric memory is usable;
+        1.2 ms per decode step of a 32-layer model; a one-shot all-reduce over symmetric memory
+        reads the peers' buffers directly (8.6 µs). GPUs only, and only where torch's symmetric memory is usable;
         FLASHSTACK_TP_FAST_ALLREDUCE=0 keeps NCCL for everything.
         """
         if self.device.type != "cuda" or os.environ.get("FLASHSTACK_TP_FAST_ALLREDUCE", "1") == "0":
@@ -105,11 +102,6 @@ class TensorParallel:
             return None
         return torch.cat(parts.chunk(self.world_size), dim=-1)
 
-    def broadcast_int(self, value: int) -> int:
-        """Rank 0's `value` on every rank (start-up agreement, e.g. the KV block count)."""
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.cpu_group)
-        return int(t.item())
 
 
 class SymmetricAllReduce:
@@ -163,9 +155,8 @@ def init_rank(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout
     )
-    cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="nccl")
-    return TensorParallel(rank, world_size, device, group, cpu_group)
+    return TensorParallel(rank, world_size, device, group)
 
 
 def leave_group(timeout_s: float = 10.0) -> None:
@@ -217,9 +208,13 @@ Message = StepInputs | GraphStep | CaptureGraphs
 class StepChannel:
     """Rank 0 sends each step's packed inputs; the other ranks receive them."""
 
-    def __init__(self, tp: TensorParallel, max_num_seqs: int, block_size: int) -> None:
-        self.tp, self.block_size = tp, block_size
-        self._header = torch.zeros(_HEADER_FIXED + 1 + 2 * max_num_seqs, dtype=torch.int64)
+    def __init__(self, tp: TensorParallel, block_size: int, mailbox: Mailbox) -> None:
+        self.tp, self.block_size, self.mailbox = tp, block_size, mailbox
+
+    @staticmethod
+    def header_width(max_num_seqs: int) -> int:
+        """int64 values in the largest step header (the mailbox's message width)."""
+        return _HEADER_FIXED + 1 + 2 * max_num_seqs
 
     def send(self, inputs: StepInputs) -> None:
         """Broadcast one step from rank 0 (no host sync on the device side)."""
@@ -228,8 +223,7 @@ class StepChannel:
         num_seqs, num_sample = meta.num_seqs, inputs.sample_rows.numel()
         host = [_OP_STEP, inputs.input_ids.numel(), num_seqs, tables.shape[1], num_sample]
         host += meta.query_lens_host + meta.context_lens_host
-        self._header[: len(host)] = torch.tensor(host, dtype=torch.int64)
-        dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
+        self.mailbox.post(host)
         parts = (
             inputs.input_ids,
             inputs.positions,
@@ -244,8 +238,7 @@ class StepChannel:
 
     def send_graph_step(self, bucket: int, packed: torch.Tensor) -> None:
         """Broadcast a graph step's packed inputs (already on rank 0's device) to every rank."""
-        self._header[:3] = torch.tensor([_OP_GRAPH, bucket, packed.numel()])
-        dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
+        self.mailbox.post([_OP_GRAPH, bucket, packed.numel()])
         dist.broadcast(packed, src=0, group=self.tp.group)
 
     def recv_packed(self, into: torch.Tensor) -> None:
@@ -262,20 +255,17 @@ class StepChannel:
 
     def send_control(self, op: int, value: int) -> None:
         """A start-up or shutdown message: an op code and one integer."""
-        self._header[:2] = torch.tensor([op, value])
-        dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
+        self.mailbox.post([op, value])
 
     def recv_control(self) -> tuple[int, int]:
         """The next start-up message from rank 0."""
-        dist.broadcast(self._header, src=0, group=self.tp.cpu_group)
-        op, value = self._header[:2].tolist()
+        op, value = self.mailbox.take(self.tp.rank)[:2].tolist()
         return op, value
 
     def recv(self) -> Message | None:
         """The next message: a step's inputs on this rank's device, a graph step (its inputs follow
         through `recv_packed`), a capture request; None when rank 0 says exit."""
-        h = self._header
-        dist.broadcast(h, src=0, group=self.tp.cpu_group)
+        h = self.mailbox.take(self.tp.rank)
         op, n, num_seqs, max_blocks, num_sample = h[: _HEADER_FIXED + 1].tolist()
         if op == _OP_EXIT:
             return None

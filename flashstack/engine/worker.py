@@ -37,6 +37,7 @@ from flashstack.engine.distributed import (
 )
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
+from flashstack.engine.mailbox import Mailbox
 from flashstack.engine.model_runner import ModelRunner, StepInputs
 from flashstack.engine.models import LlamaForCausalLM
 from flashstack.engine.models.fused import fuse_model
@@ -50,6 +51,7 @@ class WorkerGroup:
     tp: TensorParallel
     procs: list[mp.process.BaseProcess]
     store: dist.TCPStore  # the other ranks rendezvous here; it lives as long as the group
+    mailbox: Mailbox
     channel: StepChannel | None = None
     closed: bool = False
 
@@ -81,6 +83,7 @@ class WorkerGroup:
                 p.join(timeout=5)
         self.tp.fast = None
         leave_group()
+        self.mailbox.close()
 
 
 def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
@@ -93,11 +96,12 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
             f"{torch.cuda.device_count()}"
         )
     store = master_store(world)
+    mailbox = Mailbox.create(world - 1, StepChannel.header_width(config.max_num_seqs))
     ctx = mp.get_context("spawn")  # fork after torch/CUDA init is unsafe
     procs = [
         ctx.Process(
             target=worker_main,
-            args=(config, rank, store.port, str(device)),
+            args=(config, rank, store.port, str(device), str(mailbox.path)),
             name=f"flashstack-tp{rank}",
             daemon=True,
         )
@@ -106,8 +110,8 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     for p in procs:
         p.start()
     tp = init_rank(0, world, store.port, rank_device(device, 0), store)
-    channel = StepChannel(tp, config.max_num_seqs, config.block_size)
-    return WorkerGroup(tp, procs, store, channel)
+    channel = StepChannel(tp, config.block_size, mailbox)
+    return WorkerGroup(tp, procs, store, mailbox, channel)
 
 
 class DriverRunner(ModelRunner):
@@ -142,7 +146,11 @@ class DriverRunner(ModelRunner):
         self.workers.tp.enable_fast_all_reduce(fast_all_reduce_numel(self), self.dtype)
         super().capture_graphs(max_model_len, on_bucket)
         assert self.graphs is not None
-        self.graphs.before_replay = lambda bucket, n, packed: channel.send_graph_step(bucket, packed)
+        self.graphs.before_replay = self._send_graph_step
+
+    def _send_graph_step(self, bucket: int, num_seqs: int, packed: torch.Tensor) -> None:
+        assert self.workers.channel is not None
+        self.workers.channel.send_graph_step(bucket, packed)
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group."""
@@ -162,7 +170,9 @@ def _watch_parent() -> None:
     os._exit(1)
 
 
-def worker_main(config: EngineConfig, rank: int, port: int, base_device: str) -> None:
+def worker_main(
+    config: EngineConfig, rank: int, port: int, base_device: str, mailbox_path: str
+) -> None:
     """Rank `rank`'s whole life: join, load its shard, size the cache as rank 0 says, run steps."""
     threading.Thread(target=_watch_parent, daemon=True, name="tp-watch-parent").start()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
@@ -172,15 +182,19 @@ def worker_main(config: EngineConfig, rank: int, port: int, base_device: str) ->
     model = load_model(Path(config.model), dtype, device, tp=tp)
     if device.type == "cuda":
         fuse_model(model)  # as rank 0 does: same kernels, same collectives
-    channel = StepChannel(tp, config.max_num_seqs, config.block_size)
+    width = StepChannel.header_width(config.max_num_seqs)
+    mailbox = Mailbox.attach(mailbox_path, config.tensor_parallel_size - 1, width)
+    channel = StepChannel(tp, config.block_size, mailbox)
     while (msg := channel.recv_control())[0] == OP_PROFILE:
         profile_step(model, msg[1], config, device, dtype)
     if msg[0] != OP_START:  # rank 0 closed during start-up
+        mailbox.close()
         return
     runner = ModelRunner(config, model, msg[1], device, dtype)
     run_steps(runner, channel)
     runner.release_graphs()
     leave_group()
+    mailbox.close()
 
 
 @torch.inference_mode()
