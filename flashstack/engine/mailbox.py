@@ -1,8 +1,8 @@
 """A one-writer, many-reader ring of fixed-size int64 messages in shared memory.
 
-Rank 0 posts every step's header here; the other ranks poll it. A gloo broadcast over TCP costs a
-few hundred microseconds of wake-up on the receiving rank, and a rank that starts its step late
-holds up rank 0's first collective: on a 2-GPU decode step that was most of the host time.
+Rank 0 posts every step's header here; the other ranks poll it. A rank that starts its step late
+holds up rank 0's first collective, so the header should arrive with no wake-up through the
+network stack (as a gloo broadcast over TCP has) and with no timeout while a server idles.
 
 Layout (int64): [write count, read count of reader 1..N-1, pad to 8] then `slots` messages of
 `width` values. The writer fills a slot and only then bumps the write count; a reader copies the
