@@ -91,12 +91,16 @@ class Mailbox:
         self._counts[reader] = read + 1
         return message
 
-    def close(self) -> None:
-        """Unmap; the creator also removes the file."""
-        del self._counts, self._ring
-        self._map.close()
+    def unlink(self) -> None:
+        """Remove the file (the creator, once every reader has attached); mappings stay valid."""
         if self.owner:
             self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Unmap; the creator also removes the file if it is still there."""
+        del self._counts, self._ring
+        self._map.close()
+        self.unlink()
 
 
 class _Backoff:

@@ -29,6 +29,7 @@ from flashstack.engine.distributed import (
     GraphStep,
     StepChannel,
     TensorParallel,
+    collective_timeout,
     disable_multicast,
     init_rank,
     leave_group,
@@ -110,6 +111,9 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     for p in procs:
         p.start()
     tp = init_rank(0, world, store.port, rank_device(device, 0), store)
+    # Every rank has mapped the mailbox: its file can go, so a crash leaves nothing in /dev/shm.
+    store.wait([_attached_key(rank) for rank in range(1, world)])
+    mailbox.unlink()
     channel = StepChannel(tp, config.block_size, mailbox)
     return WorkerGroup(tp, procs, store, mailbox, channel)
 
@@ -157,6 +161,10 @@ class DriverRunner(ModelRunner):
         self.workers.close()
 
 
+def _attached_key(rank: int) -> str:
+    return f"flashstack-tp-mailbox-attached-{rank}"
+
+
 def fast_all_reduce_numel(runner: ModelRunner) -> int:
     """Values in the largest decode step's all-reduce: the top graph bucket's hidden states."""
     return graph_buckets(runner.config.max_num_seqs)[-1] * runner.model.args.hidden_size
@@ -177,13 +185,16 @@ def worker_main(
     threading.Thread(target=_watch_parent, daemon=True, name="tp-watch-parent").start()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
     device = rank_device(torch.device(base_device), rank)
-    tp = init_rank(rank, config.tensor_parallel_size, port, device)
+    width = StepChannel.header_width(config.max_num_seqs)
+    mailbox = Mailbox.attach(mailbox_path, config.tensor_parallel_size - 1, width)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
+                          timeout=collective_timeout())
+    store.set(_attached_key(rank), "1")  # rank 0 may now remove the mailbox's file
+    tp = init_rank(rank, config.tensor_parallel_size, port, device, store)
     dtype = resolve_dtype(config.dtype, read_hf_config(config.model), device)
     model = load_model(Path(config.model), dtype, device, tp=tp)
     if device.type == "cuda":
         fuse_model(model)  # as rank 0 does: same kernels, same collectives
-    width = StepChannel.header_width(config.max_num_seqs)
-    mailbox = Mailbox.attach(mailbox_path, config.tensor_parallel_size - 1, width)
     channel = StepChannel(tp, config.block_size, mailbox)
     while (msg := channel.recv_control())[0] == OP_PROFILE:
         profile_step(model, msg[1], config, device, dtype)

@@ -82,6 +82,7 @@ def _check_identical(path: Path, hf_model: object) -> LLM:
     assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
     assert llm.engine.scheduler.num_chunked_prefills > 0
     assert not any(p.is_alive() for p in llm.engine.workers.procs), "shutdown leaves no rank"
+    assert not llm.engine.workers.mailbox.path.exists(), "the step mailbox leaves no file behind"
     return llm
 
 
