@@ -110,6 +110,7 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     ]
     for p in procs:
         p.start()
+    share_cpu_threads(device, world)
     tp = init_rank(0, world, store.port, rank_device(device, 0), store)
     # Every rank has mapped the mailbox: its file can go, so a crash leaves nothing in /dev/shm.
     store.wait([_attached_key(rank) for rank in range(1, world)])
@@ -161,6 +162,14 @@ class DriverRunner(ModelRunner):
         self.workers.close()
 
 
+def share_cpu_threads(device: torch.device, world: int) -> None:
+    """On CPU, give each rank its share of the cores: every rank's intra-op threads busy-wait, and
+    N ranks each using every core starve one another (a 2-layer model's decode step over 2 ranks
+    on 2 cores: 39–48 ms with the default threads, 6–11 ms with one thread each)."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+
+
 def _attached_key(rank: int) -> str:
     return f"flashstack-tp-mailbox-attached-{rank}"
 
@@ -185,6 +194,7 @@ def worker_main(
     threading.Thread(target=_watch_parent, daemon=True, name="tp-watch-parent").start()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a stuck rank waits
     device = rank_device(torch.device(base_device), rank)
+    share_cpu_threads(device, config.tensor_parallel_size)
     width = StepChannel.header_width(config.max_num_seqs)
     mailbox = Mailbox.attach(mailbox_path, config.tensor_parallel_size - 1, width)
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
