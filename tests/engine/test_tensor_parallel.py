@@ -153,3 +153,60 @@ def test_nccl_two_gpus_match_one(hf_checkpoints) -> None:
         assert run_checked(llm, PROMPTS, greedy(MAX_TOKENS)) == refs
     finally:
         llm.engine.shutdown()
+
+
+def _graph_step_rank1(port: int, mailbox_path: str, width: int, results: object) -> None:
+    from flashstack.engine.distributed import StepChannel, init_rank, leave_group
+    from flashstack.engine.mailbox import Mailbox
+
+    mailbox = Mailbox.attach(mailbox_path, 1, width)
+    tp = init_rank(1, 2, port, torch.device("cpu"))
+    channel = StepChannel(tp, 4, mailbox)
+    capture, step = channel.recv(), channel.recv()
+    received = torch.zeros(step.size, dtype=torch.int64)
+    channel.recv_packed(received)
+    results.put((capture, step, received.tolist(), channel.recv()))
+    leave_group()
+    mailbox.close()
+
+
+def test_graph_step_protocol_over_gloo() -> None:
+    """The messages that drive the other ranks' decode graphs (GPU-only in the engine) cross a real
+    2-rank group: a capture request, then a graph step whose packed inputs land in the receiver's
+    buffer, then exit."""
+    import multiprocessing as mp
+
+    from flashstack.engine.distributed import (
+        CaptureGraphs,
+        GraphStep,
+        StepChannel,
+        init_rank,
+        leave_group,
+        master_store,
+    )
+    from flashstack.engine.mailbox import Mailbox
+
+    width = StepChannel.header_width(8)
+    store = master_store(2)
+    mailbox = Mailbox.create(1, width)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rank1 = ctx.Process(target=_graph_step_rank1, args=(store.port, str(mailbox.path), width, results))
+    rank1.start()
+    try:
+        tp = init_rank(0, 2, store.port, torch.device("cpu"), store)
+        channel = StepChannel(tp, 4, mailbox)
+        channel.send_capture(4096)
+        packed = torch.arange(3 * 9, dtype=torch.int64) * 7  # bucket 3 of a 5-block-wide table
+        channel.send_graph_step(3, packed)
+        channel.send_exit()
+        capture, step, received, last = results.get(timeout=60)
+        assert capture == CaptureGraphs(max_model_len=4096)
+        assert step == GraphStep(bucket=3, size=27)
+        assert received == packed.tolist()
+        assert last is None, "exit ends the rank's loop"
+    finally:
+        rank1.join(timeout=30)
+        leave_group()
+        mailbox.close()
+    assert rank1.exitcode == 0
