@@ -191,7 +191,8 @@ def test_graph_step_protocol_over_gloo() -> None:
     mailbox = Mailbox.create(1, width)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rank1 = ctx.Process(target=_graph_step_rank1, args=(store.port, str(mailbox.path), width, results))
+    args = (store.port, str(mailbox.path), width, results)
+    rank1 = ctx.Process(target=_graph_step_rank1, args=args)
     rank1.start()
     try:
         tp = init_rank(0, 2, store.port, torch.device("cpu"), store)
