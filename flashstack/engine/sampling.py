@@ -97,6 +97,10 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """Batched `filter_logits` then softmax: temperature, top-k, top-p, min-p, each per row."""
     logits = logits / _column([p.temperature for p in params], logits)
     vocab = logits.shape[-1]
+    if not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        # Temperature only: no sort and no scatter (at batch 256 and a 152K vocabulary, a sort
+        # of 39M values every step).
+        return logits.softmax(-1)
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     top_k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], logits)
@@ -120,11 +124,20 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     if free:
         rows = torch.tensor(free, device=probs.device)
-        out[rows] = torch.multinomial(probs[rows], 1).squeeze(1)
+        out[rows] = _exponential_race(probs[rows])
     for i, g in enumerate(generators):
         if g is not None:
             out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     return out
+
+
+def _exponential_race(probs: torch.Tensor) -> torch.Tensor:
+    """Row-wise draws: argmax of p / E with E ~ Exp(1) picks index i with probability p_i (the
+    Gumbel-max trick in another form). One elementwise pass and an argmax, where multinomial scans
+    a cumulative sum per row."""
+    # Clamped: a zero draw would turn p = 0 into 0/0 = NaN, and argmax would pick it.
+    noise = torch.empty_like(probs).exponential_().clamp_min_(1e-20)
+    return (probs / noise).argmax(-1)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

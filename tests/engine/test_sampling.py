@@ -145,3 +145,26 @@ def test_unseeded_batch_samples_follow_the_distribution() -> None:
     ids = torch.tensor(sample(logits, params, [[0]] * 4000, [[]] * 4000, [None] * 4000).token_ids)
     assert set(ids.tolist()) <= {3, 7}
     assert abs((ids == 7).float().mean().item() - 0.75) < 0.04
+
+
+def test_temperature_only_rows_skip_the_filters_but_match_them() -> None:
+    from flashstack.engine.sampling import _filtered_probs
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40) * 2
+    params = [SamplingParams(temperature=t) for t in (0.6, 1.0, 1.7)]
+    batched = _filtered_probs(logits.clone(), params)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(batched[i], filter_logits(logits[i].clone(), p).softmax(-1))
+
+
+def test_unfiltered_samples_follow_the_distribution() -> None:
+    # Temperature only (the unfiltered draw): 0.2 / 0.3 / 0.5 over three tokens, none elsewhere.
+    logits = torch.full((6000, 10), float("-inf"))
+    for token, weight in ((1, 0.2), (4, 0.3), (8, 0.5)):
+        logits[:, token] = float(torch.log(torch.tensor(weight)))
+    params = [SamplingParams(temperature=1.0)] * 6000
+    ids = torch.tensor(sample(logits, params, [[0]] * 6000, [[]] * 6000, [None] * 6000).token_ids)
+    assert set(ids.tolist()) <= {1, 4, 8}, "a zero-probability token was drawn"
+    for token, weight in ((1, 0.2), (4, 0.3), (8, 0.5)):
+        assert abs((ids == token).float().mean().item() - weight) < 0.03
