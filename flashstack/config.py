@@ -124,7 +124,9 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8400
     max_body_bytes: int = 32 * 1024 * 1024
-    stream_queue_size: int = 64  # events buffered between upstream reader and client writer
+    # Anthropic-format streams: events buffered between the upstream reader and the client writer
+    # (their pings come from a watcher). OpenAI-format streams are written as they are read.
+    stream_queue_size: int = 64
     stream_ping_interval: float = 15.0  # Anthropic `ping` events while upstream is silent
     tls: TLSConfig = Field(default_factory=TLSConfig)  # off unless cert_file or vault is set
 

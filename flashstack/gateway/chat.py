@@ -11,7 +11,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from flashstack.config import ModelConfig, VisionConfig
 from flashstack.gateway import compress, overhead, validation, vision
@@ -29,7 +29,7 @@ from flashstack.gateway.core import (
 from flashstack.gateway.router import Router, RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import Turn
-from flashstack.gateway.streaming import sse
+from flashstack.gateway.streaming import EventStream, sse
 from flashstack.gateway.translate import anthropic as anthropic_t
 from flashstack.gateway.translate import openai as openai_t
 from flashstack.gateway.wire import anthropic as anthropic_w
@@ -185,7 +185,7 @@ async def stream_response(
     body = sse(events, wire.encoder(req).encode, limits.stream_queue_size, wire.ping, limits.ping_interval)
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **trace.headers()}
     # The background task runs even when the client left before the body began.
-    return StreamingResponse(
+    return EventStream(
         body, media_type="text/event-stream", headers=headers, background=BackgroundTask(turn.close_stream)
     )
 

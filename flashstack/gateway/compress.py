@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from flashstack.config import CompressionConfig, CompressionMode, ModelConfig
@@ -31,6 +30,8 @@ from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Messag
 from flashstack.gateway.core import invalid_request
 
 if TYPE_CHECKING:
+    import numpy as np  # imported where used: 16 MB that a gateway which never compresses need not hold
+
     from flashstack.gateway.embed import Embedder
     from flashstack.gateway.router import Router
 
@@ -272,6 +273,7 @@ def chunks(text: str) -> list[str]:
 
 def dbscan_labels(vectors: np.ndarray, eps: float, min_samples: int = 2) -> np.ndarray:
     """DBSCAN over cosine distance of unit vectors; noise points become clusters of their own."""
+    import numpy as np
     from sklearn.cluster import DBSCAN
 
     if len(vectors) == 0:
@@ -378,6 +380,8 @@ class Planner:
                     sorted(dropped, key=lambda u: u.start), header_tokens=header)
 
     def _rank(self, units: list[Unit], qvec: np.ndarray) -> None:
+        import numpy as np
+
         pieces = [[c for t in (u.message_texts or (u.text,)) for c in chunks(t)] for u in units]
         flat = [c for cs in pieces for c in cs]
         if not flat:
@@ -391,6 +395,8 @@ class Planner:
             u.relevance, u.vector = r, v
 
     def _clusters(self, units: list[Unit]) -> list[Cluster]:
+        import numpy as np
+
         if not units:
             return []
         labels = dbscan_labels(np.stack([u.vector for u in units]), self.cfg.dbscan_eps)
@@ -427,6 +433,8 @@ class Planner:
 
     def extractive_summary(self, counter: tokens.Counter, c: Cluster, qvec: np.ndarray, cap: int) -> str:
         """The cluster's most central sentences (and those nearest the question), in their order, ≤ cap tokens."""
+        import numpy as np
+
         centroid = np.stack([u.vector for u in c.units]).mean(0)
         centroid /= max(float(np.linalg.norm(centroid)), 1e-9)
         # Sentences come from the most central and the most relevant units only: embedding every
@@ -505,9 +513,9 @@ class Compressor:
             return req, Outcome("none", 0, 0)
         reserve = tokens.output_reserve(req, cfg, window)
         limit = math.floor(self.cfg.threshold * window)
-        counter = tokens.counter_for(cfg)
-        if tokens.request_upper_bound(counter, req) + reserve <= limit:
+        if tokens.request_upper_bound(cfg, req) + reserve <= limit:
             return req, Outcome("none", 0, 0)  # cannot be over: no tokenizer, no thread hop
+        counter = tokens.counter_for(cfg)
         planner = await self.planner()
         fixed, units, total = await self._run(planner.measure, counter, req)
         if total + reserve <= limit:
@@ -676,6 +684,8 @@ def message_texts(m: Message) -> list[str]:
 
 def pack_vectors(vectors: Sequence[np.ndarray | None]) -> bytes:
     """float16 rows, one per `message_texts` entry; NaN rows for texts never embedded."""
+    import numpy as np
+
     from flashstack.gateway.embed import DIM
 
     out = np.full((len(vectors), DIM), np.nan, np.float16)
@@ -686,6 +696,8 @@ def pack_vectors(vectors: Sequence[np.ndarray | None]) -> bytes:
 
 
 def unpack_vectors(blob: bytes) -> np.ndarray:
+    import numpy as np
+
     from flashstack.gateway.embed import DIM
 
     return np.frombuffer(blob, np.float16).reshape(-1, DIM).astype(np.float32)
@@ -694,6 +706,8 @@ def unpack_vectors(blob: bytes) -> np.ndarray:
 def seed_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[str],
                  stored: dict[str, bytes]) -> int:
     """Put the stored embeddings of the history's messages into the embedder's cache; returns how many."""
+    import numpy as np
+
     pairs = []
     for m, mid in zip(messages, ids):
         blob = stored.get(mid)
@@ -711,6 +725,8 @@ def new_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[s
                 n_session: int, stored: dict[str, bytes]) -> dict[int, bytes]:
     """Embeddings to store, by message position: the new inputs' (embedded now if the plan did not),
     and any history message whose known embeddings grew since they were stored."""
+    import numpy as np
+
     new_chunks = [c for m in messages[n_history:n_session] for c in chunks(tokens.message_text(m))]
     if new_chunks:
         embedder.embed(new_chunks)  # the next turn reads them from the store instead

@@ -33,8 +33,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from cryptography import x509
-
 from flashstack.config import ConfigError, ModelConfig, TLSConfig, VaultConfig
 
 log = logging.getLogger("flashstack.tls")
@@ -71,6 +69,8 @@ class CertBundle:
 
     @classmethod
     def from_pem(cls, cert_pem: bytes, key_pem: bytes, where: str) -> CertBundle:
+        from cryptography import x509  # 10 MB, for gateways that serve TLS only
+
         try:
             leaf = x509.load_pem_x509_certificate(cert_pem)
         except ValueError as e:

@@ -73,10 +73,6 @@ class Counter:
         n = self.count(text)
         return math.ceil(n * self.scale) if self.scale != 1.0 else n
 
-    def upper_bound(self, n_bytes: int) -> int:
-        """No text of `n_bytes` UTF-8 bytes costs more tokens than this (byte-level BPE ≥ 1 byte/token)."""
-        return math.ceil(n_bytes * self.scale)
-
 
 def counter_for(cfg: ModelConfig) -> Counter:
     """The best token counter available offline for `cfg`'s model."""
@@ -92,6 +88,12 @@ def counter_for(cfg: ModelConfig) -> Counter:
     exact = cfg.provider == "openai" and cfg.model.lower().startswith(("gpt-4-", "gpt-4", "gpt-3.5"))
     exact = exact and not cfg.model.lower().startswith(("gpt-4o", "gpt-4.1"))
     return Counter("cl100k_base", cl100k, exact=exact)
+
+
+def scale_bound(cfg: ModelConfig) -> float:
+    """counter_for(cfg).scale or more, known without loading a tokenizer (cl100k_base is ~40 MB)."""
+    claude = cfg.provider == "anthropic" or cfg.model.lower().startswith("claude")
+    return CLAUDE_PER_CL100K if claude else 1.0
 
 
 def _estimate(text: str) -> int:
@@ -158,8 +160,12 @@ def fixed_text(req: ChatRequest) -> str:
     return req.system_text() + tools
 
 
-def request_upper_bound(counter: Counter, req: ChatRequest) -> int:
-    """A cheap bound: the request never costs more tokens than this (no tokenizer run)."""
+def request_upper_bound(cfg: ModelConfig, req: ChatRequest) -> int:
+    """A cheap bound: the request never costs `cfg`'s model more tokens than this (no tokenizer run, or load).
+
+    Byte-level BPE spends at least one byte per token, so n UTF-8 bytes are at most n × scale tokens.
+    """
     n_bytes = len(fixed_text(req).encode()) + sum(len(message_text(m).encode()) for m in req.messages)
     images = sum(image_count(m) for m in req.messages)
-    return counter.upper_bound(n_bytes) + PER_IMAGE * images + PER_MESSAGE * len(req.messages) + PER_REQUEST
+    text = math.ceil(n_bytes * scale_bound(cfg))
+    return text + PER_IMAGE * images + PER_MESSAGE * len(req.messages) + PER_REQUEST

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jsonschema
 import orjson
 
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, ResponseFormat, invalid_request
@@ -17,6 +16,8 @@ def check_request(req: ChatRequest) -> None:
     rf = req.response_format
     if rf is None or rf.type != "json_schema":
         return
+    import jsonschema  # on first use: most gateways never see a json_schema response_format
+
     try:
         jsonschema.validators.validator_for(rf.schema).check_schema(rf.schema)
     except jsonschema.SchemaError as e:
@@ -38,6 +39,7 @@ def check_output(rf: ResponseFormat | None, text: str) -> None:
         if not isinstance(value, dict):
             raise _violation("the model's output is JSON but not an object")
         return
+    import jsonschema
     validator = jsonschema.validators.validator_for(rf.schema)(rf.schema)
     error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     if error is not None:

@@ -24,7 +24,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._limit, self._keepalive = max_connections, keepalive_expiry
         self._session: aiohttp.ClientSession | None = None
 
-    def _session_now(self) -> aiohttp.ClientSession:
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled session (providers/http.py sends chat requests on it directly)."""
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive,
                                              ttl_dns_cache=300)
@@ -39,11 +40,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
                    if k.lower() not in _SKIP]
         try:
-            resp = await self._session_now().request(
+            resp = await self.session().request(
                 request.method, str(request.url), headers=headers, data=request.content,
                 timeout=timeout, allow_redirects=False, compress=None)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise _as_httpx(e, request) from e
+            raise as_httpx(e, request) from e
         return httpx.Response(
             resp.status, headers=list(resp.raw_headers), stream=_Body(resp, request), request=request,
             extensions={"http_version": b"HTTP/1.1"})
@@ -64,7 +65,7 @@ class _Body(httpx.AsyncByteStream):
             async for chunk in self._resp.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise _as_httpx(e, self._request) from e
+            raise as_httpx(e, self._request) from e
 
     async def aclose(self) -> None:
         if self._resp.content.at_eof():
@@ -73,7 +74,7 @@ class _Body(httpx.AsyncByteStream):
             self._resp.close()
 
 
-def _as_httpx(e: Exception, request: httpx.Request) -> httpx.TransportError:
+def as_httpx(e: Exception, request: httpx.Request | None = None) -> httpx.TransportError:
     """httpx's exception for an aiohttp failure, so providers map errors as they always have."""
     if isinstance(e, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(str(e) or "upstream connect timed out", request=request)

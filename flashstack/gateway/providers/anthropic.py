@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import orjson
-
 from flashstack.config import ModelConfig
-from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, GatewayError
+from flashstack.gateway.core import ChatRequest, ChatResponse, Event
 from flashstack.gateway.providers.base import Health, probe_health
-from flashstack.gateway.providers.http import make_client, open_stream, post_json, sse_events
+from flashstack.gateway.providers.http import event_json, make_client, open_stream, post_json, sse_events
 from flashstack.gateway.translate import anthropic as t
 
 API_VERSION = "2023-06-01"
@@ -38,11 +36,7 @@ class AnthropicProvider:
         body = self._body(request, stream=True)
         async with open_stream(self.client, self.name, "/v1/messages", body, t.upstream_error) as resp:
             async for name, data in sse_events(resp, self.name):
-                try:
-                    payload = orjson.loads(data)
-                except orjson.JSONDecodeError as e:
-                    raise GatewayError(ErrorKind.UPSTREAM, f"{self.name} sent an event that is not JSON") from e
-                for ev in decoder.feed(name, payload):
+                for ev in decoder.feed(name, event_json(data, self.name, "an event")):
                     yield ev
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
@@ -50,7 +44,7 @@ class AnthropicProvider:
         return t.response_from_json(await post_json(self.client, self.name, "/v1/messages", body, t.upstream_error))
 
     async def list_models(self) -> list[str]:
-        resp = await self.client.get("/v1/models", timeout=2.0)
+        resp = await self.client.http.get("/v1/models", timeout=2.0)
         resp.raise_for_status()
         return [m["id"] for m in resp.json().get("data", [])]
 

@@ -34,7 +34,14 @@ from flashstack.gateway.core import (
     invalid_request,
 )
 from flashstack.gateway.providers.base import Health, collect, probe_health
-from flashstack.gateway.providers.http import make_client, open_stream, post_json, transport_error
+from flashstack.gateway.providers.http import (
+    event_json,
+    lines,
+    make_client,
+    open_stream,
+    post_json,
+    transport_error,
+)
 
 
 class OllamaProvider:
@@ -50,7 +57,7 @@ class OllamaProvider:
         decoder = LineDecoder()
         async with open_stream(self.client, self.name, "/api/chat", body, upstream_error) as resp:
             try:
-                async for line in resp.aiter_lines():
+                async for line in lines(resp):
                     if line.strip():
                         for ev in decoder.feed(_parse_line(line, self.name)):
                             yield ev
@@ -65,7 +72,7 @@ class OllamaProvider:
         return await collect(_events_of(line))
 
     async def list_models(self) -> list[str]:
-        resp = await self.client.get("/api/tags", timeout=2.0)
+        resp = await self.client.http.get("/api/tags", timeout=2.0)
         resp.raise_for_status()
         return [m["name"] for m in resp.json().get("models", [])]
 
@@ -81,11 +88,8 @@ async def _events_of(line: dict[str, Any]) -> AsyncIterator[Event]:
         yield ev
 
 
-def _parse_line(line: str, name: str) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise GatewayError(ErrorKind.UPSTREAM, f"{name} sent a line that is not JSON") from e
+def _parse_line(line: bytes, name: str) -> dict[str, Any]:
+    obj = event_json(line, name, "a line")
     if "error" in obj:
         raise GatewayError(ErrorKind.UPSTREAM, f"{name}: {obj['error']}")
     return obj

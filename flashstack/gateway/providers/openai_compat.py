@@ -5,12 +5,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import httpx
-import orjson
 
 from flashstack.config import ModelConfig
 from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, GatewayError
 from flashstack.gateway.providers.base import Health, probe_health
-from flashstack.gateway.providers.http import make_client, open_stream, post_json, sse_events, transport_error
+from flashstack.gateway.providers.http import (
+    event_json,
+    make_client,
+    open_stream,
+    post_json,
+    sse_events,
+    transport_error,
+)
 from flashstack.gateway.translate import openai as t
 
 
@@ -31,14 +37,10 @@ class OpenAICompatProvider:
         done = False
         async with open_stream(self.client, self.name, "/chat/completions", body, t.upstream_error) as resp:
             async for _, data in sse_events(resp, self.name):
-                if data.strip() == "[DONE]":
+                if data.strip() == b"[DONE]":
                     done = True
                     break
-                try:
-                    chunk = orjson.loads(data)
-                except orjson.JSONDecodeError as e:
-                    raise GatewayError(ErrorKind.UPSTREAM, f"{self.name} sent a chunk that is not JSON") from e
-                for ev in decoder.feed(chunk):
+                for ev in decoder.feed(event_json(data, self.name, "a chunk")):
                     yield ev
         if not done and decoder.finish_reason is None:  # closed mid-answer: never pass it off as complete
             raise GatewayError(ErrorKind.UPSTREAM, f"{self.name} ended the stream early (no finish_reason, no [DONE])")
@@ -53,7 +55,7 @@ class OpenAICompatProvider:
 
     async def list_models(self) -> list[str]:
         try:
-            resp = await self.client.get("/models", timeout=2.0)
+            resp = await self.client.http.get("/models", timeout=2.0)
             resp.raise_for_status()
             return [m["id"] for m in resp.json().get("data", [])]
         except (httpx.HTTPError, ValueError, KeyError) as e:
