@@ -96,9 +96,10 @@ class RequestState:
         )
         text = self.text[self.num_emitted_chars : end]
         self.num_emitted_chars = end
-        out_ids = seq.output_token_ids
-        new_ids = out_ids[self.num_emitted_tokens :]
-        self.num_emitted_tokens = len(out_ids)
+        # Slice only the new tokens: copying the whole output every step is quadratic per request.
+        new_ids = seq.token_ids[seq.num_prompt_tokens + self.num_emitted_tokens :]
+        num_output = seq.num_output_tokens
+        self.num_emitted_tokens = num_output
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = seq.logprobs[self.num_emitted_logprobs :]
@@ -109,7 +110,7 @@ class RequestState:
             text,
             seq.finish_reason,
             seq.num_prompt_tokens,
-            len(out_ids),
+            num_output,
             logprobs,
             seq.stop_reason,
         )

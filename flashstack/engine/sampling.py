@@ -85,7 +85,8 @@ def apply_penalties(
     return logits
 
 
-def _has_penalties(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
+    """Whether `p` asks for a repetition, presence or frequency penalty (which read the history)."""
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
@@ -183,7 +184,7 @@ def sample(
     """
     logits = raw = logits.float()
     chosen = logits.argmax(-1)
-    penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
+    penalized = [i for i, p in enumerate(params) if has_penalties(p)]
     if penalized:
         logits = logits.clone()
         for i in penalized:
