@@ -1,0 +1,114 @@
+"""The engine's host time per decode step, by part, at a large batch: what the GPU waits for.
+
+A GPU step at batch 256 of a small model takes a few milliseconds; everything the host does between
+two steps (scheduling, packing inputs, sampling bookkeeping, stream deltas) is added to it, since
+a step's tokens are read back before the next is scheduled. This runs the engine on the CPU with a
+one-layer random model (so the model's own time is small and reported separately) and times each
+host part with wall clocks around the engine's own methods.
+
+    .venv/bin/python bench/engine_host.py --batch 256 --prompt 1000 --decode 400
+
+Prints JSON: milliseconds per step for each part, averaged over `--steps` decode steps taken after
+`--decode` warm-up steps (so contexts are prompt + decode tokens long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import flashstack.engine.model_runner as model_runner
+from flashstack.engine import LLM, SamplingParams
+
+
+def _tiny_checkpoint(max_len: int) -> str:
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_len)
+    path = tempfile.mkdtemp(prefix="flashstack-host-")
+    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+class Clock:
+    """Accumulates wall time per named part."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(self, owner: Any, name: str, part: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total[part] += time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=1000)
+    ap.add_argument("--decode", type=int, default=400, help="decode steps before measuring")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--block-size", type=int, default=256)
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the model's time is not the point: keep it from competing
+    max_len = args.prompt + args.decode + args.steps + 8
+    llm = LLM(_tiny_checkpoint(max_len), device="cpu", max_num_seqs=args.batch, block_size=args.block_size,
+              max_num_batched_tokens=args.batch * args.prompt, show_progress=False)
+    engine = llm.engine
+    clock = Clock()
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine.scheduler, "postprocess", "postprocess")
+    clock.wrap(engine.runner, "prepare", "prepare inputs")
+    clock.wrap(engine.runner, "execute", "execute")
+    clock.wrap(engine.runner.model, "forward", "model forward")
+    clock.wrap(model_runner, "sample", "sample")
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.6, max_tokens=args.decode + args.steps + 4, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request(torch.randint(5, 500, (args.prompt,), generator=gen).tolist(), params)
+    for _ in range(args.decode):
+        engine.step()
+    clock.total.clear()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step = (time.perf_counter() - t) / args.steps * 1e3
+    ms = {k: v / args.steps * 1e3 for k, v in clock.total.items()}
+    out = {
+        "batch": args.batch, "context": args.prompt + args.decode, "block_size": args.block_size,
+        "step_ms": step,
+        "model_forward_ms": ms["model forward"],
+        "sample_ms (the sampler's torch work on CPU, on the GPU in a real run)": ms["sample"],
+        "host_ms": {
+            "schedule": ms["schedule"],
+            "prepare inputs (eager path)": ms["prepare inputs"],
+            "execute, rest (histories, generators, bookkeeping)":
+                ms["execute"] - ms["model forward"] - ms["sample"] - ms["prepare inputs"],
+            "postprocess": ms["postprocess"],
+            "step loop (stop strings, stream deltas)":
+                step - ms["schedule"] - ms["execute"] - ms["postprocess"],
+        },
+    }
+    out["host_ms"] = {k: round(v, 3) for k, v in out["host_ms"].items()}
+    out["host_ms_total"] = round(sum(out["host_ms"].values()), 3)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}, indent=2))
+    engine.abort_all()
+
+
+if __name__ == "__main__":
+    main()
