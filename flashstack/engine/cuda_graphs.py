@@ -142,6 +142,18 @@ class DecodeGraphs:
             block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
         """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch)."""
         n = len(input_ids)
+        bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
+        if self.before_replay is not None:
+            self.before_replay(bs, n, self.packed[: self.packed_size(bs)])
+        self.graphs[bs].replay()
+        logits = self.logits[bs]
+        assert logits is not None, "only the rank that samples replays through run()"
+        return logits[:n]
+
+    def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+              block_tables: list[list[int]], context_lens: list[int]) -> int:
+        """Pack one step's inputs, padded to its bucket, into `packed`; returns the bucket."""
+        n = len(input_ids)
         bs = self.bucket_for(n)
         pad, width = bs - n, self.width
         values = input_ids + [0] * pad
@@ -152,15 +164,9 @@ class DecodeGraphs:
             values += row
             values += [0] * (width - len(row))
         values += [0] * (width * pad)
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
-        staged = self.packed[: host.numel()]
-        staged.copy_(host, non_blocking=True)
-        if self.before_replay is not None:
-            self.before_replay(bs, n, staged)
-        self.graphs[bs].replay()
-        logits = self.logits[bs]
-        assert logits is not None, "only the rank that samples replays through run()"
-        return logits[:n]
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.packed[: host.numel()].copy_(host, non_blocking=True)
+        return bs
 
     def replay_received(self, bs: int) -> None:
         """Replay bucket `bs` on inputs another rank has just written into `packed` (a TP rank)."""
