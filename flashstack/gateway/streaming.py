@@ -163,6 +163,9 @@ async def sse(
     try:
         async for ev in stream:
             if ev is None:
+                if held:  # a quiet upstream after the start: the start must still come first
+                    yield held
+                    held = b""
                 yield ping  # type: ignore[misc]
                 continue
             data = b"".join(encode(ev))

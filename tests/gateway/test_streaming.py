@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -137,3 +138,23 @@ def test_quiet_upstream_gets_pings_and_the_stream_goes_on(upstreams):
     first_delta = events.index("content_block_delta")
     assert "ping" in events[first_delta:], events  # pings between the slow deltas, not only the opening one
     assert "error" not in events and "message_stop" not in events
+
+
+async def test_a_quiet_upstream_after_the_start_still_sends_the_start_before_any_ping() -> None:
+    """The start is held back to share a write with the first token; a ping in between must not
+    overtake it (Anthropic clients expect message_start first)."""
+    from flashstack.gateway.core import Start, TextDelta
+    from flashstack.gateway.streaming import sse
+
+    async def upstream():
+        yield Start(id="m1", model="x")
+        await asyncio.sleep(0.25)  # quiet for longer than the ping interval
+        yield TextDelta(0, "hi")
+
+    def encode(ev) -> list[bytes]:
+        return [b"start;" if isinstance(ev, Start) else b"delta;"]
+
+    chunks = [c async for c in sse(upstream(), encode, 8, ping=b"ping;", ping_interval=0.05)]
+    body = b"".join(chunks)
+    assert body.startswith(b"start;"), body
+    assert b"ping;" in body and body.endswith(b"delta;"), body
