@@ -35,3 +35,23 @@ def save_checkpoint(model: Any, path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def plant_head(model: Any, seed: int = 0) -> Any:
+    """Give `model` a clear-cut greedy argmax: embeddings of std 1 and lm_head row j = embedding
+    row perm(j) (untied). Untrained weights otherwise give nearly tied top logits, where bf16
+    rounding alone decides the argmax and agreement measures noise, not the engine; here the
+    decoder layers still shape every logit, but no longer sit on a knife edge."""
+    import torch
+
+    emb = model.get_input_embeddings().weight
+    gen = torch.Generator(device=emb.device).manual_seed(seed)
+    vocab = emb.shape[0]
+    with torch.no_grad():
+        emb.copy_(torch.randn(emb.shape, generator=gen, device=emb.device, dtype=torch.float32))
+        perm = (torch.arange(vocab, device=emb.device) * 7919 + 1) % vocab  # a permutation: 7919 is prime
+        head = torch.nn.Linear(emb.shape[1], vocab, bias=False, device=emb.device, dtype=emb.dtype)
+        head.weight.copy_(emb[perm])
+    model.config.tie_word_embeddings = False
+    model.set_output_embeddings(head)
+    return model

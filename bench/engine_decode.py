@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._shapes import LLAMA3_8B, random_hf_model, save_checkpoint  # noqa: E402
+from bench._shapes import LLAMA3_8B, plant_head, random_hf_model, save_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A CPU smoke-test shape: same code path, seconds instead of minutes.
@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also measure without CUDA graphs")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay")
+    ap.add_argument("--planted-head", action="store_true",
+                    help="agreement on a model with a clear-cut argmax (bench/_shapes.plant_head)")
     ap.add_argument("--keep", type=Path, help="write the checkpoint here (for engine_long.py --checkpoint)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -178,6 +180,9 @@ def main() -> None:
 
     root = args.keep or Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     hf = random_hf_model(shape, DEVICE)
+    if args.planted_head:
+        plant_head(hf)
+        result["planted_head"] = True
     wbytes = weight_bytes_read(hf)
     result["weight_bytes_read"] = wbytes
     t = time.perf_counter()
