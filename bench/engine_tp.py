@@ -147,8 +147,57 @@ def profile_steps(llm: Any, steps: int = 10, top: int = 15) -> list[dict[str, An
                    "calls_per_step": e.count / steps} for e in rows[:top]]
 
 
+def host_timing(llm: Any, steps: int = 40) -> dict[str, float]:
+    """Rank 0's host time per batch-1 decode step, by part (median µs): wall clocks wrapped around
+    the engine's own methods. `sample` includes waiting for the GPU: the step's device time."""
+    import flashstack.engine.distributed as distributed
+    import flashstack.engine.model_runner as model_runner
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    times: dict[str, list[float]] = {}
+    undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                times.setdefault(part, []).append((time.perf_counter() - t) * 1e6)
+
+        undo.append((owner, name, inner))
+        setattr(owner, name, timed)
+
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine.scheduler, "postprocess", "postprocess")
+    wrap(engine.runner, "_graph_logits", "stage + launch (graph step)")
+    wrap(model_runner, "sample", "sample (waits for the GPU)")
+    if engine.workers is not None:
+        wrap(engine.workers.channel.mailbox, "post", "mailbox post")
+        wrap(distributed.dist, "broadcast", "broadcast call (NCCL on GPUs)")
+    engine.add_request(_prompts(1, 64, 1)[0],
+                       SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    times.clear()
+    steps_us = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        steps_us.append((time.perf_counter() - t) * 1e6)
+    engine.abort_all()
+    for owner, name, inner in reversed(undo):
+        setattr(owner, name, inner)
+    out = {k: round(statistics.median(v), 1) for k, v in times.items()}
+    out["step"] = round(statistics.median(steps_us), 1)
+    return out
+
+
 def run_engine(path: Path, tp: int, eager: bool, steps: int, agree_tokens: int,
-               profile_b1: bool = False) -> dict[str, Any]:
+               profile_b1: bool = False, host_b1: bool = False) -> dict[str, Any]:
     """Load, greedy-generate the agreement prompts, then time decode at batch 1 and 32."""
     from flashstack.engine import SamplingParams
 
@@ -163,6 +212,8 @@ def run_engine(path: Path, tp: int, eager: bool, steps: int, agree_tokens: int,
         result[f"step_ms_b{batch}"] = round(step_ms(llm, batch, steps), 3)
     if profile_b1 and DEVICE == "cuda":
         result["kernels_b1"] = profile_steps(llm)
+    if host_b1:
+        result["host_us_b1"] = host_timing(llm)
     llm.engine.shutdown()
     del llm
     gc.collect()
@@ -205,6 +256,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager runs")
     ap.add_argument("--profile", action="store_true", help="kernel time per batch-1 step, by kernel")
+    ap.add_argument("--host-timing", action="store_true", help="rank 0's host time per batch-1 step, by part")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -231,7 +283,8 @@ def main() -> None:
         for name, tp, eager in plan:
             if eager and args.graphs_only:
                 continue
-            runs[name] = run_engine(Path(tmp), tp, eager, args.steps, args.agree_tokens, args.profile)
+            runs[name] = run_engine(Path(tmp), tp, eager, args.steps, args.agree_tokens, args.profile,
+                                    args.host_timing)
             out[name] = {k: v for k, v in runs[name].items() if k != "tokens"}
             emit()
     for many, one in ((f"tp{n}", "tp1"), (f"tp{n}_eager", "tp1_eager"), (f"tp{n}", f"tp{n}_eager")):
