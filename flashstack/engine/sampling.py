@@ -102,10 +102,16 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         # Temperature only: no sort and no scatter (at batch 256 and a 152K vocabulary, a sort
         # of 39M values every step).
         return logits.softmax(-1)
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    top_k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], logits)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    width = max(ks)
+    if width < vocab:
+        # Every row keeps at most `width` tokens: its top `width` are all the filters can look at
+        # (top-p and min-p only drop more), so a top-k replaces the sort of the whole vocabulary.
+        sorted_logits, order = torch.topk(logits, width, dim=-1)
+    else:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    rank = torch.arange(width, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(rank >= _column(ks, logits), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the first token always stays.

@@ -168,3 +168,20 @@ def test_unfiltered_samples_follow_the_distribution() -> None:
     assert set(ids.tolist()) <= {1, 4, 8}, "a zero-probability token was drawn"
     for token, weight in ((1, 0.2), (4, 0.3), (8, 0.5)):
         assert abs((ids == token).float().mean().item() - weight) < 0.03
+
+
+def test_rows_that_all_set_top_k_filter_exactly_without_a_full_sort() -> None:
+    from flashstack.engine.sampling import _filtered_probs
+
+    torch.manual_seed(2)
+    logits = torch.randn(4, 300) * 2
+    params = [
+        SamplingParams(temperature=0.8, top_k=40),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.7),
+        SamplingParams(temperature=1.2, top_k=100, min_p=0.02),
+        SamplingParams(temperature=0.5, top_k=1),
+    ]
+    batched = _filtered_probs(logits.clone(), params)
+    for i, p in enumerate(params):
+        torch.testing.assert_close(batched[i], filter_logits(logits[i].clone(), p).softmax(-1))
+        assert int((batched[i] > 0).sum()) <= p.top_k
