@@ -44,8 +44,8 @@ class _BucketInputs:
     block_tables: torch.Tensor  # int64 [bucket, width]; the graph converts it
 
 
-# Called between staging a step and replaying it: (bucket, live sequences, packed inputs).
-StepHook = Callable[[int, int, torch.Tensor], None]
+# Called between staging a step and replaying it: (bucket, packed inputs).
+StepHook = Callable[[int, torch.Tensor], None]
 
 
 class DecodeGraphs:
@@ -141,14 +141,13 @@ class DecodeGraphs:
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
             block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
         """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch)."""
-        n = len(input_ids)
         bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
         if self.before_replay is not None:
-            self.before_replay(bs, n, self.packed[: self.packed_size(bs)])
+            self.before_replay(bs, self.packed[: self.packed_size(bs)])
         self.graphs[bs].replay()
         logits = self.logits[bs]
         assert logits is not None, "only the rank that samples replays through run()"
-        return logits[:n]
+        return logits[: len(input_ids)]
 
     def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
               block_tables: list[list[int]], context_lens: list[int]) -> int:

@@ -111,7 +111,9 @@ class SymmetricAllReduce:
 
     Two buffers, used in turn: the barrier only says every rank has *arrived*, so a fast rank may
     stage call k+1 while a slow one still reads call k. By call k+2 the fast rank has passed call
-    k+1's barrier, which the slow one reaches only after finishing call k: reuse is safe.
+    k+1's barrier, which the slow one reaches only after finishing call k: reuse is safe. Across
+    steps the turn order need not alternate (each graph bakes in its own); there the broadcast of
+    the next step's inputs, which every rank joins after its previous step, separates the uses.
     """
 
     def __init__(self, group: dist.ProcessGroup, max_numel: int, dtype: torch.dtype,
@@ -162,9 +164,9 @@ def init_rank(
 def leave_group(timeout_s: float = 10.0) -> None:
     """Destroy this process's groups, waiting at most `timeout_s`.
 
-    NCCL can hang tearing down a communicator whose collectives were captured in CUDA graphs
-    (pytorch/pytorch#115388) even after the graphs are freed: a stuck teardown must not hang the
-    caller's shutdown, so it runs in a daemon thread.
+    NCCL hangs tearing down a communicator whose collectives sit in live CUDA graphs
+    (pytorch/pytorch#115388). The ranks free their graphs first, which was enough on 2 H200s; should
+    a teardown still stick, it must not hang the caller's shutdown, so it runs in a daemon thread.
     """
     if not dist.is_initialized():
         return

@@ -104,10 +104,9 @@ class Mailbox:
 
 
 class _Backoff:
-    """Poll without sleeping for the first 50 ms (decode steps come every few ms, and a 50 µs
-    sleep alone would cost more than the gloo wake-up this replaces), yielding the CPU on each
-    poll so a busy host still runs everything else; then sleep up to 1 ms at a time, so an idle
-    server's ranks cost no CPU."""
+    """Poll without sleeping for the first 50 ms (decode steps come every few ms, and even a short
+    sleep would delay the step it wakes for), yielding the CPU on each poll so a busy host still
+    runs everything else; then sleep up to 1 ms at a time, so an idle server's ranks cost no CPU."""
 
     SPIN_S = 0.05
 

@@ -10,7 +10,7 @@ from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
-from flashstack.engine.sampling import has_penalties, sample
+from flashstack.engine.sampling import sample
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.swap import SwapSpace
@@ -170,14 +170,10 @@ class ModelRunner:
         if not sample_seqs:
             return sampled
         seqs = [batch.seqs[i] for i in sample_seqs]
-        # Token histories only where penalties read them: a copy of every prompt and output on
-        # every step costs milliseconds at batch 256 with long contexts.
-        penalized = [has_penalties(s.params) for s in seqs]
         result = sample(
             logits,
             [s.params for s in seqs],
-            [s.prompt_token_ids if pen else [] for s, pen in zip(seqs, penalized)],
-            [s.output_token_ids if pen else [] for s, pen in zip(seqs, penalized)],
+            lambda i: (seqs[i].prompt_token_ids, seqs[i].output_token_ids),
             [self._generator(s) for s in seqs],
         )
         for i, seq, token_id, lp in zip(sample_seqs, seqs, result.token_ids, result.logprobs):

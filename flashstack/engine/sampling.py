@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -85,8 +86,7 @@ def apply_penalties(
     return logits
 
 
-def has_penalties(p: SamplingParams) -> bool:
-    """Whether `p` asks for a repetition, presence or frequency penalty (which read the history)."""
+def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
@@ -98,12 +98,14 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """Batched `filter_logits` then softmax: temperature, top-k, top-p, min-p, each per row."""
     logits = logits / _column([p.temperature for p in params], logits)
     vocab = logits.shape[-1]
-    if not any(0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    width = max(ks)
+    top_p = any(p.top_p < 1.0 for p in params)
+    min_p = any(p.min_p > 0.0 for p in params)
+    if width == vocab and not top_p and not min_p:
         # Temperature only: no sort and no scatter (at batch 256 and a 152K vocabulary, a sort
         # of 39M values every step).
         return logits.softmax(-1)
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    width = max(ks)
     if width < vocab:
         # Every row keeps at most `width` tokens: its top `width` are all the filters can look at
         # (top-p and min-p only drop more), so a top-k replaces the sort of the whole vocabulary.
@@ -112,12 +114,12 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     rank = torch.arange(width, device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(rank >= _column(ks, logits), float("-inf"))
-    if any(p.top_p < 1.0 for p in params):
+    if top_p:
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the first token always stays.
         drop = (probs.cumsum(-1) - probs) >= _column([p.top_p for p in params], logits)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    if any(p.min_p > 0.0 for p in params):
+    if min_p:
         probs = sorted_logits.softmax(-1)
         floor = _column([p.min_p for p in params], logits) * probs[:, :1]
         sorted_logits = sorted_logits.masked_fill(probs < floor, float("-inf"))
@@ -179,22 +181,23 @@ def top_logprobs(raw_logits: torch.Tensor, token_id: int, n: int) -> dict[int, f
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    prompt_ids: list[list[int]],
-    output_ids: list[list[int]],
+    history: Callable[[int], tuple[list[int], list[int]]],
     generators: list[torch.Generator | None],
 ) -> SampleResult:
     """Pick one token per row of `logits` [batch, vocab] under each row's own parameters.
 
+    `history(i)` gives row i's (prompt, output) token ids; it is called only for rows with
+    penalties, since copying every sequence's tokens each step costs milliseconds at batch 256.
     Every row is handled in one batched pass (penalties aside) and the host reads the tokens once:
     a per-row loop with a host read per row costs a device sync per sequence per step.
     """
     logits = raw = logits.float()
     chosen = logits.argmax(-1)
-    penalized = [i for i, p in enumerate(params) if has_penalties(p)]
+    penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
     if penalized:
         logits = logits.clone()
         for i in penalized:
-            logits[i] = apply_penalties(logits[i], params[i], prompt_ids[i], output_ids[i])
+            logits[i] = apply_penalties(logits[i], params[i], *history(i))
         rows = torch.tensor(penalized, device=logits.device)
         chosen[rows] = logits[rows].argmax(-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]

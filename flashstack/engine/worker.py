@@ -151,11 +151,7 @@ class DriverRunner(ModelRunner):
         self.workers.tp.enable_fast_all_reduce(fast_all_reduce_numel(self), self.dtype)
         super().capture_graphs(max_model_len, on_bucket)
         assert self.graphs is not None
-        self.graphs.before_replay = self._send_graph_step
-
-    def _send_graph_step(self, bucket: int, num_seqs: int, packed: torch.Tensor) -> None:
-        assert self.workers.channel is not None
-        self.workers.channel.send_graph_step(bucket, packed)
+        self.graphs.before_replay = channel.send_graph_step
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group."""

@@ -81,7 +81,7 @@ def test_repetition_penalty_changes_greedy_output(tiny_llm) -> None:
 
 def test_logprobs_top_n() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
-    res = sample(logits, [SamplingParams(temperature=0, logprobs=2)], [[0]], [[]], [None])
+    res = sample(logits, [SamplingParams(temperature=0, logprobs=2)], lambda i: ([0], []), [None])
     lp = res.logprobs[0]
     assert res.token_ids == [3] and set(lp) == {3, 2}
     assert lp[3] == pytest.approx(float(logits.log_softmax(-1)[0, 3]))
@@ -142,7 +142,7 @@ def test_unseeded_batch_samples_follow_the_distribution() -> None:
     logits[:, 3] = 0.0
     logits[:, 7] = float(torch.log(torch.tensor(3.0)))
     params = [SamplingParams(temperature=1.0, top_k=2)] * 4000
-    ids = torch.tensor(sample(logits, params, [[0]] * 4000, [[]] * 4000, [None] * 4000).token_ids)
+    ids = torch.tensor(sample(logits, params, lambda i: ([0], []), [None] * 4000).token_ids)
     assert set(ids.tolist()) <= {3, 7}
     assert abs((ids == 7).float().mean().item() - 0.75) < 0.04
 
@@ -164,7 +164,7 @@ def test_unfiltered_samples_follow_the_distribution() -> None:
     for token, weight in ((1, 0.2), (4, 0.3), (8, 0.5)):
         logits[:, token] = float(torch.log(torch.tensor(weight)))
     params = [SamplingParams(temperature=1.0)] * 6000
-    ids = torch.tensor(sample(logits, params, [[0]] * 6000, [[]] * 6000, [None] * 6000).token_ids)
+    ids = torch.tensor(sample(logits, params, lambda i: ([0], []), [None] * 6000).token_ids)
     assert set(ids.tolist()) <= {1, 4, 8}, "a zero-probability token was drawn"
     for token, weight in ((1, 0.2), (4, 0.3), (8, 0.5)):
         assert abs((ids == token).float().mean().item() - weight) < 0.03

@@ -247,16 +247,21 @@ async def sse_events(response: Response, name: str) -> AsyncIterator[tuple[str, 
                         yield event or "message", data[0] if len(data) == 1 else b"\n".join(data)
                     event, data = "", []
                 elif line.startswith(b"data:"):
-                    data.append(line[5:].lstrip(b" ") if line[5:6] == b" " else line[5:])
+                    data.append(_field_value(line, 5))
                 elif line.startswith(b"event:"):
                     event = line[6:].strip().decode(errors="replace")
         for line in splitter.close():
             if line.startswith(b"data:"):
-                data.append(line[5:].lstrip(b" ") if line[5:6] == b" " else line[5:])
+                data.append(_field_value(line, 5))
         if data:
             yield event or "message", b"\n".join(data)
     except httpx.HTTPError as e:
         raise transport_error(name, e) from e
+
+
+def _field_value(line: bytes, colon_end: int) -> bytes:
+    """An SSE field's value: what follows the colon, less one leading space (the spec's rule)."""
+    return line[colon_end + 1 :] if line[colon_end : colon_end + 1] == b" " else line[colon_end:]
 
 
 def event_json(data: bytes, name: str, what: str) -> Any:
