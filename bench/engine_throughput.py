@@ -50,6 +50,69 @@ def floor_seconds(weight_bytes: int, params: int, prompts: list[list[int]], outp
     return seconds
 
 
+def profile_run(llm, prompts: list[list[int]], sampling: list, window: tuple[int, int] = (300, 310)) -> dict:
+    """The workload again, with each host part timed and the kernels of a window of decode steps
+    profiled: where a step's time goes (the timed run above stays uninstrumented)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.engine_host import Clock
+    from flashstack.engine import model_runner
+
+    engine = llm.engine
+    on_gpu = torch.cuda.is_available()
+    clock = Clock()
+    calls = {"graph steps": 0}
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine.scheduler, "postprocess", "postprocess")
+    clock.wrap(engine.runner, "execute", "execute")
+    clock.wrap(engine.runner, "prepare", "prepare inputs (eager steps)")
+    clock.wrap(model_runner, "sample", "sample (waits for the GPU)")
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        inner = graphs.run
+
+        def counted(*a, **kw):
+            calls["graph steps"] += 1
+            return inner(*a, **kw)
+
+        graphs.run = counted
+        clock.wrap(graphs, "run", "stage + replay launch (graph steps)")
+    for p, sp in zip(prompts, sampling):
+        engine.add_request(p, sp)
+    steps, kernels, window_s = 0, [], 0.0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if steps == window[0]:
+            if on_gpu:
+                torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU])
+            prof.__enter__()
+            tw = time.perf_counter()
+        engine.step()
+        steps += 1
+        if steps == window[1]:
+            if on_gpu:
+                torch.cuda.synchronize()
+            window_s = time.perf_counter() - tw
+            prof.__exit__(None, None, None)
+            n = window[1] - window[0]
+            def us(e) -> float:
+                return e.device_time_total if on_gpu else e.self_cpu_time_total
+
+            rows = sorted((e for e in prof.key_averages() if us(e) > 0), key=lambda e: -us(e))
+            kernels = [{"kernel": "ALL", "us_per_step": round(sum(us(e) for e in rows) / n, 1)}]
+            kernels += [{"kernel": e.key[:80], "us_per_step": round(us(e) / n, 1),
+                         "count_per_step": e.count / n} for e in rows[:15]]
+    total = time.perf_counter() - t0
+    parts = {k: round(v, 3) for k, v in clock.total.items()}
+    parts["step loop rest (stop strings, deltas)"] = round(
+        total - clock.total["schedule"] - clock.total["execute"] - clock.total["postprocess"], 3)
+    return {"seconds": round(total, 2), "steps": steps, "graph_steps": calls["graph steps"],
+            "host_parts_s": parts, "window_steps": list(window),
+            "window_wall_ms_per_step": round(window_s / (window[1] - window[0]) * 1e3, 3),
+            "window_kernels": kernels}
+
+
 @torch.inference_mode()
 def hf_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     ids = torch.randint(10, 100000, (batch, prompt_len), device="cuda")
@@ -67,6 +130,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--profile", action="store_true",
+                    help="then run the workload again with host parts timed and a window of steps profiled")
+    ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
     result: dict = {"gpu": torch.cuda.get_device_name(), "shape": "qwen3-0.6b", "num_seqs": args.num_seqs}
 
@@ -82,6 +148,8 @@ def main() -> None:
     weight_bytes = params * 2
     save_checkpoint(hf, root / "qwen3")
     try:
+        if args.skip_transformers:
+            raise RuntimeError("skipped (--skip-transformers)")
         result["transformers_tokens_per_s_batch64"] = round(hf_tokens_per_s(hf, 64, 512, 128), 1)
     except Exception:
         result["transformers_error"] = traceback.format_exc()[-2000:]
@@ -111,6 +179,9 @@ def main() -> None:
         if "transformers_tokens_per_s_batch64" in result:
             result["flashstack"]["speedup_vs_transformers"] = round(
                 produced / sec / result["transformers_tokens_per_s_batch64"], 1)
+        if args.profile:
+            dump()
+            result["profile"] = profile_run(llm, prompts, sampling)
     except Exception:
         result["flashstack_error"] = traceback.format_exc()[-3000:]
     dump()

@@ -73,8 +73,10 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     scale, block_size, window, tokens_per_split,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, DIRECT: tl.constexpr,
 ):
+    # DIRECT: one split per sequence, so part_ptr is the output itself (its dtype, its strides) and
+    # no merge follows.
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,8 +116,9 @@ def _decode_split_kernel(
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
     tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
-             out, mask=gmask[:, None] & dmask[None, :])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+             out.to(part_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    if not DIRECT:
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
 
 
 @triton.jit
@@ -173,8 +176,15 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, _sm_count(q.device))
     tokens_per_split = math.ceil(max_context_len / num_splits / block_n) * block_n
-    part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    direct = num_splits == 1  # the split kernel normalises and writes the output itself
+    out = torch.empty_like(q)
+    if direct:
+        part, lse = out[:, :, None, :], out.new_empty((), dtype=torch.float32)
+        lse_strides = (0, 0)
+    else:
+        part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+        lse_strides = (lse.stride(0), lse.stride(1))
     d_pad = triton.next_power_of_2(dim)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kv_cache, block_tables, context_lens, part, lse,
@@ -182,12 +192,13 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
+        *lse_strides,
         scale, kv_cache.shape[2], sliding_window or 0, tokens_per_split,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
-        PREC=_precision(kv_cache),
+        PREC=_precision(kv_cache), DIRECT=direct,
     )
-    out = torch.empty_like(q)
+    if direct:
+        return out
     _merge_splits_kernel[(batch, heads)](
         part, lse, out,
         part.stride(0), part.stride(1), part.stride(2),

@@ -3,7 +3,8 @@
 At batch 1 a decode step is a few hundred small kernels between the weight reads, and their launch
 gaps, not the arithmetic, are what separates a step from the bandwidth floor. Concatenating the
 q/k/v and gate/up weights halves the matmul launches and lets each read one contiguous weight; the
-Triton kernels collapse RMSNorm + residual add, rotary and SiLU-and-mul into one launch each.
+Triton kernels collapse RMSNorm + residual add and SiLU-and-mul into one launch each, and q/k-norm,
+rotary and the KV store into one.
 The plain modules stay the CPU path and the oracle; this path is taken only on CUDA.
 """
 
@@ -79,11 +80,17 @@ def _attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q = qkv[:, :q_size].view(n, attn.num_heads, d)
     k = qkv[:, q_size:q_size + kv_size].view(n, attn.num_kv_heads, d)
     v = qkv[:, q_size + kv_size:].view(n, attn.num_kv_heads, d)
-    if attn.qk_norm:
-        q = rmsnorm_triton(q, attn.q_norm.weight, attn.q_norm.eps)[0]
-        k = rmsnorm_triton(k, attn.k_norm.weight, attn.k_norm.eps)[0]
-    q, k = rope_triton(q, k, cos, sin)
-    backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
+    if backend.name == "triton":  # one launch for q/k-norm, rotary and the KV store
+        from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
+
+        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
+        q = rope_and_store_kv_triton(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)
+    else:
+        if attn.qk_norm:
+            q = rmsnorm_triton(q, attn.q_norm.weight, attn.q_norm.eps)[0]
+            k = rmsnorm_triton(k, attn.k_norm.weight, attn.k_norm.eps)[0]
+        q, k = rope_triton(q, k, cos, sin)
+        backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
     out = backend.paged_attention(q, kv_cache, meta, attn.scale, attn.sliding_window)
     return attn.o_proj(out.reshape(n, -1))
 
