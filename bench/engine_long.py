@@ -32,8 +32,10 @@ BF16_PEAK = 790e12  # dense bf16 matmul measured on the H200 (shared/GPU.md)
 
 
 def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads: int = 8, heads: int = 32,
-                            dim: int = 128, iters: int = 50) -> dict:
-    """KV bytes read per second by one layer's split-KV decode kernel over a paged cache."""
+                            dim: int = 128, iters: int = 50, grid_context: int | None = None, **launch) -> dict:
+    """KV bytes read per second by one layer's split-KV decode kernel over a paged cache.
+    `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
+    goes to paged_decode_triton (block_n, num_warps, num_stages)."""
     from flashstack.engine.kernels.triton_attention import paged_decode_triton
 
     blocks_per_seq = math.ceil(context / block_size)
@@ -43,7 +45,7 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
     tables = perm.view(batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
-    run = lambda: paged_decode_triton(q, cache, tables, lens, dim ** -0.5, context)  # noqa: E731
+    run = lambda: paged_decode_triton(q, cache, tables, lens, dim ** -0.5, grid_context or context, **launch)  # noqa: E731
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -29,6 +29,10 @@ class EngineConfig:
         "auto"  # "auto", "reference", or a name registered in kernels.attention
     )
     enforce_eager: bool = False  # True: no CUDA graphs for decode (debugging, or to save capture time)
+    # Queue each decode step's successor before reading the step's tokens back, so the device
+    # never idles while the host schedules and streams (vLLM's async scheduling). False: one step
+    # at a time.
+    async_scheduling: bool = True
     show_progress: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (GPUs, or CPU processes over gloo) sharing one model

@@ -139,9 +139,13 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch)."""
+            block_tables: list[list[int]], context_lens: list[int],
+            ids_from: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch). `ids_from`, a
+        device tensor [n], replaces `input_ids` (the previous step's samples, never read back)."""
         bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
+        if ids_from is not None:
+            self.packed[: len(input_ids)].copy_(ids_from)
         if self.before_replay is not None:
             self.before_replay(bs, self.packed[: self.packed_size(bs)])
         self.graphs[bs].replay()

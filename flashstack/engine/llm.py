@@ -28,11 +28,11 @@ from flashstack.engine.loader import (
 )
 from flashstack.engine.cuda_graphs import graph_buckets
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
-from flashstack.engine.model_runner import ModelRunner, kv_bytes_per_block
+from flashstack.engine.model_runner import ModelRunner, PendingStep, kv_bytes_per_block
 from flashstack.engine.models.fused import fuse_model
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
 from flashstack.engine.sampling import SamplingParams
-from flashstack.engine.scheduler import Scheduler
+from flashstack.engine.scheduler import ScheduledBatch, Scheduler
 from flashstack.engine.swap import PreemptionCost, num_host_blocks
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.tokenizer import Tokenizer
@@ -100,6 +100,7 @@ class LLMEngine:
             self._capture_graphs()
         self.requests: dict[str, RequestState] = {}
         self._aborted: list[StreamDelta] = []
+        self._in_flight: PendingStep | None = None  # a decode step queued ahead (async_scheduling)
 
     def _load(self, path: Path, progress: Progress):
         files = safetensors_files(path)
@@ -272,14 +273,44 @@ class LLMEngine:
         for rid in list(self.requests):
             self.abort_request(rid)
         self._aborted.clear()
+        self._in_flight = None
 
     def step(self) -> list[StreamDelta]:
-        """Schedule, run the model once, sample; returns a delta for every request that changed."""
+        """Schedule, run the model once, sample; returns a delta for every request that changed.
+
+        With `async_scheduling`, a decode step's successor is queued on the device before the
+        host reads the step's tokens (Scheduler.lookahead), so the device computes step N+1
+        while the host does step N's bookkeeping; a call then returns step N's deltas and leaves
+        N+1 in flight for the next call.
+        """
         deltas, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule()
-        if not batch:
-            return deltas
-        sampled = self.runner.execute(batch)
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return deltas
+            if self.config.async_scheduling:
+                pending = self.runner.launch(batch)
+            if pending is None:
+                self._apply(batch, self.runner.execute(batch), deltas)
+                return deltas
+        ahead = self.scheduler.lookahead(pending.batch)
+        if ahead is not None:
+            self._in_flight = self.runner.launch(ahead, after=pending)
+            assert self._in_flight is not None, "a lookahead step is a decode step like the one before it"
+        self._apply(pending.batch, pending.wait(), deltas)
+        if self._in_flight is not None and all(s.is_finished for s in self._in_flight.batch.seqs):
+            self._in_flight = None  # every sequence in it ended meanwhile: nothing to read back
+        return deltas
+
+    def _apply(self, batch: ScheduledBatch, sampled: list[int | None], deltas: list[StreamDelta]) -> None:
+        """Step bookkeeping: computed counts, new tokens, stops, stream deltas."""
+        if any(s.is_finished for s in batch.seqs):
+            # A lookahead step also ran the sequences that the step before it ended (or that were
+            # aborted since): their rows are dropped.
+            keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+            batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_new_tokens[i] for i in keep])
+            sampled = [sampled[i] for i in keep]
         self.scheduler.postprocess(batch, sampled)
         for seq, token_id in zip(batch.seqs, sampled):
             if token_id is None:
@@ -295,7 +326,6 @@ class LLMEngine:
             deltas.append(state.delta())
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
-        return deltas
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (also done when the engine is collected)."""

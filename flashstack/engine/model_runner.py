@@ -10,7 +10,7 @@ from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
-from flashstack.engine.sampling import sample
+from flashstack.engine.sampling import needs_host, sample, sample_on_device
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.swap import SwapSpace
@@ -33,8 +33,28 @@ class StepInputs:
     sample_seqs: list[int]  # positions in batch.seqs that sample this step
 
 
+@dataclass(slots=True)
+class PendingStep:
+    """A decode step queued on the device whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # [len(batch.seqs)] int64 on the device: the next step's input ids
+    host: torch.Tensor  # where the tokens land on the host (pinned on CUDA)
+    ready: torch.cuda.Event | None  # recorded after the copy to `host`; None on the CPU
+
+    def wait(self) -> list[int]:
+        """The sampled tokens, once the device has produced them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     """Owns the model and the KV cache; turns a ScheduledBatch into sampled token ids."""
+
+    # Whether `launch` may queue a step behind another (a tensor-parallel driver sends every
+    # step's inputs to the other ranks from the host, so it runs steps one at a time).
+    supports_lookahead = True
 
     def __init__(
         self,
@@ -79,26 +99,102 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def _graph_logits(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Logits from a graph replay when the batch is a plain decode step that fits one."""
-        graphs = self.graphs
-        if graphs is None or len(batch.seqs) > graphs.max_batch or any(n != 1 for n in batch.num_new_tokens):
-            return None
+    def _decode_rows(self, batch: ScheduledBatch, ahead: int) -> tuple[list[int], list[int], list[int], list[int]] | None:
+        """(ids, positions, slots, context lengths) of a plain decode step, or None when the batch
+        is not one. `ahead` = 1: the step after the sequences' current one, whose ids (0 here)
+        come from the device; its slots must already be allocated (Scheduler.lookahead)."""
         bs = self.config.block_size
-        ids, positions, slots, tables, lens = [], [], [], [], []
-        for seq in batch.seqs:
-            p = seq.num_computed_tokens
-            if p + 1 != len(seq.token_ids):
+        ids, positions, slots, lens = [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            p = seq.num_computed_tokens + ahead
+            if n != 1 or p + 1 != len(seq.token_ids) + ahead:
                 return None
-            ids.append(seq.token_ids[p])
+            ids.append(0 if ahead else seq.token_ids[p])
             positions.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
-            tables.append(seq.block_table)
             lens.append(p + 1)
-        return graphs.run(ids, positions, slots, tables, lens)
+        return ids, positions, slots, lens
+
+    def _graph_logits(self, batch: ScheduledBatch, ids_from: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits from a graph replay when the batch is a plain decode step that fits one."""
+        graphs = self.graphs
+        if graphs is None or len(batch.seqs) > graphs.max_batch:
+            return None
+        rows = self._decode_rows(batch, ahead=int(ids_from is not None))
+        if rows is None:
+            return None
+        ids, positions, slots, lens = rows
+        return graphs.run(ids, positions, slots, [s.block_table for s in batch.seqs], lens, ids_from=ids_from)
+
+    def _eager_decode_logits(self, batch: ScheduledBatch, ids_from: torch.Tensor | None) -> torch.Tensor | None:
+        rows = self._decode_rows(batch, ahead=int(ids_from is not None))
+        if rows is None:
+            return None
+        ids, positions, slots, lens = rows
+        width = max(len(s.block_table) for s in batch.seqs)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs],
+                                      torch.int32),
+            context_lens=self._tensor(lens, torch.int32),
+            query_start_loc=self._tensor(list(range(len(ids) + 1)), torch.int32),
+            block_size=self.config.block_size, max_query_len=1, max_context_len=max(lens),
+            query_lens_host=[1] * len(ids), context_lens_host=lens,
+        )
+        input_ids = ids_from if ids_from is not None else self._tensor(ids, torch.int64)
+        hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta, self.kv_caches, self.backend)
+        return self.model.compute_logits(hidden)
+
+    def can_launch(self, batch: ScheduledBatch) -> bool:
+        """True when `launch` can queue this batch without reading anything back: a decode step
+        (one token per sequence, no swaps) whose rows need no host between steps."""
+        return (
+            self.supports_lookahead
+            and bool(batch.seqs)
+            and not (batch.swap_out or batch.swap_in)
+            and all(n == 1 for n in batch.num_new_tokens)
+            and not any(needs_host(s.params) for s in batch.seqs)
+        )
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, after: PendingStep | None = None) -> PendingStep | None:
+        """Queue a decode step and its sampling on the device without waiting for them; None
+        when the batch is not one `can_launch` accepts (then `execute` runs it).
+
+        With `after`, the batch is the step following `after` (Scheduler.lookahead): its input ids
+        are `after`'s sampled tokens, taken on the device, so it is queued before the host has
+        read them and the device never waits for the host between the two.
+        """
+        if not self.can_launch(batch):
+            return None
+        ids_from = None
+        if after is not None:
+            assert batch.lookahead_rows is not None, "a step queued behind another comes from Scheduler.lookahead"
+            ids_from = after.tokens
+            if len(batch.lookahead_rows) != len(after.batch.seqs):
+                ids_from = after.tokens[self._tensor(batch.lookahead_rows, torch.int64)]
+        logits = self._graph_logits(batch, ids_from)
+        if logits is None:
+            logits = self._eager_decode_logits(batch, ids_from)
+        if logits is None:
+            return None
+        seqs = batch.seqs
+        tokens = sample_on_device(logits, [s.params for s in seqs], lambda i: ([], []),
+                                  [self._generator(s) for s in seqs])
+        if self.device.type != "cuda":
+            return PendingStep(batch, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingStep(batch, tokens, host, ready)
+
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+        # Through pinned memory and an asynchronous copy: torch.tensor(..., device="cuda") from a
+        # list waits for everything queued on the stream.
+        host = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Pack the batch's new tokens and attention metadata."""

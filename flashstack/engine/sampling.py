@@ -90,8 +90,15 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Through pinned memory: a plain torch.tensor(..., device="cuda") waits for the whole stream,
+    # which would stall the host behind the very step it wants to queue work after.
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+    return _on_device(values, like.dtype, like.device)[:, None]
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -130,9 +137,11 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row; seeded rows use their own generator so their tokens never depend on the batch."""
     free = [i for i, g in enumerate(generators) if g is None]
+    if len(free) == len(generators):
+        return _exponential_race(probs)
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     if free:
-        rows = torch.tensor(free, device=probs.device)
+        rows = _on_device(free, torch.long, probs.device)
         out[rows] = _exponential_race(probs[rows])
     for i, g in enumerate(generators):
         if g is not None:
@@ -178,6 +187,37 @@ def top_logprobs(raw_logits: torch.Tensor, token_id: int, n: int) -> dict[int, f
     return out
 
 
+def needs_host(p: SamplingParams) -> bool:
+    """True when sampling a row needs the host between steps: its penalties read the token
+    history, its logprobs read the step's logits back. Such rows cannot be sampled a step ahead."""
+    return _has_penalties(p) or p.logprobs is not None
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    history: Callable[[int], tuple[list[int], list[int]]],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """The sampled token of every row of `logits` [batch, vocab], as a device tensor [batch]:
+    nothing is read back, so the next step can be queued behind it. `history` as in `sample`."""
+    logits = logits.float()
+    penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
+    if penalized:
+        logits = logits.clone()
+        for i in penalized:
+            logits[i] = apply_penalties(logits[i], params[i], *history(i))
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(sampled_rows) == len(params):  # no greedy row: no argmax pass, no row gathers
+        return _draw(_filtered_probs(logits, params), generators)
+    chosen = logits.argmax(-1)
+    if sampled_rows:
+        rows = _on_device(sampled_rows, torch.long, logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        chosen[rows] = _draw(probs, [generators[i] for i in sampled_rows])
+    return chosen
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -191,21 +231,8 @@ def sample(
     Every row is handled in one batched pass (penalties aside) and the host reads the tokens once:
     a per-row loop with a host read per row costs a device sync per sequence per step.
     """
-    logits = raw = logits.float()
-    chosen = logits.argmax(-1)
-    penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
-    if penalized:
-        logits = logits.clone()
-        for i in penalized:
-            logits[i] = apply_penalties(logits[i], params[i], *history(i))
-        rows = torch.tensor(penalized, device=logits.device)
-        chosen[rows] = logits[rows].argmax(-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
-        chosen[rows] = _draw(probs, [generators[i] for i in sampled_rows])
-    token_ids = chosen.tolist()
+    raw = logits.float()
+    token_ids = sample_on_device(raw, params, history, generators).tolist()
     logprobs = [
         top_logprobs(raw[i], token_ids[i], p.logprobs) if p.logprobs is not None else None
         for i, p in enumerate(params)

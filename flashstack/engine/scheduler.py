@@ -21,6 +21,9 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block copies
+    # Set by Scheduler.lookahead: for each sequence, its row in the previous step, whose sampled
+    # token is this step's input.
+    lookahead_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +126,41 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(batch, budget)
         return batch
+
+    def lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch`, scheduled while `batch` still runs (its tokens unknown):
+        the same sequences, one position further, minus those `batch` certainly finishes (a
+        length limit). None whenever the step after could differ from that: sequences wait to be
+        admitted or swapped in, `batch` did more than decode everyone running, or a new block
+        is not free for every sequence (a preemption may be due).
+
+        The slots are allocated here. A sequence that `batch` ends on a stop token or string
+        still runs in the lookahead step; its row is dropped afterwards, and its blocks are only
+        reused by work queued after that step.
+        """
+        if self.waiting or self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
+            return None
+        if len(batch.seqs) != len(self.running) or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        rows = [i for i, seq in enumerate(batch.seqs) if not self._ends_next(seq)]
+        if not rows:
+            return None
+        seqs = [batch.seqs[i] for i in rows]
+        bm = self.block_manager
+        # Two tokens past the computed ones: `batch`'s token, then the lookahead step's.
+        if sum(bm.num_blocks_needed(seq, 2) for seq in seqs) > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            bm.append_slots(seq, 2)
+        return ScheduledBatch(seqs, [1] * len(seqs), lookahead_rows=rows)
+
+    def _ends_next(self, seq: Sequence) -> bool:
+        # True when the token being sampled now ends `seq` by length, whatever it is.
+        p = seq.params
+        if p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens:
+            return True
+        limit = self.config.max_model_len
+        return limit is not None and len(seq) + 1 >= limit
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager

@@ -122,6 +122,8 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
 class DriverRunner(ModelRunner):
     """Rank 0's runner: the single-GPU runner plus one broadcast of the packed step inputs."""
 
+    supports_lookahead = False  # every step's inputs leave from the host, one step at a time
+
     def __init__(
         self,
         config: EngineConfig,

@@ -164,7 +164,8 @@ def _sm_count(device: torch.device) -> int:
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, max_context_len: int,
                         sliding_window: int | None = None, num_splits: int | None = None,
-                        block_n: int = 64) -> torch.Tensor:
+                        block_n: int = 64, num_warps: int | None = None,
+                        num_stages: int | None = None) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache; returns like q.
 
     `max_context_len` fixes the grid (and must bound every context length); pass the engine's
@@ -196,6 +197,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         scale, kv_cache.shape[2], sliding_window or 0, tokens_per_split,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
         PREC=_precision(kv_cache), DIRECT=direct,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     if direct:
         return out

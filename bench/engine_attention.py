@@ -1,0 +1,57 @@
+"""Launch configurations of the split-KV decode kernel, swept over the engine's decode workloads.
+
+    PYTHONPATH=. python3 bench/engine_attention.py --json out.json
+
+Each workload is one layer's decode attention as a step of a benchmark runs it (one CUDA graph,
+the grid sized as the engine's captured graphs size it); each configuration is (tokens per tile,
+warps, pipeline stages). Reports KV bytes read per second against the 4.26 TB/s copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine_long import decode_kernel_bandwidth  # noqa: E402
+
+WORKLOADS = {  # name: (batch, context, heads, kv_heads, grid context)
+    "qwen3-0.6b throughput, b256 ctx 860": (256, 860, 16, 8, 4096),
+    "llama3-8b b1 ctx 576": (1, 576, 32, 8, 4096),
+    "llama3-8b b32 ctx 576": (32, 576, 32, 8, 4096),
+    "llama3-8b b128 ctx 576": (128, 576, 32, 8, 4096),
+    "llama3-8b b4 ctx 32K": (4, 32768, 32, 8, 32768),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--stages", default="1,2,3")
+    args = ap.parse_args()
+    configs = list(itertools.product(*(map(int, a.split(",")) for a in (args.block_n, args.warps, args.stages))))
+    result: dict = {}
+    for name, (batch, ctx, heads, kv_heads, grid) in WORKLOADS.items():
+        rows = {"default": decode_kernel_bandwidth(batch, ctx, 256, kv_heads, heads, grid_context=grid)}
+        for bn, w, st in configs:
+            try:
+                rows[f"n{bn}_w{w}_s{st}"] = decode_kernel_bandwidth(
+                    batch, ctx, 256, kv_heads, heads, grid_context=grid, block_n=bn, num_warps=w, num_stages=st)
+            except Exception:
+                rows[f"n{bn}_w{w}_s{st}"] = {"error": traceback.format_exc()[-300:]}
+        best = max((k for k in rows if "us" in rows[k]), key=lambda k: -rows[k]["us"])
+        result[name] = {"best": best, "best_row": rows[best], "default": rows["default"], "all": rows}
+        print(name, "default", rows["default"], "best", best, rows[best], flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Async scheduling: a decode step's successor is queued before the step's tokens are read back.
+
+Every test compares against the same engine with `async_scheduling=False` (one step at a time),
+which must produce identical tokens, finish reasons and block accounting, including when
+sequences end mid-flight (stop tokens, stop strings, EOS), arrive or are aborted mid-flight,
+and when blocks run short.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flashstack.engine import LLM, SamplingParams
+from flashstack.engine.model_runner import ModelRunner
+from tests.engine.helpers import check_engine
+
+
+def _llm(model_dir, async_scheduling: bool, **kw) -> LLM:
+    kw = {"block_size": 4, "device": "cpu", "show_progress": False, **kw}
+    return LLM(model_dir, async_scheduling=async_scheduling, **kw)
+
+
+def _lookaheads(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the steps queued behind another (launch(..., after=...))."""
+    count = [0]
+    inner = ModelRunner.launch
+
+    def counted(self, batch, after=None):
+        count[0] += after is not None
+        return inner(self, batch, after)
+
+    monkeypatch.setattr(ModelRunner, "launch", counted)
+    return count
+
+
+def _run(llm: LLM, prompts, params):
+    llm.step_hook = check_engine
+    outs = llm.generate(prompts, params)
+    bm = llm.engine.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    return [(o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in outs]
+
+
+PROMPTS = ["def main():", "hello world, this is", "x = 1\ny = 2\n", "a"]
+
+
+def test_greedy_identical_and_steps_overlap(tiny_model_dir, monkeypatch) -> None:
+    count = _lookaheads(_llm, monkeypatch)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 7, 23, 40)]
+    sync = _run(_llm(tiny_model_dir, False), PROMPTS, params)
+    assert count[0] == 0
+    overlapped = _run(_llm(tiny_model_dir, True), PROMPTS, params)
+    assert overlapped == sync
+    assert count[0] > 20  # most decode steps were queued behind the one before
+
+
+def test_stops_mid_flight(tiny_model_dir, tiny_llm) -> None:
+    # Stop tokens and strings end a sequence after its successor step was already queued.
+    free = tiny_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[0].token_ids[5]]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[free[1].text[10:13]]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[3].token_ids[12]]),
+    ]
+    sync = _run(_llm(tiny_model_dir, False), PROMPTS, params)
+    overlapped = _run(_llm(tiny_model_dir, True), PROMPTS, params)
+    assert overlapped == sync
+    assert [r[1] for r in overlapped] == ["stop", "stop", "length", "stop"]
+
+
+def test_eos_mid_flight(tiny_model_dir) -> None:
+    results = []
+    for flag in (False, True):
+        llm = _llm(tiny_model_dir, flag)
+        probe = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        llm.engine.scheduler.eos_token_ids = {probe.token_ids[8]}
+        results.append(_run(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=20)))
+    assert results[0] == results[1]
+    assert results[1][0][1] == "stop"
+
+
+def test_seeded_sampling_identical(tiny_model_dir) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=25, ignore_eos=True) for s in range(4)]
+    assert _run(_llm(tiny_model_dir, True), PROMPTS, params) == _run(_llm(tiny_model_dir, False), PROMPTS, params)
+
+
+def test_arrivals_and_aborts_mid_flight(tiny_model_dir, monkeypatch) -> None:
+    count = _lookaheads(_llm, monkeypatch)
+    logs = []
+    for flag in (False, True):
+        engine = _llm(tiny_model_dir, flag).engine
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(PROMPTS[:2])]
+        tokens: dict[str, list[int]] = {}
+        finish: dict[str, str | None] = {}
+        step = 0
+        while engine.has_pending_output():
+            for d in engine.step():
+                tokens.setdefault(d.request_id, []).extend(d.token_ids)
+                finish[d.request_id] = d.finish_reason
+            check_engine(engine)
+            step += 1
+            if step == 6:  # arrives while a lookahead step is in flight
+                ids.append(engine.add_request(PROMPTS[2], params, request_id="late"))
+            if step == 12:  # aborted while its next step is queued
+                assert engine.abort_request(ids[0])
+        bm = engine.block_manager
+        assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+        logs.append((tokens, finish))
+    assert logs[0] == logs[1]
+    assert logs[1][1] == {"r0": "abort", "r1": "length", "late": "length"}
+    assert count[0] > 0
+
+
+def test_short_of_blocks_falls_back_and_matches(tiny_model_dir) -> None:
+    # So few blocks that sequences get preempted: lookahead must step aside, outputs unchanged.
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ample = _run(_llm(tiny_model_dir, False), PROMPTS, params)
+    tight = _run(_llm(tiny_model_dir, True, num_kv_blocks=14), PROMPTS, params)
+    assert tight == ample
+
+
+def test_rows_needing_the_host_run_one_step_at_a_time(tiny_model_dir, monkeypatch) -> None:
+    count = _lookaheads(_llm, monkeypatch)
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)]
+    llm = _llm(tiny_model_dir, True)
+    outs = llm.generate(PROMPTS[:2], params)
+    assert count[0] == 0
+    assert all(len(o.token_ids) == 10 for o in outs) and len(outs[0].logprobs) == 10
+    sync = _llm(tiny_model_dir, False).generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
