@@ -134,6 +134,18 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return filtered.softmax(-1)
 
 
+def _fused_gumbel_applies(logits: torch.Tensor, params: list[SamplingParams],
+                          generators: list[torch.Generator | None]) -> bool:
+    # Temperature alone, on CUDA, and no seeded row (a seeded row draws from its own generator so
+    # that its tokens never depend on the batch): one fused pass (kernels/triton_sampling.py).
+    vocab = logits.shape[-1]
+    return (
+        logits.is_cuda
+        and all(g is None for g in generators)
+        and all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params)
+    )
+
+
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row; seeded rows use their own generator so their tokens never depend on the batch."""
     free = [i for i, g in enumerate(generators) if g is None]
@@ -201,15 +213,22 @@ def sample_on_device(
 ) -> torch.Tensor:
     """The sampled token of every row of `logits` [batch, vocab], as a device tensor [batch]:
     nothing is read back, so the next step can be queued behind it. `history` as in `sample`."""
-    logits = logits.float()
     penalized = [i for i, p in enumerate(params) if _has_penalties(p)]
     if penalized:
-        logits = logits.clone()
+        logits = logits.float().clone()
         for i in penalized:
             logits[i] = apply_penalties(logits[i], params[i], *history(i))
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(sampled_rows) == len(params):  # no greedy row: no argmax pass, no row gathers
-        return _draw(_filtered_probs(logits, params), generators)
+        if _fused_gumbel_applies(logits, params, generators):
+            from flashstack.engine.kernels.triton_sampling import gumbel_sample_triton
+
+            temps = _on_device([p.temperature for p in params], torch.float32, logits.device)
+            # The noise seed comes from torch's global generator: torch.manual_seed fixes it too.
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+            return gumbel_sample_triton(logits, temps, seed)
+        return _draw(_filtered_probs(logits.float(), params), generators)
+    logits = logits.float()
     chosen = logits.argmax(-1)
     if sampled_rows:
         rows = _on_device(sampled_rows, torch.long, logits.device)

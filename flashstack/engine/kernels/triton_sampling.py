@@ -1,0 +1,60 @@
+"""Sampling at temperature in one pass over the logits: the Gumbel-max trick, fused.
+
+argmax(logits / T + G), with G = -log(-log U) drawn per entry, picks index i with probability
+softmax(logits / T)_i. Done in torch that is a temperature divide, a softmax, a noise tensor and an
+argmax, each a full pass over a [batch, vocab] fp32 tensor (at batch 256 and a 152K vocabulary,
+155 MB per pass, ~0.4 ms a step); here each program reads its slice of the (bf16) logits once,
+draws its noise in registers (Philox, `tl.rand`) and keeps a running best, and a tiny reduction
+over the slices picks each row's token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _gumbel_max_kernel(logits_ptr, inv_temp_ptr, val_ptr, idx_ptr, stride_row, vocab, seed, chunk_size,
+                       num_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    inv_t = tl.load(inv_temp_ptr + row)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    start = chunk * chunk_size
+    end = tl.minimum(start + chunk_size, vocab)
+    for off in range(start, end, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = cols < end
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf"))
+        # One Philox stream per (step seed, row, column): rows draw independently.
+        u = tl.maximum(tl.rand(seed, row * vocab + cols), 1e-20)
+        score = tl.where(mask, x.to(tl.float32) * inv_t - tl.log(-tl.log(u)), float("-inf"))
+        better = score > best
+        best = tl.where(better, score, best)
+        best_i = tl.where(better, cols, best_i)
+    top = tl.max(best, 0)
+    idx = tl.min(tl.where(best == top, best_i, vocab), 0)
+    tl.store(val_ptr + row * num_chunks + chunk, top)
+    tl.store(idx_ptr + row * num_chunks + chunk, idx)
+
+
+def gumbel_sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab] (any float dtype), drawn from softmax(logits / T)
+    with T = `temperatures` [n] (> 0); `seed` picks the noise. Returns int64 [n] on the device."""
+    n, vocab = logits.shape
+    assert logits.stride(1) == 1
+    # Enough programs to fill the GPU at batch 1, a few per row at large batches.
+    num_chunks = max(1, min(64, triton.cdiv(vocab, 4 * _BLOCK), triton.cdiv(512, n)))
+    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), _BLOCK) * _BLOCK
+    num_chunks = triton.cdiv(vocab, chunk)
+    vals = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
+    inv_t = (1.0 / temperatures.float()).contiguous()
+    _gumbel_max_kernel[(n, num_chunks)](logits, inv_t, vals, idx, logits.stride(0), vocab, seed, chunk, num_chunks,
+                                        BLOCK=_BLOCK)
+    return idx.gather(1, vals.argmax(1, keepdim=True)).squeeze(1).long()
