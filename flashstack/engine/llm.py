@@ -296,8 +296,9 @@ class LLMEngine:
                 return deltas
         ahead = self.scheduler.lookahead(pending.batch)
         if ahead is not None:
+            # None when the runner cannot queue it (a tensor-parallel eager step): its slots stay
+            # allocated, and the next schedule() runs it as a plain decode step.
             self._in_flight = self.runner.launch(ahead, after=pending)
-            assert self._in_flight is not None, "a lookahead step is a decode step like the one before it"
         self._apply(pending.batch, pending.wait(), deltas)
         if self._in_flight is not None and all(s.is_finished for s in self._in_flight.batch.seqs):
             self._in_flight = None  # every sequence in it ended meanwhile: nothing to read back

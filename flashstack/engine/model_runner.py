@@ -52,9 +52,6 @@ class PendingStep:
 class ModelRunner:
     """Owns the model and the KV cache; turns a ScheduledBatch into sampled token ids."""
 
-    # Whether `launch` may queue a step behind another (a tensor-parallel driver sends every
-    # step's inputs to the other ranks from the host, so it runs steps one at a time).
-    supports_lookahead = True
 
     def __init__(
         self,
@@ -149,8 +146,7 @@ class ModelRunner:
         """True when `launch` can queue this batch without reading anything back: a decode step
         (one token per sequence, no swaps) whose rows need no host between steps."""
         return (
-            self.supports_lookahead
-            and bool(batch.seqs)
+            bool(batch.seqs)
             and not (batch.swap_out or batch.swap_in)
             and all(n == 1 for n in batch.num_new_tokens)
             and not any(needs_host(s.params) for s in batch.seqs)

@@ -122,8 +122,6 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
 class DriverRunner(ModelRunner):
     """Rank 0's runner: the single-GPU runner plus one broadcast of the packed step inputs."""
 
-    supports_lookahead = False  # every step's inputs leave from the host, one step at a time
-
     def __init__(
         self,
         config: EngineConfig,
@@ -143,6 +141,12 @@ class DriverRunner(ModelRunner):
         assert self.workers.channel is not None
         self.workers.channel.send(inputs)
         return inputs
+
+    def _eager_decode_logits(self, batch: ScheduledBatch, ids_from: torch.Tensor | None) -> torch.Tensor | None:
+        # Eager steps reach the other ranks through `prepare` (host-built inputs): they run one at
+        # a time through `execute`. Graph steps are queued ahead: their packed inputs, input ids
+        # included, go to the other ranks by a broadcast on the device, in stream order.
+        return None
 
     def capture_graphs(self, max_model_len: int, on_bucket=None) -> None:
         """Capture on every rank at once (the graphs hold collectives), then broadcast each replay's
