@@ -140,9 +140,13 @@ class Scheduler:
         """
         if self.waiting or self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
             return None
-        if len(batch.seqs) != len(self.running) or any(n != 1 for n in batch.num_new_tokens):
+        if any(n != 1 for n in batch.num_new_tokens):
             return None
-        rows = [i for i, seq in enumerate(batch.seqs) if not self._ends_next(seq)]
+        # `batch` may itself be a lookahead step holding rows of sequences that ended meanwhile.
+        live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+        if len(live) != len(self.running):
+            return None
+        rows = [i for i in live if not self._ends_next(batch.seqs[i])]
         if not rows:
             return None
         seqs = [batch.seqs[i] for i in rows]

@@ -21,13 +21,16 @@ def _llm(model_dir, async_scheduling: bool, **kw) -> LLM:
 
 
 def _lookaheads(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the steps queued behind another (launch(..., after=...))."""
-    count = [0]
+    """Counts the steps queued behind another (launch(..., after=...)), and in [1] the steps
+    that start a pipeline (launch without `after`)."""
+    count = [0, 0]
     inner = ModelRunner.launch
 
     def counted(self, batch, after=None):
-        count[0] += after is not None
-        return inner(self, batch, after)
+        step = inner(self, batch, after)
+        if step is not None:
+            count[0 if after is not None else 1] += 1
+        return step
 
     monkeypatch.setattr(ModelRunner, "launch", counted)
     return count
@@ -69,15 +72,20 @@ def test_stops_mid_flight(tiny_model_dir, tiny_llm) -> None:
     assert [r[1] for r in overlapped] == ["stop", "stop", "length", "stop"]
 
 
-def test_eos_mid_flight(tiny_model_dir) -> None:
+def test_eos_mid_flight(tiny_model_dir, monkeypatch) -> None:
+    count = _lookaheads(_llm, monkeypatch)
     results = []
     for flag in (False, True):
         llm = _llm(tiny_model_dir, flag)
         probe = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
         llm.engine.scheduler.eos_token_ids = {probe.token_ids[8]}
+        count[:] = [0, 0]
         results.append(_run(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=20)))
     assert results[0] == results[1]
     assert results[1][0][1] == "stop"
+    # One pipeline from the first decode step to the last: a sequence ending on EOS while its
+    # next step is queued does not break it.
+    assert count[1] == 1 and count[0] > 10
 
 
 def test_seeded_sampling_identical(tiny_model_dir) -> None:
