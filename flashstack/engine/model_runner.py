@@ -52,7 +52,6 @@ class PendingStep:
 class ModelRunner:
     """Owns the model and the KV cache; turns a ScheduledBatch into sampled token ids."""
 
-
     def __init__(
         self,
         config: EngineConfig,
@@ -184,7 +183,6 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return PendingStep(batch, tokens, host, ready)
-
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         # Through pinned memory and an asynchronous copy: torch.tensor(..., device="cuda") from a
