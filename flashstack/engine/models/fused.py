@@ -10,6 +10,8 @@ The plain modules stay the CPU path and the oracle; this path is taken only on C
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -27,6 +29,34 @@ def _concat_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+class GemvLinear(nn.Module):
+    """An nn.Linear (same weight, same bias) whose one-row products run through the Triton batch-1
+    GEMV (kernels/triton_gemv.py); every other shape stays with cuBLAS."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.is_cuda:
+            from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+            return gemv_triton(self.weight, x, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def use_triton_gemv(model: nn.Module) -> None:
+    """Route the plain projections' batch-1 products through the Triton GEMV (opt-in with
+    FLASHSTACK_TRITON_GEMV=1 until measured inside the decode step; tensor-parallel layers keep
+    their own forward)."""
+    owners = [model] + [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
+    for owner in owners:
+        for name, child in list(owner.named_children()):
+            if type(child) is nn.Linear:
+                setattr(owner, name, GemvLinear(child))
+
+
 def fuse_model(model: nn.Module) -> bool:
     """Switch a loaded decoder to the fused path; returns False (and changes nothing) off CUDA."""
     decoder = model.model
@@ -42,6 +72,8 @@ def fuse_model(model: nn.Module) -> bool:
         # The unfused weights would double the memory the model holds; drop them.
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
     decoder.fused = True
+    if os.environ.get("FLASHSTACK_TRITON_GEMV") == "1":
+        use_triton_gemv(model)
     torch.cuda.empty_cache()
     return True
 

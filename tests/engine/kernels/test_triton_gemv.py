@@ -1,0 +1,60 @@
+"""The batch-1 GEMV against F.linear, over each of its launch configurations and with a bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+tg = pytest.importorskip("flashstack.engine.kernels.triton_gemv")
+
+DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float32]
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+
+
+def test_config_per_shape():
+    # The Llama-3-8B projections: down, gate/up and lm_head, q/k/v and o.
+    assert tg.gemv_config(4096, 14336) == (16, 1024, 8)
+    assert tg.gemv_config(28672, 4096) == tg.gemv_config(128256, 4096) == (2, 1024, 4)
+    assert tg.gemv_config(6144, 4096) == tg.gemv_config(4096, 4096) == (8, 512, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [(16, 1024, 8), (2, 1024, 4), (8, 512, 4)])
+@pytest.mark.parametrize("n,k", [(37, 300), (64, 2100)])  # ragged rows and chunks, several chunks
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(device, dtype, config, n, k, with_bias):
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    b = torch.randn(n, dtype=dtype, device=device) if with_bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    torch.testing.assert_close(tg.gemv_triton(w, x, b, config), want, **_tol(dtype))
+
+
+def test_gemv_linear_module_keeps_weights_and_other_shapes(device):
+    from flashstack.engine.models.fused import GemvLinear
+
+    lin = torch.nn.Linear(48, 40, bias=True, device=device)
+    mod = GemvLinear(lin)
+    assert mod.weight is lin.weight and mod.bias is lin.bias
+    x = torch.randn(3, 48, device=device)
+    torch.testing.assert_close(mod(x), lin(x))  # more than one row: F.linear
+    torch.testing.assert_close(mod(x[:1]), lin(x[:1]), atol=1e-4, rtol=1e-4)
+
+
+def test_use_triton_gemv_swaps_every_plain_projection():
+    from flashstack.engine.models import LlamaForCausalLM, ModelArgs
+    from flashstack.engine.models.fused import GemvLinear, use_triton_gemv
+
+    args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope={"rope_theta": 1e4, "rope_type": "default"})
+    model = LlamaForCausalLM(args)
+    weights = {n: p for n, p in model.named_parameters()}
+    use_triton_gemv(model)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert sum(isinstance(m, GemvLinear) for m in model.modules()) == 2 * 7 + 1  # q,k,v,o,gate,up,down + lm_head
+    # Same parameters under the same names: checkpoints and tensor-parallel sharding see no change.
+    assert {n: p for n, p in model.named_parameters()} == weights
