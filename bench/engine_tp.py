@@ -174,7 +174,8 @@ def host_timing(llm: Any, steps: int = 40) -> dict[str, float]:
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine.scheduler, "postprocess", "postprocess")
     wrap(engine.runner, "_graph_logits", "stage + launch (graph step)")
-    wrap(model_runner, "sample", "sample (waits for the GPU)")
+    wrap(model_runner, "sample", "sample (waits for the GPU; steps run one at a time)")
+    wrap(model_runner.PendingStep, "wait", "wait for a queued step's tokens (async scheduling)")
     if engine.workers is not None:
         wrap(engine.workers.channel.mailbox, "post", "mailbox post")
         wrap(distributed.dist, "broadcast", "broadcast call (NCCL on GPUs)")
