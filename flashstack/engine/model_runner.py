@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -127,16 +128,7 @@ class ModelRunner:
         if rows is None:
             return None
         ids, positions, slots, lens = rows
-        width = max(len(s.block_table) for s in batch.seqs)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs],
-                                      torch.int32),
-            context_lens=self._tensor(lens, torch.int32),
-            query_start_loc=self._tensor(list(range(len(ids) + 1)), torch.int32),
-            block_size=self.config.block_size, max_query_len=1, max_context_len=max(lens),
-            query_lens_host=[1] * len(ids), context_lens_host=lens,
-        )
+        meta = self._metadata(batch.seqs, slots, [1] * len(ids), lens)
         input_ids = ids_from if ids_from is not None else self._tensor(ids, torch.int64)
         hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta, self.kv_caches, self.backend)
         return self.model.compute_logits(hidden)
@@ -194,7 +186,7 @@ class ModelRunner:
         """Pack the batch's new tokens and attention metadata."""
         bs = self.config.block_size
         input_ids, positions, slot_mapping, sample_rows, sample_seqs = [], [], [], [], []
-        query_start, query_lens, context_lens = [0], [], []
+        query_lens, context_lens = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
@@ -203,31 +195,31 @@ class ModelRunner:
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             context_lens.append(end)
-            query_start.append(query_start[-1] + n)
-            if end == len(
-                seq.token_ids
-            ):  # the chunk reaches the last token: its logits pick the next one
-                sample_rows.append(query_start[-1] - 1)
+            if end == len(seq.token_ids):  # the chunk reaches the last token: its logits pick the next one
+                sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
-        meta = AttentionMetadata(
+        return StepInputs(
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            self._metadata(batch.seqs, slot_mapping, query_lens, context_lens),
+            self._tensor(sample_rows, torch.int64),
+            sample_seqs,
+        )
+
+    def _metadata(self, seqs: list[Sequence], slot_mapping: list[int], query_lens: list[int],
+                  context_lens: list[int]) -> AttentionMetadata:
+        """Device attention inputs for packed queries: block tables padded with 0 to the longest."""
+        width = max(len(s.block_table) for s in seqs)
+        return AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
+            block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32),
             context_lens=self._tensor(context_lens, torch.int32),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            block_size=bs,
+            query_start_loc=self._tensor(list(itertools.accumulate(query_lens, initial=0)), torch.int32),
+            block_size=self.config.block_size,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             query_lens_host=query_lens,
             context_lens_host=context_lens,
-        )
-        return StepInputs(
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(sample_rows, torch.int64),
-            sample_seqs,
         )
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

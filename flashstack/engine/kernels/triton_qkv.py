@@ -28,7 +28,12 @@ def _head_rmsnorm(x1, x2, w_ptr, d, eps, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x1, x2, cos, sin):
+def _rotated_heads(ptr, mask, cos, sin, w_ptr, d, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    # Load heads as two halves, optionally RMS-normalise each head, rotate: fp32 halves back.
+    x1 = tl.load(ptr, mask=mask, other=0.0)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+    if QK_NORM:
+        x1, x2 = _head_rmsnorm(x1, x2, w_ptr, d, eps, HALF)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     return a * cos[None, :] - b * sin[None, :], b * cos[None, :] + a * sin[None, :]
 
@@ -49,11 +54,7 @@ def _qkv_kernel(
 
     qmask = (h < num_q_heads)[:, None]
     pq = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
-    q1 = tl.load(pq, mask=qmask, other=0.0)
-    q2 = tl.load(pq + HALF, mask=qmask, other=0.0)
-    if QK_NORM:
-        q1, q2 = _head_rmsnorm(q1, q2, qw_ptr, d, eps, HALF)
-    r1, r2 = _rotate(q1, q2, cos, sin)
+    r1, r2 = _rotated_heads(pq, qmask, cos, sin, qw_ptr, d, eps, HALF, QK_NORM)
     tl.store(pq, r1.to(q_ptr.dtype.element_ty), mask=qmask)
     tl.store(pq + HALF, r2.to(q_ptr.dtype.element_ty), mask=qmask)
 
@@ -63,11 +64,7 @@ def _qkv_kernel(
     row = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs
     kmask = (h < num_k_heads)[:, None] & valid
     pk = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
-    k1 = tl.load(pk, mask=kmask, other=0.0)
-    k2 = tl.load(pk + HALF, mask=kmask, other=0.0)
-    if QK_NORM:
-        k1, k2 = _head_rmsnorm(k1, k2, kw_ptr, d, eps, HALF)
-    r1, r2 = _rotate(k1, k2, cos, sin)
+    r1, r2 = _rotated_heads(pk, kmask, cos, sin, kw_ptr, d, eps, HALF, QK_NORM)
     # Rounded to k's dtype first, as the unfused rotary writes k before the store converts it.
     dst = cache_ptr + row + h[:, None] * (2 * HALF) + d[None, :]
     tl.store(dst, r1.to(k_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty), mask=kmask)
