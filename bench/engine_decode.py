@@ -173,6 +173,10 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="1,32")
     ap.add_argument("--block-sizes", default="256")
     ap.add_argument("--eager", action="store_true", help="also measure without CUDA graphs")
+    ap.add_argument("--gemv", default="triton",
+                    help="batch-1 projections, comma-separated runs: triton (the default: fused Triton GEMVs "
+                         "with programmatic dependent launch), nopdl (FLASHSTACK_GEMV_PDL=0), cublas "
+                         "(FLASHSTACK_TRITON_GEMV=0)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay")
     ap.add_argument("--planted-head", action="store_true",
@@ -204,7 +208,7 @@ def main() -> None:
     ctx = args.prompt_len + args.new_tokens // 2
     try:
         result["transformers"] = {str(b): round(hf_step_ms(hf, b, args.prompt_len, args.new_tokens), 3)
-                                  for b in (int(x) for x in args.hf_batches.split(","))}
+                                  for b in (int(x) for x in args.hf_batches.split(",") if x)}
     except Exception:
         result["transformers_error"] = traceback.format_exc()[-2000:]
     agree_prompts = [[t % shape["vocab_size"] for t in p] for p in prompts(8, 64, seed=2)]
@@ -216,11 +220,14 @@ def main() -> None:
 
     from flashstack.engine import LLM, SamplingParams
 
-    runs = [(bs, False) for bs in (int(x) for x in args.block_sizes.split(","))]
+    gemvs = args.gemv.split(",")
+    gemv_env = {"triton": ("1", "1"), "nopdl": ("1", "0"), "cublas": ("0", "0")}
+    runs = [(bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs]
     if args.eager:
-        runs.append((runs[0][0], True))
-    for block_size, eager in runs:
-        key = f"flashstack_bs{block_size}" + ("_eager" if eager else "")
+        runs.append((runs[0][0], True, gemvs[0]))
+    for block_size, eager, gemv in runs:
+        key = f"flashstack_bs{block_size}" + ("_eager" if eager else "") + ("" if gemv == "triton" else f"_{gemv}")
+        os.environ["FLASHSTACK_TRITON_GEMV"], os.environ["FLASHSTACK_GEMV_PDL"] = gemv_env[gemv]
         try:
             t = time.perf_counter()
             llm = LLM(str(root / "llama3-8b"), block_size=block_size, max_num_seqs=max(batches), dtype="bfloat16",

@@ -7,7 +7,9 @@ The question it answers: can our own GEMV read the weights as fast as cuBLAS (or
 q/k/v and o shapes, where cuBLAS reaches only ~3.2 TB/s and adds a split-K reduce kernel)? Only
 then is fusing RMSNorm, SiLU-and-mul and the residual add into GEMV prologues and epilogues worth
 building. The kernel is the engine's (flashstack/engine/kernels/triton_gemv.py, tested in
-tests/engine/kernels/test_triton_gemv.py), swept over launch configurations here.
+tests/engine/kernels/test_triton_gemv.py), swept over launch configurations here, and so is its
+fused form as the decoder runs it at batch 1 (RMSNorm, SiLU-and-mul, residual add folded in)
+against cuBLAS plus the separate kernel the fusion removes.
 """
 
 from __future__ import annotations
@@ -50,6 +52,20 @@ def graph_us(fn, iters: int = 20, reps: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
+def sweep(fn, configs) -> tuple[float, str] | None:
+    """Fastest (µs, config name) of `fn(config)` over `configs`."""
+    best = None
+    for bn, bk, warps in configs:
+        try:
+            us = graph_us(lambda: fn((bn, bk, warps)))
+        except Exception:
+            traceback.print_exc()
+            continue
+        if best is None or us < best[0]:
+            best = (us, f"n{bn}_k{bk}_w{warps}")
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -62,24 +78,93 @@ def main() -> None:
         nbytes = n * k * 2
         row = {"cublas_us": round(graph_us(lambda: torch.nn.functional.linear(x, w)), 2)}
         row["cublas_tb_s"] = round(nbytes / row["cublas_us"] / 1e6, 2)
-        best = None
-        for bn, bk, warps in configs:
-            try:
-                us = graph_us(lambda: gemv_triton(w, x, None, (bn, bk, warps)))
-            except Exception:
-                row[f"n{bn}_k{bk}_w{warps}"] = traceback.format_exc()[-200:]
-                continue
-            if best is None or us < best[0]:
-                best = (us, f"n{bn}_k{bk}_w{warps}")
+        best = sweep(lambda c: gemv_triton(w, x, None, c), configs)
         if best is not None:
             torch.testing.assert_close(gemv_triton(w, x).float(), torch.nn.functional.linear(x, w).float(), atol=2.0, rtol=5e-2)
             row["triton_best"] = best[1]
             row["triton_us"] = round(best[0], 2)
             row["triton_tb_s"] = round(nbytes / best[0] / 1e6, 2)
+        row.update(fused_variant(name, w, x, configs))
         result[name] = row
         print(name, row, flush=True)
+    result["layer_chain"] = layer_chain()
+    print("layer_chain", result["layer_chain"], flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+
+
+def layer_chain(layers: int = 8) -> dict:
+    """The four projections of `layers` decoder layers back to back in one graph, each layer its own
+    weights (3.5 GB: nothing stays in L2, as in a decode step): the fused Triton GEMVs with and
+    without programmatic dependent launch, and cuBLAS with the separate kernels it needs."""
+    import os
+
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
+
+    h, inter, qkv = 4096, 14336, 6144
+    dev, dt = "cuda", torch.bfloat16
+    ws = [(torch.randn(qkv, h, dtype=dt, device=dev), torch.randn(h, h, dtype=dt, device=dev),
+           torch.randn(2 * inter, h, dtype=dt, device=dev), torch.randn(h, inter, dtype=dt, device=dev))
+          for _ in range(layers)]
+    g = torch.ones(h, dtype=dt, device=dev)
+    residual = torch.randn(1, h, dtype=dt, device=dev)
+    attn = torch.randn(1, h, dtype=dt, device=dev)
+    nbytes = sum(w.numel() * 2 for layer in ws for w in layer)
+
+    def fused() -> None:
+        for w_qkv, w_o, w_gu, w_d in ws:
+            gemv_triton(w_qkv, residual, norm=(g, 1e-5))
+            gemv_triton(w_o, attn, residual=residual)
+            gate_up = gemv_triton(w_gu, residual, norm=(g, 1e-5))
+            gemv_triton(w_d, gate_up, silu=True, residual=residual)
+
+    def cublas() -> None:
+        linear = torch.nn.functional.linear
+        res = residual
+        for w_qkv, w_o, w_gu, w_d in ws:
+            x, _ = rmsnorm_triton(res, g, 1e-5)
+            linear(x, w_qkv)
+            x, res = rmsnorm_triton(linear(attn, w_o), g, 1e-5, res)
+            linear(silu_and_mul_triton(linear(x, w_gu)), w_d)
+
+    out = {}
+    for name, fn, pdl in (("triton_pdl", fused, "1"), ("triton", fused, "0"), ("cublas", cublas, "0")):
+        os.environ["FLASHSTACK_GEMV_PDL"] = pdl
+        us = graph_us(fn, iters=1, reps=20) / layers
+        out[name] = {"us_per_layer": round(us, 2), "tb_s": round(nbytes / layers / us / 1e6, 2)}
+    os.environ.pop("FLASHSTACK_GEMV_PDL")
+    return out
+
+
+def fused_variant(name: str, w: torch.Tensor, x: torch.Tensor, configs) -> dict:
+    """The GEMV with the work the decoder folds into it (models/fused.py), against cuBLAS plus the
+    separate kernel it replaces: the RMSNorm before q/k/v and gate/up, SiLU-and-mul before down and
+    the residual add after o and down."""
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
+
+    n, k = w.shape
+    g = torch.rand(k, dtype=w.dtype, device=w.device) + 0.5
+    residual = torch.randn(1, n, dtype=w.dtype, device=w.device)
+    gate_up = torch.randn(1, 2 * k, dtype=w.dtype, device=w.device)
+    linear = torch.nn.functional.linear
+    if name in ("qkv", "gate_up", "lm_head"):
+        fused = lambda c: gemv_triton(w, x, None, c, norm=(g, 1e-5))  # noqa: E731
+        unfused = lambda: linear(rmsnorm_triton(x, g, 1e-5)[0], w)  # noqa: E731
+        what = "norm"
+    elif name == "o":
+        fused = lambda c: gemv_triton(w, x, None, c, residual=residual)  # noqa: E731
+        unfused = lambda: linear(x, w) + residual  # noqa: E731
+        what = "residual"
+    else:
+        fused = lambda c: gemv_triton(w, gate_up, None, c, silu=True, residual=residual)  # noqa: E731
+        unfused = lambda: linear(silu_and_mul_triton(gate_up), w) + residual  # noqa: E731
+        what = "silu+residual"
+    best = sweep(fused, configs)
+    out = {"fused": what, "cublas_unfused_us": round(graph_us(unfused), 2),
+           "fused_default_us": round(graph_us(lambda: fused(None)), 2)}
+    if best is not None:
+        out["fused_best"], out["fused_best_us"] = best[1], round(best[0], 2)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,18 +1,31 @@
-"""Batch-1 GEMV: y = W x (+ b) for one activation row against an nn.Linear weight [N, K].
+"""Batch-1 GEMV: y = W x (+ b) for one activation row against an nn.Linear weight [N, K], with the
+per-token work around a decoder's projections folded into it.
 
 At batch 1 a projection is a pure weight stream. cuBLAS picks split-K kernels for some of the
 Llama-3-8B shapes, which adds a reduce kernel after o and down, and reads the q/k/v and o weights
 at ~3.2 TB/s inside a decode graph. This kernel gives each program BLOCK_N whole rows and streams
 them in BLOCK_K chunks, one fp32 dot per row at the end: no split-K, no second kernel.
 
+Because every program reads the whole input row anyway (a few KB, from L2), the elementwise
+kernels that sit between the projections of a decoder layer fold in for free:
+- `norm`: the input is the residual stream and the product is taken with RMSNorm(input) * weight;
+  each program first computes the row's mean square (one extra pass over the input).
+- `silu`: the input is a fused gate/up output [1, 2K] and the product is taken with
+  silu(gate) * up, computed chunk by chunk as the weight streams.
+- `residual`: the output is added into the residual stream in place (each program owns its rows).
+Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
+paths agree to the last bit given the same accumulation order.
+
 Measured alone on the H200 (`bench/engine_gemv.py`, one CUDA graph of 20 calls; q/k/v and o fit
 in the 50 MB L2 there, so those two read partly from cache, for cuBLAS too): q/k/v 13.8 → 11.6 µs,
 o 9.6 → 6.1 µs, gate/up 54.6 → 54.4 µs, down 30.2 → 28.5 µs, lm_head 238 → 231 µs against
-cuBLAS. Not yet measured inside the engine's decode step: the engine uses it only with
-FLASHSTACK_TRITON_GEMV=1 (models/fused.py).
+cuBLAS.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -20,46 +33,98 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, N, K, stride_w,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
+                 HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, SILU_IN: tl.constexpr, ADD_OUT: tl.constexpr,
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
+    act_dtype = x_ptr.dtype.element_ty
+    # The first weight chunk depends on nothing earlier in the stream: under programmatic dependent
+    # launch it is in flight while the previous kernel finishes.
+    cols = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (our input) are visible from here
+        tl.extra.cuda.gdc_launch_dependents()  # and the next kernel may start its own prefetch
+    if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
+        sq = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+            sq += xs * xs
+        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k in range(0, K, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :],
-                    mask=rmask[:, None] & cmask[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=cmask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        kcols = k + cols
+        cmask = kcols < K
+        if SILU_IN:
+            gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0)
+            x = (gate / (1.0 + tl.exp(-gate))).to(act_dtype) * up
+        else:
+            x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
+            if NORM_IN:
+                x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(act_dtype)
+        acc += w.to(tl.float32) * x.to(act_dtype).to(tl.float32)[None, :]
+        nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
+        w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if ADD_OUT:  # y_ptr is the residual: round the projection first, as `proj(x) + residual` would
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(y_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper and later, compiled (not interpreted) Triton, and
+    not switched off with FLASHSTACK_GEMV_PDL=0."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and os.environ.get("FLASHSTACK_GEMV_PDL", "1") != "0" and _capability(device.index) >= (9, 0))
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def gemv_config(n: int, k: int, prologue: str | None = None) -> tuple[int, int, int]:
     """(rows per program, K chunk, warps): the fastest of 16 configurations per shape on the H200
-    (bench/engine_gemv.py): long rows (down, K = 14336) want 16 rows and 8 warps; very many rows
-    (gate/up, lm_head) 2 rows per program; the rest 8 rows, 512-wide chunks."""
+    (bench/engine_gemv.py): long rows (down, K = 14336) want 16 rows and 8 warps, 8 rows in
+    512-wide chunks when each chunk also computes SiLU-and-mul; very many rows (gate/up, lm_head)
+    2 rows per program, 4 when each program also takes the norm's extra pass over the input; the
+    rest 8 rows, 512-wide chunks."""
     if k > 8192:
-        return 16, 1024, 8
+        return (8, 512, 8) if prologue == "silu" else (16, 1024, 8)
     if n >= 16384:
-        return 2, 1024, 4
+        return (4, 1024, 4) if prologue == "norm" else (2, 1024, 4)
     return 8, 512, 4
 
 
 def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-                config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                config: tuple[int, int, int] | None = None, *,
+                norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
-    `config` overrides `gemv_config` (rows per program, K chunk, warps)."""
+
+    `norm=(weight, eps)`: multiply by RMSNorm(x) instead of x. `silu`: x is [1, 2K] and the product
+    is taken with silu(x[:, :K]) * x[:, K:]. `residual` [1, N]: add the product into it in place and
+    return it. `config` overrides `gemv_config` (rows per program, K chunk, warps)."""
     n, k = weight.shape
-    assert x.shape == (1, k) and weight.stride(1) == 1 and x.stride(-1) == 1
-    block_n, block_k, warps = config or gemv_config(n, k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    assert not (norm and silu), "one input prologue per call"
+    assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
+    block_n, block_k, warps = config or gemv_config(n, k, "silu" if silu else "norm" if norm else None)
+    if residual is not None:
+        assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
+        y = residual
+    else:
+        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (y, 0.0)
+    pdl = pdl_supported(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        weight, x, bias if bias is not None else y, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        weight, x, bias if bias is not None else y, y, norm_weight, n, k, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, NORM_IN=norm is not None, SILU_IN=silu, ADD_OUT=residual is not None,
+        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, launch_pdl=pdl,
     )
     return y

@@ -4,7 +4,8 @@ At batch 1 a decode step is a few hundred small kernels between the weight reads
 gaps, not the arithmetic, are what separates a step from the bandwidth floor. Concatenating the
 q/k/v and gate/up weights halves the matmul launches and lets each read one contiguous weight; the
 Triton kernels collapse RMSNorm + residual add and SiLU-and-mul into one launch each, and q/k-norm,
-rotary and the KV store into one.
+rotary and the KV store into one. A one-token step goes further: the norms, SiLU-and-mul and
+residual adds run inside the batch-1 GEMVs (kernels/triton_gemv.py), six kernels a layer.
 The plain modules stay the CPU path and the oracle; this path is taken only on CUDA.
 """
 
@@ -46,10 +47,14 @@ class GemvLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+def triton_gemv_enabled() -> bool:
+    """The batch-1 Triton GEMV is the default on CUDA; FLASHSTACK_TRITON_GEMV=0 keeps cuBLAS."""
+    return os.environ.get("FLASHSTACK_TRITON_GEMV", "1") != "0"
+
+
 def use_triton_gemv(model: nn.Module) -> None:
-    """Route the plain projections' batch-1 products through the Triton GEMV (opt-in with
-    FLASHSTACK_TRITON_GEMV=1 until measured inside the decode step; tensor-parallel layers keep
-    their own forward)."""
+    """Route the plain projections' batch-1 products through the Triton GEMV (tensor-parallel
+    row-parallel layers keep their own forward, which reduces across ranks)."""
     owners = [model] + [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
     for owner in owners:
         for name, child in list(owner.named_children()):
@@ -65,6 +70,15 @@ def fuse_model(model: nn.Module) -> bool:
     head_dim = model.args.head_dim
     if head_dim & (head_dim - 1):  # the rotary kernel works on power-of-two halves
         return False
+    fuse_weights(model, one_row_gemv=triton_gemv_enabled())
+    torch.cuda.empty_cache()
+    return True
+
+
+def fuse_weights(model: nn.Module, one_row_gemv: bool = True) -> None:
+    """Concatenate q/k/v and gate/up and mark the decoder fused (fuse_model without its device
+    check: the kernel tests drive the fused path on CPU under Triton's interpreter)."""
+    decoder = model.model
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -72,10 +86,13 @@ def fuse_model(model: nn.Module) -> bool:
         # The unfused weights would double the memory the model holds; drop them.
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
     decoder.fused = True
-    if os.environ.get("FLASHSTACK_TRITON_GEMV") == "1":
+    if one_row_gemv:
+        # One-row steps fold the norms, SiLU-and-mul and residual adds into the GEMVs, unless a
+        # row-parallel projection must reduce across ranks between the GEMV and the residual add.
+        decoder.one_row_gemv = all(
+            type(m) is nn.Linear for layer in decoder.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)
+        )
         use_triton_gemv(model)
-    torch.cuda.empty_cache()
-    return True
 
 
 def fused_forward(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -85,6 +102,8 @@ def fused_forward(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.
 
     hidden = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(positions, hidden.dtype)
+    if hidden.shape[0] == 1 and backend.name == "triton" and getattr(decoder, "one_row_gemv", False):
+        return _one_row_forward(decoder, hidden, cos, sin, meta, kv_caches, backend)
     residual: torch.Tensor | None = None
     for layer, kv_cache in zip(decoder.layers, kv_caches):
         x, residual = _norm(layer.input_layernorm, hidden, residual)
@@ -93,6 +112,27 @@ def fused_forward(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.
         hidden = _mlp(layer.mlp, x)
     out, _ = rmsnorm_triton(hidden, decoder.norm.weight, decoder.norm.eps, residual)
     return out
+
+
+def _one_row_forward(decoder: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     meta: AttentionMetadata, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
+    """One token (a batch-1 decode step): four GEMVs, the q/k/v kernel and attention per layer.
+
+    The residual stream is one row that every layer adds into in place; the RMSNorms run in the
+    prologues of the q/k/v and gate/up GEMVs, SiLU-and-mul in the down GEMV's, the residual adds in
+    the epilogues of o and down. Same rounding as the unfused kernels (kernels/triton_gemv.py)."""
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+    from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+    residual = hidden  # the embedding row, fresh from the lookup: ours to add into
+    for layer, kv_cache in zip(decoder.layers, kv_caches):
+        attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        qkv = gemv_triton(attn.qkv_proj.weight, residual, attn.qkv_proj.bias, norm=(norm1.weight, norm1.eps))
+        out = _qkv_attention(attn, qkv, cos, sin, meta, kv_cache, backend)
+        gemv_triton(attn.o_proj.weight, out, attn.o_proj.bias, residual=residual)
+        gate_up = gemv_triton(mlp.gate_up_proj.weight, residual, mlp.gate_up_proj.bias, norm=(norm2.weight, norm2.eps))
+        gemv_triton(mlp.down_proj.weight, gate_up, mlp.down_proj.bias, silu=True, residual=residual)
+    return rmsnorm_triton(residual, decoder.norm.weight, decoder.norm.eps)[0]
 
 
 def _norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +144,17 @@ def _norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None) 
 
 def _attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                kv_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    return attn.o_proj(_qkv_attention(attn, attn.qkv_proj(x), cos, sin, meta, kv_cache, backend))
+
+
+def _qkv_attention(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   kv_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    """Attention from the fused q/k/v projection's output: norms, rotary, KV store, attention;
+    returns the heads' outputs [tokens, heads * head_dim], before o_proj."""
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, rope_triton
 
-    n, d = x.shape[0], attn.head_dim
+    n, d = qkv.shape[0], attn.head_dim
     q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
-    qkv = attn.qkv_proj(x)
     q = qkv[:, :q_size].view(n, attn.num_heads, d)
     k = qkv[:, q_size:q_size + kv_size].view(n, attn.num_kv_heads, d)
     v = qkv[:, q_size + kv_size:].view(n, attn.num_kv_heads, d)
@@ -124,7 +170,7 @@ def _attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q, k = rope_triton(q, k, cos, sin)
         backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
     out = backend.paged_attention(q, kv_cache, meta, attn.scale, attn.sliding_window)
-    return attn.o_proj(out.reshape(n, -1))
+    return out.reshape(n, -1)
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

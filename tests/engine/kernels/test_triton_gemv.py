@@ -19,6 +19,10 @@ def test_config_per_shape():
     assert tg.gemv_config(4096, 14336) == (16, 1024, 8)
     assert tg.gemv_config(28672, 4096) == tg.gemv_config(128256, 4096) == (2, 1024, 4)
     assert tg.gemv_config(6144, 4096) == tg.gemv_config(4096, 4096) == (8, 512, 4)
+    # With a prologue: SiLU-and-mul per chunk (down), the norm's extra pass (gate/up).
+    assert tg.gemv_config(4096, 14336, "silu") == (8, 512, 8)
+    assert tg.gemv_config(28672, 4096, "norm") == (4, 1024, 4)
+    assert tg.gemv_config(6144, 4096, "norm") == (8, 512, 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,3 +62,63 @@ def test_use_triton_gemv_swaps_every_plain_projection():
     assert sum(isinstance(m, GemvLinear) for m in model.modules()) == 2 * 7 + 1  # q,k,v,o,gate,up,down + lm_head
     # Same parameters under the same names: checkpoints and tensor-parallel sharding see no change.
     assert {n: p for n, p in model.named_parameters()} == weights
+
+
+CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_norm_prologue_is_rmsnorm_then_gemv(device, dtype, config):
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_reference, rmsnorm_triton
+
+    torch.manual_seed(1)
+    n, k = 40, 2100
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(1, k, dtype=dtype, device=device) * 3
+    g = torch.rand(k, dtype=dtype, device=device) + 0.5
+    fused = tg.gemv_triton(w, x, None, config, norm=(g, 1e-5))
+    # Same rounding as the unfused kernels, same accumulation order: the same bits.
+    torch.testing.assert_close(fused, tg.gemv_triton(w, rmsnorm_triton(x, g, 1e-5)[0], None, config), atol=0, rtol=0)
+    want = torch.nn.functional.linear(rmsnorm_reference(x, g, 1e-5)[0].float(), w.float()).to(dtype)
+    torch.testing.assert_close(fused, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_silu_prologue_is_silu_and_mul_then_gemv(device, dtype, config):
+    from flashstack.engine.kernels.triton_elementwise import (
+        silu_and_mul_reference,
+        silu_and_mul_triton,
+    )
+
+    torch.manual_seed(2)
+    n, k = 37, 1500
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    gate_up = torch.randn(1, 2 * k, dtype=dtype, device=device)
+    fused = tg.gemv_triton(w, gate_up, None, config, silu=True)
+    torch.testing.assert_close(fused, tg.gemv_triton(w, silu_and_mul_triton(gate_up), None, config), atol=0, rtol=0)
+    want = torch.nn.functional.linear(silu_and_mul_reference(gate_up).float(), w.float()).to(dtype)
+    torch.testing.assert_close(fused, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_residual_epilogue_adds_in_place(device, dtype, with_bias):
+    torch.manual_seed(3)
+    n, k = 70, 300
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    gate_up = torch.randn(1, 2 * k, dtype=dtype, device=device)
+    b = torch.randn(n, dtype=dtype, device=device) if with_bias else None
+    residual = torch.randn(1, n, dtype=dtype, device=device)
+    before = residual.clone()
+    out = tg.gemv_triton(w, gate_up, b, silu=True, residual=residual)
+    assert out is residual
+    # The projection is rounded to the activation dtype before the add, as `down(x) + residual` is.
+    torch.testing.assert_close(out, tg.gemv_triton(w, gate_up, b, silu=True) + before, atol=0, rtol=0)
+
+
+def test_one_prologue_per_call(device):
+    w = torch.randn(4, 8, device=device)
+    with pytest.raises(AssertionError):
+        tg.gemv_triton(w, torch.randn(1, 16, device=device), silu=True, norm=(torch.ones(8, device=device), 1e-6))

@@ -1,0 +1,71 @@
+"""The one-token decoder path (norms, SiLU-and-mul and residual adds inside the GEMVs) against the
+plain modules and the reference attention: same hidden states, same KV written."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flashstack.engine.kernels.attention import (  # noqa: E402
+    AttentionBackend,
+    AttentionMetadata,
+    get_attention_backend,
+)
+from flashstack.engine.models import LlamaForCausalLM, ModelArgs  # noqa: E402
+from flashstack.engine.models.fused import fuse_weights  # noqa: E402
+
+BLOCK = 4
+
+
+def _model(qk_norm: bool, device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, qk_norm=qk_norm, qkv_bias=qk_norm,
+                     rope={"rope_theta": 1e4, "rope_type": "default"})
+    model = LlamaForCausalLM(args).to(device)
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases away from 1 and 0 too
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 and p.shape[0] in (16, 64) else 0.0))
+    return model.eval()
+
+
+def _meta(context: int, device) -> AttentionMetadata:
+    """One sequence, one new token at position context - 1, blocks 0, 1, ... in order."""
+    blocks = -(-context // BLOCK)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor([context - 1], device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        context_lens=torch.tensor([context], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        block_size=BLOCK, max_query_len=1, max_context_len=context, query_lens_host=[1], context_lens_host=[context],
+    )
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (q/k-norm, and a q/k/v bias)
+@torch.inference_mode()
+def test_one_row_step_matches_plain_modules(device, qk_norm):
+    from flashstack.engine.kernels.triton_attention import (
+        paged_attention_triton,
+        store_kvcache_triton,
+    )
+
+    plain = _model(qk_norm, device)
+    fused = copy.deepcopy(plain)
+    fuse_weights(fused)
+    assert fused.model.one_row_gemv
+    args, context = plain.args, 7
+    caches = [torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device) for _ in range(args.num_layers)]
+    fused_caches = [c.clone() for c in caches]
+    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
+
+    want = plain(ids, pos, _meta(context, device), caches, get_attention_backend("reference", device))
+    triton_backend = AttentionBackend("triton", store_kvcache_triton, paged_attention_triton)
+    got = fused(ids, pos, _meta(context, device), fused_caches, triton_backend)
+
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for mine, theirs in zip(fused_caches, caches):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
