@@ -18,6 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
+from flashstack.engine.cuda_graphs import graph_buckets
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.loader import (
     count_tensors,
     load_model,
@@ -26,15 +28,13 @@ from flashstack.engine.loader import (
     resolve_dtype,
     safetensors_files,
 )
-from flashstack.engine.cuda_graphs import graph_buckets
-from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.model_runner import ModelRunner, PendingStep, kv_bytes_per_block
 from flashstack.engine.models.fused import fuse_model
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.scheduler import ScheduledBatch, Scheduler
-from flashstack.engine.swap import PreemptionCost, num_host_blocks
 from flashstack.engine.sequence import Sequence
+from flashstack.engine.swap import PreemptionCost, num_host_blocks
 from flashstack.engine.tokenizer import Tokenizer
 from flashstack.engine.worker import DriverRunner, launch
 

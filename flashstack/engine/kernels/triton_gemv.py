@@ -24,12 +24,11 @@ cuBLAS.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from flashstack.engine.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit
@@ -41,13 +40,12 @@ def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
     rmask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     act_dtype = x_ptr.dtype.element_ty
-    # The first weight chunk depends on nothing earlier in the stream: under programmatic dependent
-    # launch it is in flight while the previous kernel finishes.
+    # The weights stream one chunk ahead of the multiply. The first chunk depends on nothing earlier
+    # in the stream: under programmatic dependent launch it is in flight while the previous kernel
+    # finishes.
     cols = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (our input) are visible from here
-        tl.extra.cuda.gdc_launch_dependents()  # and the next kernel may start its own prefetch
+    wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
     if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
         sq = tl.zeros([BLOCK_K], tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -77,33 +75,23 @@ def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper and later, compiled (not interpreted) Triton, and
-    not switched off with FLASHSTACK_GEMV_PDL=0."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("FLASHSTACK_GEMV_PDL", "1") != "0" and _capability(device.index) >= (9, 0))
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def gemv_config(n: int, k: int, prologue: str | None = None) -> tuple[int, int, int]:
-    """(rows per program, K chunk, warps): the fastest of 16 configurations per shape on the H200
-    (bench/engine_gemv.py): long rows (down, K = 14336) want 16 rows and 8 warps, 8 rows in
-    512-wide chunks when each chunk also computes SiLU-and-mul; very many rows (gate/up, lm_head)
-    2 rows per program, 4 when each program also takes the norm's extra pass over the input; the
-    rest 8 rows, 512-wide chunks."""
+def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, int, int]:
+    """(rows per program, K chunk, warps): the fastest of 32 configurations per shape on the H200,
+    each reading its weights from memory as in a decode step (bench/engine_gemv.py). Fused, as the
+    decoder runs them (`fused` = "norm", "silu" or "residual"): 4 rows in 1024-wide chunks where the
+    norm's extra pass over the input runs in every program, else 8 rows. Plain: long rows (K =
+    14336) 16 rows and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks."""
+    if fused is not None:
+        return (4, 1024, 4) if fused == "norm" else (8, 1024, 4)
     if k > 8192:
-        return (8, 512, 8) if prologue == "silu" else (16, 1024, 8)
+        return 16, 1024, 8
     if n >= 16384:
-        return (4, 1024, 4) if prologue == "norm" else (2, 1024, 4)
+        return 2, 1024, 4
     return 8, 512, 4
 
 
 def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-                config: tuple[int, int, int] | None = None, *,
+                config: tuple[int, ...] | None = None, *,
                 norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
@@ -114,17 +102,19 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
-    block_n, block_k, warps = config or gemv_config(n, k, "silu" if silu else "norm" if norm else None)
+    fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
+    block_n, block_k, warps = config or gemv_config(n, k, fused)
     if residual is not None:
         assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
         y = residual
     else:
         y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (y, 0.0)
-    pdl = pdl_supported(x.device)
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight, x, bias if bias is not None else y, y, norm_weight, n, k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, NORM_IN=norm is not None, SILU_IN=silu, ADD_OUT=residual is not None,
-        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, launch_pdl=pdl,
+        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        launch_pdl=pdl,
     )
     return y

@@ -19,14 +19,14 @@ def test_config_per_shape():
     assert tg.gemv_config(4096, 14336) == (16, 1024, 8)
     assert tg.gemv_config(28672, 4096) == tg.gemv_config(128256, 4096) == (2, 1024, 4)
     assert tg.gemv_config(6144, 4096) == tg.gemv_config(4096, 4096) == (8, 512, 4)
-    # With a prologue: SiLU-and-mul per chunk (down), the norm's extra pass (gate/up).
-    assert tg.gemv_config(4096, 14336, "silu") == (8, 512, 8)
-    assert tg.gemv_config(28672, 4096, "norm") == (4, 1024, 4)
-    assert tg.gemv_config(6144, 4096, "norm") == (8, 512, 4)
+    # Fused as the decoder runs them: the norm's extra pass (q/k/v, gate/up), SiLU-and-mul (down),
+    # the residual add alone (o).
+    assert tg.gemv_config(28672, 4096, "norm") == tg.gemv_config(6144, 4096, "norm") == (4, 1024, 4)
+    assert tg.gemv_config(4096, 14336, "silu") == tg.gemv_config(4096, 4096, "residual") == (8, 1024, 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [(16, 1024, 8), (2, 1024, 4), (8, 512, 4)])
+@pytest.mark.parametrize("config", [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4)])
 @pytest.mark.parametrize("n,k", [(37, 300), (64, 2100)])  # ragged rows and chunks, several chunks
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_linear(device, dtype, config, n, k, with_bias):
@@ -64,7 +64,7 @@ def test_use_triton_gemv_swaps_every_plain_projection():
     assert {n: p for n, p in model.named_parameters()} == weights
 
 
-CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4)]
+CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
