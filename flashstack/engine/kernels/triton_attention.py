@@ -8,23 +8,18 @@ BLOCK_N tokens is BLOCK_N row loads of whole segments.
 Decode follows flash-decoding: the KV range of each sequence is split across programs so a single
 long sequence still occupies every SM; each program handles one KV head and all the query heads that
 share it (GQA), so K and V are read from memory once per KV head, not once per query head. A second
-small kernel merges the splits with their log-sum-exp weights. In a decode step the kernel also takes
-over the q/k/v kernel's work (`NewTokens`): it rotates q and the new k (after Qwen3's per-head
-norms), the program whose split holds the new position stores k and v, and attends with them from
-registers; one launch a layer fewer.
+small kernel merges the splits with their log-sum-exp weights.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.attention import AttentionMetadata
-from flashstack.engine.kernels.triton_qkv import rotated_heads
 
 # Programs per SM the split heuristic aims for: enough to hide memory latency, few enough that the
 # merge stays negligible.
@@ -71,22 +66,17 @@ def store_kvcache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tenso
 @triton.jit
 def _decode_split_kernel(
     q_ptr, cache_ptr, tables_ptr, ctx_ptr, part_ptr, lse_ptr,
-    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, slot_ptr, qw_ptr, kw_ptr,
-    stride_qb, stride_qh, stride_nb, stride_ct,
+    stride_qb, stride_qh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     stride_tb,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    scale, eps, block_size, window, tokens_per_split,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, DIRECT: tl.constexpr, NEW_KV: tl.constexpr, QK_NORM: tl.constexpr,
+    scale, block_size, window, tokens_per_split,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, DIRECT: tl.constexpr,
 ):
     # DIRECT: one split per sequence, so part_ptr is the output itself (its dtype, its strides) and
-    # no merge follows. NEW_KV: q and the step's new k are not rotated yet and the new k/v are not
-    # in the cache: rotate them here (after the optional per-head norm), the program whose split
-    # holds the new position stores them, and attends with them straight from registers.
-    # q and K are handled as two head halves (the rotary pairs element i with i + HALF).
+    # no merge follows.
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,39 +86,13 @@ def _decode_split_kernel(
     if window > 0:
         lo = tl.maximum(lo, ctx - window)
     g = tl.arange(0, G_PAD)
-    h = tl.arange(0, HALF_PAD)
     d = tl.arange(0, D_PAD)
     gmask = g < G
-    hmask = h < HALF
     dmask = d < D
     heads = hkv * G + g
-    cache_dtype = cache_ptr.dtype.element_ty
-    pq = q_ptr + b * stride_qb + heads[:, None] * stride_qh + h[None, :]
-    qmask = gmask[:, None] & hmask[None, :]
-    if NEW_KV:
-        cos = tl.load(cos_ptr + b * stride_ct + h).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_ct + h).to(tl.float32)
-        q1, q2 = rotated_heads(pq, qmask, cos, sin, qw_ptr, h, eps, HALF, QK_NORM)
-        q1, q2 = q1.to(q_ptr.dtype.element_ty), q2.to(q_ptr.dtype.element_ty)
-        pk = k_new_ptr + b * stride_nb + hkv * D + h[None, :]
-        k1_new, k2_new = rotated_heads(pk, hmask[None, :], cos, sin, kw_ptr, h, eps, HALF, QK_NORM)
-        # Rounded to k's dtype first, as the unfused rotary writes k before the store converts it.
-        k1_new = k1_new.to(k_new_ptr.dtype.element_ty).to(cache_dtype)
-        k2_new = k2_new.to(k_new_ptr.dtype.element_ty).to(cache_dtype)
-        v_new = tl.load(v_new_ptr + b * stride_nb + hkv * D + d, mask=dmask, other=0.0).to(cache_dtype)
-        last = ctx - 1
-        slot = tl.load(slot_ptr + b)
-        owner = (lo <= last) & (last < hi) & (slot >= 0)  # padded slots (graph padding) are -1
-        slot = tl.maximum(slot, 0)
-        new_row = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs + hkv * stride_ch
-        tl.store(cache_ptr + new_row + h[None, :], k1_new, mask=hmask[None, :] & owner)
-        tl.store(cache_ptr + new_row + HALF + h[None, :], k2_new, mask=hmask[None, :] & owner)
-        tl.store(cache_ptr + stride_ckv + new_row + d, v_new, mask=dmask & owner)
-    else:
-        q1 = tl.load(pq, mask=qmask, other=0.0)
-        q2 = tl.load(pq + HALF, mask=qmask, other=0.0)
-    q1 = (q1 * scale).to(cache_dtype)
-    q2 = (q2 * scale).to(cache_dtype)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -137,22 +101,15 @@ def _decode_split_kernel(
         nmask = n < hi
         blk = tl.load(tables_ptr + b * stride_tb + n // block_size, mask=nmask, other=0)
         row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
-        kmask = nmask[:, None] & hmask[None, :]
-        # K and V are issued together: V does not wait for the scores.
-        k1 = tl.load(cache_ptr + row[:, None] + h[None, :], mask=kmask, other=0.0)
-        k2 = tl.load(cache_ptr + row[:, None] + HALF + h[None, :], mask=kmask, other=0.0)
-        v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
-        if NEW_KV:  # the new position from registers: our store above is not ordered before these loads
-            is_new = (n == ctx - 1)[:, None]
-            k1 = tl.where(is_new, k1_new, k1)
-            k2 = tl.where(is_new, k2_new, k2)
-            v = tl.where(is_new, v_new[None, :], v)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     has = l > 0
@@ -212,33 +169,15 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a few splits still exercise the merge
 
 
-@dataclass(frozen=True, slots=True)
-class NewTokens:
-    """A decode step's new k and v [batch, kv_heads, head_dim], not yet rotated nor cached, with
-    what the q/k/v kernel would have used: the rotary cos/sin [batch, 1 or none, head_dim], the
-    slots (-1 = padding, nothing stored) and, for Qwen3, the per-head q/k RMSNorm weights."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    eps: float = 1e-6
-
-
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, max_context_len: int,
                         sliding_window: int | None = None, num_splits: int | None = None,
                         block_n: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, new: NewTokens | None = None) -> torch.Tensor:
+                        num_stages: int | None = None) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache; returns like q.
 
     `max_context_len` fixes the grid (and must bound every context length); pass the engine's
-    max_model_len when capturing a CUDA graph, so one graph serves every step. With `new`, q is not
-    rotated yet and the step's k/v are not in the cache: the kernel does what the q/k/v kernel
-    (triton_qkv.py) would have done first, norms, rotary and the KV store, in the same launch.
+    max_model_len when capturing a CUDA graph, so one graph serves every step.
     """
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[3]
@@ -249,7 +188,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, _sm_count(q.device))
     tokens_per_split = math.ceil(max_context_len / num_splits / block_n) * block_n
     direct = num_splits == 1  # the split kernel normalises and writes the output itself
-    out = q.new_empty(q.shape)
+    out = torch.empty_like(q)
     if direct:
         part, lse = out[:, :, None, :], out.new_empty((), dtype=torch.float32)
         lse_strides = (0, 0)
@@ -258,31 +197,16 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
         lse_strides = (lse.stride(0), lse.stride(1))
     d_pad = triton.next_power_of_2(dim)
-    assert q.stride(-1) == 1 and kv_cache.stride(4) == 1
-    if new is not None:
-        assert dim & (dim - 1) == 0, "the rotary halves must be a power of two"
-        assert new.k.stride(1) == dim and new.v.stride(1) == dim and new.k.stride(0) == new.v.stride(0)
-        cos, sin = new.cos.reshape(batch, dim), new.sin.reshape(batch, dim)
-        assert (new.q_norm is None) == (new.k_norm is None) and cos.stride(-1) == 1
-        qk_norm = new.q_norm is not None
-        new_args = (new.k, new.v, cos, sin, new.slot_mapping, new.q_norm if qk_norm else q,
-                    new.k_norm if qk_norm else q, new.k.stride(0), cos.stride(0), new.eps)
-    else:  # unused pointers: any tensor will do
-        qk_norm = False
-        new_args = (q, q, q, q, q, q, q, 0, 0, 0.0)
-    k_new, v_new, cos, sin, slots, qw, kw, stride_nb, stride_ct, eps = new_args
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kv_cache, block_tables, context_lens, part, lse,
-        k_new, v_new, cos, sin, slots, qw, kw,
-        q.stride(0), q.stride(1), stride_nb, stride_ct,
+        q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
         *lse_strides,
-        scale, eps, kv_cache.shape[2], sliding_window or 0, tokens_per_split,
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad,
-        HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2), BLOCK_N=block_n,
-        PREC=_precision(kv_cache), DIRECT=direct, NEW_KV=new is not None, QK_NORM=qk_norm,
+        scale, kv_cache.shape[2], sliding_window or 0, tokens_per_split,
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
+        PREC=_precision(kv_cache), DIRECT=direct,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     if direct:
@@ -380,13 +304,10 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
 
 
 def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, sliding_window: int | None = None,
-                           new: NewTokens | None = None) -> torch.Tensor:
-    """The Triton backend's attention: split-KV decode for decode-only steps, paged prefill otherwise.
-    `new` (decode-only steps): q unrotated, the new k/v not cached yet (see paged_decode_triton)."""
+                           scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """The Triton backend's attention: split-KV decode for decode-only steps, paged prefill otherwise."""
     if meta.is_decode_only:
         max_len = meta.scratch.get("graph_max_context_len", meta.max_context_len)
         return paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, scale, max_len,
-                                   sliding_window, new=new)
-    assert new is None, "prefill reads its keys from the cache: store and rotate them first"
+                                   sliding_window)
     return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window)

@@ -28,7 +28,7 @@ def _head_rmsnorm(x1, x2, w_ptr, d, eps, HALF: tl.constexpr):
 
 
 @triton.jit
-def rotated_heads(ptr, mask, cos, sin, w_ptr, d, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+def _rotated_heads(ptr, mask, cos, sin, w_ptr, d, eps, HALF: tl.constexpr, QK_NORM: tl.constexpr):
     # Load heads as two halves, optionally RMS-normalise each head, rotate: fp32 halves back.
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
@@ -54,7 +54,7 @@ def _qkv_kernel(
 
     qmask = (h < num_q_heads)[:, None]
     pq = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
-    r1, r2 = rotated_heads(pq, qmask, cos, sin, qw_ptr, d, eps, HALF, QK_NORM)
+    r1, r2 = _rotated_heads(pq, qmask, cos, sin, qw_ptr, d, eps, HALF, QK_NORM)
     tl.store(pq, r1.to(q_ptr.dtype.element_ty), mask=qmask)
     tl.store(pq + HALF, r2.to(q_ptr.dtype.element_ty), mask=qmask)
 
@@ -64,7 +64,7 @@ def _qkv_kernel(
     row = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs
     kmask = (h < num_k_heads)[:, None] & valid
     pk = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
-    r1, r2 = rotated_heads(pk, kmask, cos, sin, kw_ptr, d, eps, HALF, QK_NORM)
+    r1, r2 = _rotated_heads(pk, kmask, cos, sin, kw_ptr, d, eps, HALF, QK_NORM)
     # Rounded to k's dtype first, as the unfused rotary writes k before the store converts it.
     dst = cache_ptr + row + h[:, None] * (2 * HALF) + d[None, :]
     tl.store(dst, r1.to(k_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty), mask=kmask)

@@ -5,8 +5,7 @@ gaps, not the arithmetic, are what separates a step from the bandwidth floor. Co
 q/k/v and gate/up weights halves the matmul launches and lets each read one contiguous weight; the
 Triton kernels collapse RMSNorm + residual add and SiLU-and-mul into one launch each, and q/k-norm,
 rotary and the KV store into one. A one-token step goes further: the norms, SiLU-and-mul and
-residual adds run inside the batch-1 GEMVs (kernels/triton_gemv.py). In decode steps the q/k norms,
-rotary and KV store run inside the attention kernel: a batch-1 layer is four GEMVs and attention.
+residual adds run inside the batch-1 GEMVs (kernels/triton_gemv.py), six kernels a layer.
 The plain modules stay the CPU path and the oracle; this path is taken only on CUDA.
 """
 
@@ -117,7 +116,7 @@ def fused_forward(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.
 
 def _one_row_forward(decoder: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
-    """One token (a batch-1 decode step): four GEMVs and attention (with its merge) per layer.
+    """One token (a batch-1 decode step): four GEMVs, the q/k/v kernel and attention per layer.
 
     The residual stream is one row that every layer adds into in place; the RMSNorms run in the
     prologues of the q/k/v and gate/up GEMVs, SiLU-and-mul in the down GEMV's, the residual adds in
@@ -159,12 +158,6 @@ def _qkv_attention(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     q = qkv[:, :q_size].view(n, attn.num_heads, d)
     k = qkv[:, q_size:q_size + kv_size].view(n, attn.num_kv_heads, d)
     v = qkv[:, q_size + kv_size:].view(n, attn.num_kv_heads, d)
-    if backend.name == "triton" and meta.is_decode_only:  # norms, rotary and KV store inside attention
-        from flashstack.engine.kernels.triton_attention import NewTokens, paged_attention_triton
-
-        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
-        new = NewTokens(k, v, cos, sin, meta.slot_mapping, *norms)
-        return paged_attention_triton(q, kv_cache, meta, attn.scale, attn.sliding_window, new=new).reshape(n, -1)
     if backend.name == "triton":  # one launch for q/k-norm, rotary and the KV store
         from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
 
