@@ -122,3 +122,14 @@ def test_one_prologue_per_call(device):
     w = torch.randn(4, 8, device=device)
     with pytest.raises(AssertionError):
         tg.gemv_triton(w, torch.randn(1, 16, device=device), silu=True, norm=(torch.ones(8, device=device), 1e-6))
+
+
+def test_programmatic_dependent_launch_only_where_it_can_run(monkeypatch):
+    from flashstack.engine.kernels.pdl import pdl_enabled
+
+    assert not pdl_enabled(torch.device("cpu"))
+    if torch.cuda.is_available():
+        monkeypatch.setenv("FLASHSTACK_PDL", "0")
+        assert not pdl_enabled(torch.device("cuda", 0))
+        monkeypatch.setenv("FLASHSTACK_PDL", "1")
+        assert pdl_enabled(torch.device("cuda", 0)) == (torch.cuda.get_device_capability(0) >= (9, 0))
