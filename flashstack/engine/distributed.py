@@ -103,7 +103,6 @@ class TensorParallel:
         return torch.cat(parts.chunk(self.world_size), dim=-1)
 
 
-
 class SymmetricAllReduce:
     """One-shot all-reduce through buffers every rank maps (torch symmetric memory, P2P over
     NVLink; multicast stays off). Each call stages its values in a buffer, then every rank reads

@@ -11,7 +11,7 @@ from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
-from flashstack.engine.sampling import needs_host, sample, sample_on_device
+from flashstack.engine.sampling import needs_host, sample, sample_on_device, to_device
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.swap import SwapSpace
@@ -177,10 +177,7 @@ class ModelRunner:
         return PendingStep(batch, tokens, host, ready)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        # Through pinned memory and an asynchronous copy: torch.tensor(..., device="cuda") from a
-        # list waits for everything queued on the stream.
-        host = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Pack the batch's new tokens and attention metadata."""

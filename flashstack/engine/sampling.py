@@ -90,15 +90,16 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Through pinned memory: a plain torch.tensor(..., device="cuda") waits for the whole stream,
-    # which would stall the host behind the very step it wants to queue work after.
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, through pinned memory and an asynchronous copy: a plain
+    torch.tensor(..., device="cuda") waits for the whole stream, which would stall the host behind
+    the very step it wants to queue work after."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return _on_device(values, like.dtype, like.device)[:, None]
+    return to_device(values, like.dtype, like.device)[:, None]
 
 
 def _temperature_only(p: SamplingParams, vocab: int) -> bool:
@@ -157,7 +158,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
         return _exponential_race(probs)
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     if free:
-        rows = _on_device(free, torch.long, probs.device)
+        rows = to_device(free, torch.long, probs.device)
         out[rows] = _exponential_race(probs[rows])
     for i, g in enumerate(generators):
         if g is not None:
@@ -227,7 +228,7 @@ def sample_on_device(
         if _fused_gumbel_applies(logits, params, generators):
             from flashstack.engine.kernels.triton_sampling import gumbel_sample_triton
 
-            temps = _on_device([p.temperature for p in params], torch.float32, logits.device)
+            temps = to_device([p.temperature for p in params], torch.float32, logits.device)
             # The noise seed comes from torch's global generator: torch.manual_seed fixes it too.
             seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
             return gumbel_sample_triton(logits, temps, seed)
@@ -235,7 +236,7 @@ def sample_on_device(
     logits = logits.float()
     chosen = logits.argmax(-1)
     if sampled_rows:
-        rows = _on_device(sampled_rows, torch.long, logits.device)
+        rows = to_device(sampled_rows, torch.long, logits.device)
         probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
         chosen[rows] = _draw(probs, [generators[i] for i in sampled_rows])
     return chosen
