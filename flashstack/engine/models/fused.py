@@ -5,7 +5,8 @@ gaps, not the arithmetic, are what separates a step from the bandwidth floor. Co
 q/k/v and gate/up weights halves the matmul launches and lets each read one contiguous weight; the
 Triton kernels collapse RMSNorm + residual add and SiLU-and-mul into one launch each, and q/k-norm,
 rotary and the KV store into one. A one-token step goes further: the norms, SiLU-and-mul and
-residual adds run inside the batch-1 GEMVs (kernels/triton_gemv.py), six kernels a layer.
+residual adds run inside the batch-1 GEMVs (kernels/triton_gemv.py), and in decode steps the
+attention kernel does the q/k/v kernel's work: five kernels a layer.
 The plain modules stay the CPU path and the oracle; this path is taken only on CUDA.
 """
 
@@ -50,6 +51,12 @@ class GemvLinear(nn.Module):
 def triton_gemv_enabled() -> bool:
     """The batch-1 Triton GEMV is the default on CUDA; FLASHSTACK_TRITON_GEMV=0 keeps cuBLAS."""
     return os.environ.get("FLASHSTACK_TRITON_GEMV", "1") != "0"
+
+
+def decode_takes_qkv() -> bool:
+    """Decode attention does the q/k/v kernel's work by default; FLASHSTACK_DECODE_QKV=0 keeps the
+    separate kernel (for the benchmark that measures what the fusion buys)."""
+    return os.environ.get("FLASHSTACK_DECODE_QKV", "1") != "0"
 
 
 def use_triton_gemv(model: nn.Module) -> None:
@@ -116,7 +123,7 @@ def fused_forward(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.
 
 def _one_row_forward(decoder: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
-    """One token (a batch-1 decode step): four GEMVs, the q/k/v kernel and attention per layer.
+    """One token (a batch-1 decode step): four GEMVs and attention per layer.
 
     The residual stream is one row that every layer adds into in place; the RMSNorms run in the
     prologues of the q/k/v and gate/up GEMVs, SiLU-and-mul in the down GEMV's, the residual adds in
@@ -158,10 +165,18 @@ def _qkv_attention(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     q = qkv[:, :q_size].view(n, attn.num_heads, d)
     k = qkv[:, q_size:q_size + kv_size].view(n, attn.num_kv_heads, d)
     v = qkv[:, q_size + kv_size:].view(n, attn.num_kv_heads, d)
+    norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
+    if backend.name == "triton" and meta.is_decode_only and decode_takes_qkv():
+        # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all.
+        from flashstack.engine.kernels.triton_attention import NewTokens, paged_decode_triton
+
+        max_len = meta.scratch.get("graph_max_context_len", meta.max_context_len)
+        out = paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, attn.scale, max_len,
+                                  attn.sliding_window, new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms))
+        return out.reshape(n, -1)
     if backend.name == "triton":  # one launch for q/k-norm, rotary and the KV store
         from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
 
-        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
         q = rope_and_store_kv_triton(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)
     else:
         if attn.qk_norm:

@@ -160,3 +160,71 @@ def test_store_matches_reference_and_skips_padding(device, block_size):
     vp = torch.cat([v, torch.randn(3, heads, dim, dtype=dtype, device=device)])
     tk.store_kvcache_triton(kp, vp, cache_b, padded)
     torch.testing.assert_close(cache_b, cache_a, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,ctx,splits", [
+    (4, 4, 64, 16, [1, 17, 40], None),  # a context of just the new token
+    (8, 2, 64, 16, [37, 100], 3),  # the new token in a later split than the first
+    (8, 2, 128, 32, [5, 70], 1),  # one split: the output written directly
+    (4, 1, 16, 16, [20, 3], 2),  # head_dim 16, as the tiny test models have
+])
+@pytest.mark.parametrize("window", [None, 9])
+def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(device, dtype, qk_norm, heads, kv_heads, dim,
+                                                               block_size, ctx, splits, window):
+    """Rotating q/k and storing the new k/v inside the decode kernel equals the q/k/v kernel followed
+    by the plain decode kernel: same output, same cache. A padded row (slot -1) stores nothing, yet
+    attends with its new k/v: they come from registers, not from reading the cache back."""
+    from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
+    from flashstack.engine.models.layers import RotaryEmbedding
+
+    torch.manual_seed(0)
+    num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 3
+    cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, block_size, num_blocks, device)
+    meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
+    positions = torch.tensor([c - 1 for c in ctx], device=device)
+    real_slots = torch.stack([tables[i, (c - 1) // block_size] * block_size + (c - 1) % block_size
+                              for i, c in enumerate(ctx)]).long()
+    slots = real_slots.clone()
+    slots[0] = -1  # graph padding
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(len(ctx), width, dtype=dtype, device=device)  # views, as the fused projection gives them
+    q = qkv[:, :heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
+    cos, sin = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)(positions, dtype)
+    qw = torch.randn(dim, dtype=dtype, device=device) if qk_norm else None
+    kw = torch.randn(dim, dtype=dtype, device=device) if qk_norm else None
+    scale = dim**-0.5
+
+    want_cache = cache.clone()  # what the cache must hold after the step: row 0 not stored
+    rope_and_store_kv_triton(q.clone(), k, v, cos, sin, want_cache, slots, qw, kw, 1e-6)
+    full_cache = cache.clone()  # what every row must attend over: its own new k/v included
+    q_rot = rope_and_store_kv_triton(q.clone(), k, v, cos, sin, full_cache, real_slots, qw, kw, 1e-6)
+    want = tk.paged_decode_triton(q_rot, full_cache, tables, meta.context_lens, scale, max(ctx), window,
+                                  num_splits=splits)
+    new = tk.NewTokens(k, v, cos, sin, slots, qw, kw, 1e-6)
+    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window,
+                                 num_splits=splits, new=new)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(cache, want_cache, **_tol(dtype))
+    assert torch.equal(q, qkv[:, :heads * dim].view(-1, heads, dim))  # q itself is left unrotated
+
+
+def test_decode_merge_leaves_its_counters_at_zero(device):
+    """The split that arrives last merges and resets its counter, so the next launch (the next
+    layer, the next graph replay) starts from zero: repeated launches give the same answer."""
+    torch.manual_seed(5)
+    dtype = DTYPES[0]
+    ctx, bs = [50, 23], 8
+    cache = _cache(12, bs, 2, 64, dtype, device)
+    tables = _tables(ctx, bs, 12, device)
+    meta = _meta([1, 1], ctx, tables, bs, device)
+    q = torch.randn(2, 4, 64, dtype=dtype, device=device)
+    want = paged_attention_reference(q, cache, meta, 0.125)
+    for _ in range(3):
+        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, 64, num_splits=4, block_n=16)
+        torch.testing.assert_close(got, want, **_tol(dtype))
+    assert not tk._counters[q.device].any()
