@@ -64,6 +64,27 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
             "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3)}
 
 
+def launch_sweep(context: int) -> dict:
+    """The decode kernel's launch parameters at 32K, batch 1 and 4: what the defaults leave."""
+    import itertools
+
+    out = {}
+    for batch in (1, 4):
+        rows = []
+        for splits_per_sm, block_n, warps, stages in itertools.product((2, 4, 8), (64, 128), (4, 8), (2, 3, 4)):
+            splits = max(1, math.ceil(splits_per_sm * 132 / (batch * 8)))
+            try:
+                r = decode_kernel_bandwidth(batch, context, 256, iters=20, num_splits=splits, block_n=block_n,
+                                            num_warps=warps, num_stages=stages)
+            except Exception as e:  # a launch the kernel cannot take (registers, shared memory)
+                r = {"error": str(e)[-200:]}
+            rows.append({"splits": splits, "block_n": block_n, "warps": warps, "stages": stages, **r})
+        rows.sort(key=lambda r: r.get("us", 1e9))
+        out[str(batch)] = rows[:8]
+        print("sweep", batch, rows[:5], flush=True)
+    return out
+
+
 def prefill(path: Path, length: int) -> dict:
     from flashstack.engine import LLM, SamplingParams
 
@@ -93,6 +114,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also sweep the decode kernel's launch (splits, tile, warps, stages) at batch 1 and 4")
     ap.add_argument("--checkpoint", type=Path, help="an 8B-shape checkpoint dir (engine_decode.py --keep)")
     args = ap.parse_args()
     result: dict = {"gpu": torch.cuda.get_device_name(), "context": args.context, "decode_kernel": {}, "block_sweep": {}}
@@ -108,6 +131,8 @@ def main() -> None:
             result["decode_kernel"][str(batch)] = decode_kernel_bandwidth(batch, args.context, 256)
         except Exception:
             result["decode_kernel"][f"{batch}_error"] = traceback.format_exc()[-1500:]
+    if args.sweep:
+        result["launch_sweep"] = launch_sweep(args.context)
     for bs in (16, 64, 128, 256, 512):
         try:
             result["block_sweep"][str(bs)] = decode_kernel_bandwidth(8, args.context, bs)
