@@ -35,7 +35,7 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
                             dim: int = 128, iters: int = 50, grid_context: int | None = None, **launch) -> dict:
     """KV bytes read per second by one layer's split-KV decode kernel over a paged cache.
     `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
-    goes to paged_decode_triton (block_n, num_warps, num_stages)."""
+    goes to paged_decode_triton (num_splits, min_split, block_n, num_warps, num_stages)."""
     from flashstack.engine.kernels.triton_attention import paged_decode_triton
 
     blocks_per_seq = math.ceil(context / block_size)

@@ -110,7 +110,7 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rb,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     stride_tb, stride_ob, stride_oh,
-    scale, eps, block_size, window, tokens_per_split, num_splits,
+    scale, eps, block_size, window, min_split, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, S_CHUNK: tl.constexpr, PREC: tl.constexpr,
     NEW: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
@@ -120,7 +120,11 @@ def _decode_kernel(
     split = tl.program_id(2)
     num_kv = tl.num_programs(1)
     ctx = tl.load(ctx_ptr + b)
-    # Splits past the context have nothing to read: a graph's grid is sized for the longest context.
+    # This sequence's own share per split, whole tiles, at least `min_split` tokens: a short context
+    # is read by a few programs that pipeline their tiles rather than by many that each wait for one
+    # tile and then merge. Splits past the context have nothing to read (a graph's grid is sized for
+    # the longest context).
+    tokens_per_split = tl.maximum(min_split, tl.cdiv(tl.cdiv(tl.maximum(ctx, 1), num_splits), BLOCK_N) * BLOCK_N)
     active = tl.cdiv(tl.maximum(ctx, 1), tokens_per_split)
     if split < active:
         lo = split * tokens_per_split
@@ -247,6 +251,10 @@ def _precision(kv_cache: torch.Tensor) -> str:
     return "ieee" if kv_cache.dtype == torch.float32 else "tf32"
 
 
+# Fewest tokens a split reads, unless the whole context is shorter (see _decode_kernel).
+DECODE_MIN_SPLIT = 256
+
+
 def decode_num_splits(batch: int, kv_heads: int, max_context_len: int, block_n: int, sm_count: int) -> int:
     """Splits per sequence so batch × kv_heads × splits fills the GPU, never smaller than one tile."""
     want = math.ceil(_PROGRAMS_PER_SM * sm_count / max(1, batch * kv_heads))
@@ -271,14 +279,16 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                         context_lens: torch.Tensor, scale: float, max_context_len: int,
                         sliding_window: int | None = None, num_splits: int | None = None,
                         block_n: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, new: NewTokens | None = None) -> torch.Tensor:
+                        num_stages: int | None = None, new: NewTokens | None = None,
+                        min_split: int | None = None) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache; returns
     [batch, heads, head_dim] in q's dtype.
 
     `max_context_len` fixes the grid (and must bound every context length); pass the engine's
     max_model_len when capturing a CUDA graph, so one graph serves every step. With `new`, q is
     the unrotated q straight from the q/k/v projection and the new k/v are not in the cache yet:
-    the kernel rotates them, stores them and attends with them (see NewTokens).
+    the kernel rotates them, stores them and attends with them (see NewTokens). `min_split`: the
+    fewest tokens a split reads (DECODE_MIN_SPLIT).
     """
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[3]
@@ -287,7 +297,8 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         block_n = decode_block_n(batch, kv_heads)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, _sm_count(q.device))
-    tokens_per_split = math.ceil(max_context_len / num_splits / block_n) * block_n
+    if min_split is None:
+        min_split = DECODE_MIN_SPLIT
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     split = num_splits > 1
     if split:
@@ -316,7 +327,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rb,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale, eps, kv_cache.shape[2], sliding_window or 0, tokens_per_split, num_splits,
+        scale, eps, kv_cache.shape[2], sliding_window or 0, min_split, num_splits,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), G_P2=g_p2, D=dim, D_PAD=d_pad, BLOCK_N=block_n,
         S_CHUNK=max(2, min(triton.next_power_of_2(num_splits), 4096 // (g_p2 * d_pad))),
         PREC=_precision(kv_cache), NEW=new is not None, QK_NORM=new is not None and new.q_norm is not None,

@@ -85,9 +85,14 @@ def test_decode_matches_reference(device, dtype, heads, kv_heads, dim, block_siz
     want = paged_attention_reference(q, cache, meta, scale)
     got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx))
     torch.testing.assert_close(got, want, **_tol(dtype))
-    # A graph-sized grid (more splits than the context needs) gives the same answer.
+    # A graph-sized grid (more splits than the context needs) gives the same answer, and so do
+    # short splits, merged by the split that finishes last.
     got = tk.paged_decode_triton(
         q, cache, tables, meta.context_lens, scale, max(ctx) * 4, num_splits=5
+    )
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    got = tk.paged_decode_triton(
+        q, cache, tables, meta.context_lens, scale, max(ctx), num_splits=5, block_n=16, min_split=16
     )
     torch.testing.assert_close(got, want, **_tol(dtype))
     # One split: the kernel writes the output directly, no merge.
@@ -203,11 +208,10 @@ def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(device, dtype, qk
     rope_and_store_kv_triton(q.clone(), k, v, cos, sin, want_cache, slots, qw, kw, 1e-6)
     full_cache = cache.clone()  # what every row must attend over: its own new k/v included
     q_rot = rope_and_store_kv_triton(q.clone(), k, v, cos, sin, full_cache, real_slots, qw, kw, 1e-6)
-    want = tk.paged_decode_triton(q_rot, full_cache, tables, meta.context_lens, scale, max(ctx), window,
-                                  num_splits=splits)
+    launch = dict(num_splits=splits, block_n=16, min_split=16)  # short splits: the merge runs too
+    want = tk.paged_decode_triton(q_rot, full_cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
     new = tk.NewTokens(k, v, cos, sin, slots, qw, kw, 1e-6)
-    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window,
-                                 num_splits=splits, new=new)
+    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
     torch.testing.assert_close(got, want, **_tol(dtype))
     torch.testing.assert_close(cache, want_cache, **_tol(dtype))
     assert torch.equal(q, qkv[:, :heads * dim].view(-1, heads, dim))  # q itself is left unrotated
@@ -225,6 +229,7 @@ def test_decode_merge_leaves_its_counters_at_zero(device):
     q = torch.randn(2, 4, 64, dtype=dtype, device=device)
     want = paged_attention_reference(q, cache, meta, 0.125)
     for _ in range(3):
-        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, 64, num_splits=4, block_n=16)
+        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, 64, num_splits=4, block_n=16,
+                                     min_split=16)
         torch.testing.assert_close(got, want, **_tol(dtype))
     assert not tk._counters[q.device].any()
