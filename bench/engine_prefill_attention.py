@@ -92,7 +92,7 @@ def main() -> None:
         from tests.engine.kernels.conftest import _fix_interpreter_scalars
 
         _fix_interpreter_scalars()
-    from flashstack.engine.kernels.attention import paged_attention_reference
+    from flashstack.engine.kernels.attention import paged_attention_reference, paged_prefill_sdpa
     from flashstack.engine.kernels.triton_attention import paged_prefill_triton
 
     device = "cpu" if args.tiny else "cuda"
@@ -107,10 +107,12 @@ def main() -> None:
         ours = paged_prefill_triton(q, cache, meta, scale)
         k, v = gather_kv(cache, table, context, heads)
         theirs = sdpa(q, k, v)  # SDPA's default scale is 1/sqrt(dim), the same
+        engine_sdpa = paged_prefill_sdpa(q, cache, meta, scale)  # what the engine runs for long chunks
         want = paged_attention_reference(q, cache, meta, scale)
         tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(ours, want, **tol)
         torch.testing.assert_close(theirs, want, **tol)
+        torch.testing.assert_close(engine_sdpa, want, **tol)
         if args.tiny:
             print(context, "Triton paged prefill and SDPA agree with the reference", flush=True)
             continue
@@ -120,6 +122,7 @@ def main() -> None:
         row = {}
         for name, fn in (("triton_paged", lambda: paged_prefill_triton(q, cache, meta, scale)),
                          ("sdpa_with_gather", lambda: sdpa(q, *gather_kv(cache, table, context, heads))),
+                         ("engine_sdpa", lambda: paged_prefill_sdpa(q, cache, meta, scale)),
                          ("sdpa_contiguous", lambda: sdpa(q, k, v))):
             ms = timed_ms(fn, args.iters)
             row[name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),

@@ -86,7 +86,7 @@ def test_decode_matches_reference(device, dtype, heads, kv_heads, dim, block_siz
     got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx))
     torch.testing.assert_close(got, want, **_tol(dtype))
     # A graph-sized grid (more splits than the context needs) gives the same answer, and so do
-    # short splits, merged by the split that finishes last.
+    # short splits, which the merge kernel combines.
     got = tk.paged_decode_triton(
         q, cache, tables, meta.context_lens, scale, max(ctx) * 4, num_splits=5
     )
@@ -217,19 +217,20 @@ def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(device, dtype, qk
     assert torch.equal(q, qkv[:, :heads * dim].view(-1, heads, dim))  # q itself is left unrotated
 
 
-def test_decode_merge_leaves_its_counters_at_zero(device):
-    """The split that arrives last merges and resets its counter, so the next launch (the next
-    layer, the next graph replay) starts from zero: repeated launches give the same answer."""
-    torch.manual_seed(5)
-    dtype = DTYPES[0]
-    ctx, bs = [50, 23], 8
-    cache = _cache(12, bs, 2, 64, dtype, device)
-    tables = _tables(ctx, bs, 12, device)
-    meta = _meta([1, 1], ctx, tables, bs, device)
-    q = torch.randn(2, 4, 64, dtype=dtype, device=device)
-    want = paged_attention_reference(q, cache, meta, 0.125)
-    for _ in range(3):
-        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, 64, num_splits=4, block_n=16,
-                                     min_split=16)
-        torch.testing.assert_close(got, want, **_tol(dtype))
-    assert not tk._counters[q.device].any()
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_long_prefill_chunks_take_sdpa_and_match_reference(device, monkeypatch, heads, kv_heads):
+    """Chunks past SDPA_MIN_QUERY_LEN go through torch's fused attention, cached prefixes included."""
+    from flashstack.engine.kernels import attention
+
+    torch.manual_seed(6)
+    dtype, dim, bs = DTYPES[0], 64, 16
+    query_lens, ctx = [20, 24], [37, 24]  # the first with a cached prefix
+    monkeypatch.setattr(attention, "SDPA_MIN_QUERY_LEN", 20)
+    num_blocks = sum(math.ceil(c / bs) for c in ctx) + 2
+    cache = _cache(num_blocks, bs, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, bs, num_blocks, device)
+    meta = _meta(query_lens, ctx, tables, bs, device)
+    assert attention.sdpa_prefill_applies(meta, None) and not attention.sdpa_prefill_applies(meta, 8)
+    q = torch.randn(sum(query_lens), heads, dim, dtype=dtype, device=device)
+    want = paged_attention_reference(q, cache, meta, 0.1)
+    torch.testing.assert_close(tk.paged_attention_triton(q, cache, meta, 0.1), want, **_tol(dtype))
