@@ -5,8 +5,8 @@ gaps, not the arithmetic, are what separates a step from the bandwidth floor. Co
 q/k/v and gate/up weights halves the matmul launches and lets each read one contiguous weight; the
 Triton kernels collapse RMSNorm + residual add and SiLU-and-mul into one launch each, and q/k-norm,
 rotary and the KV store into one. A one-token step goes further: the norms, SiLU-and-mul and
-residual adds run inside the batch-1 GEMVs (kernels/triton_gemv.py), and in decode steps the
-attention kernel does the q/k/v kernel's work: five kernels a layer.
+residual adds run inside the batch-1 GEMVs (kernels/triton_gemv.py), and the decode attention
+kernel does the q/k/v kernel's work: six kernels a layer (four GEMVs, attention and its merge).
 The plain modules stay the CPU path and the oracle; this path is taken only on CUDA.
 """
 
@@ -54,8 +54,8 @@ def triton_gemv_enabled() -> bool:
 
 
 def decode_takes_qkv() -> bool:
-    """Decode attention does the q/k/v kernel's work by default; FLASHSTACK_DECODE_QKV=0 keeps the
-    separate kernel (for the benchmark that measures what the fusion buys)."""
+    """Batch-1 decode attention does the q/k/v kernel's work by default; FLASHSTACK_DECODE_QKV=0
+    keeps the separate kernel (for the benchmark that measures what the fusion buys)."""
     return os.environ.get("FLASHSTACK_DECODE_QKV", "1") != "0"
 
 
@@ -166,8 +166,10 @@ def _qkv_attention(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     k = qkv[:, q_size:q_size + kv_size].view(n, attn.num_kv_heads, d)
     v = qkv[:, q_size + kv_size:].view(n, attn.num_kv_heads, d)
     norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
-    if backend.name == "triton" and meta.is_decode_only and decode_takes_qkv():
-        # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all.
+    if backend.name == "triton" and meta.is_decode_only and n == 1 and decode_takes_qkv():
+        # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all. Only
+        # at batch 1, where it measured faster (8B step 4.30 -> 4.24 ms on the H200); at batch 32
+        # and 128 every split program rotating its q cost more than the launch it saves.
         from flashstack.engine.kernels.triton_attention import NewTokens, paged_decode_triton
 
         max_len = meta.scratch.get("graph_max_context_len", meta.max_context_len)
