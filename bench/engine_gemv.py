@@ -9,8 +9,7 @@ then is fusing RMSNorm, SiLU-and-mul and the residual add into GEMV prologues an
 building. The kernel is the engine's (flashstack/engine/kernels/triton_gemv.py, tested in
 tests/engine/kernels/test_triton_gemv.py), swept over launch configurations here, and so is its
 fused form as the decoder runs it at batch 1 (RMSNorm, SiLU-and-mul, residual add folded in)
-against cuBLAS plus the separate kernel the fusion removes. The sweep includes prefetching two
-weight chunks ahead instead of one (config names end in _p1 / _p2), and so does the layer chain.
+against cuBLAS plus the separate kernel the fusion removes.
 """
 
 from __future__ import annotations
@@ -54,30 +53,18 @@ def graph_us(fn, iters: int = 20, reps: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
-def sweep(fn, configs) -> dict[int, tuple[float, str]]:
-    """Fastest (µs, config name) of `fn(i, config)` over `configs`, per prefetch depth (config[3]):
-    the best of each depth is reported, not only the best overall, to compare them."""
-    best: dict[int, tuple[float, str]] = {}
+def sweep(fn, configs) -> tuple[float, str] | None:
+    """Fastest (µs, config name) of `fn(i, config)` over `configs`."""
+    best = None
     for config in configs:
         try:
             us = graph_us(lambda i: fn(i, config))
         except Exception:
             traceback.print_exc()
             continue
-        if config[3] not in best or us < best[config[3]][0]:
-            best[config[3]] = (us, "n{}_k{}_w{}_p{}".format(*config))
+        if best is None or us < best[0]:
+            best = (us, "n{}_k{}_w{}".format(*config))
     return best
-
-
-def best_fields(prefix: str, best: dict[int, tuple[float, str]]) -> dict:
-    """`sweep`'s result as {prefix}_best(_us) overall and {prefix}_best_p<depth>(_us) per depth."""
-    out = {}
-    if best:
-        us, name = min(best.values())
-        out[f"{prefix}_best"], out[f"{prefix}_best_us"] = name, round(us, 2)
-    for depth, (us, name) in sorted(best.items()):
-        out[f"{prefix}_best_p{depth}"], out[f"{prefix}_best_p{depth}_us"] = name, round(us, 2)
-    return out
 
 
 def main() -> None:
@@ -85,10 +72,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     result: dict = {}
-    # (rows, chunk, warps, chunks prefetched). Two chunks ahead: the same grid less 16 rows of 1024
-    # at 4 warps, which spills registers then (ptxas for sm_90: 255 registers and a 208+ B stack).
-    configs = list(itertools.product((2, 4, 8, 16), (512, 1024), (4, 8), (1,)))
-    configs += [c for c in itertools.product((2, 4, 8, 16), (512, 1024), (4, 8), (2,)) if c[:3] != (16, 1024, 4)]
+    configs = list(itertools.product((2, 4, 8, 16), (512, 1024), (4, 8)))
     for name, (n, k) in SHAPES.items():
         # Enough copies of the weight that a graph of 20 calls reads from memory, not from the
         # 50 MB L2, as a decode step does.
@@ -101,7 +85,8 @@ def main() -> None:
         torch.testing.assert_close(gemv_triton(ws[0], x).float(), torch.nn.functional.linear(x, ws[0]).float(),
                                    atol=2.0, rtol=5e-2)
         if name == "lm_head":  # the one projection the decoder runs unfused
-            row.update(best_fields("triton", sweep(lambda i, c: gemv_triton(ws[i % len(ws)], x, None, c), configs)))
+            best = sweep(lambda i, c: gemv_triton(ws[i % len(ws)], x, None, c), configs)
+            row["triton_best"], row["triton_best_us"] = best[1], round(best[0], 2)
         else:
             row.update(fused_variant(name, ws, x, configs))
         result[name] = row
@@ -115,12 +100,10 @@ def main() -> None:
 def layer_chain(layers: int = 8) -> dict:
     """The four projections of `layers` decoder layers back to back in one graph, each layer its own
     weights (3.5 GB: nothing stays in L2, as in a decode step): the fused Triton GEMVs with and
-    without programmatic dependent launch, with it and two weight chunks prefetched instead of one
-    (the default configs otherwise), and cuBLAS with the separate kernels it needs."""
+    without programmatic dependent launch, and cuBLAS with the separate kernels it needs."""
     import os
 
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
-    from flashstack.engine.kernels.triton_gemv import gemv_config
 
     h, inter, qkv = 4096, 14336, 6144
     dev, dt = "cuda", torch.bfloat16
@@ -132,15 +115,12 @@ def layer_chain(layers: int = 8) -> dict:
     attn = torch.randn(1, h, dtype=dt, device=dev)
     nbytes = sum(w.numel() * 2 for layer in ws for w in layer)
 
-    def fused(c_qkv=None, c_o=None, c_gu=None, c_d=None) -> None:
+    def fused() -> None:
         for w_qkv, w_o, w_gu, w_d in ws:
-            gemv_triton(w_qkv, residual, None, c_qkv, norm=(g, 1e-5))
-            gemv_triton(w_o, attn, None, c_o, residual=residual)
-            gate_up = gemv_triton(w_gu, residual, None, c_gu, norm=(g, 1e-5))
-            gemv_triton(w_d, gate_up, None, c_d, silu=True, residual=residual)
-
-    p2 = [(*gemv_config(n, k, f)[:3], 2)
-          for n, k, f in ((qkv, h, "norm"), (h, h, "residual"), (2 * inter, h, "norm"), (h, inter, "silu"))]
+            gemv_triton(w_qkv, residual, norm=(g, 1e-5))
+            gemv_triton(w_o, attn, residual=residual)
+            gate_up = gemv_triton(w_gu, residual, norm=(g, 1e-5))
+            gemv_triton(w_d, gate_up, silu=True, residual=residual)
 
     def cublas() -> None:
         linear = torch.nn.functional.linear
@@ -152,8 +132,7 @@ def layer_chain(layers: int = 8) -> dict:
             linear(silu_and_mul_triton(linear(x, w_gu)), w_d)
 
     out = {}
-    for name, fn, pdl in (("triton_pdl", fused, "1"), ("triton_pdl_p2", lambda: fused(*p2), "1"),
-                          ("triton", fused, "0"), ("cublas", cublas, "0")):
+    for name, fn, pdl in (("triton_pdl", fused, "1"), ("triton", fused, "0"), ("cublas", cublas, "0")):
         os.environ["FLASHSTACK_PDL"] = pdl
         us = graph_us(lambda i: fn(), iters=1, reps=20) / layers
         out[name] = {"us_per_layer": round(us, 2), "tb_s": round(nbytes / layers / us / 1e6, 2)}
@@ -187,9 +166,9 @@ def fused_variant(name: str, ws: list[torch.Tensor], x: torch.Tensor, configs) -
     best = sweep(fused, configs)
     out = {"fused": what, "cublas_unfused_us": round(graph_us(unfused), 2),
            "fused_default_us": round(graph_us(lambda i: fused(i, None)), 2)}
-    out.update(best_fields("fused", best))
-    if best:
-        out["fused_best_tb_s"] = round(n * k * 2 / min(best.values())[0] / 1e6, 2)
+    if best is not None:
+        out["fused_best"], out["fused_best_us"] = best[1], round(best[0], 2)
+        out["fused_best_tb_s"] = round(n * k * 2 / best[0] / 1e6, 2)
     return out
 
 

@@ -4,10 +4,7 @@ per-token work around a decoder's projections folded into it.
 At batch 1 a projection is a pure weight stream. cuBLAS picks split-K kernels for some of the
 Llama-3-8B shapes, which adds a reduce kernel after o and down, and reads the q/k/v and o weights
 at ~3.2 TB/s inside a decode graph. This kernel gives each program BLOCK_N whole rows and streams
-them in BLOCK_K chunks, one fp32 dot per row at the end: no split-K, no second kernel. PREFETCH
-chunks are in flight ahead of the multiply: 2 doubles the bytes each program keeps in flight, for
-the short projections that stay below the memory's bandwidth; it is swept by the bench but not yet
-measured, so the defaults prefetch 1.
+them in BLOCK_K chunks, one fp32 dot per row at the end: no split-K, no second kernel.
 
 Because every program reads the whole input row anyway (a few KB, from L2), the elementwise
 kernels that sit between the projections of a decoder layer fold in at little cost:
@@ -37,19 +34,17 @@ from flashstack.engine.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 @triton.jit
 def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
                  HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, SILU_IN: tl.constexpr, ADD_OUT: tl.constexpr,
-                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     act_dtype = x_ptr.dtype.element_ty
-    # The weights stream PREFETCH chunks ahead of the multiply (w, then w1 with PREFETCH=2). The
-    # first chunks depend on nothing earlier in the stream: under programmatic dependent launch they
-    # are in flight while the previous kernel finishes. A chunk past the end is fully masked.
+    # The weights stream one chunk ahead of the multiply. The first chunk depends on nothing earlier
+    # in the stream: under programmatic dependent launch it is in flight while the previous kernel
+    # finishes.
     cols = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
-    if PREFETCH == 2:
-        w1 = tl.load(w_rows + BLOCK_K + cols[None, :], mask=rmask[:, None] & (BLOCK_K + cols < K)[None, :], other=0.0)
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
     if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
         sq = tl.zeros([BLOCK_K], tl.float32)
@@ -70,14 +65,8 @@ def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
             if NORM_IN:
                 x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(act_dtype)
         acc += w.to(tl.float32) * x.to(act_dtype).to(tl.float32)[None, :]
-        # Past the end on the last PREFETCH passes: fully masked, reads nothing.
-        if PREFETCH == 2:
-            w = w1
-            nxt = kcols + 2 * BLOCK_K
-            w1 = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
-        else:
-            nxt = kcols + BLOCK_K
-            w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
+        nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
+        w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -86,20 +75,19 @@ def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, int, int, int]:
-    """(rows per program, K chunk, warps, chunks prefetched): the fastest of 16 configurations per
-    shape on the H200 with one chunk prefetched, each reading its weights from memory as in a decode
-    step (bench/engine_gemv.py); prefetching 2 is not yet measured. Fused, as the decoder runs them
-    (`fused` = "norm", "silu" or "residual"): 4 rows in 1024-wide chunks where the norm's extra pass
-    over the input runs in every program, else 8 rows. Plain: long rows (K = 14336) 16 rows and 8
-    warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks."""
+def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, int, int]:
+    """(rows per program, K chunk, warps): the fastest of 32 configurations per shape on the H200,
+    each reading its weights from memory as in a decode step (bench/engine_gemv.py). Fused, as the
+    decoder runs them (`fused` = "norm", "silu" or "residual"): 4 rows in 1024-wide chunks where the
+    norm's extra pass over the input runs in every program, else 8 rows. Plain: long rows (K =
+    14336) 16 rows and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks."""
     if fused is not None:
-        return (4, 1024, 4, 1) if fused == "norm" else (8, 1024, 4, 1)
+        return (4, 1024, 4) if fused == "norm" else (8, 1024, 4)
     if k > 8192:
-        return 16, 1024, 8, 1
+        return 16, 1024, 8
     if n >= 16384:
-        return 2, 1024, 4, 1
-    return 8, 512, 4, 1
+        return 2, 1024, 4
+    return 8, 512, 4
 
 
 def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -110,15 +98,12 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
 
     `norm=(weight, eps)`: multiply by RMSNorm(x) instead of x. `silu`: x is [1, 2K] and the product
     is taken with silu(x[:, :K]) * x[:, K:]. `residual` [1, N]: add the product into it in place and
-    return it. `config` overrides `gemv_config`: (rows per program, K chunk, warps[, chunks
-    prefetched, 1 or 2; 1 if left out])."""
+    return it. `config` overrides `gemv_config` (rows per program, K chunk, warps)."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
     fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
-    config = config or gemv_config(n, k, fused)
-    block_n, block_k, warps, prefetch = (*config, 1) if len(config) == 3 else config
-    assert prefetch in (1, 2), prefetch
+    block_n, block_k, warps = config or gemv_config(n, k, fused)
     if residual is not None:
         assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
         y = residual
@@ -129,7 +114,7 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight, x, bias if bias is not None else y, y, norm_weight, n, k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, NORM_IN=norm is not None, SILU_IN=silu, ADD_OUT=residual is not None,
-        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps,
+        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         launch_pdl=pdl,
     )
     return y
