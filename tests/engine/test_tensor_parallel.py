@@ -151,6 +151,9 @@ def test_nccl_two_gpus_match_one(hf_checkpoints) -> None:
     try:
         assert llm.engine.runner.graphs is not None, "decode graphs are captured on every rank"
         assert run_checked(llm, PROMPTS, greedy(MAX_TOKENS)) == refs
+        # One sequence alone: batch-1 steps, whose row-parallel GEMVs carry the residual into the
+        # all-reduce (models/fused.py, _add_projection).
+        assert run_checked(llm, [PROMPTS[2]], greedy(MAX_TOKENS)) == [refs[2]]
     finally:
         llm.engine.shutdown()
 

@@ -12,7 +12,9 @@ kernels that sit between the projections of a decoder layer fold in at little co
   each program first computes the row's mean square (one extra pass over the input).
 - `silu`: the input is a fused gate/up output [1, 2K] and the product is taken with
   silu(gate) * up, computed chunk by chunk as the weight streams.
-- `residual`: the output is added into the residual stream in place (each program owns its rows).
+- `residual`: the output is added into the residual stream in place (each program owns its rows), or
+  written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum, staged in
+  peer-visible memory for the all-reduce).
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
 
@@ -32,7 +34,7 @@ from flashstack.engine.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
+def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, g_ptr, N, K, stride_w, eps,
                  HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, SILU_IN: tl.constexpr, ADD_OUT: tl.constexpr,
                  USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -70,8 +72,8 @@ def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_w, eps,
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    if ADD_OUT:  # y_ptr is the residual: round the projection first, as `proj(x) + residual` would
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(y_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if ADD_OUT:  # r_ptr is the residual: round the projection first, as `proj(x) + residual` would
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -93,12 +95,12 @@ def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, int, int
 def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
                 config: tuple[int, ...] | None = None, *,
                 norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
     `norm=(weight, eps)`: multiply by RMSNorm(x) instead of x. `silu`: x is [1, 2K] and the product
     is taken with silu(x[:, :K]) * x[:, K:]. `residual` [1, N]: add the product into it in place and
-    return it. `config` overrides `gemv_config` (rows per program, K chunk, warps)."""
+    return it. `out` [1, N]: write the result there (residual added, if given) and return it. `config` overrides `gemv_config` (rows per program, K chunk, warps)."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
@@ -106,13 +108,14 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
     block_n, block_k, warps = config or gemv_config(n, k, fused)
     if residual is not None:
         assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
-        y = residual
-    else:
-        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if out is not None:
+        assert out.shape == (1, n) and out.is_contiguous() and out.dtype == x.dtype
+    y = out if out is not None else residual if residual is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        weight, x, bias if bias is not None else y, y, norm_weight, n, k, weight.stride(0), eps,
+        weight, x, bias if bias is not None else y, y, residual if residual is not None else y, norm_weight,
+        n, k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, NORM_IN=norm is not None, SILU_IN=silu, ADD_OUT=residual is not None,
         USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         launch_pdl=pdl,

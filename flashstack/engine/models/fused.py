@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
@@ -94,11 +95,9 @@ def fuse_weights(model: nn.Module, one_row_gemv: bool = True) -> None:
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
     decoder.fused = True
     if one_row_gemv:
-        # One-row steps fold the norms, SiLU-and-mul and residual adds into the GEMVs, unless a
-        # row-parallel projection must reduce across ranks between the GEMV and the residual add.
-        decoder.one_row_gemv = all(
-            type(m) is nn.Linear for layer in decoder.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)
-        )
+        # One-row steps fold the norms, SiLU-and-mul and residual adds into the GEMVs; under tensor
+        # parallelism the row-parallel o and down GEMVs write partial sums for the all-reduce.
+        decoder.one_row_gemv = True
         use_triton_gemv(model)
 
 
@@ -125,9 +124,10 @@ def _one_row_forward(decoder: nn.Module, hidden: torch.Tensor, cos: torch.Tensor
                      meta: AttentionMetadata, kv_caches: list[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
     """One token (a batch-1 decode step): four GEMVs and attention per layer.
 
-    The residual stream is one row that every layer adds into in place; the RMSNorms run in the
-    prologues of the q/k/v and gate/up GEMVs, SiLU-and-mul in the down GEMV's, the residual adds in
-    the epilogues of o and down. Same rounding as the unfused kernels (kernels/triton_gemv.py)."""
+    The residual stream is one row that every layer adds into (in place on one GPU, through the
+    all-reduce under tensor parallelism: `_add_projection`); the RMSNorms run in the prologues of the
+    q/k/v and gate/up GEMVs, SiLU-and-mul in the down GEMV's, the residual adds in the epilogues of o
+    and down. Same rounding as the unfused kernels on one GPU (kernels/triton_gemv.py)."""
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
     from flashstack.engine.kernels.triton_gemv import gemv_triton
 
@@ -136,10 +136,34 @@ def _one_row_forward(decoder: nn.Module, hidden: torch.Tensor, cos: torch.Tensor
         attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
         qkv = gemv_triton(attn.qkv_proj.weight, residual, attn.qkv_proj.bias, norm=(norm1.weight, norm1.eps))
         out = _qkv_attention(attn, qkv, cos, sin, meta, kv_cache, backend)
-        gemv_triton(attn.o_proj.weight, out, attn.o_proj.bias, residual=residual)
+        residual = _add_projection(attn.o_proj, out, residual)
         gate_up = gemv_triton(mlp.gate_up_proj.weight, residual, mlp.gate_up_proj.bias, norm=(norm2.weight, norm2.eps))
-        gemv_triton(mlp.down_proj.weight, gate_up, mlp.down_proj.bias, silu=True, residual=residual)
+        residual = _add_projection(mlp.down_proj, gate_up, residual, silu=True)
     return rmsnorm_triton(residual, decoder.norm.weight, decoder.norm.eps)[0]
+
+
+def _add_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    """residual + proj(x) for the o and down projections of a one-row step; returns the new residual.
+
+    On one GPU the GEMV adds into the residual in place. A row-parallel projection (tensor
+    parallelism) holds a slice of the input features, so each rank's GEMV gives a partial sum: the
+    driver's also carries the residual (and the bias), so the all-reduce of the partials is the new
+    residual, with no separate add. The partials go straight into peer-visible memory where the
+    one-shot all-reduce can read them."""
+    from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+    tp = getattr(proj, "tp", None)
+    if tp is None:
+        return gemv_triton(proj.weight, x, proj.bias, silu=silu, residual=residual)
+    driver = tp.is_driver
+    fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)
+    staged = tp.fast.stage(tuple(residual.shape)) if fast else torch.empty_like(residual)
+    gemv_triton(proj.weight, x, proj.bias if driver else None, silu=silu, residual=residual if driver else None,
+                out=staged)
+    if fast:
+        return tp.fast.reduce(staged)
+    dist.all_reduce(staged, group=tp.group)
+    return staged
 
 
 def _norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

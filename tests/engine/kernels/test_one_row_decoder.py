@@ -69,3 +69,42 @@ def test_one_row_step_matches_plain_modules(device, qk_norm):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for mine, theirs in zip(fused_caches, caches):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device):
+    """Under tensor parallelism o and down are row-parallel: each rank's GEMV writes a partial sum,
+    the driver's with the residual, and the all-reduce gives the new residual. A one-rank gloo group
+    runs that path for real (its all-reduce is the identity), against the plain modules."""
+    import torch.distributed as dist
+
+    from flashstack.engine.distributed import TensorParallel
+    from flashstack.engine.kernels.triton_attention import (
+        paged_attention_triton,
+        store_kvcache_triton,
+    )
+    from flashstack.engine.models.parallel import RowParallelLinear
+
+    plain = _model(False, device)
+    fused = copy.deepcopy(plain)
+    fuse_weights(fused)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tp = TensorParallel(0, 1, torch.device(device), dist.group.WORLD)
+        for layer in fused.model.layers:
+            for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+                linear = getattr(owner, name)
+                row = RowParallelLinear(linear.out_features, 0, linear.in_features, False, tp).to(device)
+                row.weight.data.copy_(linear.weight)
+                setattr(owner, name, row)
+        args, context = plain.args, 6
+        caches = [torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+                  for _ in range(args.num_layers)]
+        fused_caches = [c.clone() for c in caches]
+        ids, pos = torch.tensor([5], device=device), torch.tensor([context - 1], device=device)
+        want = plain(ids, pos, _meta(context, device), caches, get_attention_backend("reference", device))
+        triton_backend = AttentionBackend("triton", store_kvcache_triton, paged_attention_triton)
+        got = fused(ids, pos, _meta(context, device), fused_caches, triton_backend)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

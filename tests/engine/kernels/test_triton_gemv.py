@@ -116,6 +116,13 @@ def test_residual_epilogue_adds_in_place(device, dtype, with_bias):
     assert out is residual
     # The projection is rounded to the activation dtype before the add, as `down(x) + residual` is.
     torch.testing.assert_close(out, tg.gemv_triton(w, gate_up, b, silu=True) + before, atol=0, rtol=0)
+    # Into another tensor (a tensor-parallel rank's staged partial): same bits, the residual untouched.
+    staged = torch.empty_like(before)
+    got = tg.gemv_triton(w, gate_up, b, silu=True, residual=before, out=staged)
+    assert got is staged
+    torch.testing.assert_close(got, out, atol=0, rtol=0)
+    torch.testing.assert_close(tg.gemv_triton(w, gate_up, b, silu=True, out=staged),
+                               tg.gemv_triton(w, gate_up, b, silu=True), atol=0, rtol=0)
 
 
 def test_one_prologue_per_call(device):
