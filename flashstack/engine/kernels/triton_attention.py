@@ -271,7 +271,7 @@ def decode_block_n(batch: int, kv_heads: int) -> int:
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few splits still exercise the merge
+    return 4  # the interpreter: a few splits, small enough to run the merge on CPU
 
 
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -420,6 +420,12 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     return out
 
 
+def decode_grid_context(meta: AttentionMetadata) -> int:
+    """The context length a decode step's grid is sized for: the captured graph's (max_model_len)
+    inside a graph, so one graph serves every step; the step's own longest context otherwise."""
+    return meta.scratch.get("graph_max_context_len", meta.max_context_len)
+
+
 def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """The Triton backend's attention: split-KV decode for decode-only steps; long prefill chunks
@@ -427,7 +433,6 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
     if sdpa_prefill_applies(meta, sliding_window):
         return paged_prefill_sdpa(q, kv_cache, meta, scale)
     if meta.is_decode_only:
-        max_len = meta.scratch.get("graph_max_context_len", meta.max_context_len)
-        return paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, scale, max_len,
-                                   sliding_window)
+        return paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, scale,
+                                   decode_grid_context(meta), sliding_window)
     return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window)

@@ -193,12 +193,16 @@ def _qkv_attention(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     if backend.name == "triton" and meta.is_decode_only and n == 1 and decode_takes_qkv():
         # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all. Only
         # at batch 1, where it measured faster (8B step 4.30 -> 4.24 ms on the H200); at batch 32
-        # and 128 every split program rotating its q cost more than the launch it saves.
-        from flashstack.engine.kernels.triton_attention import NewTokens, paged_decode_triton
+        # and 128 it measured ~1 % slower than the separate kernel.
+        from flashstack.engine.kernels.triton_attention import (
+            NewTokens,
+            decode_grid_context,
+            paged_decode_triton,
+        )
 
-        max_len = meta.scratch.get("graph_max_context_len", meta.max_context_len)
-        out = paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, attn.scale, max_len,
-                                  attn.sliding_window, new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms))
+        out = paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, attn.scale,
+                                  decode_grid_context(meta), attn.sliding_window,
+                                  new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms))
         return out.reshape(n, -1)
     if backend.name == "triton":  # one launch for q/k-norm, rotary and the KV store
         from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
