@@ -52,7 +52,7 @@ class TensorParallel:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup
-    fast: SymmetricAllReduce | None = None  # small all-reduces over NVLink peer memory
+    fast: SymmetricCollectives | None = None  # small all-reduces and gathers over NVLink peer memory
 
     @property
     def is_driver(self) -> bool:
@@ -89,7 +89,7 @@ class TensorParallel:
         """
         if self.device.type != "cuda" or os.environ.get("FLASHSTACK_TP_FAST_ALLREDUCE", "1") == "0":
             return
-        self.fast = SymmetricAllReduce(self.group, max_numel, dtype, self.device)
+        self.fast = SymmetricCollectives(self.group, max_numel, dtype, self.device)
 
     def gather_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` along the last dim on rank 0; None elsewhere."""
@@ -102,11 +102,34 @@ class TensorParallel:
             return None
         return torch.cat(parts.chunk(self.world_size), dim=-1)
 
+    def linear_gather_to_driver(self, x: torch.Tensor, weight: torch.Tensor, gemv: bool = False) -> torch.Tensor | None:
+        """`x @ weight.T` of every rank side by side on rank 0, None elsewhere (the vocabulary-parallel
+        head's logits). `gemv`: one-row products run through the Triton batch-1 GEMV."""
+        shape = (x.shape[0], weight.shape[0])
+        if self.fast is None or not self.fast.fits_shape(shape, x.dtype):
+            return self.gather_to_driver(_product(x, weight, gemv))
+        staged = self.fast.stage(shape)
+        _product(x, weight, gemv, out=staged)  # straight into peer-visible memory
+        logits = self.fast.gather(staged)  # every rank takes part in the barrier
+        return logits if self.is_driver else None
 
-class SymmetricAllReduce:
-    """One-shot all-reduce through buffers every rank maps (torch symmetric memory, P2P over
-    NVLink; multicast stays off). Each call stages its values in a buffer, then every rank reads
-    all peers' copies and sums them after a barrier.
+
+def _product(x: torch.Tensor, weight: torch.Tensor, gemv: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    if gemv and x.shape[0] == 1 and x.is_cuda:
+        from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+        return gemv_triton(weight, x, out=out)
+    if out is None:
+        return torch.nn.functional.linear(x, weight)
+    return torch.matmul(x, weight.t(), out=out)
+
+
+class SymmetricCollectives:
+    """One-shot all-reduces and all-gathers through buffers every rank maps (torch symmetric memory,
+    P2P over NVLink; multicast stays off). Each call stages its values in a buffer, then every rank
+    reads all peers' copies after a barrier: our Triton kernels (kernels/triton_collectives.py,
+    launched with PDL so the next GEMV overlaps them). FLASHSTACK_TP_ALLREDUCE=torch sums with
+    torch's `one_shot_all_reduce` instead (the benchmarks compare them).
 
     Two buffers, used in turn: the barrier only says every rank has *arrived*, so a fast rank may
     stage call k+1 while a slow one still reads call k. By call k+2 the fast rank has passed call
@@ -119,10 +142,21 @@ class SymmetricAllReduce:
                  device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from flashstack.engine.kernels.triton_collectives import max_programs
+
         self.group_name, self.dtype, self.max_numel = group.group_name, dtype, max_numel
         self.buffers = [symm_mem.empty(max_numel, dtype=dtype, device=device) for _ in range(2)]
-        for buffer in self.buffers:
-            symm_mem.rendezvous(buffer, group)
+        handles = [symm_mem.rendezvous(buffer, group) for buffer in self.buffers]
+        self.rank, self.world_size = handles[0].rank, handles[0].world_size
+        # Every rank's address of each buffer, and of the first buffer's signal pad (the flags of
+        # every call), for the Triton kernel.
+        self.buffer_ptrs = [torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device) for h in handles]
+        self.signal_pads = torch.tensor(handles[0].signal_pad_ptrs, dtype=torch.int64, device=device)
+        pad = handles[0].get_signal_pad(self.rank)
+        self.max_programs = max_programs(pad.numel() * pad.element_size(), self.world_size)
+        self.kernel = os.environ.get("FLASHSTACK_TP_ALLREDUCE", "triton")
+        if self.kernel not in ("triton", "torch"):
+            raise ValueError(f"FLASHSTACK_TP_ALLREDUCE={self.kernel!r}: use 'triton' or 'torch'")
         self.turn = 0  # the same on every rank: every rank makes the same calls in the same order
 
     def fits_shape(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -139,7 +173,32 @@ class SymmetricAllReduce:
 
     def reduce(self, staged: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of what each staged, as a new tensor."""
-        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)
+        from flashstack.engine.kernels.triton_collectives import one_shot_all_reduce
+
+        if self.kernel == "torch":
+            return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)
+        return one_shot_all_reduce(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
+                                   self.world_size, self.block(staged.numel()))
+
+    def gather(self, staged: torch.Tensor) -> torch.Tensor:
+        """Every rank's staged [rows, cols] side by side, [rows, world_size * cols], as a new tensor."""
+        from flashstack.engine.kernels.triton_collectives import one_shot_all_gather
+
+        return one_shot_all_gather(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
+                                   self.world_size, self.block(staged.numel()))
+
+    def _buffer_ptrs(self, staged: torch.Tensor) -> torch.Tensor:
+        return self.buffer_ptrs[0 if staged.data_ptr() == self.buffers[0].data_ptr() else 1]
+
+    def block(self, numel: int) -> int:
+        """Values per program: 2,048 (a batch-1 hidden state of 4,096 in 2 programs: per all-reduce
+        in the 8B decoder's GEMV chain 3.8 µs, against 4.6 µs with 1,024 and 7.1 µs with 4,096 on
+        2 H200s, bench/tp_all_reduce.py), more where the flags would run out.
+        FLASHSTACK_TP_ALLREDUCE_BLOCK overrides (benchmarks)."""
+        block = int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_BLOCK", "2048"))
+        while -(-numel // block) > self.max_programs:
+            block *= 2
+        return block
 
 
 def init_rank(

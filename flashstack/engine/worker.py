@@ -177,8 +177,10 @@ def _attached_key(rank: int) -> str:
 
 
 def fast_all_reduce_numel(runner: ModelRunner) -> int:
-    """Values in the largest decode step's all-reduce: the top graph bucket's hidden states."""
-    return graph_buckets(runner.config.max_num_seqs)[-1] * runner.model.args.hidden_size
+    """Values in the largest decode step's all-reduce (the top graph bucket's hidden states), and at
+    least one row of this rank's logits (the vocabulary-parallel head's gather)."""
+    hidden_states = graph_buckets(runner.config.max_num_seqs)[-1] * runner.model.args.hidden_size
+    return max(hidden_states, getattr(runner.model.lm_head, "out_features", 0))
 
 
 def _watch_parent() -> None:

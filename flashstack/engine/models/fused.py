@@ -68,6 +68,8 @@ def use_triton_gemv(model: nn.Module) -> None:
         for name, child in list(owner.named_children()):
             if type(child) is nn.Linear:
                 setattr(owner, name, GemvLinear(child))
+    if hasattr(model.lm_head, "one_row_gemv"):  # the vocabulary-parallel head
+        model.lm_head.one_row_gemv = True
 
 
 def fuse_model(model: nn.Module) -> bool:

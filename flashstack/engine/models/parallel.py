@@ -118,8 +118,10 @@ class ParallelLMHead(nn.Linear):
         mark_slice(self, "weight", 0, start, stop)
         self.vocab_size, self.tp = vocab_size, tp
 
+    one_row_gemv = False  # set by the fused path (models/fused.py): one-row logits through the Triton GEMV
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = self.tp.gather_to_driver(nn.functional.linear(x, self.weight))
+        logits = self.tp.linear_gather_to_driver(x, self.weight, gemv=self.one_row_gemv)
         return logits[:, : self.vocab_size] if logits is not None else None
 
 

@@ -1,0 +1,171 @@
+"""The tensor-parallel batch-1 all-reduce, alone and inside the decoder's GEMV chain, 2 ranks.
+
+Per rank, Llama-3-8B shape bf16 with random weights, one token: each layer runs the one-row path's
+GEMVs (q/k/v with the norm, o writing its partial into the peer-visible buffer, all-reduce, gate/up
+with the norm, down with SiLU into the buffer, all-reduce), 32 layers in one CUDA graph, attention
+left out. The all-reduce is torch's `one_shot_all_reduce`, ours (kernels/triton_collectives.py,
+several values-per-program), NCCL, or none (each rank keeps its partial: the GEMVs' floor). Also
+64 all-reduces in a row of 8 KB (batch 1) and 256 KB (batch 32), each fed by a copy.
+
+Reports per-layer time, per-all-reduce cost (chain minus the no-all-reduce chain), the roofline
+of the chain's weight bytes at 4.26 TB/s and the fraction achieved, for rank 0.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        PYTHONPATH=. python bench/tp_all_reduce.py --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4096, 14336, 32, 8, 128, 32
+COPY_BANDWIDTH = 4.26e12  # bytes/s, the H200's measured device copy rate (GPU.md)
+
+
+def _layer_weights(world: int, device: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=gen, device=device) * 0.01).to(torch.bfloat16)
+
+    q, kv, inter = HEADS * HEAD_DIM // world, KV_HEADS * HEAD_DIM // world, INTER // world
+    return {"qkv": w(q + 2 * kv, HIDDEN), "o": w(HIDDEN, q), "gate_up": w(2 * inter, HIDDEN),
+            "down": w(HIDDEN, inter), "norm": torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)}
+
+
+def _reduce(tp: Any, kind: str, staged: torch.Tensor) -> torch.Tensor:
+    if kind == "none":  # each rank goes on with its own partial
+        return staged
+    if kind == "nccl":
+        dist.all_reduce(staged, group=tp.group)
+        return staged
+    return tp.fast.reduce(staged)
+
+
+def _row_parallel(tp: Any, kind: str, weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                  silu: bool) -> torch.Tensor:
+    from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+    own_residual = residual if tp.is_driver else None
+    staged = tp.fast.stage((1, HIDDEN))
+    gemv_triton(weight, x, silu=silu, residual=own_residual, out=staged)
+    return _reduce(tp, kind, staged)
+
+
+def _chain(tp: Any, layers: list[dict[str, torch.Tensor]], kind: str, x: torch.Tensor) -> torch.Tensor:
+    from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+    residual, q = x, HEADS * HEAD_DIM // tp.world_size
+    for lw in layers:
+        qkv = gemv_triton(lw["qkv"], residual, norm=(lw["norm"], 1e-5))
+        residual = _row_parallel(tp, kind, lw["o"], qkv[:, :q].contiguous(), residual, silu=False)
+        gate_up = gemv_triton(lw["gate_up"], residual, norm=(lw["norm"], 1e-5))
+        residual = _row_parallel(tp, kind, lw["down"], gate_up, residual, silu=True)
+    return residual
+
+
+def _graph_ms(fn: Any, device: torch.device, replays: int = 30) -> float:
+    fn()  # compile and warm up outside the graph
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    times = []
+    for _ in range(replays):
+        dist.barrier()  # both ranks start together: the time is the chain's, not the other rank's lag
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int], results: Any) -> None:
+    from flashstack.engine.distributed import disable_multicast, init_rank, leave_group
+
+    disable_multicast()
+    device = torch.device("cuda", rank)
+    tp = init_rank(rank, world, port, device)
+    tp.enable_fast_all_reduce(32 * HIDDEN, torch.bfloat16)
+    gen = torch.Generator(device).manual_seed(rank)
+    layers = [_layer_weights(world, device, gen) for _ in range(LAYERS)]
+    x = torch.randn(1, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
+    out: dict[str, Any] = {}
+    variants = [(k, b) for k in kinds for b in (blocks if k == "triton" else [0])]
+    for kind, block in variants:
+        name = f"triton/{block}" if kind == "triton" else kind
+        if kind == "triton":
+            os.environ["FLASHSTACK_TP_ALLREDUCE_BLOCK"] = str(block)
+        tp.fast.kernel = "torch" if kind == "torch" else "triton"
+        out[f"chain_ms/{name}"] = _graph_ms(lambda: _chain(tp, layers, kind, x.clone()), device)
+        if kind == "none":
+            continue
+        for numel in (HIDDEN, 32 * HIDDEN):
+            h0 = torch.randn(numel, generator=gen, device=device).to(torch.bfloat16)
+
+            def alone(h0: torch.Tensor = h0, numel: int = numel) -> None:
+                h = h0
+                for _ in range(64):
+                    staged = tp.fast.stage((numel,))
+                    staged.copy_(h)
+                    h = _reduce(tp, kind, staged)
+
+            out[f"alone_us/{numel * 2 // 1024}KB/{name}"] = _graph_ms(alone, device) * 1000 / 64
+    results.put((rank, out))
+    leave_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--kinds", default="none,torch,triton,nccl")
+    ap.add_argument("--blocks", default="1024,2048", help="values per program of our pull kernel")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    import multiprocessing as mp
+
+    from flashstack.engine.distributed import master_store
+
+    store = master_store(args.world)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    blocks = [int(b) for b in args.blocks.split(",")]
+    procs = [ctx.Process(target=_rank, args=(r, args.world, store.port, args.kinds.split(","), blocks, results))
+             for r in range(args.world)]
+    for p in procs:
+        p.start()
+    per_rank = dict(results.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    rank0 = per_rank[0]
+    q = HEADS * HEAD_DIM // args.world
+    kv, inter = KV_HEADS * HEAD_DIM // args.world, INTER // args.world
+    layer_bytes = 2 * HIDDEN * ((q + 2 * kv) + q + 2 * inter + inter)
+    floor_ms = LAYERS * layer_bytes / COPY_BANDWIDTH * 1e3
+    report: dict[str, Any] = {"world": args.world, "rank0": rank0, "rank1": per_rank.get(1),
+                              "chain_floor_ms": round(floor_ms, 4)}
+    none = rank0.get("chain_ms/none")
+    for key, ms in rank0.items():
+        if key.startswith("chain_ms/"):
+            report[f"fraction_of_floor/{key[9:]}"] = round(floor_ms / ms, 3)
+            if none is not None and key != "chain_ms/none":
+                report[f"per_all_reduce_us/{key[9:]}"] = round((ms - none) * 1000 / (2 * LAYERS), 2)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
