@@ -233,13 +233,22 @@ def sample_on_device(
             seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
             return gumbel_sample_triton(logits, temps, seed)
         return _draw(_filtered_probs(logits.float(), params), generators)
-    logits = logits.float()
-    chosen = logits.argmax(-1)
+    chosen = _argmax(logits)
     if sampled_rows:
         rows = to_device(sampled_rows, torch.long, logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        probs = _filtered_probs(logits[rows].float(), [params[i] for i in sampled_rows])
         chosen[rows] = _draw(probs, [generators[i] for i in sampled_rows])
     return chosen
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (int64, on the logits' device): the Triton kernel on CUDA (a few
+    programs per row, where torch's argmax gives a row to one), torch elsewhere."""
+    if logits.is_cuda:
+        from flashstack.engine.kernels.triton_sampling import argmax_triton
+
+        return argmax_triton(logits)
+    return logits.argmax(-1)
 
 
 def sample(

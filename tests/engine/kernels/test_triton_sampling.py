@@ -37,3 +37,18 @@ def test_rows_across_chunks_and_seeds(device):
     assert torch.equal(a, ts.gumbel_sample_triton(logits, hot, seed=7))  # the seed fixes the draw
     draws = torch.stack([ts.gumbel_sample_triton(logits, hot, seed=s) for s in range(8)])
     assert len(set(draws[:, 0].tolist())) > 1  # another seed, other noise
+
+
+def test_argmax_matches_torch_with_ties(device):
+    # Rows split over several programs; ties inside a slice, across slices, -inf and a one-entry row.
+    torch.manual_seed(2)
+    logits = torch.randn(5, 9000, device=device).to(torch.bfloat16)
+    logits[1, [17, 4500, 8990]] = 9.0  # the first of three equal maxima, in different slices
+    logits[2, [8000, 8001]] = 9.0
+    logits[3, :] = float("-inf")
+    logits[3, 6000] = -1.0
+    logits[4, :] = 0.0  # all equal: index 0
+    assert torch.equal(ts.argmax_triton(logits), logits.argmax(-1))
+    assert ts.argmax_triton(logits)[1].item() == 17
+    one = torch.tensor([[3.0]], device=device)
+    assert ts.argmax_triton(one).tolist() == [0]
