@@ -1,0 +1,131 @@
+"""Launch configurations of the batch-1 GEMVs, chosen in the decoder's own chain.
+
+One GPU, Llama-3-8B shape bf16, random weights: 32 layers of the one-row path's four GEMVs (q/k/v
+with the RMSNorm, o adding the residual, gate/up with the RMSNorm, down with SiLU-and-mul adding
+the residual) in one CUDA graph, attention and all-reduces left out. `--world 2` uses one
+tensor-parallel rank's slices (half the heads and the intermediate size; o and down write a
+partial sum next to the residual, as for the all-reduce). Each projection's (rows per program,
+K chunk, warps) is then swept in turn, the others held, and the chain timed: a GEMV's speed in
+the step depends on its neighbours (programmatic dependent launch overlaps each with the next), so
+the chain, not the GEMV alone, decides.
+
+Reports the chain's time with the engine's configurations (`gemv_config`) and with the best found,
+against the weight-read floor at 4.26 TB/s.
+
+    PYTHONPATH=. python bench/engine_gemv_chain.py --world 1,2 --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashstack.engine.kernels.triton_gemv import gemv_config, gemv_triton
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4096, 14336, 32, 8, 128, 32
+COPY_BANDWIDTH = 4.26e12
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+FUSED = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "silu"}
+
+
+def _weights(world: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=gen, device="cuda") * 0.01).to(torch.bfloat16)
+
+    q, kv, inter = HEADS * HEAD_DIM // world, KV_HEADS * HEAD_DIM // world, INTER // world
+    return [{"qkv": w(q + 2 * kv, HIDDEN), "o": w(HIDDEN, q), "gate_up": w(2 * inter, HIDDEN),
+             "down": w(HIDDEN, inter)} for _ in range(LAYERS)]
+
+
+def _chain(layers: list[dict[str, torch.Tensor]], configs: dict[str, Any], world: int,
+           x: torch.Tensor, norm: torch.Tensor) -> None:
+    q = HEADS * HEAD_DIM // world
+    residual = x.clone()
+    for lw in layers:
+        qkv = gemv_triton(lw["qkv"], residual, config=configs["qkv"], norm=(norm, 1e-5))
+        out = None if world == 1 else torch.empty_like(residual)  # a rank's partial, as for the all-reduce
+        residual = gemv_triton(lw["o"], qkv[:, :q], config=configs["o"], residual=residual, out=out)
+        gate_up = gemv_triton(lw["gate_up"], residual, config=configs["gate_up"], norm=(norm, 1e-5))
+        out = None if world == 1 else torch.empty_like(residual)
+        residual = gemv_triton(lw["down"], gate_up, config=configs["down"], silu=True, residual=residual, out=out)
+
+
+def _chain_ms(fn: Any, replays: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str, Any]:
+    gen = torch.Generator("cuda").manual_seed(world)
+    layers = _weights(world, gen)
+    x = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    shapes = {name: tuple(layers[0][name].shape) for name in PROJECTIONS}
+    defaults = {name: gemv_config(*shapes[name], FUSED[name]) for name in PROJECTIONS}
+    floor_ms = sum(w.numel() * 2 for lw in layers for w in lw.values()) / COPY_BANDWIDTH * 1e3
+
+    def time(configs: dict[str, Any]) -> float:
+        return _chain_ms(lambda: _chain(layers, configs, world, x, norm))
+
+    best = dict(defaults)
+    default_ms = best_ms = time(best)
+    tried: dict[str, dict[str, float]] = {}
+    for name in PROJECTIONS:
+        tried[name] = {}
+        for config in candidates:
+            if name == "down" and config[1] > shapes[name][1]:
+                continue
+            try:
+                ms = time({**best, name: config})
+            except Exception as exc:  # a configuration the compiler rejects
+                tried[name]["n{}_k{}_w{}".format(*config)] = repr(exc)[:80]
+                continue
+            tried[name]["n{}_k{}_w{}".format(*config)] = round(ms, 4)
+            if ms < best_ms:
+                best_ms, best[name] = ms, config
+        print(world, name, best[name], round(best_ms, 4), flush=True)
+    final_ms = time(best)  # the winners together, timed again
+    return {"shapes": shapes, "floor_ms": round(floor_ms, 4),
+            "default": {"configs": defaults, "chain_ms": round(default_ms, 4),
+                        "fraction_of_floor": round(floor_ms / default_ms, 4)},
+            "best": {"configs": best, "chain_ms": round(final_ms, 4), "fraction_of_floor": round(floor_ms / final_ms, 4)},
+            "tried_ms": tried}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--world", default="1,2", help="tensor-parallel sizes whose per-rank shapes to sweep")
+    ap.add_argument("--rows", default="2,4,8,16")
+    ap.add_argument("--chunks", default="512,1024")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    candidates = list(itertools.product(ints(args.rows), ints(args.chunks), ints(args.warps)))
+    report = {f"world{w}": sweep_world(w, candidates) for w in ints(args.world)}
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(json.dumps({k: {"default": v["default"], "best": v["best"]} for k, v in report.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
