@@ -103,6 +103,15 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shape = (ids.numel(), self.embedding_dim)
+        fast = self.tp.fast
+        if ids.is_cuda and fast is not None and fast.fits_shape(shape, self.weight.dtype):
+            # One kernel writes this rank's rows straight into the all-reduce's buffer.
+            from flashstack.engine.kernels.triton_embedding import shard_embedding_triton
+
+            staged = fast.stage(shape)
+            shard_embedding_triton(ids, self.weight, self.start, self.stop, out=staged)
+            return fast.reduce(staged)
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, 0)
         x = nn.functional.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
