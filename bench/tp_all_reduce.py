@@ -91,7 +91,8 @@ def _graph_ms(fn: Any, device: torch.device, replays: int = 30) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int], results: Any) -> None:
+def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int], warps: list[int],
+          results: Any) -> None:
     from flashstack.engine.distributed import disable_multicast, init_rank, leave_group
 
     disable_multicast()
@@ -102,11 +103,13 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int],
     layers = [_layer_weights(world, device, gen) for _ in range(LAYERS)]
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
     out: dict[str, Any] = {}
-    variants = [(k, b) for k in kinds for b in (blocks if k == "triton" else [0])]
-    for kind, block in variants:
-        name = f"triton/{block}" if kind == "triton" else kind
+    variants = [(k, b, w) for k in kinds for b in (blocks if k == "triton" else [0])
+                for w in (warps if k == "triton" else [0])]
+    for kind, block, warp in variants:
+        name = f"triton/{block}/{warp}" if kind == "triton" else kind
         if kind == "triton":
             os.environ["FLASHSTACK_TP_ALLREDUCE_BLOCK"] = str(block)
+            os.environ["FLASHSTACK_TP_ALLREDUCE_WARPS"] = str(warp)
         tp.fast.kernel = "torch" if kind == "torch" else "triton"
         out[f"chain_ms/{name}"] = _graph_ms(lambda: _chain(tp, layers, kind, x.clone()), device)
         if kind == "none":
@@ -130,7 +133,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--kinds", default="none,torch,triton,nccl")
-    ap.add_argument("--blocks", default="1024,2048", help="values per program of our pull kernel")
+    ap.add_argument("--blocks", default="1024,2048", help="values per program of our kernel")
+    ap.add_argument("--warps", default="4", help="warps per program of our kernel")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import multiprocessing as mp
@@ -141,7 +145,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     blocks = [int(b) for b in args.blocks.split(",")]
-    procs = [ctx.Process(target=_rank, args=(r, args.world, store.port, args.kinds.split(","), blocks, results))
+    warps = [int(w) for w in args.warps.split(",")]
+    procs = [ctx.Process(target=_rank, args=(r, args.world, store.port, args.kinds.split(","), blocks, warps, results))
              for r in range(args.world)]
     for p in procs:
         p.start()

@@ -178,7 +178,8 @@ class SymmetricCollectives:
         if self.kernel == "torch":
             return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)
         return one_shot_all_reduce(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
-                                   self.world_size, self.block(staged.numel()))
+                                   self.world_size, self.block(staged.numel()),
+                                   int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_WARPS", "4")))
 
     def gather(self, staged: torch.Tensor) -> torch.Tensor:
         """Every rank's staged [rows, cols] side by side, [rows, world_size * cols], as a new tensor."""

@@ -133,7 +133,7 @@ def max_programs(signal_pad_bytes: int, world_size: int) -> int:
 
 
 def one_shot_all_reduce(staged: torch.Tensor, buffers: torch.Tensor, signal_pads: torch.Tensor, rank: int,
-                        world_size: int, block: int) -> torch.Tensor:
+                        world_size: int, block: int, num_warps: int = 4) -> torch.Tensor:
     """Sum over ranks of the `staged` values (the first numel of this rank's symmetric buffer), as a
     new tensor.
 
@@ -145,7 +145,7 @@ def one_shot_all_reduce(staged: torch.Tensor, buffers: torch.Tensor, signal_pads
     pdl = pdl_enabled(staged.device)
     _one_shot_all_reduce_kernel[(triton.cdiv(n, block),)](
         y, staged, buffers, signal_pads, n, RANK=rank, WORLD=world_size, ELEM_BYTES=staged.element_size(),
-        BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BLOCK=block, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
     return y
 
