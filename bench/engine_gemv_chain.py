@@ -34,9 +34,10 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 FUSED = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "silu"}
 
 
-def _weights(world: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+def layer_weights(world: int, gen: torch.Generator, device: torch.device | str = "cuda") -> list[dict[str, torch.Tensor]]:
+    """One rank's q/k/v, o, gate/up and down weights for each of the LAYERS layers (bf16, random)."""
     def w(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=gen, device="cuda") * 0.01).to(torch.bfloat16)
+        return (torch.randn(n, k, generator=gen, device=device) * 0.01).to(torch.bfloat16)
 
     q, kv, inter = HEADS * HEAD_DIM // world, KV_HEADS * HEAD_DIM // world, INTER // world
     return [{"qkv": w(q + 2 * kv, HIDDEN), "o": w(HIDDEN, q), "gate_up": w(2 * inter, HIDDEN),
@@ -56,14 +57,20 @@ def _chain(layers: list[dict[str, torch.Tensor]], configs: dict[str, Any], world
         residual = gemv_triton(lw["down"], gate_up, config=configs["down"], silu=True, residual=residual, out=out)
 
 
-def _chain_ms(fn: Any, replays: int = 20) -> float:
+def graph_ms(fn: Any, replays: int = 20, before_replay: Any = None) -> float:
+    """Median ms of `fn` captured in one CUDA graph (after a warm-up call that compiles), over
+    `replays` replays; `before_replay()` runs before each (e.g. a barrier across ranks)."""
     fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
     times = []
     for _ in range(replays):
+        if before_replay is not None:
+            before_replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -75,7 +82,7 @@ def _chain_ms(fn: Any, replays: int = 20) -> float:
 
 def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str, Any]:
     gen = torch.Generator("cuda").manual_seed(world)
-    layers = _weights(world, gen)
+    layers = layer_weights(world, gen)
     x = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
     shapes = {name: tuple(layers[0][name].shape) for name in PROJECTIONS}
@@ -83,7 +90,7 @@ def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str,
     floor_ms = sum(w.numel() * 2 for lw in layers for w in lw.values()) / COPY_BANDWIDTH * 1e3
 
     def time(configs: dict[str, Any]) -> float:
-        return _chain_ms(lambda: _chain(layers, configs, world, x, norm))
+        return graph_ms(lambda: _chain(layers, configs, world, x, norm))
 
     best = dict(defaults)
     default_ms = best_ms = time(best)

@@ -18,25 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4096, 14336, 32, 8, 128, 32
-COPY_BANDWIDTH = 4.26e12  # bytes/s, the H200's measured device copy rate (GPU.md)
-
-
-def _layer_weights(world: int, device: torch.device, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    def w(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=gen, device=device) * 0.01).to(torch.bfloat16)
-
-    q, kv, inter = HEADS * HEAD_DIM // world, KV_HEADS * HEAD_DIM // world, INTER // world
-    return {"qkv": w(q + 2 * kv, HIDDEN), "o": w(HIDDEN, q), "gate_up": w(2 * inter, HIDDEN),
-            "down": w(HIDDEN, inter), "norm": torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)}
+from bench.engine_gemv_chain import (
+    COPY_BANDWIDTH,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    LAYERS,
+    graph_ms,
+    layer_weights,
+)
 
 
 def _reduce(tp: Any, kind: str, staged: torch.Tensor) -> torch.Tensor:
@@ -58,37 +56,17 @@ def _row_parallel(tp: Any, kind: str, weight: torch.Tensor, x: torch.Tensor, res
     return _reduce(tp, kind, staged)
 
 
-def _chain(tp: Any, layers: list[dict[str, torch.Tensor]], kind: str, x: torch.Tensor) -> torch.Tensor:
+def _chain(tp: Any, layers: list[dict[str, torch.Tensor]], kind: str, x: torch.Tensor,
+           norm: torch.Tensor) -> torch.Tensor:
     from flashstack.engine.kernels.triton_gemv import gemv_triton
 
     residual, q = x, HEADS * HEAD_DIM // tp.world_size
     for lw in layers:
-        qkv = gemv_triton(lw["qkv"], residual, norm=(lw["norm"], 1e-5))
+        qkv = gemv_triton(lw["qkv"], residual, norm=(norm, 1e-5))
         residual = _row_parallel(tp, kind, lw["o"], qkv[:, :q].contiguous(), residual, silu=False)
-        gate_up = gemv_triton(lw["gate_up"], residual, norm=(lw["norm"], 1e-5))
+        gate_up = gemv_triton(lw["gate_up"], residual, norm=(norm, 1e-5))
         residual = _row_parallel(tp, kind, lw["down"], gate_up, residual, silu=True)
     return residual
-
-
-def _graph_ms(fn: Any, device: torch.device, replays: int = 30) -> float:
-    fn()  # compile and warm up outside the graph
-    torch.cuda.synchronize(device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    times = []
-    for _ in range(replays):
-        dist.barrier()  # both ranks start together: the time is the chain's, not the other rank's lag
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times)
 
 
 def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int], warps: list[int],
@@ -100,7 +78,8 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int],
     tp = init_rank(rank, world, port, device)
     tp.enable_fast_all_reduce(32 * HIDDEN, torch.bfloat16)
     gen = torch.Generator(device).manual_seed(rank)
-    layers = [_layer_weights(world, device, gen) for _ in range(LAYERS)]
+    layers = layer_weights(world, gen, device)
+    norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
     out: dict[str, Any] = {}
     variants = [(k, b, w) for k in kinds for b in (blocks if k == "triton" else [0])
@@ -108,10 +87,9 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int],
     for kind, block, warp in variants:
         name = f"triton/{block}/{warp}" if kind == "triton" else kind
         if kind == "triton":
-            os.environ["FLASHSTACK_TP_ALLREDUCE_BLOCK"] = str(block)
-            os.environ["FLASHSTACK_TP_ALLREDUCE_WARPS"] = str(warp)
+            tp.fast.block_values, tp.fast.warps = block, warp
         tp.fast.kernel = "torch" if kind == "torch" else "triton"
-        out[f"chain_ms/{name}"] = _graph_ms(lambda: _chain(tp, layers, kind, x.clone()), device)
+        out[f"chain_ms/{name}"] = graph_ms(lambda: _chain(tp, layers, kind, x.clone(), norm), 30, dist.barrier)
         if kind == "none":
             continue
         for numel in (HIDDEN, 32 * HIDDEN):
@@ -124,7 +102,7 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int],
                     staged.copy_(h)
                     h = _reduce(tp, kind, staged)
 
-            out[f"alone_us/{numel * 2 // 1024}KB/{name}"] = _graph_ms(alone, device) * 1000 / 64
+            out[f"alone_us/{numel * 2 // 1024}KB/{name}"] = graph_ms(alone, 30, dist.barrier) * 1000 / 64
     results.put((rank, out))
     leave_group()
 

@@ -115,10 +115,10 @@ class TensorParallel:
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, gemv: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    if gemv and x.shape[0] == 1 and x.is_cuda:
-        from flashstack.engine.kernels.triton_gemv import gemv_triton
+    if gemv:
+        from flashstack.engine.kernels.triton_gemv import linear
 
-        return gemv_triton(weight, x, out=out)
+        return linear(x, weight, out=out)
     if out is None:
         return torch.nn.functional.linear(x, weight)
     return torch.matmul(x, weight.t(), out=out)
@@ -154,6 +154,11 @@ class SymmetricCollectives:
         self.signal_pads = torch.tensor(handles[0].signal_pad_ptrs, dtype=torch.int64, device=device)
         pad = handles[0].get_signal_pad(self.rank)
         self.max_programs = max_programs(pad.numel() * pad.element_size(), self.world_size)
+        # Values and warps per program of our kernels: 2,048 values (a batch-1 hidden state of 4,096
+        # in 2 programs) cost 3.8 µs per all-reduce in the 8B decoder's GEMV chain on 2 H200s,
+        # against 4.6 µs with 1,024 and 7.1 µs with 4,096 (bench/tp_all_reduce.py, which sets these).
+        self.block_values = int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_BLOCK", "2048"))
+        self.warps = int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_WARPS", "4"))
         self.kernel = os.environ.get("FLASHSTACK_TP_ALLREDUCE", "triton")
         if self.kernel not in ("triton", "torch"):
             raise ValueError(f"FLASHSTACK_TP_ALLREDUCE={self.kernel!r}: use 'triton' or 'torch'")
@@ -178,8 +183,7 @@ class SymmetricCollectives:
         if self.kernel == "torch":
             return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)
         return one_shot_all_reduce(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
-                                   self.world_size, self.block(staged.numel()),
-                                   int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_WARPS", "4")))
+                                   self.world_size, self.block(staged.numel()), self.warps)
 
     def gather(self, staged: torch.Tensor) -> torch.Tensor:
         """Every rank's staged [rows, cols] side by side, [rows, world_size * cols], as a new tensor."""
@@ -192,11 +196,8 @@ class SymmetricCollectives:
         return self.buffer_ptrs[0 if staged.data_ptr() == self.buffers[0].data_ptr() else 1]
 
     def block(self, numel: int) -> int:
-        """Values per program: 2,048 (a batch-1 hidden state of 4,096 in 2 programs: per all-reduce
-        in the 8B decoder's GEMV chain 3.8 µs, against 4.6 µs with 1,024 and 7.1 µs with 4,096 on
-        2 H200s, bench/tp_all_reduce.py), more where the flags would run out.
-        FLASHSTACK_TP_ALLREDUCE_BLOCK overrides (benchmarks)."""
-        block = int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_BLOCK", "2048"))
+        """Values per program for a call of `numel`: `block_values`, more where the flags would run out."""
+        block = self.block_values
         while -(-numel // block) > self.max_programs:
             block *= 2
         return block

@@ -92,6 +92,17 @@ def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, int, int
     return 8, 512, 4
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear (into `out` if given), through `gemv_triton` when x is one row on CUDA."""
+    if x.shape[0] == 1 and x.is_cuda:
+        return gemv_triton(weight, x, bias, out=out)
+    if out is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    torch.matmul(x, weight.t(), out=out)
+    return out if bias is None else out.add_(bias)
+
+
 def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
                 config: tuple[int, ...] | None = None, *,
                 norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,

@@ -42,11 +42,9 @@ class GemvLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.is_cuda:
-            from flashstack.engine.kernels.triton_gemv import gemv_triton
+        from flashstack.engine.kernels.triton_gemv import linear
 
-            return gemv_triton(self.weight, x, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def triton_gemv_enabled() -> bool:

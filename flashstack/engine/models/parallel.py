@@ -121,13 +121,13 @@ class VocabParallelEmbedding(nn.Embedding):
 class ParallelLMHead(nn.Linear):
     """Logits for this rank's vocabulary part, gathered on rank 0 (None on the other ranks)."""
 
+    one_row_gemv = False  # set by the fused path (models/fused.py): one-row logits through the Triton GEMV
+
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel) -> None:
         start, stop, part = vocab_range(vocab_size, tp.rank, tp.world_size)
         super().__init__(hidden, part, bias=False)
         mark_slice(self, "weight", 0, start, stop)
         self.vocab_size, self.tp = vocab_size, tp
-
-    one_row_gemv = False  # set by the fused path (models/fused.py): one-row logits through the Triton GEMV
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         logits = self.tp.linear_gather_to_driver(x, self.weight, gemv=self.one_row_gemv)
