@@ -300,7 +300,7 @@ def main() -> None:
             continue
         for batch in (1, 32):
             out[f"speedup_b{batch}_{many}_vs_{one}"] = round(
-                runs[one][f"step_ms_b{batch}"] / runs[many][f"step_ms_b{batch}"], 2
+                runs[one][f"step_ms_b{batch}"] / runs[many][f"step_ms_b{batch}"], 3
             )
     emit()
 

@@ -3,8 +3,8 @@
 Per rank, Llama-3-8B shape bf16 with random weights, one token: each layer runs the one-row path's
 GEMVs (q/k/v with the norm, o writing its partial into the peer-visible buffer, all-reduce, gate/up
 with the norm, down with SiLU into the buffer, all-reduce), 32 layers in one CUDA graph, attention
-left out. The all-reduce is torch's `one_shot_all_reduce`, ours (kernels/triton_collectives.py,
-several values-per-program), NCCL, or none (each rank keeps its partial: the GEMVs' floor). Also
+left out. The all-reduce is torch's `one_shot_all_reduce`, our pull or our push
+(kernels/triton_collectives.py), NCCL, or none (each rank keeps its partial: the GEMVs' floor). Also
 64 all-reduces in a row of 8 KB (batch 1) and 256 KB (batch 32), each fed by a copy.
 
 Reports per-layer time, per-all-reduce cost (chain minus the no-all-reduce chain), the roofline
@@ -82,13 +82,16 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int],
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
     out: dict[str, Any] = {}
-    variants = [(k, b, w) for k in kinds for b in (blocks if k == "triton" else [0])
-                for w in (warps if k == "triton" else [0])]
+    # The pull sweeps values x warps per program; the push keeps its inbox's values per program
+    # (FLASHSTACK_TP_ALLREDUCE_BLOCK at start-up) and sweeps warps.
+    variants = [(k, b, w) for k in kinds for b in (blocks if k == "pull" else [0])
+                for w in (warps if k in ("pull", "push") else [0])]
     for kind, block, warp in variants:
-        name = f"triton/{block}/{warp}" if kind == "triton" else kind
-        if kind == "triton":
-            tp.fast.block_values, tp.fast.warps = block, warp
-        tp.fast.kernel = "torch" if kind == "torch" else "triton"
+        name = {"pull": f"pull/{block}/{warp}", "push": f"push/{warp}"}.get(kind, kind)
+        if kind == "pull":
+            tp.fast.block_values = block
+        tp.fast.warps = warp or 4
+        tp.fast.kernel = kind if kind in ("torch", "pull", "push") else "push"
         out[f"chain_ms/{name}"] = graph_ms(lambda: _chain(tp, layers, kind, x.clone(), norm), 30, dist.barrier)
         if kind == "none":
             continue
@@ -110,9 +113,9 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--kinds", default="none,torch,triton,nccl")
-    ap.add_argument("--blocks", default="1024,2048", help="values per program of our kernel")
-    ap.add_argument("--warps", default="4", help="warps per program of our kernel")
+    ap.add_argument("--kinds", default="none,torch,pull,push,nccl")
+    ap.add_argument("--blocks", default="2048", help="values per program of our pull kernel")
+    ap.add_argument("--warps", default="4", help="warps per program of our kernels")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import multiprocessing as mp

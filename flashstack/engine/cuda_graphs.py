@@ -58,18 +58,26 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_num_seqs)
         top = self.buckets[-1]
         self.width = math.ceil(max_model_len / block_size)
-        self.packed = torch.zeros(top * (_INPUT_ROWS + self.width), dtype=torch.int64, device=device)
+        self.packed = torch.zeros(self.packed_capacity(max_model_len, block_size, max_num_seqs), dtype=torch.int64,
+                                  device=device)
         self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
         self.pool = None
-        self.before_replay: StepHook | None = None  # rank 0 of a tensor-parallel group broadcasts
+        self.before_replay: StepHook | None = None  # rank 0 of a tensor-parallel group announces the step
+        # Under tensor parallelism: the graphs' first kernel gives every rank rank 0's packed inputs.
+        self.share_inputs: Callable[[torch.Tensor], None] | None = None
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    @staticmethod
+    def packed_capacity(max_model_len: int, block_size: int, max_num_seqs: int) -> int:
+        """Values in the largest bucket's packed inputs."""
+        return graph_buckets(max_num_seqs)[-1] * (_INPUT_ROWS + math.ceil(max_model_len / block_size))
 
     def packed_size(self, bs: int) -> int:
         """Values in bucket `bs`'s packed inputs."""
@@ -92,6 +100,8 @@ class DecodeGraphs:
         return meta
 
     def _forward(self, bs: int) -> torch.Tensor | None:
+        if self.share_inputs is not None:
+            self.share_inputs(self.packed[: self.packed_size(bs)])
         v = self._views(bs)
         self.context_lens[:bs].copy_(v.context_lens)
         self.block_tables[:bs].copy_(v.block_tables)

@@ -4,8 +4,9 @@ One process per rank. Rank 0 (the caller's process) owns the scheduler; each ste
 header to a shared-memory mailbox (host lengths the attention path needs without a device sync) and
 then broadcasts one packed int64 tensor (input ids, positions, slot_mapping, block tables, context
 lens, query starts, sampled rows) on the device group: NCCL on GPUs, gloo on CPU. A decode step
-replayed from CUDA graphs sends only its bucket and the graphs' packed inputs. Nothing is pickled
-after start-up.
+replayed from CUDA graphs posts only its bucket: on GPUs the graph's first kernel copies rank 0's
+packed inputs over NVLink (`SymmetricCollectives.broadcast_step_inputs`); elsewhere they follow by
+the group's broadcast. Nothing is pickled after start-up.
 """
 
 from __future__ import annotations
@@ -62,9 +63,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks (the vocabulary-parallel embedding's partial rows)."""
         if self.fast is not None and self.fast.fits(x):
-            staged = self.fast.stage(x.shape)
-            staged.copy_(x)
-            return self.fast.reduce(staged)
+            return self.fast.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -79,8 +78,10 @@ class TensorParallel:
         dist.all_reduce(y, group=self.group)
         return y
 
-    def enable_fast_all_reduce(self, max_numel: int, dtype: torch.dtype) -> None:
-        """Collective: set up peer-memory all-reduces of up to `max_numel` values on every rank.
+    def enable_fast_all_reduce(self, max_numel: int, dtype: torch.dtype, step_inputs: int = 0) -> None:
+        """Collective: set up peer-memory all-reduces of up to `max_numel` values on every rank, and
+        room for a decode graph's `step_inputs` packed input values (rank 0's, broadcast inside
+        the graph: `SymmetricCollectives.broadcast_step_inputs`).
 
         NCCL's all-reduce costs ~19 µs per call inside a CUDA graph on 2 H200s (measured), about
         1.2 ms per decode step of a 32-layer model; a one-shot all-reduce over symmetric memory
@@ -89,7 +90,7 @@ class TensorParallel:
         """
         if self.device.type != "cuda" or os.environ.get("FLASHSTACK_TP_FAST_ALLREDUCE", "1") == "0":
             return
-        self.fast = SymmetricCollectives(self.group, max_numel, dtype, self.device)
+        self.fast = SymmetricCollectives(self.group, max_numel, dtype, self.device, step_inputs)
 
     def gather_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` along the last dim on rank 0; None elsewhere."""
@@ -125,26 +126,33 @@ def _product(x: torch.Tensor, weight: torch.Tensor, gemv: bool, out: torch.Tenso
 
 
 class SymmetricCollectives:
-    """One-shot all-reduces and all-gathers through buffers every rank maps (torch symmetric memory,
-    P2P over NVLink; multicast stays off). Each call stages its values in a buffer, then every rank
-    reads all peers' copies after a barrier: our Triton kernels (kernels/triton_collectives.py,
-    launched with PDL so the next GEMV overlaps them). FLASHSTACK_TP_ALLREDUCE=torch sums with
-    torch's `one_shot_all_reduce` instead (the benchmarks compare them).
+    """All-reduces, all-gathers and the graph steps' input broadcast through memory every rank maps
+    (torch symmetric memory, P2P over NVLink; multicast stays off), by our Triton kernels
+    (kernels/triton_collectives.py), launched with PDL so the next GEMV overlaps them.
 
-    Two buffers, used in turn: the barrier only says every rank has *arrived*, so a fast rank may
-    stage call k+1 while a slow one still reads call k. By call k+2 the fast rank has passed call
-    k+1's barrier, which the slow one reaches only after finishing call k: reuse is safe. Across
-    steps the turn order need not alternate (each graph bakes in its own); there the broadcast of
-    the next step's inputs, which every rank joins after its previous step, separates the uses.
+    FLASHSTACK_TP_ALLREDUCE picks how the values move (the benchmarks compare them):
+    - `push` (default): each rank writes its values into every peer's inbox, where they are their
+      own arrival signal; one NVLink write's one-way trip per call.
+    - `pull`: each rank stages its values in its own buffer and reads the peers' after a flag
+      barrier; a round trip for the barrier and one for the read.
+    - `torch`: torch's `one_shot_all_reduce` (a pull without PDL); gathers pull.
+
+    The staged buffers (`stage`) are where the row-parallel GEMVs write their partials. Two, used
+    in turn, for the pull: its barrier only says every rank has *arrived*, so a fast rank may stage
+    call k+1 while a slow one still reads call k. By call k+2 the fast rank has passed call k+1's
+    barrier, which the slow one reaches only after finishing call k: reuse is safe. Across steps
+    the turn order need not alternate (each graph bakes in its own); there the exchange of the
+    next step's inputs, which every rank joins after its previous step, separates the uses.
     """
 
     def __init__(self, group: dist.ProcessGroup, max_numel: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, step_inputs: int = 0) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from flashstack.engine.kernels.triton_collectives import max_programs
 
-        self.group_name, self.dtype, self.max_numel = group.group_name, dtype, max_numel
+        self.group, self.group_name, self.dtype, self.max_numel = group, group.group_name, dtype, max_numel
+        self.device = device
         self.buffers = [symm_mem.empty(max_numel, dtype=dtype, device=device) for _ in range(2)]
         handles = [symm_mem.rendezvous(buffer, group) for buffer in self.buffers]
         self.rank, self.world_size = handles[0].rank, handles[0].world_size
@@ -155,14 +163,37 @@ class SymmetricCollectives:
         pad = handles[0].get_signal_pad(self.rank)
         self.max_programs = max_programs(pad.numel() * pad.element_size(), self.world_size)
         # Values and warps per program of our kernels: 2,048 values (a batch-1 hidden state of 4,096
-        # in 2 programs) cost 3.8 µs per all-reduce in the 8B decoder's GEMV chain on 2 H200s,
-        # against 4.6 µs with 1,024 and 7.1 µs with 4,096 (bench/tp_all_reduce.py, which sets these).
+        # in 2 programs) cost 3.8 µs per pulled all-reduce in the 8B decoder's GEMV chain on 2
+        # H200s, against 4.6 µs with 1,024 and 7.1 µs with 4,096 (bench/tp_all_reduce.py, which
+        # sets these). A push inbox keeps the values per program it was made with.
         self.block_values = int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_BLOCK", "2048"))
         self.warps = int(os.environ.get("FLASHSTACK_TP_ALLREDUCE_WARPS", "4"))
-        self.kernel = os.environ.get("FLASHSTACK_TP_ALLREDUCE", "triton")
-        if self.kernel not in ("triton", "torch"):
-            raise ValueError(f"FLASHSTACK_TP_ALLREDUCE={self.kernel!r}: use 'triton' or 'torch'")
+        self.kernel = os.environ.get("FLASHSTACK_TP_ALLREDUCE", "push")
+        if self.kernel not in ("push", "pull", "torch"):
+            raise ValueError(f"FLASHSTACK_TP_ALLREDUCE={self.kernel!r}: use 'push', 'pull' or 'torch'")
         self.turn = 0  # the same on every rank: every rank makes the same calls in the same order
+        self.inbox = self._inbox(max_numel, dtype)
+        # The graphs' inputs come by push too; the other kinds keep NCCL's broadcast, which also
+        # separates one step's pulls from the next's.
+        push_inputs = self.kernel == "push" and step_inputs > 0
+        self.step_inbox = self._inbox(step_inputs, torch.int64, senders=1) if push_inputs else None
+
+    def _inbox(self, region: int, dtype: torch.dtype, senders: int | None = None):
+        """Collective: a push inbox of two halves x `senders` (default: every rank) x `region`
+        values, sentinel-filled on every rank before any rank can write into it."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from flashstack.engine.kernels.triton_collectives import Inbox, bits_dtype, sentinel
+
+        bits = bits_dtype(dtype)
+        slots = symm_mem.empty(2 * (senders or self.world_size) * region, dtype=bits, device=self.device)
+        slots.fill_(sentinel(bits))
+        handle = symm_mem.rendezvous(slots, self.group)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group, device_ids=[self.device.index])
+        counters = torch.zeros(-(-region // self.block_values), dtype=torch.int32, device=self.device)
+        addresses = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        return Inbox(slots, addresses, counters, region, self.rank, self.world_size, self.block_values)
 
     def fits_shape(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         return dtype == self.dtype and math.prod(shape) <= self.max_numel
@@ -176,27 +207,47 @@ class SymmetricCollectives:
         self.turn ^= 1
         return buffer[: math.prod(shape)].view(shape)
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `x` (any tensor that fits), as a new tensor."""
+        if self.kernel == "push":
+            return self.reduce(x)
+        staged = self.stage(tuple(x.shape))
+        staged.copy_(x)
+        return self.reduce(staged)
+
     def reduce(self, staged: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of what each staged, as a new tensor."""
-        from flashstack.engine.kernels.triton_collectives import one_shot_all_reduce
+        from flashstack.engine.kernels import triton_collectives as kernels
 
+        if self.kernel == "push":
+            return kernels.push_all_reduce(staged, self.inbox, self.warps)
         if self.kernel == "torch":
             return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)
-        return one_shot_all_reduce(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
-                                   self.world_size, self.block(staged.numel()), self.warps)
+        return kernels.one_shot_all_reduce(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
+                                           self.world_size, self.block(staged.numel()), self.warps)
 
     def gather(self, staged: torch.Tensor) -> torch.Tensor:
         """Every rank's staged [rows, cols] side by side, [rows, world_size * cols], as a new tensor."""
-        from flashstack.engine.kernels.triton_collectives import one_shot_all_gather
+        from flashstack.engine.kernels import triton_collectives as kernels
 
-        return one_shot_all_gather(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
-                                   self.world_size, self.block(staged.numel()))
+        if self.kernel == "push":
+            return kernels.push_all_gather(staged, self.inbox, self.warps)
+        return kernels.one_shot_all_gather(staged, self._buffer_ptrs(staged), self.signal_pads, self.rank,
+                                           self.world_size, self.block(staged.numel()))
+
+    def broadcast_step_inputs(self, packed: torch.Tensor) -> None:
+        """Rank 0's packed step inputs (int64) into the other ranks' `packed`, in place: the first
+        kernel of every rank's decode graph."""
+        from flashstack.engine.kernels.triton_collectives import push_broadcast
+
+        assert self.step_inbox is not None, "made without room for step inputs"
+        push_broadcast(packed, self.step_inbox)
 
     def _buffer_ptrs(self, staged: torch.Tensor) -> torch.Tensor:
         return self.buffer_ptrs[0 if staged.data_ptr() == self.buffers[0].data_ptr() else 1]
 
     def block(self, numel: int) -> int:
-        """Values per program for a call of `numel`: `block_values`, more where the flags would run out."""
+        """Values per program of a pull of `numel`: `block_values`, more where the flags would run out."""
         block = self.block_values
         while -(-numel // block) > self.max_programs:
             block *= 2
@@ -302,6 +353,10 @@ class StepChannel:
         """Broadcast a graph step's packed inputs (already on rank 0's device) to every rank."""
         self.mailbox.post([_OP_GRAPH, bucket, packed.numel()])
         dist.broadcast(packed, src=0, group=self.tp.group)
+
+    def announce_graph_step(self, bucket: int, packed: torch.Tensor) -> None:
+        """Tell the other ranks to replay bucket `bucket`; its first kernel brings them `packed`."""
+        self.mailbox.post([_OP_GRAPH, bucket, packed.numel()])
 
     def recv_packed(self, into: torch.Tensor) -> None:
         """Receive a graph step's packed inputs straight into the graphs' input buffer."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +85,13 @@ class ModelRunner:
         """Give the runner a host KV pool of `num_host_blocks` blocks for swap preemption."""
         self.swap_space = SwapSpace(self.kv_cache, num_host_blocks)
 
-    def capture_graphs(self, max_model_len: int, on_bucket=None) -> None:
-        """Capture decode CUDA graphs for every batch bucket (CUDA and a graph-safe backend only)."""
+    def capture_graphs(self, max_model_len: int, on_bucket=None,
+                       share_inputs: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Capture decode CUDA graphs for every batch bucket (CUDA and a graph-safe backend only).
+        `share_inputs`: the first kernel of every graph (a tensor-parallel group's input broadcast)."""
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.config.block_size,
                                    max_model_len, self.config.max_num_seqs, self.device)
+        self.graphs.share_inputs = share_inputs
         self.graphs.capture(on_bucket)
 
     def release_graphs(self) -> None:

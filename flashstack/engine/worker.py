@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from flashstack.engine.config import EngineConfig
-from flashstack.engine.cuda_graphs import graph_buckets
+from flashstack.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from flashstack.engine.distributed import (
     OP_PROFILE,
     OP_START,
@@ -154,10 +155,10 @@ class DriverRunner(ModelRunner):
         channel = self.workers.channel
         assert channel is not None
         channel.send_capture(max_model_len)
-        self.workers.tp.enable_fast_all_reduce(fast_all_reduce_numel(self), self.dtype)
-        super().capture_graphs(max_model_len, on_bucket)
+        share = enable_graph_collectives(self, self.workers.tp, max_model_len)
+        super().capture_graphs(max_model_len, on_bucket, share_inputs=share)
         assert self.graphs is not None
-        self.graphs.before_replay = channel.send_graph_step
+        self.graphs.before_replay = channel.announce_graph_step if share else channel.send_graph_step
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group."""
@@ -174,6 +175,17 @@ def share_cpu_threads(device: torch.device, world: int) -> None:
 
 def _attached_key(rank: int) -> str:
     return f"flashstack-tp-mailbox-attached-{rank}"
+
+
+def enable_graph_collectives(runner: ModelRunner, tp: TensorParallel,
+                             max_model_len: int) -> Callable[[torch.Tensor], None] | None:
+    """Collective, before every rank captures: set up the peer-memory collectives the decode graphs
+    use. Returns the input broadcast that starts each graph, or None where the graphs' inputs
+    travel by NCCL before each replay (no peer memory)."""
+    step_inputs = DecodeGraphs.packed_capacity(max_model_len, runner.config.block_size, runner.config.max_num_seqs)
+    tp.enable_fast_all_reduce(fast_all_reduce_numel(runner), runner.dtype, step_inputs)
+    fast = tp.fast
+    return fast.broadcast_step_inputs if fast is not None and fast.step_inbox is not None else None
 
 
 def fast_all_reduce_numel(runner: ModelRunner) -> int:
@@ -252,12 +264,13 @@ def run_steps(runner: ModelRunner, channel: StepChannel) -> None:
     """Mirror rank 0's forward passes until it says exit; sampling happens on rank 0 only."""
     while (inputs := channel.recv()) is not None:
         if isinstance(inputs, CaptureGraphs):
-            channel.tp.enable_fast_all_reduce(fast_all_reduce_numel(runner), runner.dtype)
-            runner.capture_graphs(inputs.max_model_len)
+            share = enable_graph_collectives(runner, channel.tp, inputs.max_model_len)
+            runner.capture_graphs(inputs.max_model_len, share_inputs=share)
             continue
         if isinstance(inputs, GraphStep):
             assert runner.graphs is not None, "rank 0 replays graphs this rank never captured"
-            channel.recv_packed(runner.graphs.packed[: inputs.size])
+            if runner.graphs.share_inputs is None:  # else the graph's first kernel fetches them
+                channel.recv_packed(runner.graphs.packed[: inputs.size])
             runner.graphs.replay_received(inputs.bucket)
             continue
         hidden = runner.model(

@@ -219,7 +219,8 @@ def test_graph_step_protocol_over_gloo() -> None:
 def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
     """Stage rank-dependent values, all-reduce them and compare with the rank-order sum, gather them
     and compare with the ranks' values side by side; eagerly and replayed from a CUDA graph, where
-    the two buffers and the flags are reused over and over."""
+    the buffers, inboxes and flags are reused over and over. The push also broadcasts a graph
+    step's inputs from rank 0, new ones before every replay."""
     import os
 
     from flashstack.engine.distributed import init_rank, leave_group
@@ -227,7 +228,8 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
     os.environ["FLASHSTACK_TP_ALLREDUCE"] = kernel
     device = torch.device("cuda", rank)
     tp = init_rank(rank, 2, port, device)
-    tp.enable_fast_all_reduce(4096 * 40, torch.bfloat16)
+    tp.enable_fast_all_reduce(4096 * 40, torch.bfloat16, step_inputs=1000)
+    push = kernel == "push"
 
     def parts(numel: int, seed: int) -> list[torch.Tensor]:
         gen = torch.Generator(device).manual_seed(seed)
@@ -238,12 +240,16 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
         return (a.float() + b.float()).to(torch.bfloat16)
 
     try:
-        odd = 3 if kernel == "triton" else 2  # torch's kernel takes whole 4-byte words only
+        odd = 2 if kernel == "torch" else 3  # torch's kernel takes whole 4-byte words only
         for i, numel in enumerate([4096, 1000, 4096 * 40, 4096 * 40 - odd] * 5):  # eager, odd sizes, many programs
             x = parts(numel, i)[rank]
             got = tp.all_reduce(x.clone())
             if not torch.equal(got, expected(numel, i)):
                 errors.put(f"rank {rank}, eager call {i} ({numel} values): wrong sum")
+        # -0.0 is the push inbox's "not written yet": a rank sending it must not stall the others.
+        x = -torch.zeros(4096, dtype=torch.bfloat16, device=device) if rank == 0 else parts(4096, 7)[1]
+        if not torch.equal(tp.all_reduce(x), parts(4096, 7)[1]):
+            errors.put(f"rank {rank}: wrong sum with -0.0 values")
         for i, (rows, cols) in enumerate([(1, 64128), (3, 1000), (1, 1000), (5, 4096 * 8)]):
             both = [p.view(rows, cols) for p in parts(rows * cols, 100 + i)]
             staged = tp.fast.stage((rows, cols))
@@ -256,10 +262,17 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
             return h * 0.5 + float(k % 7 + 1) * (r + 1)
 
         xs = parts(4096, 99)
+        packed = torch.zeros(777, dtype=torch.int64, device=device)
+
+        def step_inputs(replay: int) -> torch.Tensor:
+            return torch.arange(777, device=device) * (replay + 3) - 5  # negatives like the padding's -1
+
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
+                if push:
+                    tp.fast.broadcast_step_inputs(packed)
                 h = xs[rank].clone()
                 for k in range(16):
                     staged = tp.fast.stage((4096,))
@@ -275,10 +288,14 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
             hs = [ref, ref]
         ref_gathered = torch.cat([ref.view(2, 2048) + r for r in range(2)], dim=-1)
         for replay in range(50):
+            packed.copy_(step_inputs(replay) if rank == 0 else torch.full_like(packed, -1))
             graph.replay()
             torch.cuda.synchronize(device)
             if not (torch.equal(h, ref) and torch.equal(gathered, ref_gathered)):
                 errors.put(f"rank {rank}, graph replay {replay}: wrong values")
+                break
+            if push and not torch.equal(packed, step_inputs(replay)):
+                errors.put(f"rank {rank}, graph replay {replay}: wrong step inputs")
                 break
     finally:
         leave_group()
@@ -286,10 +303,11 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("kernel", ["triton", "torch"])
+@pytest.mark.parametrize("kernel", ["push", "pull", "torch"])
 def test_peer_all_reduce_two_gpus(kernel: str) -> None:
-    """The one-shot all-reduce over symmetric memory gives both ranks the exact rank-order sum (ours
-    or torch's kernel); the all-gather gives both the ranks' values side by side (ours)."""
+    """The one-shot all-reduce over symmetric memory gives both ranks the exact rank-order sum (our
+    push or pull, or torch's kernel); the all-gather gives both the ranks' values side by side
+    (ours); the push broadcast gives rank 1 rank 0's step inputs."""
     import multiprocessing as mp
 
     from flashstack.engine.distributed import master_store
