@@ -94,15 +94,43 @@ def our_step_ms(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
     return (time.perf_counter() - t) / steps * 1000
 
 
-def teacher_forced(llm, base: list[list[int]], hf_tokens: list[list[int]]) -> float:
-    """Per-position agreement: given transformers' own prefix, is our next greedy token its token?
-    Unlike free-running agreement, one near-tie does not turn every later position into a miss."""
+def teacher_forced(llm, base: list[list[int]], hf_tokens: list[list[int]]) -> list[int]:
+    """Our greedy next token at every position of transformers' continuation, given its prefix.
+    Compared per position, one near-tie does not turn every later position into a miss."""
     from flashstack.engine import SamplingParams
 
     prompts = [p + t[:k] for p, t in zip(base, hf_tokens) for k in range(len(t))]
-    want = [t[k] for t in hf_tokens for k in range(len(t))]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    return sum(o.token_ids[0] == w for o, w in zip(outs, want)) / len(want)
+    return [o.token_ids[0] for o in outs]
+
+
+@torch.inference_mode()
+def hf_teacher_forced(model, base: list[list[int]], hf_tokens: list[list[int]]) -> list[int]:
+    """transformers' greedy next token at every position of its continuation, in one forward pass
+    over prompt + continuation (no KV cache)."""
+    ids = torch.tensor([p + t for p, t in zip(base, hf_tokens)], device=DEVICE)
+    start, n = len(base[0]) - 1, len(hf_tokens[0])
+    return model(ids).logits[:, start:start + n].argmax(-1).flatten().tolist()
+
+
+def fraction_equal(a: list[int], b: list[int]) -> float:
+    return round(sum(x == y for x, y in zip(a, b)) / len(a), 4)
+
+
+def noise_floor(model, base: list[list[int]], hf_tokens: list[list[int]]) -> dict[str, list[int]]:
+    """Teacher-forced next tokens of transformers itself, computed three other ways: bf16 in one
+    forward pass, bf16 with eager attention, fp32. How often these agree with transformers' bf16
+    `generate` is how far bf16 rounding alone moves the argmax on these weights."""
+    out = {"hf_bf16_forward": hf_teacher_forced(model, base, hf_tokens)}
+    try:
+        model.set_attn_implementation("eager")
+        out["hf_bf16_eager_attention"] = hf_teacher_forced(model, base, hf_tokens)
+        model.set_attn_implementation("sdpa")
+    except Exception:  # an older transformers: skip this one
+        pass
+    model.float()
+    out["hf_fp32"] = hf_teacher_forced(model, base, hf_tokens)
+    return out
 
 
 def stage_bucket(graphs, bucket: int, context: int) -> None:
@@ -214,6 +242,11 @@ def main() -> None:
         result["transformers_error"] = traceback.format_exc()[-2000:]
     agree_prompts = [[t % shape["vocab_size"] for t in p] for p in prompts(8, 64, seed=2)]
     hf_tokens = hf_greedy(hf, agree_prompts, 64)
+    hf_flat = [t for seq in hf_tokens for t in seq]
+    references = noise_floor(hf, agree_prompts, hf_tokens)
+    result["teacher_forced_noise_floor_vs_transformers_generate"] = {
+        k: fraction_equal(v, hf_flat) for k, v in references.items()}
+    result["teacher_forced_hf_bf16_vs_hf_fp32"] = fraction_equal(references["hf_bf16_forward"], references["hf_fp32"])
     del hf
     gc.collect()
     torch.cuda.empty_cache()
@@ -239,7 +272,9 @@ def main() -> None:
             entry: dict = {"load_s": round(time.perf_counter() - t, 1), "steps": {}}
             ours = [o.token_ids for o in llm.generate(agree_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))]
             entry["greedy_agreement_vs_transformers"] = round(agreement(ours, hf_tokens), 4)
-            entry["teacher_forced_agreement_vs_transformers"] = round(teacher_forced(llm, agree_prompts, hf_tokens), 4)
+            forced = teacher_forced(llm, agree_prompts, hf_tokens)
+            entry["teacher_forced_agreement_vs_transformers"] = fraction_equal(forced, hf_flat)
+            entry["teacher_forced_agreement_vs_transformers_fp32"] = fraction_equal(forced, references["hf_fp32"])
             graphs = llm.engine.runner.graphs
             if graphs is not None:  # the GPU's own time for one step, without any host work
                 entry["graph_replay_ms"] = {str(b): round(graph_replay_ms(graphs, b, ctx), 3) for b in (1, 8, 32) if b in graphs.graphs}
