@@ -19,11 +19,13 @@ QWEN3_0_6B: dict[str, Any] = dict(
 )
 
 
-def random_hf_model(shape: dict[str, Any], device: str = "cuda"):
-    """A transformers model of `shape` with random bf16 weights, initialised on `device`."""
+def random_hf_model(shape: dict[str, Any], device: str = "cuda", seed: int = 0):
+    """A transformers model of `shape` with random bf16 weights, initialised on `device` from `seed`
+    (the same weights in every run on one machine)."""
     import torch
     import transformers
 
+    torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(**shape)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)

@@ -186,6 +186,7 @@ class SymmetricCollectives:
         from flashstack.engine.kernels.triton_collectives import Inbox, bits_dtype, sentinel
 
         bits = bits_dtype(dtype)
+        region = -(-region // 64) * 64  # every slot 128-byte aligned: whole-segment vector stores
         slots = symm_mem.empty(2 * (senders or self.world_size) * region, dtype=bits, device=self.device)
         slots.fill_(sentinel(bits))
         handle = symm_mem.rendezvous(slots, self.group)
