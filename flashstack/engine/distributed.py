@@ -16,6 +16,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ import torch.distributed as dist
 from flashstack.engine.kernels.attention import AttentionMetadata
 from flashstack.engine.mailbox import Mailbox
 from flashstack.engine.model_runner import StepInputs
+
+if TYPE_CHECKING:  # the kernels import triton: loaded on first use, on GPUs only
+    from flashstack.engine.kernels.triton_collectives import Inbox
 
 # NVLink multicast (NVLS) can put a shared host's GPUs out of service: it stays off everywhere.
 MULTICAST_OFF = {
@@ -84,9 +88,10 @@ class TensorParallel:
         the graph: `SymmetricCollectives.broadcast_step_inputs`).
 
         NCCL's all-reduce costs ~19 µs per call inside a CUDA graph on 2 H200s (measured), about
-        1.2 ms per decode step of a 32-layer model; a one-shot all-reduce over symmetric memory
-        reads the peers' buffers directly (8.6 µs). GPUs only, and only where torch's symmetric memory is usable;
-        FLASHSTACK_TP_FAST_ALLREDUCE=0 keeps NCCL for everything.
+        1.2 ms per decode step of a 32-layer model; our push all-reduce over symmetric memory costs
+        2.6-2.7 µs per call in the decoder's GEMV chain (bench/tp_all_reduce.py). GPUs only, and
+        only where torch's symmetric memory is usable; FLASHSTACK_TP_FAST_ALLREDUCE=0 keeps NCCL for
+        everything.
         """
         if self.device.type != "cuda" or os.environ.get("FLASHSTACK_TP_FAST_ALLREDUCE", "1") == "0":
             return
@@ -178,7 +183,7 @@ class SymmetricCollectives:
         push_inputs = self.kernel == "push" and step_inputs > 0
         self.step_inbox = self._inbox(step_inputs, torch.int64, senders=1) if push_inputs else None
 
-    def _inbox(self, region: int, dtype: torch.dtype, senders: int | None = None):
+    def _inbox(self, region: int, dtype: torch.dtype, senders: int | None = None) -> Inbox:
         """Collective: a push inbox of two halves x `senders` (default: every rank) x `region`
         values, sentinel-filled on every rank before any rank can write into it."""
         import torch.distributed._symmetric_memory as symm_mem
