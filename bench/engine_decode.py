@@ -120,7 +120,8 @@ def fraction_equal(a: list[int], b: list[int]) -> float:
 def noise_floor(model, base: list[list[int]], hf_tokens: list[list[int]]) -> dict[str, list[int]]:
     """Teacher-forced next tokens of transformers itself, computed three other ways: bf16 in one
     forward pass, bf16 with eager attention, fp32. How often these agree with transformers' bf16
-    `generate` is how far bf16 rounding alone moves the argmax on these weights."""
+    `generate` is how far bf16 rounding alone moves the argmax on these weights. Leaves `model` in
+    fp32."""
     out = {"hf_bf16_forward": hf_teacher_forced(model, base, hf_tokens)}
     try:
         model.set_attn_implementation("eager")

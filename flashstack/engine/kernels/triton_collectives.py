@@ -348,4 +348,4 @@ def push_broadcast(values: torch.Tensor, inbox: Inbox) -> None:
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer type an inbox of `dtype` values is polled as."""
-    return _BITS[torch.empty((), dtype=dtype).element_size()]
+    return _BITS[dtype.itemsize]
