@@ -80,6 +80,10 @@ def graph_ms(fn: Any, replays: int = 20, before_replay: Any = None) -> float:
     return statistics.median(times)
 
 
+def _label(config: tuple[int, ...]) -> str:
+    return "n{}_k{}_w{}".format(*config) + (f"_s{config[3]}" if len(config) > 3 else "")
+
+
 def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str, Any]:
     gen = torch.Generator("cuda").manual_seed(world)
     layers = layer_weights(world, gen)
@@ -103,9 +107,9 @@ def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str,
             try:
                 ms = time({**best, name: config})
             except Exception as exc:  # a configuration the compiler rejects
-                tried[name]["n{}_k{}_w{}".format(*config)] = repr(exc)[:80]
+                tried[name][_label(config)] = repr(exc)[:80]
                 continue
-            tried[name]["n{}_k{}_w{}".format(*config)] = round(ms, 4)
+            tried[name][_label(config)] = round(ms, 4)
             if ms < best_ms:
                 best_ms, best[name] = ms, config
         print(world, name, best[name], round(best_ms, 4), flush=True)
@@ -123,10 +127,12 @@ def main() -> None:
     ap.add_argument("--rows", default="2,4,8,16")
     ap.add_argument("--chunks", default="512,1024")
     ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="0", help="0: the next chunk in registers; n > 1: n - 1 chunks ahead "
+                    "through shared memory (Triton's pipeliner)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    candidates = list(itertools.product(ints(args.rows), ints(args.chunks), ints(args.warps)))
+    candidates = list(itertools.product(ints(args.rows), ints(args.chunks), ints(args.warps), ints(args.stages)))
     report = {f"world{w}": sweep_world(w, candidates) for w in ints(args.world)}
     text = json.dumps(report, indent=1)
     if args.out:

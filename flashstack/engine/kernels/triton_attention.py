@@ -230,16 +230,23 @@ def _merge_splits_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    _, active = _splits_of(tl.load(ctx_ptr + b), min_split, num_splits, BLOCK_N)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    # The partials load together with the context length, not after it (one memory latency, not
+    # two): every split of the grid is in bounds, and those past this sequence's context are
+    # masked out once `active` is known (their slots hold stale values).
+    ctx = tl.load(ctx_ptr + b)
+    in_grid = s < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=in_grid, other=float("-inf"))
+    parts = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=in_grid[:, None] & (d[None, :] < D), other=0.0)
+    _, active = _splits_of(ctx, min_split, num_splits, BLOCK_N)
     if active > 1:
-        s = tl.arange(0, S_PAD)
-        d = tl.arange(0, D_PAD)
         smask = s < active
-        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+        lse = tl.where(smask, lse, float("-inf"))
         top = tl.max(lse, 0)
         w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
-        parts = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                        mask=smask[:, None] & (d[None, :] < D), other=0.0)
+        parts = tl.where(smask[:, None], parts, 0.0)
         out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 

@@ -18,6 +18,12 @@ kernels that sit between the projections of a decoder layer fold in at little co
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
 
+The weights stream one chunk ahead of the multiply, either in registers or (`stages` >= 2 in the
+configuration) through shared memory, stages - 1 chunks ahead, by Triton's software pipeliner:
+more bytes in flight per program without spending registers on them. Same chunks, same order, same
+bits either way. It pays where a program's share is long: the down projection (14336-wide rows)
+with three stages took the 8B batch-1 decode step from 4.14 to 4.06 ms on the H200.
+
 Measured on the H200 (`bench/engine_gemv.py`, each weight read from memory as in a decode step),
 fused against cuBLAS plus the kernel the fusion removes: q/k/v + norm 17.3 → 14.3 µs, o + residual
 13.6 → 9.8 µs, gate/up + norm 57.7 → 55.4 µs, down + SiLU + residual 33.9 → 31.3 µs; lm_head
@@ -34,41 +40,59 @@ from flashstack.engine.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit
+def _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype,
+                 NORM_IN: tl.constexpr, SILU_IN: tl.constexpr):
+    # The activations that multiply one weight chunk, with the input prologue applied.
+    if SILU_IN:
+        gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0)
+        x = (gate / (1.0 + tl.exp(-gate))).to(act_dtype) * up
+    else:
+        x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
+        if NORM_IN:
+            x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(act_dtype)
+    return x.to(act_dtype).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, g_ptr, N, K, stride_w, eps,
                  HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, SILU_IN: tl.constexpr, ADD_OUT: tl.constexpr,
-                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     act_dtype = x_ptr.dtype.element_ty
-    # The weights stream one chunk ahead of the multiply. The first chunk depends on nothing earlier
-    # in the stream: under programmatic dependent launch it is in flight while the previous kernel
-    # finishes.
+    # The first weight chunk depends on nothing earlier in the stream: under programmatic dependent
+    # launch it is in flight while the previous kernel finishes.
     cols = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
+    rstd = 1.0
     if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
         sq = tl.zeros([BLOCK_K], tl.float32)
         for k in range(0, K, BLOCK_K):
             xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
             sq += xs * xs
         rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        kcols = k + cols
-        cmask = kcols < K
-        if SILU_IN:
-            gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0)
-            x = (gate / (1.0 + tl.exp(-gate))).to(act_dtype) * up
-        else:
-            x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
-            if NORM_IN:
-                x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(act_dtype)
-        acc += w.to(tl.float32) * x.to(act_dtype).to(tl.float32)[None, :]
-        nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
-        w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
+    if STAGES > 1:
+        # The rest streams through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner,
+        # asynchronous copies): more bytes in flight per program without holding them in registers.
+        acc = w.to(tl.float32) * _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)[None, :]
+        for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            kcols = k + cols
+            cmask = kcols < K
+            w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            acc += w.to(tl.float32) * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[None, :]
+    else:
+        # One chunk ahead, in registers: the next chunk loads while this one multiplies.
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kcols = k + cols
+            cmask = kcols < K
+            acc += w.to(tl.float32) * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[None, :]
+            nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
+            w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -77,14 +101,21 @@ def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, g_ptr, N, K, stride_w, eps,
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, int, int]:
-    """(rows per program, K chunk, warps): the fastest of 32 configurations per shape on the H200,
-    each reading its weights from memory as in a decode step (bench/engine_gemv.py). Fused, as the
-    decoder runs them (`fused` = "norm", "silu" or "residual"): 4 rows in 1024-wide chunks where the
-    norm's extra pass over the input runs in every program, else 8 rows. Plain: long rows (K =
-    14336) 16 rows and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks."""
-    if fused is not None:
-        return (4, 1024, 4) if fused == "norm" else (8, 1024, 4)
+def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, ...]:
+    """(rows per program, K chunk, warps[, stages]) per shape, measured on the H200 in the decoder's
+    own 32-layer chain (bench/engine_gemv_chain.py; each weight read from memory as in a decode
+    step). Fused, as the decoder runs them (`fused` = "norm", "silu" or "residual"): q/k/v and
+    gate/up (the norm's extra pass over the input runs in every program) 4 rows in 1024-wide chunks,
+    the next chunk in registers; down ("silu") 8 rows, two chunks ahead through shared memory; o
+    ("residual") 4 rows, one chunk ahead through shared memory. Plain: long rows (K = 14336) 16 rows
+    and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks. A fourth value
+    of 2 or more streams the weights through shared memory (`_gemv_kernel`)."""
+    if fused == "silu":
+        return 8, 1024, 4, 3
+    if fused == "residual":
+        return 4, 1024, 4, 2
+    if fused == "norm":
+        return 4, 1024, 4
     if k > 8192:
         return 16, 1024, 8
     if n >= 16384:
@@ -116,7 +147,7 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
     fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
-    block_n, block_k, warps = config or gemv_config(n, k, fused)
+    block_n, block_k, warps, *stages = config or gemv_config(n, k, fused)
     if residual is not None:
         assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
     if out is not None:
@@ -128,7 +159,7 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
         weight, x, bias if bias is not None else y, y, residual if residual is not None else y, norm_weight,
         n, k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, NORM_IN=norm is not None, SILU_IN=silu, ADD_OUT=residual is not None,
-        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages[0] if stages else 0, num_warps=warps,
         launch_pdl=pdl,
     )
     return y

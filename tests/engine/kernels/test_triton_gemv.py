@@ -19,14 +19,15 @@ def test_config_per_shape():
     assert tg.gemv_config(4096, 14336) == (16, 1024, 8)
     assert tg.gemv_config(28672, 4096) == tg.gemv_config(128256, 4096) == (2, 1024, 4)
     assert tg.gemv_config(6144, 4096) == tg.gemv_config(4096, 4096) == (8, 512, 4)
-    # Fused as the decoder runs them: the norm's extra pass (q/k/v, gate/up), SiLU-and-mul (down),
-    # the residual add alone (o).
+    # Fused as the decoder runs them: the norm's extra pass (q/k/v, gate/up), SiLU-and-mul (down,
+    # weights through shared memory, two chunks ahead), the residual add alone (o, one chunk ahead).
     assert tg.gemv_config(28672, 4096, "norm") == tg.gemv_config(6144, 4096, "norm") == (4, 1024, 4)
-    assert tg.gemv_config(4096, 14336, "silu") == tg.gemv_config(4096, 4096, "residual") == (8, 1024, 4)
+    assert tg.gemv_config(4096, 14336, "silu") == (8, 1024, 4, 3)
+    assert tg.gemv_config(4096, 4096, "residual") == (4, 1024, 4, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4)])
+@pytest.mark.parametrize("config", [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 512, 4, 3)])
 @pytest.mark.parametrize("n,k", [(37, 300), (64, 2100)])  # ragged rows and chunks, several chunks
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_linear(device, dtype, config, n, k, with_bias):
@@ -64,7 +65,8 @@ def test_use_triton_gemv_swaps_every_plain_projection():
     assert {n: p for n, p in model.named_parameters()} == weights
 
 
-CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4)]
+# (rows, chunk, warps[, stages]): the next chunk in registers, or stages - 1 chunks ahead in shared memory
+CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 512, 4, 3), (4, 1024, 4, 2)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,6 +102,28 @@ def test_silu_prologue_is_silu_and_mul_then_gemv(device, dtype, config):
     torch.testing.assert_close(fused, tg.gemv_triton(w, silu_and_mul_triton(gate_up), None, config), atol=0, rtol=0)
     want = torch.nn.functional.linear(silu_and_mul_reference(gate_up).float(), w.float()).to(dtype)
     torch.testing.assert_close(fused, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_shared_memory_stream_gives_the_same_bits(device, stages):
+    # Weights through shared memory (Triton's pipeliner) or one chunk ahead in registers: the same
+    # chunks in the same order, so every prologue and epilogue gives identical bits.
+    torch.manual_seed(4)
+    n, k = 45, 2100
+    dtype = DTYPES[0]
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    gate_up = torch.randn(1, 2 * k, dtype=dtype, device=device)
+    g = torch.rand(k, dtype=dtype, device=device) + 0.5
+    r = torch.randn(1, n, dtype=dtype, device=device)
+
+    def run(config, inp, residual=False, **kwargs):
+        return tg.gemv_triton(w, inp, None, config, residual=r.clone() if residual else None, **kwargs)
+
+    for config in [(8, 512, 4), (4, 1024, 4)]:
+        for inp, kwargs in [(x, {}), (x, {"norm": (g, 1e-5)}), (gate_up, {"silu": True}),
+                            (gate_up, {"silu": True, "residual": True})]:
+            torch.testing.assert_close(run((*config, stages), inp, **kwargs), run(config, inp, **kwargs), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
