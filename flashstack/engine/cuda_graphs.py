@@ -7,6 +7,11 @@ asynchronous copy from pinned host memory, and under tensor parallelism one broa
 ranks. Each bucket's graph reads the packed buffer in its own layout and converts the two int32
 inputs of the attention kernels itself. Padded rows write nothing (slot -1) and read one harmless
 slot (context length 1).
+
+Bucket 1 has a second graph when contexts can be longer than the attention kernel's short-context
+bound (kernels/triton_attention.short_decode): a lone sequence with a short context reads it with
+another launch configuration, and a graph bakes its launches in. Graphs are keyed by their bucket,
+and that one by SHORT_CONTEXT_KEY; tensor-parallel ranks receive the key and replay the same graph.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetad
 
 MAX_GRAPH_BATCH = 512
 _INPUT_ROWS = 4  # ids, positions, slots, context lengths; the block table follows
+SHORT_CONTEXT_KEY = 0  # bucket 1's short-context graph (buckets themselves are ≥ 1)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -44,7 +50,7 @@ class _BucketInputs:
     block_tables: torch.Tensor  # int64 [bucket, width]; the graph converts it
 
 
-# Called between staging a step and replaying it: (bucket, packed inputs).
+# Called between staging a step and replaying it: (graph key, packed inputs).
 StepHook = Callable[[int, torch.Tensor], None]
 
 
@@ -63,8 +69,15 @@ class DecodeGraphs:
         self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by key: the bucket, or SHORT_CONTEXT_KEY
         self.logits: dict[int, torch.Tensor | None] = {}
+        # Contexts up to this many tokens replay bucket 1's short-context graph (0: it has none).
+        self.short_context = 0
+        if backend is not None and backend.name == "triton" and 1 in self.buckets:
+            from flashstack.engine.kernels.triton_attention import SHORT_DECODE_CONTEXT
+
+            if max_model_len > SHORT_DECODE_CONTEXT:
+                self.short_context = SHORT_DECODE_CONTEXT
         self.pool = None
         self.before_replay: StepHook | None = None  # rank 0 of a tensor-parallel group announces the step
         # Under tensor parallelism: the graphs' first kernel gives every rank rank 0's packed inputs.
@@ -89,23 +102,24 @@ class DecodeGraphs:
         tables = p[_INPUT_ROWS * bs : self.packed_size(bs)].view(bs, self.width)
         return _BucketInputs(ids, pos, slots, ctx, tables)
 
-    def _meta(self, bs: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def _meta(self, bs: int, slot_mapping: torch.Tensor, max_context_len: int) -> AttentionMetadata:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
             query_start_loc=self.query_start_loc[: bs + 1], block_size=self.block_size, max_query_len=1,
-            max_context_len=self.max_model_len, query_lens_host=[1] * bs, context_lens_host=[1] * bs,
+            max_context_len=max_context_len, query_lens_host=[1] * bs, context_lens_host=[1] * bs,
         )
-        # One grid for every step of this bucket: split-KV sized for the longest possible context.
-        meta.scratch["graph_max_context_len"] = self.max_model_len
+        # One grid for every step of this graph: split-KV sized for the longest context it serves.
+        meta.scratch["graph_max_context_len"] = max_context_len
         return meta
 
-    def _forward(self, bs: int) -> torch.Tensor | None:
+    def _forward(self, bs: int, max_context_len: int) -> torch.Tensor | None:
         if self.share_inputs is not None:
             self.share_inputs(self.packed[: self.packed_size(bs)])
         v = self._views(bs)
         self.context_lens[:bs].copy_(v.context_lens)
         self.block_tables[:bs].copy_(v.block_tables)
-        hidden = self.model(v.input_ids, v.positions, self._meta(bs, v.slot_mapping), self.kv_caches, self.backend)
+        meta = self._meta(bs, v.slot_mapping, max_context_len)
+        hidden = self.model(v.input_ids, v.positions, meta, self.kv_caches, self.backend)
         return self.model.compute_logits(hidden)  # None on ranks other than a group's rank 0
 
     def _pad(self, bs: int) -> None:
@@ -122,17 +136,20 @@ class DecodeGraphs:
         Under tensor parallelism every rank calls this at once: warm-ups and captures issue the
         same collectives in the same order on every rank.
         """
-        for bs in reversed(self.buckets):
+        graphs = [(bs, bs, self.max_model_len) for bs in reversed(self.buckets)]
+        if self.short_context:
+            graphs.append((SHORT_CONTEXT_KEY, 1, self.short_context))
+        for key, bs, max_context_len in graphs:
             self._pad(bs)
-            self._forward(bs)  # warm-up: Triton compiles and autotunes outside the capture
+            self._forward(bs, max_context_len)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._forward(bs)
+                self.logits[key] = self._forward(bs, max_context_len)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
-            if on_bucket is not None:
+            self.graphs[key] = graph
+            if on_bucket is not None and key != SHORT_CONTEXT_KEY:
                 on_bucket()
         torch.cuda.synchronize(self.device)
 
@@ -156,10 +173,11 @@ class DecodeGraphs:
         bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
         if ids_from is not None:
             self.packed[: len(input_ids)].copy_(ids_from)
+        key = SHORT_CONTEXT_KEY if bs == 1 and context_lens[0] <= self.short_context else bs
         if self.before_replay is not None:
-            self.before_replay(bs, self.packed[: self.packed_size(bs)])
-        self.graphs[bs].replay()
-        logits = self.logits[bs]
+            self.before_replay(key, self.packed[: self.packed_size(bs)])
+        self.graphs[key].replay()
+        logits = self.logits[key]
         assert logits is not None, "only the rank that samples replays through run()"
         return logits[: len(input_ids)]
 
@@ -181,6 +199,7 @@ class DecodeGraphs:
         self.packed[: host.numel()].copy_(host, non_blocking=True)
         return bs
 
-    def replay_received(self, bs: int) -> None:
-        """Replay bucket `bs` on inputs another rank has just written into `packed` (a TP rank)."""
-        self.graphs[bs].replay()
+    def replay_received(self, key: int) -> None:
+        """Replay graph `key` (rank 0's choice) on inputs another rank has just written into
+        `packed` (a TP rank)."""
+        self.graphs[key].replay()

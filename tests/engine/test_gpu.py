@@ -51,3 +51,21 @@ def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     llm = LLM(path, block_size=16, device="cuda", dtype="float32", show_progress=False,
               num_kv_blocks=12, max_num_seqs=6)
     assert run_checked(llm, prompts, greedy(16)) == refs
+
+
+def test_cuda_one_sequence_across_the_short_context_graph(tmp_path) -> None:
+    """Bucket 1 has a second graph for short contexts; a sequence whose context grows past its
+    bound moves to the other graph mid-generation, and its greedy tokens stay transformers'."""
+    from flashstack.engine.cuda_graphs import SHORT_CONTEXT_KEY
+    from flashstack.engine.kernels.triton_attention import SHORT_DECODE_CONTEXT
+    from tests.engine.conftest import make_hf_model
+
+    model = make_hf_model("llama")
+    model.config.max_position_embeddings = 2048  # the tiny checkpoints stop at 512 positions
+    model.save_pretrained(tmp_path)
+    prompt = [(7 * i) % 250 + 3 for i in range(SHORT_DECODE_CONTEXT - 12)]
+    ref = hf_greedy(model, prompt, 24)
+    llm = LLM(tmp_path, block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=4)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and SHORT_CONTEXT_KEY in graphs.graphs and graphs.max_model_len > SHORT_DECODE_CONTEXT
+    assert run_checked(llm, [prompt], greedy(24)) == [ref]

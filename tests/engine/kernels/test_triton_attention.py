@@ -100,6 +100,25 @@ def test_decode_matches_reference(device, dtype, heads, kv_heads, dim, block_siz
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("ctx", [1, 63, 64, 65, 300])
+@pytest.mark.parametrize("grid_context", [1024, 4096])
+def test_decode_one_sequence_short_and_long_grids(device, ctx, grid_context):
+    """A lone sequence takes the short-context launch under a short grid bound and the default one
+    under a long bound (as bucket 1's two CUDA graphs do); both match the reference."""
+    torch.manual_seed(3)
+    dtype, bs, heads, kv_heads, dim = DTYPES[0], 16, 8, 2, 64
+    num_blocks = math.ceil(ctx / bs) + 2
+    cache = _cache(num_blocks, bs, kv_heads, dim, dtype, device)
+    tables = _tables([ctx], bs, num_blocks, device)
+    meta = _meta([1], [ctx], tables, bs, device)
+    q = torch.randn(1, heads, dim, dtype=dtype, device=device)
+    assert tk.short_decode(1, grid_context) == (grid_context <= tk.SHORT_DECODE_CONTEXT)
+    assert not tk.short_decode(2, grid_context)
+    want = paged_attention_reference(q, cache, meta, 0.125)
+    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, grid_context)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_sliding_window(device, window):
     torch.manual_seed(1)
