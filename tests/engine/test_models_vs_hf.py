@@ -55,3 +55,22 @@ def test_greedy_matches_transformers(family: str, mode: str, hf_checkpoints, hf_
         again = run_checked(llm, PROMPTS, greedy(MAX_TOKENS))
         assert again == hf_refs[family]
         assert llm.engine.block_manager.num_prefix_hits > 0, "shared prefixes should hit the cache"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tabulated_rotary_angles_equal_computed_ones(dtype) -> None:
+    """The per-position cos/sin table gives exactly the values a step would compute itself."""
+    import torch
+
+    from flashstack.engine.models.layers import RotaryEmbedding
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    tabulated = RotaryEmbedding(128, params, max_positions=4096).to(device)
+    computed = RotaryEmbedding(128, params).to(device)
+    positions = torch.tensor([0, 1, 577, 4095, 2048, 1], device=device)
+    dt = getattr(torch, dtype)
+    for got, want in zip(tabulated(positions, dt), computed(positions, dt)):
+        assert got.shape == want.shape == (6, 1, 128) and got.dtype == dt
+        assert torch.equal(got, want)

@@ -34,6 +34,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     rope: dict[str, Any]
+    max_positions: int = 2048  # config.json's max_position_embeddings: the engine never goes past it
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -55,6 +56,7 @@ class ModelArgs:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=rope_parameters(hf),
+            max_positions=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             qkv_bias=hf.get("attention_bias", False),
             o_bias=hf.get("attention_bias", False),
@@ -131,7 +133,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(a.head_dim, a.rope)
+        self.rotary_emb = RotaryEmbedding(a.head_dim, a.rope, a.max_positions)
 
     def forward(
         self,
