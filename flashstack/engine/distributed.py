@@ -4,7 +4,7 @@ One process per rank. Rank 0 (the caller's process) owns the scheduler; each ste
 header to a shared-memory mailbox (host lengths the attention path needs without a device sync) and
 then broadcasts one packed int64 tensor (input ids, positions, slot_mapping, block tables, context
 lens, query starts, sampled rows) on the device group: NCCL on GPUs, gloo on CPU. A decode step
-replayed from CUDA graphs posts only its bucket: on GPUs the graph's first kernel copies rank 0's
+replayed from CUDA graphs posts only its graph's key: on GPUs the graph's first kernel copies rank 0's
 packed inputs over NVLink (`SymmetricCollectives.broadcast_step_inputs`); elsewhere they follow by
 the group's broadcast. Nothing is pickled after start-up.
 """
@@ -308,9 +308,10 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 @dataclass(frozen=True, slots=True)
 class GraphStep:
-    """A decode step replayed from a captured graph: bucket `bucket`, `size` packed int64 inputs."""
+    """A decode step replayed from a captured graph: its key (DecodeGraphs: the bucket, or
+    SHORT_CONTEXT_KEY), `size` packed int64 inputs."""
 
-    bucket: int
+    key: int
     size: int
 
 
@@ -355,14 +356,14 @@ class StepChannel:
         packed = torch.cat([p.to(torch.int64) for p in parts])
         dist.broadcast(packed, src=0, group=self.tp.group)
 
-    def send_graph_step(self, bucket: int, packed: torch.Tensor) -> None:
+    def send_graph_step(self, key: int, packed: torch.Tensor) -> None:
         """Broadcast a graph step's packed inputs (already on rank 0's device) to every rank."""
-        self.mailbox.post([_OP_GRAPH, bucket, packed.numel()])
+        self.mailbox.post([_OP_GRAPH, key, packed.numel()])
         dist.broadcast(packed, src=0, group=self.tp.group)
 
-    def announce_graph_step(self, bucket: int, packed: torch.Tensor) -> None:
-        """Tell the other ranks to replay bucket `bucket`; its first kernel brings them `packed`."""
-        self.mailbox.post([_OP_GRAPH, bucket, packed.numel()])
+    def announce_graph_step(self, key: int, packed: torch.Tensor) -> None:
+        """Tell the other ranks to replay graph `key`; its first kernel brings them `packed`."""
+        self.mailbox.post([_OP_GRAPH, key, packed.numel()])
 
     def recv_packed(self, into: torch.Tensor) -> None:
         """Receive a graph step's packed inputs straight into the graphs' input buffer."""
@@ -393,7 +394,7 @@ class StepChannel:
         if op == _OP_EXIT:
             return None
         if op == _OP_GRAPH:
-            return GraphStep(bucket=n, size=num_seqs)
+            return GraphStep(key=n, size=num_seqs)
         if op == _OP_CAPTURE:
             return CaptureGraphs(max_model_len=n)
         lens = h[_HEADER_FIXED + 1 : _HEADER_FIXED + 1 + 2 * num_seqs].tolist()

@@ -182,7 +182,8 @@ class LLMEngine:
         return int(peak)
 
     def _declared_max_len(self) -> int:
-        hf_len = self.config.hf_config.get("max_position_embeddings", 2048)
+        # Never past the checkpoint's positions: the rotary table stops there (models/layers.py).
+        hf_len = self.model.args.max_positions
         return min(self.config.max_model_len or hf_len, hf_len)
 
     def _set_max_model_len(self, num_blocks: int) -> None:

@@ -271,7 +271,7 @@ def run_steps(runner: ModelRunner, channel: StepChannel) -> None:
             assert runner.graphs is not None, "rank 0 replays graphs this rank never captured"
             if runner.graphs.share_inputs is None:  # else the graph's first kernel fetches them
                 channel.recv_packed(runner.graphs.packed[: inputs.size])
-            runner.graphs.replay_received(inputs.bucket)
+            runner.graphs.replay_received(inputs.key)
             continue
         hidden = runner.model(
             inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend

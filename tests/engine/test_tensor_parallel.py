@@ -206,7 +206,7 @@ def test_graph_step_protocol_over_gloo() -> None:
         channel.send_exit()
         capture, step, received, last = results.get(timeout=60)
         assert capture == CaptureGraphs(max_model_len=4096)
-        assert step == GraphStep(bucket=3, size=27)
+        assert step == GraphStep(key=3, size=27)
         assert received == packed.tolist()
         assert last is None, "exit ends the rank's loop"
     finally:
