@@ -32,10 +32,13 @@ BF16_PEAK = 790e12  # dense bf16 matmul measured on the H200 (shared/GPU.md)
 
 
 def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads: int = 8, heads: int = 32,
-                            dim: int = 128, iters: int = 50, grid_context: int | None = None, **launch) -> dict:
-    """KV bytes read per second by one layer's split-KV decode kernel over a paged cache.
+                            dim: int = 128, iters: int = 50, grid_context: int | None = None,
+                            calls_per_graph: int = 10, **launch) -> dict:
+    """KV bytes read per second by one layer's split-KV decode kernel (and its merge) over a paged
+    cache. The graph replays `calls_per_graph` launches back to back, as a decode step's graph runs
+    its layers, so a graph launch is not counted against each call (`calls_per_graph=1` counts it).
     `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
-    goes to paged_decode_triton (num_splits, min_split, block_n, num_warps, num_stages)."""
+    goes to paged_decode_triton (num_splits, min_split, block_n, num_warps, num_stages, tma)."""
     from flashstack.engine.kernels.triton_attention import paged_decode_triton
 
     blocks_per_seq = math.ceil(context / block_size)
@@ -49,7 +52,8 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
+        for _ in range(calls_per_graph):
+            run()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -58,7 +62,7 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    sec = start.elapsed_time(end) / 1000 / iters
+    sec = start.elapsed_time(end) / 1000 / iters / calls_per_graph
     kv_bytes = batch * context * 2 * kv_heads * dim * 2
     return {"us": round(sec * 1e6, 1), "gb_s": round(kv_bytes / sec / 1e9, 1),
             "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3)}
@@ -129,6 +133,11 @@ def main() -> None:
     for batch in (1, 2, 4, 8, 16):
         try:
             result["decode_kernel"][str(batch)] = decode_kernel_bandwidth(batch, args.context, 256)
+            # The same launches without Hopper's tensor-memory accelerator: plain loads, the
+            # kernel every other GPU runs.
+            result["decode_kernel"][f"{batch}_plain_loads"] = decode_kernel_bandwidth(batch, args.context, 256, tma=False)
+            result["decode_kernel"][f"{batch}_one_call_per_graph"] = decode_kernel_bandwidth(
+                batch, args.context, 256, calls_per_graph=1)
         except Exception:
             result["decode_kernel"][f"{batch}_error"] = traceback.format_exc()[-1500:]
     if args.sweep:

@@ -120,6 +120,49 @@ def test_decode_one_sequence_short_and_long_grids(device, ctx, grid_context):
 
 
 @pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("new_tokens", [False, True])
+@pytest.mark.parametrize("block_size,block_n,splits", [(32, 16, 3), (16, 16, 1), (64, 32, None)])
+def test_decode_through_tma_matches_reference(device, window, new_tokens, block_size, block_n, splits):
+    """The tensor-memory-accelerator path (whole tiles per block, the split's block-table entries
+    read before the loop) gives the reference's answer. Slots past each context and a free block
+    hold NaN, as never-written cache memory may: a tile reading them must not let them in."""
+    torch.manual_seed(5)
+    dtype, heads, kv_heads, dim = DTYPES[0], 8, 2, 64
+    ctx = [1, 45, 100, 33]
+    num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 1
+    cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, block_size, num_blocks - 1, device)
+    cache[num_blocks - 1] = float("nan")
+    for row, c in zip(tables.tolist(), ctx):
+        cache[row[(c - 1) // block_size], :, (c - 1) % block_size + 1:] = float("nan")
+    meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
+    scale = dim**-0.5
+    launch = {"num_splits": splits, "block_n": block_n, "min_split": block_n, "tma": True}
+    if new_tokens:  # the new token comes from registers; its slot is stored by the kernel
+        from flashstack.engine.models.layers import RotaryEmbedding
+
+        positions = torch.tensor([c - 1 for c in ctx], device=device)
+        slots = torch.stack([tables[i, (c - 1) // block_size] * block_size + (c - 1) % block_size
+                             for i, c in enumerate(ctx)]).long()
+        cos, sin = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)(positions, dtype)
+        k = torch.randn(len(ctx), kv_heads, dim, dtype=dtype, device=device)
+        v = torch.randn(len(ctx), kv_heads, dim, dtype=dtype, device=device)
+        q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
+        new = tk.NewTokens(k, v, cos, sin, slots)
+        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
+        q = q.clone()  # the reference attends with the rotated q over the cache the kernel stored into
+        rotated = torch.cat([-q[..., dim // 2:], q[..., :dim // 2]], -1)
+        q = (q.float() * cos.view(len(ctx), 1, dim) + rotated.float() * sin.view(len(ctx), 1, dim)).to(dtype)
+    else:
+        q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
+        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
+    # The reference reads whole blocks, so it gets the same cache with the NaN slots zeroed.
+    want = paged_attention_reference(q, cache.nan_to_num(0.0), meta, scale, window)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("window", [None, 7])
 def test_decode_sliding_window(device, window):
     torch.manual_seed(1)
     dtype = DTYPES[0]
