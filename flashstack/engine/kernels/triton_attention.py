@@ -375,7 +375,8 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     max_model_len when capturing a CUDA graph, so one graph serves every step. With `new`, q is
     the unrotated q straight from the q/k/v projection and the new k/v are not in the cache yet:
     the kernel rotates them, stores them and attends with them (see NewTokens). `min_split`: the
-    fewest tokens a split reads (DECODE_MIN_SPLIT).
+    fewest tokens a split reads (DECODE_MIN_SPLIT). `tma`: fetch tiles with the tensor-memory
+    accelerator; by default where tma_applies, with tma_launch's stages and split count unless given.
     """
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[3]
