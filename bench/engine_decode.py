@@ -206,7 +206,8 @@ def main() -> None:
                     help="batch-1 projections, comma-separated runs: triton (the default: fused Triton GEMVs "
                          "with programmatic dependent launch), nopdl (FLASHSTACK_PDL=0), cublas "
                          "(FLASHSTACK_TRITON_GEMV=0), sepqkv (the separate q/k/v kernel before decode "
-                         "attention: FLASHSTACK_DECODE_QKV=0)")
+                         "attention: FLASHSTACK_DECODE_QKV=0), plainkv (decode attention without the "
+                         "tensor-memory accelerator: FLASHSTACK_DECODE_TMA=0)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay")
     ap.add_argument("--planted-head", action="store_true",
@@ -256,15 +257,15 @@ def main() -> None:
     from flashstack.engine import LLM, SamplingParams
 
     gemvs = args.gemv.split(",")
-    gemv_env = {"triton": ("1", "1", "1"), "nopdl": ("1", "0", "1"), "cublas": ("0", "1", "1"),
-                "sepqkv": ("1", "1", "0")}
+    gemv_env = {"triton": ("1", "1", "1", "1"), "nopdl": ("1", "0", "1", "1"), "cublas": ("0", "1", "1", "1"),
+                "sepqkv": ("1", "1", "0", "1"), "plainkv": ("1", "1", "1", "0")}
     runs = [(bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs]
     if args.eager:
         runs.append((runs[0][0], True, gemvs[0]))
     for block_size, eager, gemv in runs:
         key = f"flashstack_bs{block_size}" + ("_eager" if eager else "") + ("" if gemv == "triton" else f"_{gemv}")
         (os.environ["FLASHSTACK_TRITON_GEMV"], os.environ["FLASHSTACK_PDL"],
-         os.environ["FLASHSTACK_DECODE_QKV"]) = gemv_env[gemv]
+         os.environ["FLASHSTACK_DECODE_QKV"], os.environ["FLASHSTACK_DECODE_TMA"]) = gemv_env[gemv]
         try:
             t = time.perf_counter()
             llm = LLM(str(root / "llama3-8b"), block_size=block_size, max_num_seqs=max(batches), dtype="bfloat16",

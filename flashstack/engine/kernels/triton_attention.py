@@ -25,6 +25,7 @@ an atomic ticket) measured slower on the H200: 32K context, batch 1 61.8 µs aga
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -325,9 +326,11 @@ def short_decode(batch: int, max_context_len: int) -> bool:
 
 def tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
     """Whether decode tiles can go through the tensor-memory accelerator (TMA): Hopper or later, a
-    contiguous 16-bit cache whose blocks hold whole tiles and a power-of-two head size."""
+    contiguous 16-bit cache whose blocks hold whole tiles and a power-of-two head size, and not
+    switched off with FLASHSTACK_DECODE_TMA=0."""
     dim = kv_cache.shape[-1]
     return (kv_cache.is_cuda and kv_cache.dtype in (torch.bfloat16, torch.float16)
+            and os.environ.get("FLASHSTACK_DECODE_TMA", "1") != "0"
             and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
             and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
             and kv_cache.shape[2] % block_n == 0 and dim & (dim - 1) == 0)
