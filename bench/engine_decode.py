@@ -105,23 +105,30 @@ def teacher_forced(llm, base: list[list[int]], hf_tokens: list[list[int]]) -> li
 
 
 @torch.inference_mode()
-def hf_teacher_forced(model, base: list[list[int]], hf_tokens: list[list[int]]) -> list[int]:
+def hf_teacher_forced(model, base: list[list[int]], hf_tokens: list[list[int]],
+                      margins: list[float] | None = None) -> list[int]:
     """transformers' greedy next token at every position of its continuation, in one forward pass
-    over prompt + continuation (no KV cache)."""
+    over prompt + continuation (no KV cache). With `margins`, also appends each position's gap
+    between its top two logits."""
     ids = torch.tensor([p + t for p, t in zip(base, hf_tokens)], device=DEVICE)
     start, n = len(base[0]) - 1, len(hf_tokens[0])
-    return model(ids).logits[:, start:start + n].argmax(-1).flatten().tolist()
+    logits = model(ids).logits[:, start:start + n]
+    if margins is not None:
+        top2 = logits.float().topk(2, dim=-1).values
+        margins.extend((top2[..., 0] - top2[..., 1]).flatten().tolist())
+    return logits.argmax(-1).flatten().tolist()
 
 
 def fraction_equal(a: list[int], b: list[int]) -> float:
     return round(sum(x == y for x, y in zip(a, b)) / len(a), 4)
 
 
-def noise_floor(model, base: list[list[int]], hf_tokens: list[list[int]]) -> dict[str, list[int]]:
+def noise_floor(model, base: list[list[int]], hf_tokens: list[list[int]],
+                fp32_margins: list[float] | None = None) -> dict[str, list[int]]:
     """Teacher-forced next tokens of transformers itself, computed three other ways: bf16 in one
-    forward pass, bf16 with eager attention, fp32. How often these agree with transformers' bf16
-    `generate` is how far bf16 rounding alone moves the argmax on these weights. Leaves `model` in
-    fp32."""
+    forward pass, bf16 with eager attention, fp32 (its top-two logit gaps appended to
+    `fp32_margins`). How often these agree with transformers' bf16 `generate` is how far bf16
+    rounding alone moves the argmax on these weights. Leaves `model` in fp32."""
     out = {"hf_bf16_forward": hf_teacher_forced(model, base, hf_tokens)}
     try:
         model.set_attn_implementation("eager")
@@ -130,7 +137,25 @@ def noise_floor(model, base: list[list[int]], hf_tokens: list[list[int]]) -> dic
     except Exception:  # an older transformers: skip this one
         pass
     model.float()
-    out["hf_fp32"] = hf_teacher_forced(model, base, hf_tokens)
+    out["hf_fp32"] = hf_teacher_forced(model, base, hf_tokens, fp32_margins)
+    return out
+
+
+def decisive_positions(hf_generate: list[int], references: dict[str, list[int]]) -> list[int]:
+    """Positions where transformers' bf16 `generate` and every noise-floor variant (bf16 one pass,
+    bf16 eager attention, fp32) pick the same token: those bf16 rounding demonstrably does not
+    decide. Agreement there measures the engine; elsewhere it measures near-ties."""
+    return [i for i, tok in enumerate(hf_generate) if all(ref[i] == tok for ref in references.values())]
+
+
+def agreement_by_margin(tokens: list[int], fp32: list[int], margins: list[float]) -> dict[str, float]:
+    """Agreement with transformers' fp32 argmax on the positions fp32 decides most clearly: the
+    top 75 / 50 / 25 % of positions by the gap between fp32's two best logits."""
+    order = sorted(range(len(margins)), key=lambda i: -margins[i])
+    out = {}
+    for share in (75, 50, 25):
+        top = order[:max(1, len(order) * share // 100)]
+        out[f"top_{share}pct"] = fraction_equal([tokens[i] for i in top], [fp32[i] for i in top])
     return out
 
 
@@ -245,10 +270,17 @@ def main() -> None:
     agree_prompts = [[t % shape["vocab_size"] for t in p] for p in prompts(8, 64, seed=2)]
     hf_tokens = hf_greedy(hf, agree_prompts, 64)
     hf_flat = [t for seq in hf_tokens for t in seq]
-    references = noise_floor(hf, agree_prompts, hf_tokens)
+    margins: list[float] = []
+    references = noise_floor(hf, agree_prompts, hf_tokens, margins)
+    fp32 = references["hf_fp32"]
+    result["vs_hf_fp32_by_fp32_margin"] = {
+        "hf_bf16_generate": agreement_by_margin(hf_flat, fp32, margins),
+        "hf_bf16_forward": agreement_by_margin(references["hf_bf16_forward"], fp32, margins)}
     result["teacher_forced_noise_floor_vs_transformers_generate"] = {
         k: fraction_equal(v, hf_flat) for k, v in references.items()}
     result["teacher_forced_hf_bf16_vs_hf_fp32"] = fraction_equal(references["hf_bf16_forward"], references["hf_fp32"])
+    decisive = decisive_positions(hf_flat, references)
+    result["decisive_positions"] = f"{len(decisive)}/{len(hf_flat)}"
     del hf
     gc.collect()
     torch.cuda.empty_cache()
@@ -277,6 +309,10 @@ def main() -> None:
             forced = teacher_forced(llm, agree_prompts, hf_tokens)
             entry["teacher_forced_agreement_vs_transformers"] = fraction_equal(forced, hf_flat)
             entry["teacher_forced_agreement_vs_transformers_fp32"] = fraction_equal(forced, references["hf_fp32"])
+            entry["vs_hf_fp32_by_fp32_margin"] = agreement_by_margin(forced, fp32, margins)
+            if decisive:
+                entry["teacher_forced_agreement_on_decisive_positions"] = fraction_equal(
+                    [forced[i] for i in decisive], [hf_flat[i] for i in decisive])
             graphs = llm.engine.runner.graphs
             if graphs is not None:  # the GPU's own time for one step, without any host work
                 entry["graph_replay_ms"] = {str(b): round(graph_replay_ms(graphs, b, ctx), 3) for b in (1, 8, 32) if b in graphs.graphs}
