@@ -384,7 +384,8 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[3]
     group = heads // kv_heads
-    if short_decode(batch, max_context_len):
+    short = short_decode(batch, max_context_len)
+    if short:
         block_n = 64 if block_n is None else block_n
         min_split = block_n if min_split is None else min_split
         num_stages = 2 if num_stages is None else num_stages
@@ -393,21 +394,17 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     if min_split is None:
         min_split = DECODE_MIN_SPLIT
     sm_count = _sm_count(q.device)
-    table_span = 1
-    if tma is None:
-        tma = tma_applies(kv_cache, block_n)
-        if tma:  # a TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs
-            stages, per_sm = tma_launch(batch, kv_heads, sm_count, short_decode(batch, max_context_len))
-            splits = num_splits or max(1, min(per_sm * sm_count // (batch * kv_heads),
-                                              math.ceil(max_context_len / block_n)))
-            table_span = _table_span(max_context_len, splits, block_n, min_split, kv_cache.shape[2])
-            tma = table_span <= TMA_MAX_TABLE_SPAN
-            if tma:
-                num_splits, num_stages = splits, num_stages or stages
+    if tma is None and tma_applies(kv_cache, block_n):
+        # A TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs.
+        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short)
+        splits = num_splits or max(1, min(per_sm * sm_count // (batch * kv_heads),
+                                          math.ceil(max_context_len / block_n)))
+        if _table_span(max_context_len, splits, block_n, min_split, kv_cache.shape[2]) <= TMA_MAX_TABLE_SPAN:
+            tma, num_splits, num_stages = True, splits, num_stages or stages
+    tma = bool(tma)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, sm_count)
-    if tma:
-        table_span = _table_span(max_context_len, num_splits, block_n, min_split, kv_cache.shape[2])
+    table_span = _table_span(max_context_len, num_splits, block_n, min_split, kv_cache.shape[2]) if tma else 1
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)

@@ -139,7 +139,7 @@ def test_decode_through_tma_matches_reference(device, window, new_tokens, block_
     scale = dim**-0.5
     launch = {"num_splits": splits, "block_n": block_n, "min_split": block_n, "tma": True}
     if new_tokens:  # the new token comes from registers; its slot is stored by the kernel
-        from flashstack.engine.models.layers import RotaryEmbedding
+        from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
 
         positions = torch.tensor([c - 1 for c in ctx], device=device)
         slots = torch.stack([tables[i, (c - 1) // block_size] * block_size + (c - 1) % block_size
@@ -150,9 +150,9 @@ def test_decode_through_tma_matches_reference(device, window, new_tokens, block_
         q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
         new = tk.NewTokens(k, v, cos, sin, slots)
         got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
-        q = q.clone()  # the reference attends with the rotated q over the cache the kernel stored into
-        rotated = torch.cat([-q[..., dim // 2:], q[..., :dim // 2]], -1)
-        q = (q.float() * cos.view(len(ctx), 1, dim) + rotated.float() * sin.view(len(ctx), 1, dim)).to(dtype)
+        # The reference attends with q rotated in fp32, as the kernel does, over the cache the
+        # kernel stored into.
+        q = apply_rotary(q.float(), k.float(), cos.float(), sin.float())[0].to(dtype)
     else:
         q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
         got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
