@@ -20,13 +20,13 @@ from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import graph_buckets
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
+from flashstack.engine.gguf import is_gguf
 from flashstack.engine.loader import (
-    count_tensors,
+    checkpoint_tensor_count,
     load_model,
     read_hf_config,
     resolve_device,
     resolve_dtype,
-    safetensors_files,
 )
 from flashstack.engine.model_runner import ModelRunner, PendingStep, kv_bytes_per_block
 from flashstack.engine.models.fused import fuse_model
@@ -65,7 +65,8 @@ class LLMEngine:
         # Tensor parallel: ranks 1..N-1 start loading their shards while this rank loads its own.
         self.workers = launch(config, self.device) if config.tensor_parallel_size > 1 else None
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
-        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        has_tokenizer = is_gguf(path) or (path / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer(path) if has_tokenizer else None
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
             if self.device.type == "cuda":
@@ -103,8 +104,8 @@ class LLMEngine:
         self._in_flight: PendingStep | None = None  # a decode step queued ahead (async_scheduling)
 
     def _load(self, path: Path, progress: Progress):
-        files = safetensors_files(path)
-        task = progress.add_task(f"loading {path.name}", total=count_tensors(files))
+        verb = "dequantizing" if is_gguf(path) else "loading"
+        task = progress.add_task(f"{verb} {path.name}", total=checkpoint_tensor_count(path))
         tp = self.workers.tp if self.workers is not None else None
         return load_model(path, self.dtype, self.device, lambda: progress.advance(task), tp)
 
@@ -341,6 +342,12 @@ class LLMEngine:
         return state.output() if state else None
 
 
+def model_name(model: str | Path) -> str:
+    """What a model path is served as: its directory's name, or a GGUF file's name less .gguf."""
+    path = Path(model)
+    return path.stem if is_gguf(path) else path.name
+
+
 def _engine_config(model: str | Path, kwargs: dict[str, Any]) -> EngineConfig:
     return EngineConfig(model=str(model), **kwargs)
 
@@ -445,8 +452,8 @@ class AsyncLLM:
 
     @property
     def model_name(self) -> str:
-        """The model directory's name."""
-        return Path(self.engine.config.model).name
+        """The model directory's name (a GGUF file's name without .gguf)."""
+        return model_name(self.engine.config.model)
 
     async def stream(
         self,

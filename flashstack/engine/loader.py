@@ -1,4 +1,5 @@
-"""Load a local Hugging Face checkpoint: config.json plus (sharded) *.safetensors, memory-mapped."""
+"""Load a checkpoint: a local Hugging Face directory (config.json plus (sharded) *.safetensors,
+memory-mapped) or a GGUF file (engine/gguf.py, dequantized at load)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from flashstack.engine.gguf import is_gguf, open_gguf
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
 from flashstack.engine.models.parallel import checkpoint_slices, shard_model
@@ -27,7 +29,9 @@ _DTYPES = {
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """Parse config.json of a local model directory."""
+    """Parse config.json of a local model directory (a GGUF file: the same, from its metadata)."""
+    if is_gguf(path):
+        return open_gguf(path).hf_config()
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(
@@ -73,6 +77,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensor_count(path: str | Path) -> int:
+    """How many tensors loading `path` copies (the progress bar's total)."""
+    if is_gguf(path):
+        return len(open_gguf(path).tensor_names)
+    return count_tensors(safetensors_files(path))
+
+
 def count_tensors(files: list[Path]) -> int:
     """Number of tensors across the files (reads only headers)."""
     total = 0
@@ -103,38 +114,78 @@ def build_model(
     return model.eval()
 
 
-def _copy_in(param: torch.Tensor, sf: Any, key: str, where: tuple[int, int, int] | None) -> None:
-    # A tensor-parallel shard reads only its slice from the mmap (see models/parallel.py).
-    if where is None:
-        param.copy_(sf.get_tensor(key))
-        return
-    dim, start, stop = where
-    part = sf.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+def _copy_in(param: torch.Tensor, part: torch.Tensor, dim: int) -> None:
     if part.shape[dim] < param.shape[dim]:
         param.zero_()  # the last vocabulary part is padded so every rank's logits gather evenly
     param.narrow(dim, 0, part.shape[dim]).copy_(part)
+
+
+def _safetensors_part(sf: Any, key: str, where: tuple[int, int, int] | None) -> torch.Tensor:
+    # A tensor-parallel shard reads only its slice from the mmap (see models/parallel.py).
+    if where is None:
+        return sf.get_tensor(key)
+    dim, start, stop = where
+    return sf.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+
+
+class _Filler:
+    """Copies checkpoint tensors into a model's parameters and tracks which are still unset."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.missing = set(dict(model.named_parameters()))
+        self.slices = checkpoint_slices(model)
+
+    def wants(self, key: str) -> bool:
+        return key in self.params
+
+    def copy(self, key: str, part: torch.Tensor) -> None:
+        where = self.slices.get(key)
+        if where is None:
+            self.params[key].copy_(part)
+        else:
+            _copy_in(self.params[key], part, where[0])
+        self.missing.discard(key)
+
+    def check(self, source: str | Path) -> None:
+        if self.model.args.tie_word_embeddings:
+            self.missing.discard("lm_head.weight")
+        if self.missing:
+            raise ValueError(
+                f"{source} lacks {len(self.missing)} tensors, e.g. {sorted(self.missing)[:5]}"
+            )
 
 
 def load_weights(
     model: LlamaForCausalLM, files: list[Path], on_tensor: Callable[[], None] | None = None
 ) -> None:
     """Copy every checkpoint tensor into the model; raise if a parameter stays unset."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = set(dict(model.named_parameters()))
-    slices = checkpoint_slices(model)
+    fill = _Filler(model)
     with torch.no_grad():
         for f in files:
             with safe_open(str(f), framework="pt") as sf:  # mmap: only touched pages are read
                 for key in sf.keys():
-                    if key in params:
-                        _copy_in(params[key], sf, key, slices.get(key))
-                        missing.discard(key)
+                    if fill.wants(key):
+                        fill.copy(key, _safetensors_part(sf, key, fill.slices.get(key)))
                     if on_tensor is not None:
                         on_tensor()
-    if model.args.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+    fill.check(files[0].parent if files else "the checkpoint")
+
+
+def load_gguf_weights(
+    model: LlamaForCausalLM, path: str | Path, on_tensor: Callable[[], None] | None = None
+) -> None:
+    """Dequantize a GGUF file's tensors into the model (a shard copies only its slice)."""
+    fill = _Filler(model)
+    with torch.no_grad():
+        for key, w in open_gguf(path).weights():
+            if fill.wants(key):
+                where = fill.slices.get(key)
+                fill.copy(key, w if where is None else w.narrow(where[0], where[1], where[2] - where[1]))
+            if on_tensor is not None:
+                on_tensor()
+    fill.check(path)
 
 
 def load_model(
@@ -144,7 +195,11 @@ def load_model(
     on_tensor: Callable[[], None] | None = None,
     tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """config.json + safetensors -> a ready model in eval mode (`tp`: only this rank's shard)."""
+    """config.json + safetensors, or a GGUF file -> a ready model in eval mode (`tp`: only this
+    rank's shard)."""
     model = build_model(read_hf_config(path), dtype, device, tp)
-    load_weights(model, safetensors_files(path), on_tensor)
+    if is_gguf(path):
+        load_gguf_weights(model, path, on_tensor)
+    else:
+        load_weights(model, safetensors_files(path), on_tensor)
     return model

@@ -1,0 +1,254 @@
+"""A GGUF file (llama.cpp's format) as an engine checkpoint: config, dequantized weights, metadata.
+
+Read with PyPI's `gguf` (llama.cpp's own reader); quantized tensors are dequantized at load by
+`gguf.quants`. Tensor names are mapped to the Hugging Face names the models use, and llama.cpp's
+permutation of Llama's Q and K rows (its RoPE pairs adjacent elements, HF's pairs the two halves of
+a head) is undone, as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# The architectures the engine's models cover, by GGUF `general.architecture`.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Tensor types dequantized at load (gguf.GGMLQuantizationType names).
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# File types (general.file_type) whose weights are 16-bit floats already: served in that dtype.
+_FILE_DTYPES = {1: "float16", 32: "bfloat16"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GGUFError(ValueError):
+    """A GGUF file the engine cannot load; the message names the file and what is wrong."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True for a path that names a .gguf file (the engine's other checkpoints are directories)."""
+    return str(path).lower().endswith(".gguf")
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None for one the models do not use."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    m = _LAYER_NAME.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_TENSORS:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+
+
+def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's conversion of a Q or K projection: each head's rows, halves interleaved."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The inverse of `permute_qk`: back to Hugging Face's rotate-half row order."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    """An opened GGUF file: metadata values by key, and its tensors (memory-mapped)."""
+
+    path: Path
+    reader: Any  # gguf.GGUFReader
+    architecture: str
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFCheckpoint:
+        """Open and check `path`: readable, a supported architecture, only supported tensor types."""
+        path = Path(path)
+        if not path.is_file():
+            raise GGUFError(f"{path}: no such GGUF file")
+        reader = _read(path)
+        arch = _field(reader, "general.architecture")
+        if arch not in ARCHITECTURES:
+            raise GGUFError(
+                f"{path}: architecture {arch!r} is not supported; the engine runs GGUF models of "
+                f"architecture {', '.join(ARCHITECTURES)}"
+            )
+        ckpt = cls(path, reader, arch)
+        ckpt._check_tensors()
+        return ckpt
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value (int, float, bool, str or list), or `default` when the key is absent."""
+        return _field(self.reader, key) if key in self.reader.fields else default
+
+    def arch_get(self, key: str, default: Any = None) -> Any:
+        """An architecture-scoped value: `llama.block_count` is arch_get("block_count")."""
+        return self.get(f"{self.architecture}.{key}", default)
+
+    def _require(self, key: str) -> Any:
+        value = self.arch_get(key)
+        if value is None:
+            raise GGUFError(f"{self.path}: metadata lacks {self.architecture}.{key}; the file is incomplete")
+        return value
+
+    def _check_tensors(self) -> None:
+        names = {t.name for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in QUANT_TYPES:
+                raise GGUFError(
+                    f"{self.path}: tensor {t.name} is stored as {t.tensor_type.name}, which the engine "
+                    f"cannot dequantize; supported types: {', '.join(QUANT_TYPES)} (re-quantize the "
+                    "model to one of these with llama.cpp's llama-quantize)"
+                )
+        if "rope_freqs.weight" in names:
+            raise GGUFError(
+                f"{self.path}: per-dimension RoPE frequency factors (rope_freqs, as in Llama 3.1 GGUFs) "
+                "are not supported; load the model's Hugging Face safetensors directory instead"
+            )
+        if "token_embd.weight" not in names:
+            raise GGUFError(f"{self.path}: no token_embd.weight tensor; the file is incomplete")
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """GGUF names of the tensors the model uses, in file order."""
+        return [t.name for t in self.reader.tensors if hf_tensor_name(t.name) is not None]
+
+    def hf_config(self) -> dict[str, Any]:
+        """The model's config.json equivalent, built from the metadata."""
+        heads = self._require("attention.head_count")
+        hidden = self._require("embedding_length")
+        names = {t.name for t in self.reader.tensors}
+        cfg: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.arch_get("vocab_size") or len(self.get("tokenizer.ggml.tokens") or [])
+            or self.reader.tensors[0].shape[-1],
+            "hidden_size": hidden,
+            "intermediate_size": self._require("feed_forward_length"),
+            "num_hidden_layers": self._require("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._kv_heads(heads),
+            "head_dim": self.arch_get("attention.key_length") or hidden // heads,
+            "rms_norm_eps": self.arch_get("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self.arch_get("rope.freq_base", 10000.0),
+            "max_position_embeddings": self.arch_get("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "torch_dtype": _FILE_DTYPES.get(self.get("general.file_type"), "bfloat16"),
+        }
+        scaling = self._rope_scaling()
+        if scaling:
+            cfg["rope_scaling"] = scaling
+        for key in ("bos_token_id", "eos_token_id"):
+            value = self.get(f"tokenizer.ggml.{key}")
+            if value is not None:
+                cfg[key] = value
+        return cfg
+
+    def _kv_heads(self, heads: int) -> int:
+        kv = self.arch_get("attention.head_count_kv", heads)
+        if isinstance(kv, list):  # some converters write one count per layer
+            if len(set(kv)) != 1:
+                raise GGUFError(f"{self.path}: KV head counts differ by layer ({sorted(set(kv))}); not supported")
+            kv = kv[0]
+        return kv
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self.arch_get("rope.scaling.type", "none")
+        if kind == "none":
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": self.arch_get("rope.scaling.factor", 1.0)}
+        raise GGUFError(f"{self.path}: RoPE scaling {kind!r} is not supported (only linear)")
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for each tensor the model uses, dequantized one at a time."""
+        cfg = self.hf_config()
+        permuted = self.architecture == "llama"  # llama.cpp's converter permutes only Llama's Q/K
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name)
+            if name is None:
+                continue
+            w = torch.from_numpy(_dequantize(self.path, t))
+            if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = unpermute_qk(w, cfg["num_attention_heads"])
+            elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = unpermute_qk(w, cfg["num_key_value_heads"])
+            yield name, w
+
+
+def _read(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+        # The reader reports a short or garbled file as a failed reshape or a bad magic number.
+        raise GGUFError(
+            f"{path}: not a readable GGUF file ({e}); it is truncated or corrupt, so fetch it again"
+        ) from None
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        raise GGUFError(f"{reader.data.filename}: metadata lacks {key}; not a model file")
+    return field.contents()
+
+
+def _dequantize(path: Path, t: Any) -> np.ndarray:
+    """One tensor's values as float32, shaped as torch expects ([out, in] for a matrix)."""
+    from gguf import quants
+
+    shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+    try:
+        values = np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # F32 tensors come back as read-only views of the file's memory map; torch wants its own.
+        return (values if values.flags.writeable else values.copy()).reshape(shape)
+    except ValueError as e:
+        raise GGUFError(f"{path}: tensor {t.name} cannot be read ({e}); the file is corrupt") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
+    return GGUFCheckpoint.open(path)
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """GGUFCheckpoint.open, parsed once per process for an unchanged file (the engine reads the
+    config, the tokenizer and the weights from it; parsing the metadata takes over a second)."""
+    path = Path(path).resolve()
+    try:
+        st = path.stat()
+    except OSError:
+        raise GGUFError(f"{path}: no such GGUF file") from None
+    return _open_cached(str(path), st.st_mtime_ns, st.st_size)
