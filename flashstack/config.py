@@ -218,7 +218,10 @@ class StoreConfig(BaseModel):
     database_url: str | None = None  # None: sqlite+aiosqlite:///<state_dir>/flashstack.db (WAL)
     db_schema: str | None = None  # PostgreSQL only: tables live in this schema (created if missing)
     pool_size: int = Field(10, ge=1)  # PostgreSQL connections per replica (SQLite: one writer)
-    max_message_bytes: int = Field(1024 * 1024, gt=0)  # per session message; larger → 413
+    max_message_bytes: int = Field(1024 * 1024, gt=0)  # per session message, also via X-Session-Id; larger → 413
+    # The newest whole turns of a session's history that fit are sent upstream; older ones stay stored.
+    max_history_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    max_sessions_per_key: int | None = Field(10_000, ge=1)  # per API key (not the master key); None: no cap
     lock_timeout: float = Field(120.0, gt=0)  # seconds a turn waits for its session before a 409
     lease_ttl: float = Field(30.0, gt=0)  # a crashed replica's session lock frees itself after this
 
@@ -231,6 +234,8 @@ class AuthConfig(BaseModel):
     master_key: str | None = None  # admin key (use env:NAME); None: no authentication at all
     redis_url: str | None = None  # shared rate limits across replicas; None: per process
     redis_prefix: str = "flashstack:limits:"
+    # tpm: a request without max_tokens holds its prompt estimate + this many tokens until it settles.
+    reserve_output_tokens: int = Field(1024, ge=1)
     # mTLS: a verified client certificate whose CN or SAN matches a glob acts as that API key id
     # (when the request sends no key), e.g. {"svc-*.internal": "key_0123456789abcdef"}.
     client_cert_keys: dict[str, str] = Field(default_factory=dict)

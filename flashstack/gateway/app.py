@@ -16,10 +16,12 @@ from starlette.types import Receive, Scope, Send
 
 from flashstack.config import Config
 from flashstack.gateway import chat
+from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.compress import Compressor
 from flashstack.gateway.router import Router
 from flashstack.gateway.sessions import api as sessions_api
+from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import open_sessions
 
 _STARTED = int(time.time())
@@ -67,14 +69,18 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
     app.add_route("/v1/messages", messages, methods=["POST"])
     app.chat_routes = {"/v1/chat/completions": chat_completions, "/v1/messages": messages}
 
+    # With auth on, every route but liveness needs a key (401 in the caller's format, by the handler
+    # of GatewayError below); a key limited to some models sees only those.
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        return chat.json_response(models_json(request.app.state.router))
+        caller = await session_hooks.authenticate(request)
+        return chat.json_response(models_json(request.app.state.router, caller))
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> Response:
+        caller = await session_hooks.authenticate(request)
         router: Router = request.app.state.router
-        if model_id not in router.groups:
+        if model_id not in router.groups or not may_use(caller, model_id):
             err = GatewayError(ErrorKind.NOT_FOUND, f"model {model_id!r} does not exist", param="model")
             return chat.error_response(_wire_of(request), err)
         return chat.json_response(model_json(model_id, router))
@@ -85,12 +91,14 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
+        await session_hooks.authenticate(request)
         body = await request.app.state.router.render_metrics()
         body += request.app.state.compressor.render_metrics()  # flashstack_compression_*
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health/readiness")
     async def readiness(request: Request) -> Response:
+        caller = await session_hooks.authenticate(request)
         report = await request.app.state.router.readiness()
         ready = all(any(d["ok"] for d in deps) for deps in report.values()) if report else False
         body: dict[str, object] = {"models": report}
@@ -98,7 +106,13 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         if tls is not None:  # a renewal failing is a warning; only an expired certificate is unready
             body["tls"] = tls_report = tls.status()
             ready = ready and tls_report["status"] != "expired"
-        return chat.json_response({"status": "ready" if ready else "degraded", **body}, 200 if ready else 503)
+        # Deployment ids and probe errors name upstreams: the detail is the master key's (or auth off).
+        detail = body if caller.admin or caller == ANONYMOUS else {}
+        return chat.json_response({"status": "ready" if ready else "degraded", **detail}, 200 if ready else 503)
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
+        return chat.error_response(_wire_of(request), exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -201,8 +215,8 @@ def model_json(name: str, router: Router) -> dict[str, object]:
     }
 
 
-def models_json(router: Router) -> dict[str, object]:
-    data = [model_json(name, router) for name in router.model_names()]
+def models_json(router: Router, caller: Caller = ANONYMOUS) -> dict[str, object]:
+    data = [model_json(name, router) for name in router.model_names() if may_use(caller, name)]
     return {
         "object": "list",
         "data": data,

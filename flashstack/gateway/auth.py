@@ -3,7 +3,8 @@
 Off unless `auth.master_key` is set. Keys are shown once and stored as SHA-256 hashes: they are 256
 random bits, so a fast hash is enough (a slow KDF protects guessable passwords, not these).
 Limits are sliding 60-second windows, kept in this process or, with `auth.redis_url`, in Redis
-by one Lua script per admission, so N replicas together admit exactly the limit.
+by one Lua script per admission, so N replicas together admit exactly the limit. Tokens are held
+at admission (an estimate from the request) and settled with the real usage when it ends.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ from typing import Any, Protocol
 import orjson
 
 from flashstack.config import AuthConfig
-from flashstack.gateway.core import ErrorKind, GatewayError, Usage, invalid_request
+from flashstack.gateway import tokens
+from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.sessions.db import Database, api_keys
 
 WINDOW = 60.0  # seconds: limits are per minute
+# A hold outlives any request (a replica that died mid-request leaves its holds; they expire then).
+HOLD_TTL = 900.0
+# The retry-after when only requests in flight stand in the way: their end is unknown, and soon.
+HOLD_RETRY = 1.0
 KEY_PREFIX = "fsk_"
 MASTER = "master"  # the owner name of what the master key creates
 
@@ -46,43 +52,74 @@ ANONYMOUS = Caller(owner="")  # auth off: one shared owner, no limits
 
 
 # ---- limiters -------------------------------------------------------------------------------
+#
+# A key's tokens-per-minute budget is spent twice over: by what finished requests used in the last
+# minute (the window), and by what requests still in flight may yet use (their holds). A request is
+# admitted only if its own hold fits beside both, so N concurrent requests can never together
+# promise more than the budget; when it ends, its hold is replaced by what it really used.
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Tokens a request in flight holds against its key's tpm, until it settles."""
+
+    id: str
+    tokens: int
+
+    @property
+    def member(self) -> str:
+        return f"{self.id}:{self.tokens}"
 
 
 class Limiter(Protocol):
-    async def admit(self, key_id: str, rpm: int | None, tpm: int | None) -> float | None:
-        """Count one request if allowed; otherwise the seconds until it would be."""
+    async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
+        """Count one request and take `hold` if the key's limits allow both; otherwise the seconds
+        until they would (nothing is counted then)."""
 
-    async def charge(self, key_id: str, tokens: int) -> None:
-        """Add the tokens a finished request used to the key's window."""
+    async def settle(self, key_id: str, hold: Hold, used: int) -> None:
+        """Release `hold` and count the `used` tokens in the key's window from now."""
 
     async def aclose(self) -> None: ...
 
 
 class LocalLimiter:
-    """Sliding windows in this process (a single gateway, or per-replica limits)."""
+    """Sliding windows and holds in this process (a single gateway, or per-replica limits)."""
 
-    def __init__(self, window: float = WINDOW) -> None:
+    def __init__(self, window: float = WINDOW, hold_ttl: float = HOLD_TTL) -> None:
         self.window = window
+        self.hold_ttl = hold_ttl
         self._requests: dict[str, deque[float]] = {}
         self._tokens: dict[str, deque[tuple[float, int]]] = {}
+        self._holds: dict[str, dict[str, tuple[float, int]]] = {}  # key → hold id → (expires, tokens)
 
-    async def admit(self, key_id: str, rpm: int | None, tpm: int | None) -> float | None:
+    async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
+        # No await in here: the check and the count are one step for every other task of this loop.
         now = time.monotonic()
         start = now - self.window
         requests = _trimmed(self._requests.setdefault(key_id, deque()), start)
-        tokens = _trimmed(self._tokens.setdefault(key_id, deque()), start)
         if rpm is not None and len(requests) >= rpm:
             return requests[0] + self.window - now
+        need = hold.tokens if hold is not None else 0
         if tpm is not None:
-            wait = _token_wait(list(tokens), tpm, now, self.window)
+            tokens = _trimmed(self._tokens.setdefault(key_id, deque()), start)
+            wait = token_wait(list(tokens), self._held(key_id, now), need, tpm, now, self.window)
             if wait is not None:
                 return wait
         requests.append(now)
+        if hold is not None and need > 0:
+            self._holds.setdefault(key_id, {})[hold.id] = (now + self.hold_ttl, need)
         return None
 
-    async def charge(self, key_id: str, tokens: int) -> None:
-        if tokens > 0:
-            self._tokens.setdefault(key_id, deque()).append((time.monotonic(), tokens))
+    def _held(self, key_id: str, now: float) -> int:
+        holds = self._holds.get(key_id, {})
+        for hold_id in [h for h, (until, _) in holds.items() if until <= now]:  # a leak's safety net
+            del holds[hold_id]
+        return sum(n for _, n in holds.values())
+
+    async def settle(self, key_id: str, hold: Hold, used: int) -> None:
+        self._holds.get(key_id, {}).pop(hold.id, None)
+        if used > 0:
+            self._tokens.setdefault(key_id, deque()).append((time.monotonic(), used))
 
     async def aclose(self) -> None:
         pass
@@ -99,82 +136,151 @@ def _time_of(entry: float | tuple[float, int]) -> float:
     return entry[0] if isinstance(entry, tuple) else entry
 
 
-def _token_wait(entries: list[tuple[float, int]], tpm: int, now: float, window: float) -> float | None:
-    """None while the window holds fewer than `tpm` tokens, else seconds until enough expire."""
-    used = sum(n for _, n in entries)
-    if used < tpm:
+def token_wait(
+    entries: list[tuple[float, int]], held: int, need: int, tpm: int, now: float, window: float
+) -> float | None:
+    """None if `need` more tokens fit beside the window's `entries` and the `held` tokens within
+    `tpm`, else the seconds until enough entries leave the window (HOLD_RETRY when only requests in
+    flight, whose end no clock can tell, stand in the way). The Lua script below is the same rule."""
+    over = sum(n for _, n in entries) + held + need - tpm
+    if over <= 0:
         return None
+    if held + need > tpm:
+        return HOLD_RETRY
     for at, n in entries:  # oldest first: the first to leave the window
-        used -= n
-        if used < tpm:
+        over -= n
+        if over <= 0:
             return max(at + window - now, 0.001)
     return window
 
 
-# KEYS: requests zset, tokens zset. ARGV: rpm (0 = none), tpm (0 = none), window ms, member.
-# Redis' own clock, so replicas with skewed clocks still share one window.
+# KEYS: requests zset (score: time), tokens zset (score: time; member id:tokens), holds zset
+# (score: expiry; member id:tokens). ARGV: rpm (0 = none), tpm (0 = none), window ms, request
+# member, hold member ('' = none), hold tokens, hold ttl ms. Redis' own clock, so replicas with
+# skewed clocks still share one window; one script, so the check and the count are one step.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rpm, tpm, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local need = tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 if rpm > 0 and redis.call('ZCARD', KEYS[1]) >= rpm then
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   return tostring(tonumber(oldest[2]) + window - now)
 end
 if tpm > 0 then
+  local held = 0
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do held = held + tonumber(string.match(m, ':(%d+)$')) end
   local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-  local used = 0
-  for i = 1, #entries, 2 do used = used + tonumber(string.match(entries[i], ':(%d+)$')) end
-  if used >= tpm then
+  local over = held + need - tpm
+  for i = 1, #entries, 2 do over = over + tonumber(string.match(entries[i], ':(%d+)$')) end
+  if over > 0 then
+    if held + need > tpm then return ARGV[8] end
     for i = 1, #entries, 2 do
-      used = used - tonumber(string.match(entries[i], ':(%d+)$'))
-      if used < tpm then return tostring(tonumber(entries[i + 1]) + window - now) end
+      over = over - tonumber(string.match(entries[i], ':(%d+)$'))
+      if over <= 0 then return tostring(tonumber(entries[i + 1]) + window - now) end
     end
+    return tostring(window)
   end
 end
 redis.call('ZADD', KEYS[1], now, ARGV[4])
 redis.call('PEXPIRE', KEYS[1], window)
+if ARGV[5] ~= '' and need > 0 then
+  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[7]), ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[7]))
+end
 return false
 """
 
-_CHARGE = """
+# KEYS: holds zset, tokens zset. ARGV: hold member, used member ('' = none), window ms.
+_SETTLE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+redis.call('ZREM', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' then
+  redis.call('ZADD', KEYS[2], now, ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))
+end
 return 1
 """
 
 
 class RedisLimiter:
-    """Sliding windows in Redis, checked and counted atomically by one script per request."""
+    """Sliding windows and holds in Redis, checked and counted atomically by one script per request."""
 
-    def __init__(self, url: str, prefix: str, window: float = WINDOW) -> None:
+    def __init__(self, url: str, prefix: str, window: float = WINDOW, hold_ttl: float = HOLD_TTL) -> None:
         import redis.asyncio as redis
 
         self.redis = redis.from_url(url)
         self.prefix = prefix
         self.window_ms = int(window * 1000)
+        self.hold_ttl_ms = int(hold_ttl * 1000)
         self._admit = self.redis.register_script(_ADMIT)
-        self._charge = self.redis.register_script(_CHARGE)
+        self._settle = self.redis.register_script(_SETTLE)
 
     def _keys(self, key_id: str) -> list[str]:
-        return [f"{self.prefix}{key_id}:req", f"{self.prefix}{key_id}:tok"]
+        base = f"{self.prefix}{{{key_id}}}"  # hash tag: one key's three sets share a cluster slot
+        return [f"{base}:req", f"{base}:tok", f"{base}:hold"]
 
-    async def admit(self, key_id: str, rpm: int | None, tpm: int | None) -> float | None:
-        args = [rpm or 0, tpm or 0, self.window_ms, uuid.uuid4().hex]
+    async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
+        member, need = (hold.member, hold.tokens) if hold is not None else ("", 0)
+        args = [rpm or 0, tpm or 0, self.window_ms, uuid.uuid4().hex, member, need, self.hold_ttl_ms,
+                int(HOLD_RETRY * 1000)]
         wait = await self._admit(keys=self._keys(key_id), args=args)
         return None if wait is None else max(float(wait) / 1000, 0.001)
 
-    async def charge(self, key_id: str, tokens: int) -> None:
-        if tokens > 0:
-            member = f"{uuid.uuid4().hex}:{tokens}"
-            await self._charge(keys=self._keys(key_id)[1:], args=[member, self.window_ms])
+    async def settle(self, key_id: str, hold: Hold, used: int) -> None:
+        requests, tokens, holds = self._keys(key_id)
+        used_member = f"{uuid.uuid4().hex}:{used}" if used > 0 else ""
+        await self._settle(keys=[holds, tokens], args=[hold.member, used_member, self.window_ms])
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+
+
+# ---- what a request may cost ----------------------------------------------------------------
+
+
+def request_tokens(req: ChatRequest, output_reserve: int) -> tuple[int, int]:
+    """(prompt, prompt + output): the tokens `req` is expected to cost, estimated from its bytes
+    (no tokenizer is loaded on this path) and its max_tokens, or `output_reserve` without one."""
+    n_bytes = len(tokens.fixed_text(req).encode()) + sum(len(tokens.message_text(m).encode()) for m in req.messages)
+    images = sum(tokens.image_count(m) for m in req.messages)
+    prompt = (math.ceil(n_bytes / tokens.BYTES_PER_TOKEN) + tokens.PER_IMAGE * images
+              + tokens.PER_MESSAGE * len(req.messages) + tokens.PER_REQUEST)
+    return prompt, prompt + (req.max_tokens or output_reserve)
+
+
+@dataclass(eq=False)
+class Reservation:
+    """One admitted request's hold on its key's tpm; settles exactly once, however the request ends."""
+
+    limiter: Limiter | None = None
+    key_id: str = ""
+    hold: Hold | None = None
+    prompt_tokens: int = 0
+    settled: bool = False
+
+    async def settle(self, used: int) -> None:
+        """Replace the hold by the tokens the request really used (0 when it failed before any output)."""
+        if self.settled or self.hold is None or self.limiter is None:
+            return
+        self.settled = True
+        await self.limiter.settle(self.key_id, self.hold, max(used, 0))
+
+    async def abandon(self, output_bytes: int) -> None:
+        """Settle a request that ended without its usage: nothing if no output had gone out yet; after
+        output began (a stream the client cancelled, or the upstream cut off), the whole hold, or what
+        was produced if that is more — the upstream bills what it generated, seen or not."""
+        if self.hold is None:
+            return
+        produced = self.prompt_tokens + math.ceil(output_bytes / tokens.BYTES_PER_TOKEN)
+        await self.settle(max(self.hold.tokens, produced) if output_bytes > 0 else 0)
+
+
+UNLIMITED = Reservation()  # no tpm: nothing to hold or settle
 
 
 # ---- keys -----------------------------------------------------------------------------------
@@ -282,6 +388,7 @@ class Auth:
         self.client_cert_keys = dict(config.client_cert_keys)
         self.keys = keys
         self.limiter = limiter
+        self.output_reserve = config.reserve_output_tokens
 
     @classmethod
     def from_config(cls, config: AuthConfig, db: Database) -> Auth:
@@ -325,27 +432,44 @@ class Auth:
                 return key_id
         return None
 
-    async def admit(self, caller: Caller, model: str) -> None:
-        """403 if the key may not use `model`, 429 (with retry-after) if it is over a limit."""
-        if caller.models is not None and model not in caller.models:
+    def check_model(self, caller: Caller, model: str) -> None:
+        """403 if the key may not use `model`."""
+        if not may_use(caller, model):
             raise GatewayError(
                 ErrorKind.PERMISSION,
-                f"API key {caller.key_id} may not use model {model!r}; allowed: {', '.join(caller.models) or 'none'}",
+                f"API key {caller.key_id} may not use model {model!r}; allowed: {', '.join(caller.models or ()) or 'none'}",
                 param="model",
             )
+
+    async def admit(self, caller: Caller, req: ChatRequest) -> Reservation:
+        """Count `req` against the key's rpm and hold its estimated tokens against its tpm (429 with
+        retry-after if either is spent). A request estimated above the whole tpm holds all of it:
+        it waits for an idle minute instead of never being admitted."""
         if caller.key_id is None or (caller.rpm is None and caller.tpm is None):
-            return
-        wait = await self.limiter.admit(caller.key_id, caller.rpm, caller.tpm)
+            return UNLIMITED
+        if caller.tpm is None:
+            await self._admit(caller, caller.rpm, None, None)
+            return UNLIMITED
+        prompt, total = request_tokens(req, self.output_reserve)
+        hold = Hold(uuid.uuid4().hex, min(total, caller.tpm))
+        await self._admit(caller, caller.rpm, caller.tpm, hold)
+        return Reservation(self.limiter, caller.key_id, hold, prompt)
+
+    async def count_request(self, caller: Caller) -> None:
+        """Count a request that calls no model (creating a session) against the key's rpm (429)."""
+        if caller.key_id is not None and caller.rpm is not None:
+            await self._admit(caller, caller.rpm, None, None)
+
+    async def _admit(self, caller: Caller, rpm: int | None, tpm: int | None, hold: Hold | None) -> None:
+        wait = await self.limiter.admit(caller.key_id, rpm, tpm, hold)  # type: ignore[arg-type]
         if wait is not None:
             raise GatewayError(
                 ErrorKind.RATE_LIMIT,
-                f"API key {caller.key_id} is over its limit ({_limits(caller)}); retry in {math.ceil(wait)} s",
+                f"API key {caller.key_id} is over its limit ({_limits(caller)}"
+                f"{'' if hold is None else f'; this request may use {hold.tokens} tokens'}); "
+                f"retry in {math.ceil(wait)} s",
                 retry_after=math.ceil(wait),
             )
-
-    async def charge(self, caller: Caller, usage: Usage) -> None:
-        if caller.key_id is not None and caller.tpm is not None:
-            await self.limiter.charge(caller.key_id, usage.input_tokens + usage.output_tokens)
 
     def require_admin(self, caller: Caller) -> None:
         if not self.enabled:
@@ -368,6 +492,10 @@ def _caller_of(row: Any) -> Caller:
         raise _unauthenticated(f"API key {row['id']} has expired; ask an admin for a new one")
     models = tuple(orjson.loads(row["models"])) if row["models"] else None
     return Caller(owner=row["id"], key_id=row["id"], models=models, rpm=row["rpm"], tpm=row["tpm"])
+
+
+def may_use(caller: Caller, model: str) -> bool:
+    return caller.models is None or model in caller.models
 
 
 def bearer(headers: Any) -> str | None:

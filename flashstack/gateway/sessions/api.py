@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from flashstack.gateway.tls import client_identity
 from flashstack.gateway import chat, compress
-from flashstack.gateway.auth import Auth, Caller
+from flashstack.gateway.auth import Auth, Caller, may_use
 from flashstack.gateway.core import (
     ChatRequest,
     ErrorKind,
@@ -128,7 +128,7 @@ def _query_page(request: Request, default_order: Order) -> tuple[str | None, int
 
 def _check_model(router: Router, caller: Caller, model: str) -> None:
     router.config_of(model)  # 404 with the list of models
-    if caller.models is not None and model not in caller.models:
+    if not may_use(caller, model):
         raise GatewayError(ErrorKind.PERMISSION, f"API key {caller.key_id} may not use model {model!r}", param="model")
 
 
@@ -145,7 +145,9 @@ async def create_session(request: Request, limits: chat.Limits) -> Response:
         _check_model(request.app.state.router, caller, body.model)
     if body.system is not None and len(body.system.encode()) > sessions.config.max_message_bytes:
         raise _too_large("system", sessions.config.max_message_bytes)
-    created = await sessions.store.create(caller.owner, body.metadata, body.model, body.system)
+    await auth.count_request(caller)  # a session costs a request of the key's rpm (429)
+    cap = sessions.config.max_sessions_per_key if caller.key_id is not None else None
+    created = await sessions.store.create(caller.owner, body.metadata, body.model, body.system, cap)
     return chat.json_response(created)
 
 
@@ -203,7 +205,6 @@ async def post_message(request: Request, session_id: str, limits: chat.Limits) -
     if not model:
         raise invalid_request("model: this session has no default model; pass one", "model")
     _check_model(router, caller, model)
-    await auth.admit(caller, model)  # 429 with retry-after
     idem = Idempotency.of(request.headers, request.url.path, raw)
     turn = await sessions.open_turn(caller, session_id, [Message("user", parts)], idem)
     req = ChatRequest(
@@ -212,6 +213,7 @@ async def post_message(request: Request, session_id: str, limits: chat.Limits) -
         stream=body.stream or "text/event-stream" in request.headers.get("accept", ""),
         extensions={} if body.compression is None else {"compression": body.compression},
     )
+    await turn.admit(auth, req)  # 429 with retry-after; the history is part of what it costs
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
     async with turn.guard():
         req, squeezed = await compress.for_request(request, req, router.config_of(model), turn)

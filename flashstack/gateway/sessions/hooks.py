@@ -25,15 +25,18 @@ async def authenticate(request: Request) -> Caller:
 
 
 async def begin_turn(request: Request, req: ChatRequest, caller: Caller, body: Any) -> Turn:
-    """Admit the request (403/429) and, with `X-Session-Id` or `metadata.session_id`, lock that
-    session and prepend its history (404 if it is not the caller's)."""
+    """Admit the request (403/429, its tokens held against the key's tpm) and, with `X-Session-Id`
+    or `metadata.session_id`, lock that session and prepend its history (404 if it is not the
+    caller's, 413 if a message is over store.max_message_bytes)."""
     auth: Auth | None = _state(request, "auth")
     sessions: Sessions | None = _state(request, "sessions")
     if auth is not None:
-        await auth.admit(caller, req.model)
+        auth.check_model(caller, req.model)
     session_id = request.headers.get(SESSION_HEADER) or req.metadata.get("session_id")
     if not session_id or sessions is None:
-        return Turn(sessions, caller)
+        turn = Turn(sessions, caller)
+        await turn.admit(auth, req)
+        return turn
     if not isinstance(session_id, str):
         raise invalid_request("metadata.session_id must be a string", "metadata.session_id")
     idem = Idempotency.of(request.headers, request.url.path + "\0" + session_id, body)
@@ -41,4 +44,5 @@ async def begin_turn(request: Request, req: ChatRequest, caller: Caller, body: A
     req.messages = turn.history + req.messages
     if not req.system:
         req.system = turn.system()
+    await turn.admit(auth, req)  # after the history is known: it is part of what the request costs
     return turn

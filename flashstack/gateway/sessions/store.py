@@ -11,6 +11,7 @@ was never written.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -26,10 +27,13 @@ from flashstack.gateway.core import (
     GatewayError,
     Message,
     StopReason,
+    ToolResult,
     invalid_request,
 )
 from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.db import Database, idempotency, message_vectors, messages, sessions, summaries
+
+log = logging.getLogger("flashstack.sessions")
 
 Order = Literal["asc", "desc"]
 MAX_METADATA_PAIRS = 16
@@ -103,16 +107,36 @@ class SessionStore:
     # ---- sessions ---------------------------------------------------------------------------
 
     async def create(
-        self, owner: str, metadata: dict[str, str], model: str | None, system: str | None
+        self, owner: str, metadata: dict[str, str], model: str | None, system: str | None,
+        max_sessions: int | None = None,
     ) -> dict[str, Any]:
+        """A new session of `owner`; 403 when `owner` already has `max_sessions` (None: no cap)."""
         row = {
             "id": new_id("sess"), "owner": owner, "created_at": now_ms(),
             "metadata": orjson.dumps(check_metadata(metadata)).decode(), "model": model,
             "system": system, "next_seq": 0,
         }
         async with self.db.write() as conn:
+            if max_sessions is not None:
+                await self._check_session_cap(conn, owner, max_sessions)
             await conn.execute(sessions.insert().values(**row))
         return session_json(row)
+
+    async def _check_session_cap(self, conn: AsyncConnection, owner: str, cap: int) -> None:
+        # Counted in the inserting transaction, serialized per owner (SQLite: its one writer;
+        # PostgreSQL: a transaction lock on the owner), so concurrent creates cannot pass the cap.
+        if not self.db.is_sqlite:
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(7305, hashtext(:o))"), {"o": owner})
+        count = (await conn.execute(
+            sa.select(sa.func.count()).select_from(sessions).where(sessions.c.owner == owner)
+        )).scalar_one()
+        if count >= cap:
+            raise GatewayError(
+                ErrorKind.PERMISSION,
+                f"this API key already has {count} sessions, its cap (store.max_sessions_per_key is {cap}); "
+                "delete sessions it no longer needs (DELETE /v1/sessions/{id}) or ask an admin to raise the cap",
+                code="session_limit_reached",
+            )
 
     async def get(self, owner: str, session_id: str) -> dict[str, Any]:
         async with self.db.read() as conn:
@@ -186,16 +210,49 @@ class SessionStore:
         """The completed messages, oldest first: what the model sees before the new turn."""
         return (await self.history_with_ids(session_id))[0]
 
-    async def history_with_ids(self, session_id: str) -> tuple[list[Message], list[str]]:
-        """`history`, and each message's id (what its stored embeddings are keyed by)."""
-        query = (
-            sa.select(messages.c.id, messages.c.role, messages.c.content)
-            .where(messages.c.session_id == session_id, messages.c.status == "completed")
-            .order_by(messages.c.seq)
-        )
+    async def history_with_ids(
+        self, session_id: str, max_bytes: int | None = None
+    ) -> tuple[list[Message], list[str]]:
+        """`history`, and each message's id (what its stored embeddings are keyed by).
+
+        With `max_bytes`, only the newest whole turns whose stored content fits in it (sizes are
+        summed by the database, so what is left out is never loaded); older turns stay stored.
+        """
+        completed = sa.and_(messages.c.session_id == session_id, messages.c.status == "completed")
         async with self.db.read() as conn:
-            rows = (await conn.execute(query)).all()
-        return [Message(r.role, codec.parts_from_json(orjson.loads(r.content))) for r in rows], [r.id for r in rows]
+            first_seq = 0 if max_bytes is None else await self._history_start(conn, completed, max_bytes)
+            if first_seq is None:
+                log.info("session %s: its newest turn alone is over store.max_history_bytes=%d; no history sent",
+                         session_id, max_bytes)
+                return [], []
+            rows = (await conn.execute(
+                sa.select(messages.c.id, messages.c.role, messages.c.content)
+                .where(completed, messages.c.seq >= first_seq).order_by(messages.c.seq)
+            )).all()
+        history = [Message(r.role, codec.parts_from_json(orjson.loads(r.content))) for r in rows]
+        ids = [r.id for r in rows]
+        if first_seq > 0:
+            history, ids = _from_user_turn(history, ids)
+            log.info("session %s: history from seq %d sent (store.max_history_bytes=%d)",
+                     session_id, first_seq, max_bytes)
+        return history, ids
+
+    async def _history_start(self, conn: AsyncConnection, completed: Any, max_bytes: int) -> int | None:
+        """The first seq of the newest whole turns whose content sums to at most `max_bytes` (0: all
+        of them; None: not even the newest)."""
+        size = sa.func.octet_length(messages.c.content) if not self.db.is_sqlite else \
+            sa.func.length(sa.cast(messages.c.content, sa.LargeBinary))  # SQLite 3.40 has no octet_length
+        turns = (await conn.execute(
+            sa.select(messages.c.turn_id, sa.func.min(messages.c.seq).label("first"), sa.func.sum(size).label("bytes"))
+            .where(completed).group_by(messages.c.turn_id).order_by(sa.func.min(messages.c.seq).desc())
+        )).all()
+        total, start = 0, None
+        for turn in turns:
+            total += int(turn.bytes or 0)
+            if total > max_bytes:
+                return start
+            start = turn.first
+        return 0
 
     # ---- compression memory: embeddings per message, summaries per session ------------------
 
@@ -366,6 +423,28 @@ async def _session_row(conn: AsyncConnection, owner: str, session_id: str) -> An
     if row is None:
         raise not_found(session_id)
     return row
+
+
+def _from_user_turn(history: list[Message], ids: list[str]) -> tuple[list[Message], list[str]]:
+    """A cut history, begun at a user message that answers no tool call: one whose call was cut off
+    would be refused upstream."""
+    for i, m in enumerate(history):
+        if m.role == "user" and not any(isinstance(p, ToolResult) for p in m.parts):
+            return history[i:], ids[i:]
+    return [], []
+
+
+def check_message_sizes(inputs: list[Message], limit: int) -> None:
+    """413 if a message, as it would be stored, is over `limit` bytes (store.max_message_bytes)."""
+    for i, m in enumerate(inputs):
+        size = len(orjson.dumps(codec.parts_json(m.parts)))
+        if size > limit:
+            raise GatewayError(
+                ErrorKind.REQUEST_TOO_LARGE,
+                f"messages[{i}] is {size} bytes, over the session message limit of {limit} bytes "
+                "(store.max_message_bytes); nothing was stored — send it without X-Session-Id, or split it",
+                param=f"messages[{i}]",
+            )
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:

@@ -19,9 +19,10 @@ from typing import Any
 import orjson
 
 from flashstack.config import Config, StoreConfig
-from flashstack.gateway.auth import Auth, Caller
+from flashstack.gateway.auth import UNLIMITED, Auth, Caller, Reservation
 from flashstack.gateway.core import (
     BlockStop,
+    ChatRequest,
     ChatResponse,
     Error,
     ErrorKind,
@@ -43,7 +44,13 @@ from flashstack.gateway.core import (
     invalid_request,
 )
 from flashstack.gateway.sessions.db import Database
-from flashstack.gateway.sessions.store import Failure, SessionStore, reply_from_json, session_busy
+from flashstack.gateway.sessions.store import (
+    Failure,
+    SessionStore,
+    check_message_sizes,
+    reply_from_json,
+    session_busy,
+)
 
 log = logging.getLogger("flashstack.sessions")
 
@@ -115,7 +122,9 @@ class Sessions:
     async def open_turn(
         self, caller: Caller, session_id: str, inputs: list[Message], idem: Idempotency | None = None
     ) -> Turn:
-        """Lock the session (in this process, then across replicas) and load its history."""
+        """Lock the session (in this process, then across replicas) and load its history: the newest
+        whole turns within store.max_history_bytes. 413 first if an input is over max_message_bytes."""
+        check_message_sizes(inputs, self.config.max_message_bytes)
         lock_key = f"{caller.owner}\0{session_id}"
         try:
             await asyncio.wait_for(self._locks.acquire(lock_key), self.config.lock_timeout)
@@ -134,7 +143,9 @@ class Sessions:
             if idem is not None:
                 await self._replay(turn, idem)
             if turn.replay is None:
-                turn.history, turn.history_ids = await self.store.history_with_ids(session_id)
+                turn.history, turn.history_ids = await self.store.history_with_ids(
+                    session_id, self.config.max_history_bytes
+                )
             else:
                 await turn.close()  # nothing to store: the first request stored it
         except BaseException:
@@ -176,6 +187,8 @@ class Turn:
     replay: ChatResponse | None = None  # the stored reply of an idempotent retry
     replay_message_id: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)  # what the commit stored
+    reservation: Reservation = UNLIMITED  # the tokens held against the key's tpm
+    output_bytes: int = 0  # of output that went out in a stream: what an abandoned stream is charged by
     _open: bool = True
     _streaming: bool = False
     _heartbeat: asyncio.Task[None] | None = None
@@ -184,9 +197,21 @@ class Turn:
     def in_session(self) -> bool:
         return self.session_id is not None
 
+    async def admit(self, auth: Auth | None, req: ChatRequest) -> None:
+        """Count `req` against the key's limits (429), holding its tokens; a refusal frees the session."""
+        if auth is None:
+            return
+        try:
+            self.reservation = await auth.admit(self.caller, req)
+        except BaseException:
+            await self.close()
+            raise
+
     def route(self, router: Any) -> Any:
         """The router this turn's request goes to: an idempotent retry gets the stored reply."""
-        return router if self.replay is None else ReplayRouter(self.replay)
+        if self.replay is not None:
+            return ReplayRouter(self.replay)
+        return router if self.reservation.hold is None else MeteredRouter(router, self.reservation)
 
     def metadata(self) -> dict[str, str]:
         """The session's metadata (empty without a session)."""
@@ -208,11 +233,11 @@ class Turn:
                 await self.sessions.store.renew(self.session_id, self.token, ttl)  # type: ignore[arg-type]
 
     async def complete(self, resp: ChatResponse) -> None:
-        """Store the whole turn (and charge its tokens) before the client sees the reply."""
+        """Store the whole turn (and settle its tokens) before the client sees the reply."""
         if self.replay is not None:
+            await self.reservation.settle(0)
             return
-        if self.caller.tpm is not None:
-            await self.sessions.auth.charge(self.caller, resp.usage)  # type: ignore[union-attr]
+        await self.reservation.settle(resp.usage.input_tokens + resp.usage.output_tokens)
         if not self._claim():
             return
         try:
@@ -225,7 +250,9 @@ class Turn:
             await self._finish()
 
     async def fail(self, error: BaseException) -> None:
-        """Keep the user's messages, marked incomplete with `error`; store no reply."""
+        """Keep the user's messages, marked incomplete with `error`; store no reply. The tokens: none
+        if no output went out, else the whole hold (Reservation.abandon)."""
+        await _shielded(self.reservation.abandon(self.output_bytes))
         if not self._claim():
             return
         try:
@@ -242,6 +269,7 @@ class Turn:
 
     async def close(self) -> None:
         """Release the session if nothing stored the turn (an idempotent replay, or a refusal)."""
+        await _shielded(self.reservation.abandon(self.output_bytes))
         if not self._claim():
             return
         try:
@@ -287,20 +315,32 @@ class Turn:
         self._streaming = True  # from here the stream, not `guard`, settles the turn
         if self.in_session:
             return self._watch(events)
-        if self.caller.tpm is not None:
-            return self._charge_at_finish(events)
+        if self.reservation.hold is not None:
+            return self._settle_at_finish(events)
         return events
 
-    async def _charge_at_finish(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    def _count_output(self, ev: Event) -> None:
+        if isinstance(ev, TextDelta | ThinkingDelta):
+            self.output_bytes += len(ev.text.encode())
+        elif isinstance(ev, ToolArgsDelta):
+            self.output_bytes += len(ev.fragment.encode())
+        elif isinstance(ev, ToolCallStart):
+            self.output_bytes += len(ev.name.encode())
+
+    async def _settle_at_finish(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         start_usage = Usage()
         try:
             async for ev in events:
+                self._count_output(ev)
                 if isinstance(ev, Start):
                     start_usage = ev.usage
                 elif isinstance(ev, Finish):
-                    await self.sessions.auth.charge(self.caller, _total(start_usage, ev.usage))
+                    usage = _total(start_usage, ev.usage)
+                    await self.reservation.settle(usage.input_tokens + usage.output_tokens)
                 yield ev
         finally:
+            # A stream cut short (the client went away, the upstream broke off) settles here.
+            await _shielded(self.reservation.abandon(self.output_bytes))
             await events.aclose()  # type: ignore[attr-defined]
 
     async def _watch(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
@@ -308,6 +348,7 @@ class Turn:
         try:
             async for ev in events:
                 reply.feed(ev)
+                self._count_output(ev)
                 if isinstance(ev, Finish):
                     try:
                         await self.complete(reply.response(ev))
@@ -343,9 +384,11 @@ async def _shielded(work: Any) -> None:
 def _failure(error: BaseException) -> Failure:
     if isinstance(error, GatewayError):
         return Failure(error.kind.value, error.message)
+    # Stored and shown to whoever reads the session: fixed words, never the exception's text (task
+    # names, file paths, addresses). The traceback goes to the gateway's log where it is raised.
     if isinstance(error, asyncio.CancelledError | GeneratorExit | ConnectionAbortedError):
-        return Failure("interrupted", str(error) or "the client went away before the reply was complete")
-    return Failure(ErrorKind.INTERNAL.value, f"{type(error).__name__}: {error}")
+        return Failure("interrupted", "the client went away before the reply was complete")
+    return Failure(ErrorKind.INTERNAL.value, "internal error; see the gateway log")
 
 
 class _ReplyBuilder:
@@ -390,6 +433,22 @@ def _total(start: Usage, finish: Usage) -> Usage:
         return finish
     return Usage(start.input_tokens, finish.output_tokens, finish.cache_read_input_tokens,
                  finish.cache_creation_input_tokens)
+
+
+class MeteredRouter:
+    """`router`, with a whole reply's usage settled the moment it arrives: before any check of
+    the reply that may still refuse it (json_schema), which does not make its tokens free."""
+
+    def __init__(self, router: Any, reservation: Reservation) -> None:
+        self.router, self.reservation = router, reservation
+
+    async def complete(self, request: Any, *args: Any) -> ChatResponse:
+        resp = await self.router.complete(request, *args)
+        await self.reservation.settle(resp.usage.input_tokens + resp.usage.output_tokens)
+        return resp
+
+    async def open_stream(self, request: Any, *args: Any) -> AsyncIterator[Event]:
+        return await self.router.open_stream(request, *args)
 
 
 class ReplayRouter:

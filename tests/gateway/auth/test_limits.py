@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from flashstack.gateway.auth import LocalLimiter, RedisLimiter
+from flashstack.gateway.auth import Hold, LocalLimiter, RedisLimiter
 from tests.gateway.sessions.support import REDIS_URL, redis_available
 
 
@@ -21,16 +21,22 @@ async def test_local_window_slides():
     assert await limiter.admit("other", 3, None) is None  # keys do not share windows
 
 
+def _hold(tokens: int) -> Hold:
+    return Hold(uuid.uuid4().hex, tokens)
+
+
 async def test_local_tokens_per_minute():
     limiter = LocalLimiter(window=0.5)
-    assert await limiter.admit("k", None, 100) is None
-    await limiter.charge("k", 60)
-    assert await limiter.admit("k", None, 100) is None  # 60 < 100: admitted
-    await limiter.charge("k", 60)
-    wait = await limiter.admit("k", None, 100)  # 120 ≥ 100 until the first 60 leave the window
+    first = _hold(40)
+    assert await limiter.admit("k", None, 100, first) is None
+    await limiter.settle("k", first, 60)  # used more than it held: the window counts what was used
+    second = _hold(40)
+    assert await limiter.admit("k", None, 100, second) is None  # 60 + 40 ≤ 100: admitted
+    await limiter.settle("k", second, 60)
+    wait = await limiter.admit("k", None, 100, _hold(40))  # 120 + 40 > 100 until the first 60 leave
     assert wait is not None and 0 < wait <= 0.5
     await asyncio.sleep(wait + 0.05)
-    assert await limiter.admit("k", None, 100) is None
+    assert await limiter.admit("k", None, 100, _hold(40)) is None
 
 
 @pytest.fixture
@@ -59,9 +65,10 @@ async def test_redis_limit_holds_across_replicas(replicas):
 @pytest.mark.redis
 async def test_redis_tokens_shared_across_replicas(replicas):
     a, b = replicas
-    assert await a.admit("key_t", None, 1000) is None
-    await a.charge("key_t", 600)
-    assert await b.admit("key_t", None, 1000) is None
-    await b.charge("key_t", 600)
-    wait = await a.admit("key_t", None, 1000)
+    first, second = _hold(300), _hold(300)
+    assert await a.admit("key_t", None, 1000, first) is None
+    await a.settle("key_t", first, 600)
+    assert await b.admit("key_t", None, 1000, second) is None
+    await b.settle("key_t", second, 600)
+    wait = await a.admit("key_t", None, 1000, _hold(300))
     assert wait is not None and 50 < wait <= 60
