@@ -138,6 +138,11 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: no token_embd.weight tensor; the file is incomplete")
 
     @property
+    def has_tokenizer(self) -> bool:
+        """Whether the file carries a vocabulary (converters always write one; tests may not)."""
+        return "tokenizer.ggml.tokens" in self.reader.fields
+
+    @property
     def tensor_names(self) -> list[str]:
         """GGUF names of the tensors the model uses, in file order."""
         return [t.name for t in self.reader.tensors if hf_tensor_name(t.name) is not None]
@@ -192,7 +197,6 @@ class GGUFCheckpoint:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) for each tensor the model uses, dequantized one at a time."""
-        cfg = self.hf_config()
         permuted = self.architecture == "llama"  # llama.cpp's converter permutes only Llama's Q/K
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
@@ -200,9 +204,9 @@ class GGUFCheckpoint:
                 continue
             w = torch.from_numpy(_dequantize(self.path, t))
             if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = unpermute_qk(w, cfg["num_attention_heads"])
+                w = unpermute_qk(w, self._require("attention.head_count"))
             elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = unpermute_qk(w, cfg["num_key_value_heads"])
+                w = unpermute_qk(w, self._kv_heads(self._require("attention.head_count")))
             yield name, w
 
 

@@ -20,7 +20,7 @@ from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import graph_buckets
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
-from flashstack.engine.gguf import is_gguf
+from flashstack.engine.gguf import is_gguf, open_gguf
 from flashstack.engine.loader import (
     checkpoint_tensor_count,
     load_model,
@@ -65,7 +65,7 @@ class LLMEngine:
         # Tensor parallel: ranks 1..N-1 start loading their shards while this rank loads its own.
         self.workers = launch(config, self.device) if config.tensor_parallel_size > 1 else None
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
-        has_tokenizer = is_gguf(path) or (path / "tokenizer.json").is_file()
+        has_tokenizer = open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(path) if has_tokenizer else None
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
