@@ -122,15 +122,18 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from flashstack.gateway.app import create_app
+    from flashstack.gateway.server_limits import uvicorn_options
 
     config = resolve_config(args.config, args.model)
-    host = args.host or config.server.host
+    # The bound name is one the gateway answers to without auth (gateway/browser_guard.py).
+    config.server.host = host = args.host or config.server.host
     port = args.port or config.server.port
     tls = _server_tls(config, args)
     _print_models(config, host, port, from_file=args.config is not None, scheme="https" if tls else "http")
     app = create_app(config)
     app.state.tls = tls  # readiness reports the certificate (gateway/tls.py)
-    options = tls.start().uvicorn_options("httptools") if tls else {"http": "httptools"}
+    # Header, timeout and connection limits live in the HTTP protocol class (gateway/server_limits.py).
+    options = uvicorn_options(config.server, tls.start() if tls else None)
     try:
         # access_log=False: uvicorn would build an access-log record per request only for it to be dropped.
         uvicorn.run(app, host=host, port=port, loop="uvloop", log_level="warning", timeout_graceful_shutdown=5,

@@ -119,11 +119,27 @@ class TLSConfig(BaseModel):
 
 
 class ServerConfig(BaseModel):
+    """Where the gateway listens, and the limits every connection and request is held to."""
+
     model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = 8400
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024  # after Content-Encoding is decoded; larger → 413
+    # Connection limits (gateway/server_limits.py; docs/security.md, "Limits").
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers of one request → 431
+    header_timeout: float = Field(10.0, gt=0)  # seconds from connect (or a request's first byte) to its headers → 408
+    body_timeout: float = Field(30.0, gt=0)  # the body is checked once per window of this many seconds…
+    body_min_rate: float = Field(1024.0, ge=0)  # …and each window must bring this many bytes/s → 408
+    # Above the 5 s that httpx (and so both SDKs) keeps an idle connection: a client never reuses a
+    # connection the server has just closed.
+    keep_alive_timeout: float = Field(15.0, gt=0)
+    max_connections: int = Field(4096, ge=1)  # open client connections; past it requests get 503
+    # With auth off (no auth.master_key) a browser page must not drive the gateway: requests whose
+    # Host is not loopback, an IP address, `host` or one of these are refused (DNS rebinding), and so
+    # are requests with an Origin other than their own Host's or one of allowed_origins. "*": any.
+    allowed_hosts: list[str] = Field(default_factory=list)  # "gateway.internal", "*.example.com"
+    allowed_origins: list[str] = Field(default_factory=list)  # "https://app.example.com"
     # Anthropic-format streams: events buffered between the upstream reader and the client writer
     # (their pings come from a watcher). OpenAI-format streams are written as they are read.
     stream_queue_size: int = 64

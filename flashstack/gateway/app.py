@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from flashstack.config import Config
 from flashstack.gateway import chat
+from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.compress import Compressor
@@ -49,6 +50,7 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         await app.state.router.aclose()
 
     app = GatewayApp(title="flashstack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.browser_guard = BrowserGuard.from_config(config)
     limits = chat.Limits(
         config.server.max_body_bytes, config.server.stream_queue_size, config.server.stream_ping_interval,
         vision=config.vision,
@@ -132,8 +134,14 @@ class GatewayApp(FastAPI):
     """
 
     chat_routes: dict[str, Callable[[Request], Awaitable[Response]]] = {}
+    browser_guard: BrowserGuard | None = None  # auth off: foreign Host / Origin refused (browser_guard.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.browser_guard is not None:
+            refusal = self.browser_guard.check(scope)
+            if refusal is not None:
+                await chat.error_response(_wire_of(Request(scope)), refusal)(scope, receive, send)
+                return
         if scope["type"] == "http" and scope["method"] == "POST":
             handler = self.chat_routes.get(_route_path(scope))
             if handler is not None:

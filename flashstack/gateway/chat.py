@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from flashstack.config import ModelConfig, VisionConfig
 from flashstack.gateway import compress, overhead, validation, vision
+from flashstack.gateway.content_encoding import BodyDecoder
 from flashstack.gateway.core import (
     ChatRequest,
     Error,
@@ -122,7 +123,11 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body, refused without reading further once it passes `limit` bytes."""
+    """The request's JSON body, refused without reading further once it passes `limit` bytes.
+
+    A gzip or deflate Content-Encoding is decoded, the limit applying to the decoded body too.
+    """
+    decoder = BodyDecoder.for_header(request.headers.get("content-encoding"), limit)  # 415 if unknown
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -131,7 +136,9 @@ async def read_json(request: Request, limit: int) -> Any:
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
-        chunks.append(chunk)
+        chunks.append(decoder.feed(chunk) if decoder else chunk)
+    if decoder:
+        chunks.append(decoder.finish())
     try:
         return orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as e:

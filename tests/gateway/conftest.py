@@ -8,6 +8,7 @@ import pytest
 
 from flashstack.config import Config, ModelConfig, RouterConfig, ServerConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.server_limits import uvicorn_options
 from tests.fakes import anthropic_upstream, ollama_upstream, openai_upstream
 from tests.fakes.server import FakeServer
 
@@ -50,7 +51,8 @@ def gateway_config(upstreams, **server) -> Config:
 @pytest.fixture(scope="session")
 def gateway(upstreams):
     config = gateway_config(upstreams, max_body_bytes=1024 * 1024)
-    server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
+    # The server limits `flashstack serve` runs with (its protocol class, timeouts).
+    server = FakeServer(create_app(config), lifespan="on", loop="uvloop", **uvicorn_options(config.server)).start()
     yield server
     server.stop()
 
