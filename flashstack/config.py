@@ -147,6 +147,20 @@ class ServerConfig(BaseModel):
     tls: TLSConfig = Field(default_factory=TLSConfig)  # off unless cert_file or vault is set
 
 
+class UpstreamLimits(BaseModel):
+    """What the gateway reads from an upstream at most; past a cap the attempt fails with a 502.
+
+    Enforced while reading, so a hostile or broken upstream costs at most this much memory per request.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)  # a non-stream response (and a model list)
+    max_error_bytes: int = Field(64 * 1024, gt=0)  # an error response: read this much, ignore the rest
+    max_line_bytes: int = Field(1024 * 1024, gt=0)  # one stream line (SSE, NDJSON), one SSE event's data
+    error_excerpt_chars: int = Field(512, ge=0)  # upstream error text shown to clients, after redaction
+
+
 class RouterConfig(BaseModel):
     """Retries, fallbacks, circuit breakers, health checks and load balancing across deployments."""
 
@@ -170,6 +184,7 @@ class RouterConfig(BaseModel):
     health_check_timeout: float = Field(2.0, gt=0)
     redis_url: str | None = None  # shared breaker, cooldown and in-flight state across replicas
     redis_prefix: str = "flashstack:router:"
+    upstream_limits: UpstreamLimits = Field(default_factory=UpstreamLimits)  # caps on what upstreams send
 
 
 # ---- vision (gateway/vision.py) -------------------------------------------------------------

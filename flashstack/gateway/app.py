@@ -33,7 +33,7 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.router = router or Router(config.models, config.router)
+        app.state.router = router or Router(config.models, config.router, secrets=[config.auth.master_key])
         app.state.router.start()  # background health probes
         # Context compression; its embedding model loads on the first request that needs it.
         app.state.compressor = Compressor(config.compression, config.state_dir, app.state.router)

@@ -38,6 +38,7 @@ from flashstack.gateway.health import HealthChecker, probe
 from flashstack.gateway.metrics import RouterMetrics
 from flashstack.gateway.providers import Provider, build_provider
 from flashstack.gateway.providers.base import Health
+from flashstack.gateway.redact import Redactor, excerpt, secrets_of
 from flashstack.gateway.state import BreakerState, Snapshot, build_state
 
 log = logging.getLogger("flashstack.router")
@@ -47,6 +48,8 @@ T = TypeVar("T")
 _CONTEXT_WINDOW_HINTS = ("context_length_exceeded", "context window", "context length", "prompt is too long",
                          "maximum context", "too many tokens")
 _CONTENT_POLICY_HINTS = ("content_policy", "content_filter", "content management policy", "safety system")
+# Room for the gateway's own words around an upstream excerpt (upstream_limits.error_excerpt_chars).
+_ERROR_WORDS_CHARS = 512
 
 
 @dataclass(slots=True)
@@ -110,13 +113,18 @@ class Router:
     """Model name → deployments, with retries, fallbacks, breakers, health checks and balancing."""
 
     def __init__(self, models: list[ModelConfig], cfg: RouterConfig | None = None,
-                 providers: dict[int, Provider] | None = None) -> None:
+                 providers: dict[int, Provider] | None = None, secrets: list[str | None] | None = None) -> None:
         self.cfg = cfg or RouterConfig()
+        # Every configured credential (and `secrets`, e.g. the master key), masked in every error and log.
+        self.redact = Redactor(secrets_of(models, *(secrets or [])))
+        self._max_error = self.cfg.upstream_limits.error_excerpt_chars + _ERROR_WORDS_CHARS
         self.groups: dict[str, list[Deployment]] = {}
         for i, m in enumerate(models):
-            provider = (providers or {}).get(i) or build_provider(m)
             group = self.groups.setdefault(m.name, [])
-            group.append(Deployment(m.id or f"{m.name}#{len(group)}", m, provider))
+            dep_id = m.id or f"{m.name}#{len(group)}"
+            m = m if m.id else m.model_copy(update={"id": dep_id})  # providers name errors by deployment id
+            provider = (providers or {}).get(i) or build_provider(m, self.cfg.upstream_limits, self.redact)
+            group.append(Deployment(dep_id, m, provider))
         self._check_fallbacks(models)
         self.metrics = RouterMetrics()
         self.breakers = Breakers(build_state(self.cfg.redis_url, self.cfg.redis_prefix), self.cfg)
@@ -182,8 +190,10 @@ class Router:
         report: dict[str, list[dict[str, object]]] = {}
         for d, s in zip(deps, snaps):
             h = d.health or Health(False, detail="not probed")
+            # No upstream address here: an api_base may carry credentials, and the id names the deployment.
             report.setdefault(d.cfg.name, []).append({
-                "deployment": d.id, "provider": d.provider.name, "ok": h.ok and s.state is not BreakerState.OPEN,
+                "deployment": d.id, "provider": f"{d.cfg.provider}:{d.cfg.model}",
+                "ok": h.ok and s.state is not BreakerState.OPEN,
                 "breaker": s.state.name.lower(), "cooldown_s": round(s.open_for, 3), "in_flight": s.in_flight,
                 "latency_ms": h.latency_ms, "detail": h.detail,
             })
@@ -338,8 +348,9 @@ class Router:
         try:
             resp = await dep.provider.complete(request)
         except GatewayError as e:
+            e = self._sanitized(e)
             await self._failed(dep, e, trace, t0)
-            raise
+            raise e from None
         finally:
             await self._leave(dep)
         await self._served(dep, trace, t0, time.perf_counter() - t0)
@@ -357,7 +368,9 @@ class Router:
                 await events.aclose()  # type: ignore[attr-defined]
             await self._leave(dep)
             if isinstance(e, GatewayError):
+                e = self._sanitized(e)
                 await self._failed(dep, e, trace, t0)
+                raise e from None
             raise
         ttft = time.perf_counter() - t0
         self.metrics.ttft.labels(dep.id).observe(ttft)
@@ -389,16 +402,19 @@ class Router:
             for ev in head:
                 yield ev
             async for ev in events:
-                if isinstance(ev, Error) and counts_against_upstream(ev.error):
-                    await self._midstream_failure(dep, ev.error, trace)
+                if isinstance(ev, Error):
+                    ev = Error(self._sanitized(ev.error))
+                    if counts_against_upstream(ev.error):
+                        await self._midstream_failure(dep, ev.error, trace)
                 finished = finished or isinstance(ev, Finish)
                 yield ev
             if not finished:  # a truncated upstream: never pass half an answer off as complete
                 raise GatewayError(ErrorKind.UPSTREAM, f"deployment {dep.id} ended the stream before it finished")
         except GatewayError as e:
+            e = self._sanitized(e)
             if counts_against_upstream(e):
                 await self._midstream_failure(dep, e, trace)
-            raise
+            raise e from None
         finally:
             with suppress(Exception):
                 await events.aclose()  # type: ignore[attr-defined]
@@ -451,7 +467,19 @@ class Router:
             self.metrics.breaker.labels(d.id).set(s.state)
         return snaps
 
+    def _sanitized(self, e: GatewayError) -> GatewayError:
+        """`e` with every configured secret masked and its text bounded, whoever worded it.
+
+        Providers word upstream failures themselves (providers/upstream.py); this is the one place
+        every error passes before a client or a log sees it, whichever provider raised it.
+        """
+        message = excerpt(self.redact(e.message), self._max_error)
+        if message == e.message:
+            return e
+        return GatewayError(e.kind, message, status=e.status, param=e.param, code=e.code, retry_after=e.retry_after)
+
     def _on_probe(self, dep: Deployment, health: Health) -> None:
+        health.detail = excerpt(self.redact(health.detail), self._max_error)
         dep.health = health
         self.metrics.health.labels(dep.id).set(1 if health.ok else 0)
 

@@ -36,13 +36,14 @@ def test_server_error_before_first_byte_anthropic(anthropic_client, model):
     assert exc.value.response.headers.get("retry-after")
 
 
-def test_upstream_auth_failure_is_reported(upstreams):
+def test_upstream_auth_failure_is_a_502_not_the_clients_401(upstreams):
     cfg = gateway_config(upstreams)
     cfg.models = [ModelConfig(name="claude", provider="anthropic", model="m", api_base=upstreams["anthropic"].url, api_key="wrong")]
     with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         client = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0)
-        with pytest.raises(anthropic.AuthenticationError):
+        with pytest.raises(anthropic.InternalServerError) as exc:  # the client's own key was fine
             client.messages.create(model="claude", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+        assert exc.value.status_code == 502 and "upstream credentials rejected" in exc.value.message
 
 
 @pytest.mark.parametrize("model", MODELS)

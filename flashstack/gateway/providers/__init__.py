@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from flashstack.config import ModelConfig
+from flashstack.config import ModelConfig, UpstreamLimits
 from flashstack.gateway.providers.base import Health, Provider
+from flashstack.gateway.redact import Redactor
 
 
-def build_provider(cfg: ModelConfig) -> Provider:
-    """The provider for one configured deployment."""
+def build_provider(cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None) -> Provider:
+    """The provider for one configured deployment; `redact` masks every configured secret in its errors."""
     if cfg.provider == "anthropic":
         from flashstack.gateway.providers.anthropic import AnthropicProvider
 
-        return AnthropicProvider(cfg)
+        return AnthropicProvider(cfg, limits, redact)
     if cfg.provider == "openai":
         from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
 
-        return OpenAICompatProvider(cfg)
+        return OpenAICompatProvider(cfg, limits, redact)
     if cfg.provider == "ollama":
         from flashstack.gateway.providers.ollama import OllamaProvider
 
-        return OllamaProvider(cfg)
+        return OllamaProvider(cfg, limits, redact)
     if cfg.provider == "local":
         from flashstack.gateway.providers.local import LocalProvider
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from flashstack.config import ModelConfig
+from flashstack.config import ModelConfig, UpstreamLimits
 from flashstack.gateway.core import ChatRequest, ChatResponse, Event
+from flashstack.gateway.providers import shape
 from flashstack.gateway.providers.base import Health, probe_health
 from flashstack.gateway.providers.http import event_json, make_client, open_stream, post_json, sse_events
+from flashstack.gateway.providers.upstream import Upstream
+from flashstack.gateway.redact import Redactor
 from flashstack.gateway.translate import anthropic as t
 
 API_VERSION = "2023-06-01"
@@ -16,13 +19,14 @@ API_VERSION = "2023-06-01"
 class AnthropicProvider:
     """Messages API over one pooled client."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None) -> None:
         self.cfg = cfg
-        self.name = f"anthropic:{cfg.model}"
+        self.upstream = Upstream.of(cfg, limits, redact)
+        self.name = self.upstream.name  # the deployment id: errors never name the upstream's address
         headers = {"anthropic-version": API_VERSION}
         if cfg.api_key:
             headers["x-api-key"] = cfg.api_key
-        self.client = make_client(cfg, headers)
+        self.client = make_client(cfg, headers, self.upstream)
 
     def _body(self, request: ChatRequest, stream: bool) -> dict:
         body = t.request_json(request, self.cfg.model, self.cfg.max_output_tokens)
@@ -34,19 +38,20 @@ class AnthropicProvider:
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         decoder = t.EventDecoder()
         body = self._body(request, stream=True)
-        async with open_stream(self.client, self.name, "/v1/messages", body, t.upstream_error) as resp:
-            async for name, data in sse_events(resp, self.name):
-                for ev in decoder.feed(name, event_json(data, self.name, "an event")):
+        up = self.upstream
+        async with open_stream(self.client, "/v1/messages", body, t.upstream_error) as resp:
+            async for name, data in sse_events(resp, up):
+                for ev in up.decode(decoder.feed, name, event_json(data, up, "an event"), what="an event"):
                     yield ev
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         body = self._body(request, stream=False)
-        return t.response_from_json(await post_json(self.client, self.name, "/v1/messages", body, t.upstream_error))
+        reply = shape.anthropic_message(await post_json(self.client, "/v1/messages", body, t.upstream_error),
+                                        self.upstream)
+        return self.upstream.translate(t.response_from_json, reply, "a message")
 
     async def list_models(self) -> list[str]:
-        resp = await self.client.http.get("/v1/models", timeout=2.0)
-        resp.raise_for_status()
-        return [m["id"] for m in resp.json().get("data", [])]
+        return shape.model_ids(await self.client.get_json("/v1/models", timeout=2.0), self.upstream, "data", "id")
 
     async def health(self) -> Health:
         return await probe_health(self.list_models)

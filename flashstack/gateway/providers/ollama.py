@@ -6,10 +6,9 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import httpx
 import orjson
 
-from flashstack.config import ModelConfig
+from flashstack.config import ModelConfig, UpstreamLimits
 from flashstack.gateway.core import (
     BlockStop,
     ChatRequest,
@@ -33,48 +32,44 @@ from flashstack.gateway.core import (
     error_for_status,
     invalid_request,
 )
+from flashstack.gateway.providers import shape
 from flashstack.gateway.providers.base import Health, collect, probe_health
-from flashstack.gateway.providers.http import (
-    event_json,
-    lines,
-    make_client,
-    open_stream,
-    post_json,
-    transport_error,
-)
+from flashstack.gateway.providers.http import event_json, lines, make_client, open_stream, post_json
+from flashstack.gateway.providers.upstream import Upstream
+from flashstack.gateway.redact import Redactor
 
 
 class OllamaProvider:
     """One Ollama server; a model name per deployment."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None) -> None:
         self.cfg = cfg
-        self.name = f"ollama:{cfg.api_base}/{cfg.model}"
-        self.client = make_client(cfg, {})
+        self.upstream = Upstream.of(cfg, limits, redact)
+        self.name = self.upstream.name  # the deployment id: errors never name the upstream's address
+        self.client = make_client(cfg, {}, self.upstream)
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         body = request_json(request, self.cfg.model, stream=True)
         decoder = LineDecoder()
-        async with open_stream(self.client, self.name, "/api/chat", body, upstream_error) as resp:
-            try:
-                async for line in lines(resp):
-                    if line.strip():
-                        for ev in decoder.feed(_parse_line(line, self.name)):
-                            yield ev
-            except httpx.HTTPError as e:
-                raise transport_error(self.name, e) from e
+        up = self.upstream
+        async with open_stream(self.client, "/api/chat", body, upstream_error) as resp:
+            async for line in lines(resp, up):
+                if line.strip():
+                    for ev in up.decode(decoder.feed, _parse_line(line, up), what="a line"):
+                        yield ev
         if not decoder.done:
-            raise GatewayError(ErrorKind.UPSTREAM, f"{self.name} ended the stream before done=true")
+            raise GatewayError(ErrorKind.UPSTREAM, f"upstream {up.name} ended the stream before done=true")
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         body = request_json(request, self.cfg.model, stream=False)
-        line = await post_json(self.client, self.name, "/api/chat", body, upstream_error)
-        return await collect(_events_of(line))
+        up = self.upstream
+        line = shape.ollama_reply(await post_json(self.client, "/api/chat", body, upstream_error), up)
+        if not line.get("done"):
+            raise up.shape_error("a reply", "done is not true")
+        return await collect(_events_of(up, line))
 
     async def list_models(self) -> list[str]:
-        resp = await self.client.http.get("/api/tags", timeout=2.0)
-        resp.raise_for_status()
-        return [m["name"] for m in resp.json().get("models", [])]
+        return shape.model_ids(await self.client.get_json("/api/tags", timeout=2.0), self.upstream, "models", "name")
 
     async def health(self) -> Health:
         return await probe_health(self.list_models)
@@ -83,16 +78,16 @@ class OllamaProvider:
         await self.client.aclose()
 
 
-async def _events_of(line: dict[str, Any]) -> AsyncIterator[Event]:
-    for ev in LineDecoder().feed(line):
+async def _events_of(up: Upstream, line: dict[str, Any]) -> AsyncIterator[Event]:
+    for ev in up.decode(LineDecoder().feed, line, what="a reply"):
         yield ev
 
 
-def _parse_line(line: bytes, name: str) -> dict[str, Any]:
-    obj = event_json(line, name, "a line")
+def _parse_line(line: bytes, up: Upstream) -> dict[str, Any]:
+    obj = event_json(line, up, "a line")
     if "error" in obj:
-        raise GatewayError(ErrorKind.UPSTREAM, f"{name}: {obj['error']}")
-    return obj
+        raise up.failure(GatewayError(ErrorKind.UPSTREAM, str(obj["error"])))
+    return shape.ollama_reply(obj, up, "a line")
 
 
 def upstream_error(status: int, body: Any, retry_after: float | None = None) -> GatewayError:
