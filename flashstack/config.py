@@ -126,6 +126,9 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8400
     max_body_bytes: int = 32 * 1024 * 1024  # after Content-Encoding is decoded; larger → 413
+    # Arrays/objects nested in a request body (and in tool-call arguments); deeper → 400. orjson
+    # writes at most 254 levels, hence the cap.
+    max_json_depth: int = Field(64, ge=8, le=200)
     # Connection limits (gateway/server_limits.py; docs/security.md, "Limits").
     max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers of one request → 431
     header_timeout: float = Field(10.0, gt=0)  # seconds from connect (or a request's first byte) to its headers → 408
@@ -297,6 +300,13 @@ class CompressionConfig(BaseModel):
     embed_threads: int = Field(2, ge=1)
     embed_cache_size: int = Field(50_000, ge=0)  # embeddings kept in memory (1.5 KiB each)
     cache_dir: Path | None = None  # the built ONNX models; None: <state_dir>/models
+    # The embedding model loads in a background thread, at start-up with preload (readiness is 503
+    # until it is loaded), else on the first request that needs it; until then such requests are truncated.
+    preload: bool = False
+    # One request's budget; past any of them it is truncated instead (x-flashstack-compression-fallback: budget).
+    max_units: int = Field(2_000, ge=1)  # old messages ranked and clustered (a tool call with its results is one)
+    max_embed_tokens: int = Field(65_536, ge=0)  # word pieces the embedding model reads; cached texts are free
+    max_plan_seconds: float = Field(10.0, gt=0)  # wall clock from arrival, waiting for the model's thread included
 
 
 class Config(BaseSettings):

@@ -35,8 +35,11 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.router = router or Router(config.models, config.router, secrets=[config.auth.master_key])
         app.state.router.start()  # background health probes
-        # Context compression; its embedding model loads on the first request that needs it.
+        # Context compression. Its embedding model loads in a thread of its own, now with `preload`
+        # (readiness is 503 until then), else once a request first needs it; requests never wait for it.
         app.state.compressor = Compressor(config.compression, config.state_dir, app.state.router)
+        if config.compression.preload:
+            app.state.compressor.start_loading()
         # Sessions, API keys and rate limits: the database is migrated before the first request.
         app.state.sessions = await open_sessions(config)
         app.state.auth = app.state.sessions.auth
@@ -53,7 +56,7 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
     app.browser_guard = BrowserGuard.from_config(config)
     limits = chat.Limits(
         config.server.max_body_bytes, config.server.stream_queue_size, config.server.stream_ping_interval,
-        vision=config.vision,
+        vision=config.vision, max_json_depth=config.server.max_json_depth,
     )
 
     _add_session_routes(app, limits)
@@ -83,7 +86,8 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         caller = await session_hooks.authenticate(request)
         router: Router = request.app.state.router
         if model_id not in router.groups or not may_use(caller, model_id):
-            err = GatewayError(ErrorKind.NOT_FOUND, f"model {model_id!r} does not exist", param="model")
+            err = GatewayError(ErrorKind.NOT_FOUND, f"model {model_id!r} does not exist", param="model",
+                               code="model_not_found")
             return chat.error_response(_wire_of(request), err)
         return chat.json_response(model_json(model_id, router))
 
@@ -108,6 +112,9 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         if tls is not None:  # a renewal failing is a warning; only an expired certificate is unready
             body["tls"] = tls_report = tls.status()
             ready = ready and tls_report["status"] != "expired"
+        compression = request.app.state.compressor.state  # idle | loading | ready | failed
+        body["compression"] = {"embedding_model": compression}
+        ready = ready and compression != "loading"  # failed: requests are truncated, still served
         # Deployment ids and probe errors name upstreams: the detail is the master key's (or auth off).
         detail = body if caller.admin or caller == ANONYMOUS else {}
         return chat.json_response({"status": "ready" if ready else "degraded", **detail}, 200 if ready else 503)
@@ -118,8 +125,13 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = ErrorKind.NOT_FOUND if exc.status_code == 404 else ErrorKind.INVALID_REQUEST
-        err = GatewayError(kind, f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code)
+        if exc.status_code == 404:  # an unknown route, not a model: no model_not_found
+            err = GatewayError(ErrorKind.NOT_FOUND, f"{request.method} {request.url.path} is not a route of this "
+                               "gateway (it serves /v1/chat/completions, /v1/messages, /v1/models, /v1/sessions)",
+                               code="not_found")
+        else:
+            err = GatewayError(ErrorKind.INVALID_REQUEST, f"{request.method} {request.url.path}: {exc.detail}",
+                               status=exc.status_code)
         return chat.error_response(_wire_of(request), err)
 
     return app

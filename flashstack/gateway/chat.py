@@ -13,8 +13,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
-from flashstack.config import ModelConfig, VisionConfig
-from flashstack.gateway import compress, overhead, validation, vision
+from flashstack.config import ModelConfig, ServerConfig, VisionConfig
+from flashstack.gateway import compress, overhead, tokens, validation, vision
 from flashstack.gateway.content_encoding import BodyDecoder
 from flashstack.gateway.core import (
     ChatRequest,
@@ -76,12 +76,16 @@ ANTHROPIC = WireFormat(
 )
 
 
+DEFAULT_JSON_DEPTH = ServerConfig.model_fields["max_json_depth"].default
+
+
 @dataclass(slots=True)
 class Limits:
     max_body_bytes: int
     stream_queue_size: int
     ping_interval: float
     vision: VisionConfig = field(default_factory=VisionConfig)
+    max_json_depth: int = DEFAULT_JSON_DEPTH  # server.max_json_depth
 
 
 async def handle(wire: WireFormat, request: Request, router: Router, limits: Limits) -> Response:
@@ -91,12 +95,14 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
     try:
         caller = await session_hooks.authenticate(request)  # 401 before the body is read
         body = await read_json(request, limits.max_body_bytes)
-        req = parse(wire, body)
+        # Cheapest first: nothing costly (schema checks, images, sessions, compression) for a request
+        # that a look at its fields refuses.
+        req = parse(wire, body, limits.max_json_depth)
         check_capabilities(req, router.config_of(req.model))  # unknown model → 404 before any work
+        compress.request_options(req)  # a bad `compression` field is a 400 before any session is touched
         validation.check_request(req)
         # Images: decoded, checked and resized for the model's upstreams (in a thread when large).
         await vision.prepare(req, vision.target_configs(router, req.model), limits.vision)
-        compress.request_options(req)  # a bad `compression` field is a 400 before any session is touched
         # 403/429 for the key; with X-Session-Id the session is locked and its history prepended.
         own_messages = len(req.messages)
         turn = await session_hooks.begin_turn(request, req, caller, body)
@@ -146,7 +152,14 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 def check_capabilities(req: ChatRequest, cfg: ModelConfig) -> None:
-    """Refuse what the model cannot take, instead of silently dropping it."""
+    """Refuse what the model cannot take, instead of silently dropping it (or paying to find out)."""
+    window = tokens.context_window(cfg)
+    if req.max_tokens is not None and window is not None and req.max_tokens >= window:
+        raise compress.context_length_exceeded(
+            f"max_tokens ({req.max_tokens}) leaves no room for the prompt in model {req.model!r}'s "
+            f"{window}-token context window; lower max_tokens",
+            "max_tokens",
+        )
     if not cfg.supports_images and any(
         isinstance(p, Image) for m in req.messages for p in m.parts
     ):
@@ -164,14 +177,18 @@ def _too_large(limit: int) -> GatewayError:
     )
 
 
-def parse(wire: WireFormat, body: Any) -> ChatRequest:
+def parse(wire: WireFormat, body: Any, max_depth: int = DEFAULT_JSON_DEPTH) -> ChatRequest:
+    """The canonical request for a wire body; a 400 naming the field for anything malformed."""
     if not isinstance(body, dict):
         raise invalid_request("request body must be a JSON object")
+    validation.check_depth(body, max_depth)  # before anything walks it recursively
     try:
         parsed = wire.request_type.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    return wire.to_canonical(parsed)
+    req = wire.to_canonical(parsed)
+    validation.check_tool_arguments(req, max_depth)
+    return req
 
 
 def _validation_error(e: ValidationError) -> GatewayError:

@@ -16,8 +16,10 @@ import hashlib
 import logging
 import math
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -32,12 +34,15 @@ from flashstack.gateway.core import invalid_request
 if TYPE_CHECKING:
     import numpy as np  # imported where used: 16 MB that a gateway which never compresses need not hold
 
-    from flashstack.gateway.embed import Embedder
+    from flashstack.gateway.embed import Budget, Embedder
     from flashstack.gateway.router import Router
 
 log = logging.getLogger("flashstack.gateway.compress")
 
 MODES: tuple[CompressionMode, ...] = ("auto", "off", "truncate")
+# Why a request that needed compression was truncated instead (x-flashstack-compression-fallback).
+Fallback = Literal["warming-up", "unavailable", "budget"]
+LoadState = Literal["idle", "loading", "ready", "failed"]  # of the embedding model
 VERBATIM_SHARE = 0.6  # of the free budget, for the most relevant old units; the rest for summaries
 MIN_SUMMARY_TOKENS = 24  # a cluster summary shorter than this says nothing; drop the cluster instead
 CHUNK_WORDS = 180  # MiniLM reads 256 word pieces; longer messages are embedded in chunks
@@ -54,9 +59,9 @@ SUMMARIZE_PROMPT = (
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
-def context_length_exceeded(message: str) -> GatewayError:
+def context_length_exceeded(message: str, param: str = "messages") -> GatewayError:
     """The 400 a conversation gets when even its kept part does not fit the window."""
-    return GatewayError(ErrorKind.INVALID_REQUEST, message, param="messages", code="context_length_exceeded")
+    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param, code="context_length_exceeded")
 
 
 # ---- what the caller asked for ---------------------------------------------------------------
@@ -125,6 +130,7 @@ class Outcome:
     tokens_after: int
     messages_summarized: int = 0
     messages_dropped: int = 0
+    fallback: Fallback | None = None  # truncated although the mode was auto, and why
 
     def stamp(self, response: Any) -> Any:
         """`response` with this outcome's headers added."""
@@ -134,13 +140,16 @@ class Outcome:
     def headers(self) -> dict[str, str]:
         if self.action == "none":
             return {}
-        return {
+        out = {
             "x-flashstack-compression": self.action,
             "x-flashstack-tokens-before": str(self.tokens_before),
             "x-flashstack-tokens-after": str(self.tokens_after),
             "x-flashstack-messages-summarized": str(self.messages_summarized),
             "x-flashstack-messages-dropped": str(self.messages_dropped),
         }
+        if self.fallback is not None:
+            out["x-flashstack-compression-fallback"] = self.fallback
+        return out
 
 
 class CompressionMetrics:
@@ -158,12 +167,16 @@ class CompressionMetrics:
                                ["model"], registry=r)
         self.refused = Counter("flashstack_compression_refused", "Requests refused as context_length_exceeded",
                                ["model"], registry=r)
+        self.fallbacks = Counter("flashstack_compression_fallbacks", "Requests truncated instead of compressed",
+                                 ["model", "reason"], registry=r)
 
     def record(self, model: str, outcome: Outcome) -> None:
         self.requests.labels(model, outcome.action).inc()
         self.tokens_saved.labels(model).inc(max(0, outcome.tokens_before - outcome.tokens_after))
         self.summarized.labels(model).inc(outcome.messages_summarized)
         self.dropped.labels(model).inc(outcome.messages_dropped)
+        if outcome.fallback is not None:
+            self.fallbacks.labels(model, outcome.fallback).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -288,15 +301,23 @@ def dbscan_labels(vectors: np.ndarray, eps: float, min_samples: int = 2) -> np.n
 
 
 class Planner:
-    """The blocking part of compression: counting, embedding, ranking, clustering, extracting."""
+    """The blocking part of compression: counting, embedding, ranking, clustering, extracting.
 
-    def __init__(self, cfg: CompressionConfig, embedder: Embedder) -> None:
+    Without an embedder (not loaded yet) it measures and truncates only.
+    """
+
+    def __init__(self, cfg: CompressionConfig, embedder: Embedder | None = None,
+                 counts: OrderedDict[tuple[str, str | bytes], int] | None = None) -> None:
         self.cfg = cfg
         self.embedder = embedder
-        self._counts: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._counts = counts if counts is not None else OrderedDict()
+
+    def with_embedder(self, embedder: Embedder) -> Planner:
+        """A planner that compresses with `embedder`, sharing this one's token counts."""
+        return Planner(self.cfg, embedder, self._counts)
 
     def count(self, counter: tokens.Counter, text: str) -> int:
-        key = (counter.name, text)  # str keys: Python caches a string's hash, no digest per lookup
+        key = (counter.name, count_key(text))
         n = self._counts.get(key)
         if n is None:
             n = self._counts[key] = counter.tokens(text)
@@ -324,10 +345,11 @@ class Planner:
 
     def plan(self, counter: tokens.Counter, req: ChatRequest, target: int, mode: CompressionMode,
              pinned: frozenset[int] = frozenset(), summaries: dict[str, str] | None = None,
-             summarizer: str = "extractive") -> Plan:
+             summarizer: str = "extractive", budget: Budget | None = None) -> Plan:
         """Choose what stays verbatim, what is summarized and what is dropped to fit `target`.
 
         `summaries`: a session's stored summaries by cluster key; one of `summarizer` is reused if it fits.
+        `budget`: what compressing may cost; past it BudgetExceeded is raised (the caller truncates).
         """
         fixed, units, total = self.measure(counter, req)
         last = len(req.messages) - self.cfg.keep_last_turns
@@ -346,7 +368,7 @@ class Planner:
         old = [u for u, p in zip(units, protected) if not p]
         if mode == "truncate":
             return self._truncate(target, total, fixed, kept, old, free)
-        return self._compress(counter, req, target, total, fixed, kept, old, free, q, summaries, summarizer)
+        return self._compress(counter, req, target, total, fixed, kept, old, free, q, summaries, summarizer, budget)
 
     @staticmethod
     def _truncate(target: int, total: int, fixed: int, kept: list[Unit], old: list[Unit], free: int) -> Plan:
@@ -362,10 +384,16 @@ class Planner:
 
     def _compress(self, counter: tokens.Counter, req: ChatRequest, target: int, total: int, fixed: int,
                   kept: list[Unit], old: list[Unit], free: int, q: int, summaries: dict[str, str] | None,
-                  summarizer: str) -> Plan:
+                  summarizer: str, budget: Budget | None) -> Plan:
+        from flashstack.gateway.embed import BudgetExceeded
+
+        if self.embedder is None:
+            raise RuntimeError("Planner without an embedder can only truncate")
+        if len(old) > self.cfg.max_units:  # DBSCAN's distance matrix alone grows with the square
+            raise BudgetExceeded("units")
         query = tokens.message_text(req.messages[q])
-        qvec = self.embedder.embed([query])[0]
-        self._rank(old, qvec)
+        qvec = self.embedder.embed([query], budget)[0]
+        self._rank(old, qvec, budget)
         verbatim, rest, used = [], [], 0
         for u in sorted(old, key=lambda u: (-u.relevance, -u.start)):
             if used + u.tokens <= free * VERBATIM_SHARE:
@@ -375,18 +403,20 @@ class Planner:
                 rest.append(u)
         header = self.count(counter, SUMMARY_HEADER) + tokens.PER_MESSAGE
         clusters = self._clusters(rest)
-        clusters, dropped = self._extract(counter, clusters, qvec, free - used - header, summaries, summarizer)
+        clusters, dropped = self._extract(counter, clusters, qvec, free - used - header, summaries, summarizer,
+                                          budget)
         return Plan(target, total, fixed, sorted(kept + verbatim, key=lambda u: u.start), clusters,
                     sorted(dropped, key=lambda u: u.start), header_tokens=header)
 
-    def _rank(self, units: list[Unit], qvec: np.ndarray) -> None:
+    def _rank(self, units: list[Unit], qvec: np.ndarray, budget: Budget | None = None) -> None:
         import numpy as np
 
+        assert self.embedder is not None
         pieces = [[c for t in (u.message_texts or (u.text,)) for c in chunks(t)] for u in units]
         flat = [c for cs in pieces for c in cs]
         if not flat:
             return
-        vecs = self.embedder.embed(flat)
+        vecs = self.embedder.embed(flat, budget)
         starts = np.cumsum([0] + [len(cs) for cs in pieces[:-1]])
         relevance = np.maximum.reduceat(vecs @ qvec, starts)  # a unit is as relevant as its best chunk
         means = np.add.reduceat(vecs, starts, axis=0)
@@ -407,8 +437,8 @@ class Planner:
         return sorted(clusters, key=lambda c: (-c.relevance, c.units[0].start))
 
     def _extract(self, counter: tokens.Counter, clusters: list[Cluster], qvec: np.ndarray, free: int,
-                 summaries: dict[str, str] | None = None,
-                 summarizer: str = "extractive") -> tuple[list[Cluster], list[Unit]]:
+                 summaries: dict[str, str] | None = None, summarizer: str = "extractive",
+                 budget: Budget | None = None) -> tuple[list[Cluster], list[Unit]]:
         """Summaries (stored, else extractive), most relevant cluster first, while they fit in `free` tokens."""
         out, dropped = [], []
         for n, c in enumerate(clusters):
@@ -422,7 +452,7 @@ class Planner:
                 free -= c.tokens
                 out.append(c)
                 continue
-            c.summary = self.extractive_summary(counter, c, qvec, cap)
+            c.summary = self.extractive_summary(counter, c, qvec, cap, budget)
             c.tokens = self.count(counter, "- " + c.summary) + 1 if c.summary else 0
             if not c.summary or c.tokens > free:
                 dropped.extend(c.units)
@@ -431,10 +461,12 @@ class Planner:
             out.append(c)
         return out, dropped
 
-    def extractive_summary(self, counter: tokens.Counter, c: Cluster, qvec: np.ndarray, cap: int) -> str:
+    def extractive_summary(self, counter: tokens.Counter, c: Cluster, qvec: np.ndarray, cap: int,
+                           budget: Budget | None = None) -> str:
         """The cluster's most central sentences (and those nearest the question), in their order, ≤ cap tokens."""
         import numpy as np
 
+        assert self.embedder is not None
         centroid = np.stack([u.vector for u in c.units]).mean(0)
         centroid /= max(float(np.linalg.norm(centroid)), 1e-9)
         # Sentences come from the most central and the most relevant units only: embedding every
@@ -445,7 +477,7 @@ class Planner:
         sentences = list(dict.fromkeys(s for u in sources for s in split_sentences(u.text)))[:MAX_SENTENCES]
         if not sentences:
             return ""
-        vecs = self.embedder.embed(sentences)
+        vecs = self.embedder.embed(sentences, budget)
         # Centrality says what the cluster was about; nearness to the question keeps what the next
         # answer needs if the cluster holds it.
         score = vecs @ centroid + vecs @ qvec
@@ -456,6 +488,12 @@ class Planner:
                 return text
             best.remove(min(best, key=lambda i: score[i]))  # drop the weakest sentence and retry
         return _clip(counter, sentences[int(np.argmax(score))], cap - 3)
+
+
+def count_key(text: str) -> str | bytes:
+    """A token-count cache key: short texts themselves (a str caches its own hash), long ones a digest,
+    so 100,000 cached counts never hold 100,000 request bodies."""
+    return text if len(text) <= 512 else hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _clip(counter: tokens.Counter, text: str, cap: int) -> str:
@@ -469,7 +507,12 @@ def _clip(counter: tokens.Counter, text: str, cap: int) -> str:
 
 
 class Compressor:
-    """Checks every chat request against its model's window and compresses it when it must."""
+    """Checks every chat request against its model's window and compresses it when it must.
+
+    The embedding model never loads on a request's path: `start_loading` loads it in a thread of
+    its own (at start-up with `preload`, else when a request first needs it), and until it is
+    loaded a request over the window is truncated, said in x-flashstack-compression-fallback.
+    """
 
     def __init__(self, cfg: CompressionConfig, state_dir: Path, router: Router | None = None,
                  embedder: Embedder | None = None) -> None:
@@ -477,25 +520,59 @@ class Compressor:
         self.cache_dir = cfg.cache_dir or Path(state_dir) / "models"
         self.router = router
         self.metrics = CompressionMetrics()
-        self._embedder = embedder
-        self._planner: Planner | None = None
-        self._load_lock = asyncio.Lock()
+        self._planner = Planner(cfg, embedder)
+        self._loader: threading.Thread | None = None
+        self._loader_lock = threading.Lock()
+        self._loaded = threading.Event()  # set once the load finished, loaded or not
+        # One thread for measuring, planning and embedding: two at once on a 2-core box only contend.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashstack-compress")
         self._summaries: OrderedDict[str, str] = OrderedDict()  # LLM summaries per cluster key
 
-    async def planner(self) -> Planner:
-        """The planner, loading the embedding model on first use (in a thread: it takes seconds)."""
-        if self._planner is None:
-            async with self._load_lock:
-                if self._planner is None:
-                    if self._embedder is None:
-                        self._embedder = await asyncio.to_thread(self._load_embedder)
-                    self._planner = Planner(self.cfg, self._embedder)
-        return self._planner
+    # ---- the embedding model -----------------------------------------------------------------
+
+    @property
+    def state(self) -> LoadState:
+        if self._planner.embedder is not None:
+            return "ready"
+        if self._loader is None:
+            return "idle"
+        return "failed" if self._loaded.is_set() else "loading"
+
+    def start_loading(self) -> None:
+        """Load the embedding model in a background thread, once; nothing waits for it."""
+        with self._loader_lock:
+            if self._loader is None and self._planner.embedder is None:
+                self._loader = threading.Thread(target=self._load, name="flashstack-embed-load", daemon=True)
+                self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            self._planner = self._planner.with_embedder(self._load_embedder())
+        except Exception:  # a missing package or a failed build: truncation still serves every request
+            log.exception("the embedding model could not be loaded; requests over their model's window are "
+                          "truncated instead of compressed")
+        finally:
+            self._loaded.set()
 
     def _load_embedder(self) -> Embedder:
         from flashstack.gateway.embed import Embedder
 
         return Embedder(self.cache_dir, threads=self.cfg.embed_threads, cache_size=self.cfg.embed_cache_size)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (True) or failed to load / timed out (False); for tools and tests."""
+        if self._planner.embedder is None:
+            self.start_loading()
+            self._loaded.wait(timeout)
+        return self._planner.embedder is not None
+
+    async def planner(self) -> Planner:
+        """The planner with its embedding model, waiting for the load (offline tools; requests never wait)."""
+        if not await asyncio.to_thread(self.wait_loaded):
+            raise RuntimeError("the embedding model could not be loaded; see the log of flashstack.gateway.compress")
+        return self._planner
+
+    # ---- one request -------------------------------------------------------------------------
 
     def mode_for(self, req: ChatRequest, cfg: ModelConfig, options: Options,
                  memory: SessionMemory | None = None) -> CompressionMode:
@@ -513,20 +590,20 @@ class Compressor:
             return req, Outcome("none", 0, 0)
         reserve = tokens.output_reserve(req, cfg, window)
         limit = math.floor(self.cfg.threshold * window)
-        if tokens.request_upper_bound(cfg, req) + reserve <= limit:
-            return req, Outcome("none", 0, 0)  # cannot be over: no tokenizer, no thread hop
-        counter = tokens.counter_for(cfg)
-        planner = await self.planner()
-        fixed, units, total = await self._run(planner.measure, counter, req)
-        if total + reserve <= limit:
-            return req, Outcome("none", total, total)
-        if reserve >= limit:
+        if reserve >= limit:  # refused on its fields alone: before any tokenizer, thread or model
             raise context_length_exceeded(
                 f"max_tokens ({reserve}) leaves no room for the prompt in this model's {window}-token "
                 f"window (compression threshold {self.cfg.threshold}); lower max_tokens"
             )
+        if tokens.request_upper_bound(cfg, req) + reserve <= limit:
+            return req, Outcome("none", 0, 0)  # cannot be over: no tokenizer, no thread hop
+        budget = self._budget()  # from arrival: time spent waiting for the compression thread counts
+        counter = await self._run(tokens.counter_for, cfg)  # a tokenizer's first load takes a while
+        fixed, units, total = await self._run(self._planner.measure, counter, req)
+        if total + reserve <= limit:
+            return req, Outcome("none", total, total)
         try:
-            new, outcome = await self.compress(req, cfg, limit - reserve, mode, options.pinned, memory)
+            new, outcome = await self.compress(req, cfg, limit - reserve, mode, options.pinned, memory, budget)
         except GatewayError as e:
             if e.code == "context_length_exceeded":
                 self.metrics.refused.labels(cfg.name).inc()
@@ -535,28 +612,65 @@ class Compressor:
         return new, outcome
 
     async def compress(self, req: ChatRequest, cfg: ModelConfig, target: int, mode: CompressionMode = "auto",
-                       pinned: frozenset[int] = frozenset(),
-                       memory: SessionMemory | None = None) -> tuple[ChatRequest, Outcome]:
-        """A copy of `req` whose prompt fits `target` tokens (the trigger already fired)."""
-        planner = await self.planner()
-        counter = tokens.counter_for(cfg)
+                       pinned: frozenset[int] = frozenset(), memory: SessionMemory | None = None,
+                       budget: Budget | None = None) -> tuple[ChatRequest, Outcome]:
+        """A copy of `req` whose prompt fits `target` tokens (the trigger already fired).
+
+        Truncated instead when the embedding model is not loaded, or compressing would overspend `budget`.
+        """
+        from flashstack.gateway.embed import BudgetExceeded
+
+        planner = self._planner
+        counter = await self._run(tokens.counter_for, cfg)
+        fallback: Fallback | None = None
+        if mode == "auto" and planner.embedder is None:
+            self.start_loading()
+            fallback = "unavailable" if self.state == "failed" else "warming-up"
+        elif mode == "auto":
+            try:
+                return await self._compress(planner, counter, req, cfg, target, pinned, memory,
+                                            budget or self._budget())
+            except BudgetExceeded as e:
+                log.info("compression of a %s request over its budget (%s); truncating it", cfg.name, e)
+                fallback = "budget"
+        plan = await self._run(planner.plan, counter, req, target, "truncate", pinned)
+        outcome = outcome_of(plan)
+        outcome.fallback = fallback
+        return apply(req, plan), outcome
+
+    async def _compress(self, planner: Planner, counter: tokens.Counter, req: ChatRequest, cfg: ModelConfig,
+                        target: int, pinned: frozenset[int], memory: SessionMemory | None,
+                        budget: Budget) -> tuple[ChatRequest, Outcome]:
+        from flashstack.gateway.embed import BudgetExceeded
+
+        assert planner.embedder is not None
         summarizer = self._summarizer_name(req)
         stored_vectors: dict[str, bytes] = {}
-        if memory is None or mode != "auto":  # truncation embeds nothing: no memory to read or keep
-            plan = await self._run(planner.plan, counter, req, target, mode, pinned)
+        if memory is None:
+            plan = await self._run(planner.plan, counter, req, target, "auto", pinned, None, summarizer, budget)
         else:
             stored_vectors, stored_summaries = await memory.load()
             await self._run(seed_vectors, planner.embedder, req.messages, memory.turn.history_ids, stored_vectors)
-            plan = await self._run(planner.plan, counter, req, target, mode, pinned, stored_summaries, summarizer)
+            plan = await self._run(planner.plan, counter, req, target, "auto", pinned, stored_summaries,
+                                   summarizer, budget)
         if self.cfg.summarizer == "llm" and plan.clusters and self.router is not None:
             await self._llm_summaries(plan, req, cfg, counter)
-        if memory is not None and mode == "auto":
+        if memory is not None:
             await memory.save_summaries({c.key(c.source): c.summary for c in plan.clusters
                                          if not c.cached and c.source == summarizer})
-            memory.turn.vectors.update(await self._run(
-                new_vectors, planner.embedder, req.messages, memory.turn.history_ids, len(memory.turn.history),
-                len(memory.turn.history) + len(memory.turn.inputs), stored_vectors))
+            try:
+                memory.turn.vectors.update(await self._run(
+                    new_vectors, planner.embedder, req.messages, memory.turn.history_ids,
+                    len(memory.turn.history), len(memory.turn.history) + len(memory.turn.inputs),
+                    stored_vectors, budget))
+            except BudgetExceeded:
+                pass  # the plan stands; the inputs' embeddings are computed (and stored) by a later turn
         return apply(req, plan), outcome_of(plan)
+
+    def _budget(self) -> Budget:
+        from flashstack.gateway.embed import Budget
+
+        return Budget.of(self.cfg.max_embed_tokens, self.cfg.max_plan_seconds)
 
     def _summarizer_name(self, req: ChatRequest) -> str:
         """What wrote a summary, part of its cache key: `extractive` or `llm:<model>`."""
@@ -565,8 +679,8 @@ class Compressor:
         return "extractive"
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        assert self._embedder is not None
-        return await self._embedder.run(fn, *args)
+        """`fn(*args)` on the compression thread: the event loop never waits on a tokenizer or the model."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _llm_summaries(self, plan: Plan, req: ChatRequest, cfg: ModelConfig, counter: tokens.Counter) -> None:
         model = self.cfg.summarizer_model or req.model
@@ -618,8 +732,9 @@ class Compressor:
         return self.metrics.render()
 
     def close(self) -> None:
-        if self._embedder is not None:
-            self._embedder.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._planner.embedder is not None:
+            self._planner.embedder.close()
 
 
 def apply(req: ChatRequest, plan: Plan) -> ChatRequest:
@@ -722,14 +837,14 @@ def seed_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[
 
 
 def new_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[str], n_history: int,
-                n_session: int, stored: dict[str, bytes]) -> dict[int, bytes]:
+                n_session: int, stored: dict[str, bytes], budget: Budget | None = None) -> dict[int, bytes]:
     """Embeddings to store, by message position: the new inputs' (embedded now if the plan did not),
     and any history message whose known embeddings grew since they were stored."""
     import numpy as np
 
     new_chunks = [c for m in messages[n_history:n_session] for c in chunks(tokens.message_text(m))]
     if new_chunks:
-        embedder.embed(new_chunks)  # the next turn reads them from the store instead
+        embedder.embed(new_chunks, budget)  # the next turn reads them from the store instead
     out = {}
     for i, m in enumerate(messages[:n_session]):
         known = embedder.known(message_texts(m))

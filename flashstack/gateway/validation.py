@@ -1,14 +1,91 @@
-"""response_format checks: the schema when the request arrives, the model's JSON when it is done."""
+"""Request checks: JSON nesting on arrival, response_format's schema, and the model's JSON when it is done."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import orjson
 
-from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, ResponseFormat, invalid_request
+from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, ResponseFormat, ToolCall, invalid_request
 
 # A model's output that breaks the requested format is not the caller's fault, but it is not a
 # transient upstream failure either: 422 tells SDKs not to retry and the caller what happened.
 OUTPUT_STATUS = 422
+
+
+# orjson writes at most 254 levels and recursive validators (jsonschema, pydantic) use several frames
+# per level: nesting is refused at parse time, well below either, instead of failing as a 500 later.
+PATH_SHOWN = 6  # path components named in the error; the rest is "…"
+
+
+def check_depth(value: Any, limit: int, param: str | None = None) -> None:
+    """400 naming the field when `value` (parsed JSON) nests more than `limit` arrays/objects deep.
+
+    Iterative, so any depth orjson can parse is checked without recursion: level by level over the
+    containers (~90 ms per million), and only a body that fails is walked again for the field's path.
+    """
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise _too_deep(limit, param, _deep_path(value, limit))
+        below: list[Any] = []
+        keep = below.append
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                kind = type(child)
+                if kind is dict or kind is list:
+                    keep(child)
+        level = below
+
+
+def _deep_path(value: Any, limit: int) -> list[str]:
+    """The keys from `value` down to its first container more than `limit` levels deep (depth first)."""
+    path: list[str] = []
+    stack: list[Iterator[tuple[Any, Any]]] = [_items(value)]
+    while stack:
+        for key, child in stack[-1]:
+            if isinstance(child, dict | list):
+                path.append(str(key))
+                if len(stack) >= limit:
+                    return path
+                stack.append(_items(child))
+                break
+        else:
+            stack.pop()
+            if path:
+                path.pop()
+    return path
+
+
+def check_tool_arguments(req: ChatRequest, limit: int) -> None:
+    """The same limit inside tool-call `arguments`: JSON text that translation parses and re-encodes."""
+    for i, m in enumerate(req.messages):
+        for p in m.parts:
+            # str.count runs in C: only arguments with enough brackets to be too deep are parsed.
+            if isinstance(p, ToolCall) and p.arguments.count("{") + p.arguments.count("[") >= limit:
+                try:
+                    value = orjson.loads(p.arguments)
+                except orjson.JSONDecodeError:
+                    continue  # not JSON at all: the translation that needs it says so
+                check_depth(value, limit, f"messages.{i}.tool_calls.{p.id}.arguments")
+
+
+def _items(node: dict[str, Any] | list[Any]) -> Iterator[tuple[Any, Any]]:
+    return iter(node.items()) if isinstance(node, dict) else enumerate(node)
+
+
+def _too_deep(limit: int, param: str | None, path: list[str]) -> GatewayError:
+    shown = [param] if param else []
+    shown += path[:PATH_SHOWN] + (["…"] if len(path) > PATH_SHOWN else [])
+    where = ".".join(shown)
+    return invalid_request(
+        f"JSON nested more than {limit} levels deep at {where} (server.max_json_depth); "
+        "flatten that structure",
+        ".".join(([param] if param else []) + path[:PATH_SHOWN]),
+    )
 
 
 def check_request(req: ChatRequest) -> None:

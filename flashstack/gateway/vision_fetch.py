@@ -90,16 +90,20 @@ async def _checked(
     try:
         addresses = await resolve(url.host, port)
     except OSError:
-        raise invalid_request(f"image URL host {url.host!r} does not resolve", param) from None
-    if not addresses:
-        raise invalid_request(f"image URL host {url.host!r} does not resolve", param)
-    if not cfg.allow_private_addresses and not all(is_public(a) for a in addresses):
-        raise invalid_request(
-            f"image URL host {url.host!r} resolves to a private, loopback or link-local address; "
-            "the gateway fetches public addresses only",
-            param,
-        )
+        addresses = []
+    # One answer for a name that does not resolve and one that resolves inside the gateway's network:
+    # which internal names exist is not the caller's to learn.
+    if not addresses or (not cfg.allow_private_addresses and not all(is_public(a) for a in addresses)):
+        raise _unreachable(url.host, param)
     return url.copy_with(host=addresses[0])
+
+
+def _unreachable(host: str, param: str | None) -> GatewayError:
+    return invalid_request(
+        f"image URL host {host!r} cannot be fetched: the gateway fetches only hosts that resolve to public "
+        "addresses; send the image as base64 data instead",
+        param,
+    )
 
 
 async def _get(
@@ -116,9 +120,10 @@ async def _get(
             if resp.status_code != 200:
                 raise invalid_request(f"image URL answered HTTP {resp.status_code}", param)
             return await _read_capped(resp, cfg.max_bytes, param)
-    except httpx.HTTPError as e:
+    except httpx.HTTPError:
+        # The error's text (refused, reset, TLS details) would tell a caller about hosts and ports.
         raise invalid_request(
-            f"image URL cannot be fetched: {type(e).__name__}: {e}", param
+            "image URL cannot be fetched: the connection failed; send the image as base64 data instead", param
         ) from None
 
 

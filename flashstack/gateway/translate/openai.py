@@ -228,15 +228,12 @@ def _tool_call_json(p: ToolCall) -> dict[str, Any]:
 
 
 def error_json(err: GatewayError) -> dict[str, Any]:
-    code = err.code
-    if code is None and err.kind is ErrorKind.NOT_FOUND:
-        code = "model_not_found"
     return {
         "error": {
             "message": err.message,
             "type": ERROR_TYPE[err.kind],
             "param": err.param,
-            "code": code,
+            "code": err.code,  # model_not_found only where a model is unknown (router, /v1/models/{id})
         }
     }
 

@@ -79,9 +79,10 @@ def small_gateway(upstreams):
                         context_window=SMALL_WINDOW, max_output_tokens=100,
                         api_base=upstreams["anthropic"].url, api_key=API_KEY),
         ],
-        compression=CompressionConfig(cache_dir=MODELS_DIR),
+        compression=CompressionConfig(cache_dir=MODELS_DIR, preload=True),
         state_dir=MODELS_DIR.parent,
     )
     server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
+    assert server.app.state.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
     yield server
     server.stop()

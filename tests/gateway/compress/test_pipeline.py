@@ -109,7 +109,7 @@ async def test_fast_path_does_not_load_the_model(compressor):
     c = Compressor(CompressionConfig(), "/nonexistent")  # loading would fail: no model under /nonexistent
     req = ChatRequest(model="m", messages=[Message("user", [Text("hello")])])
     out, outcome = await c.maybe_compress(req, model(context_window=8000))
-    assert out is req and outcome.action == "none" and c._planner is None
+    assert out is req and outcome.action == "none" and c.state == "idle"
 
 
 async def test_trigger_at_threshold(compressor):

@@ -48,7 +48,7 @@ def counts(monkeypatch):
     def load(self):  # a fresh embedder per app, as after a restart; it records what it encodes
         e = Embedder(MODELS_DIR)
         encode = e.encode
-        e.encode = lambda texts: (c.encoded.extend(texts), encode(texts))[1]
+        e.encode = lambda texts, *budget: (c.encoded.extend(texts), encode(texts, *budget))[1]
         return e
 
     summarize = Planner.extractive_summary
@@ -71,13 +71,14 @@ class Gateway:
             models=[ModelConfig(name="tiny", provider="openai", model="gpt-4-0613", context_window=SMALL_WINDOW,
                                 max_output_tokens=100, api_base=upstreams["openai"].url + "/v1", api_key=API_KEY)],
             store=store.config(),
-            compression=CompressionConfig(cache_dir=MODELS_DIR),
+            compression=CompressionConfig(cache_dir=MODELS_DIR, preload=True),
             state_dir=tmp,
         )
         self.server: FakeServer | None = None
 
     def start(self) -> Gateway:
         self.server = FakeServer(create_app(self.config), lifespan="on", loop="uvloop").start()
+        assert self.server.app.state.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
         return self
 
     def stop(self) -> None:
@@ -109,7 +110,7 @@ class Gateway:
 
 
 @pytest.fixture
-def gateway(upstreams, store, tmp_path):
+def gateway(upstreams, store, tmp_path, counts):  # counts first: the embedder preloads at start
     g = Gateway(upstreams, store, tmp_path).start()
     yield g
     g.stop()
