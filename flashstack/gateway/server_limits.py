@@ -157,12 +157,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _feed_head(self, data: bytes) -> None:
         """Feed at most the head's remaining budget; a head still open past it is a 431."""
-        if self._timer is None and self._idle():
-            self._arm(self.limits.header_timeout, self._head_timed_out)
         room = self.limits.max_header_bytes - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
             super().data_received(data)
+            # Armed only for a head that one read did not complete: most requests never need the timer.
+            if self._in_head and self._head_bytes and self._timer is None and self._idle() and not self._refused:
+                self._arm(self.limits.header_timeout, self._head_timed_out)
             return
         heads_done = self._heads_done
         super().data_received(data[:room])
