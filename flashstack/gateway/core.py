@@ -10,6 +10,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+# Wire fields a canonical object does not model, under the client's own names and values (JSON).
+# They travel untouched to an upstream that speaks the client's wire (`ChatRequest.wire`); another
+# wire never sees them (translate/fields.py says, field by field, what happens there instead).
+Extra: TypeAlias = dict[str, Any]
+
 
 class StopReason(enum.StrEnum):
     """Why generation stopped, in canonical (Anthropic-flavoured) terms; mapped at the edges."""
@@ -26,9 +31,15 @@ class StopReason(enum.StrEnum):
 # ---- message parts -------------------------------------------------------------------------
 
 
+# `cache_control` is Anthropic's prompt-caching marker ({"type": "ephemeral", "ttl"?}), kept as sent;
+# an upstream without prompt caching drops it and names it in x-flashstack-dropped.
+
+
 @dataclass(slots=True)
 class Text:
     text: str
+    cache_control: dict[str, Any] | None = None
+    extra: Extra = field(default_factory=dict)  # e.g. Anthropic citations
 
 
 @dataclass(slots=True)
@@ -38,6 +49,8 @@ class Image:
     media_type: str | None = None
     data: str | None = None  # base64, without a data: prefix
     url: str | None = None
+    cache_control: dict[str, Any] | None = None
+    extra: Extra = field(default_factory=dict)  # e.g. OpenAI {"image_url": {"detail": "low"}}
 
 
 @dataclass(slots=True)
@@ -45,6 +58,8 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text, exactly as the model produced it
+    cache_control: dict[str, Any] | None = None
+    extra: Extra = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -52,15 +67,41 @@ class ToolResult:
     tool_call_id: str
     content: list[Text | Image]
     is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+    extra: Extra = field(default_factory=dict)
+    plain: bool = False  # the content arrived as one bare string
 
 
 @dataclass(slots=True)
 class Thinking:
+    """Reasoning the model showed; `signature` (Anthropic) must come back unchanged in later turns."""
+
     text: str
     signature: str | None = None
+    extra: Extra = field(default_factory=dict)
 
 
-Part: TypeAlias = Text | Image | ToolCall | ToolResult | Thinking
+@dataclass(slots=True)
+class RedactedThinking:
+    """Anthropic's encrypted reasoning: opaque, only its own API can read it back."""
+
+    data: str
+
+
+@dataclass(slots=True)
+class Opaque:
+    """A content block the canonical types do not model (a PDF document, a server tool's result, a
+    future type), verbatim in the wire it came from: passed to that wire, refused by another."""
+
+    wire: str
+    block: dict[str, Any]
+
+    @property
+    def type(self) -> str:
+        return str(self.block.get("type", "?"))
+
+
+Part: TypeAlias = Text | Image | ToolCall | ToolResult | Thinking | RedactedThinking | Opaque
 Role: TypeAlias = Literal["user", "assistant"]
 
 
@@ -70,6 +111,8 @@ class Message:
 
     role: Role
     parts: list[Part]
+    extra: Extra = field(default_factory=dict)  # e.g. OpenAI `name`
+    plain: bool = False  # the content arrived as one bare string (rendered back so while it is one Text)
 
 
 @dataclass(slots=True)
@@ -77,6 +120,29 @@ class Tool:
     name: str
     description: str | None
     parameters: dict[str, Any]  # JSON Schema of the arguments
+    cache_control: dict[str, Any] | None = None
+    strict: bool | None = None
+    extra: Extra = field(default_factory=dict)  # e.g. Anthropic defer_loading
+
+
+@dataclass(slots=True)
+class Reasoning:
+    """How much the model may think: Anthropic's thinking budget or OpenAI's reasoning effort."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    budget_tokens: int | None = None
+    enabled: bool = True
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What one request learned on its way through a provider, for the client's response headers.
+
+    Shared by every copy of the request (dataclasses.replace keeps the reference).
+    """
+
+    dropped: set[str] = field(default_factory=set)  # fields the chosen upstream could not take
+    headers: dict[str, str] = field(default_factory=dict)  # upstream response headers clients read
 
 
 @dataclass(slots=True)
@@ -110,8 +176,19 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage
     metadata: dict[str, Any] = field(default_factory=dict)
-    # Extension fields a client may send (e.g. "compression"); providers ignore what they don't know.
+    # The gateway's own request fields (e.g. "compression"); never sent upstream.
     extensions: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    reasoning: Reasoning | None = None
+    # The wire the client spoke ("openai" | "anthropic"; None: built inside the gateway), and its
+    # top-level fields the gateway never rewrites, verbatim: an upstream of that wire gets them as
+    # sent, the typed fields above are what another wire gets.
+    wire: str | None = None
+    extra: Extra = field(default_factory=dict)
+    system_plain: bool = False  # Anthropic `system` arrived as a string, not blocks
+    # Client headers on the provider's allow-list (anthropic-beta, openai-organization, …).
+    headers: dict[str, str] = field(default_factory=dict)
+    exchange: Exchange = field(default_factory=Exchange)
 
     def system_text(self) -> str:
         return "\n\n".join(t.text for t in self.system)
@@ -123,6 +200,19 @@ class Usage:
     output_tokens: int = 0
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Raw:
+    """An upstream's own response body or stream events, for a client of the same wire.
+
+    A client that speaks `wire` gets exactly these (`model` renamed to the one it asked for): every
+    field the upstream returned, including those no canonical type models.
+    """
+
+    wire: str
+    items: list[tuple[str, dict[str, Any]]]  # (SSE event name, "" for none; the JSON), as received
 
 
 @dataclass(slots=True)
@@ -134,6 +224,7 @@ class ChatResponse:
     usage: Usage
     stop_sequence: str | None = None
     created: int = 0
+    raw: Raw | None = None
 
     def text(self) -> str:
         return "".join(p.text for p in self.content if isinstance(p, Text))
@@ -143,6 +234,11 @@ class ChatResponse:
 # Block indexes follow Anthropic's content_block index: each text, tool-call or thinking block has
 # its own index, and its deltas carry it. A block begins with its first delta (text, thinking) or
 # with ToolCallStart, and ends with BlockStop.
+#
+# `raw`: the upstream events an event was decoded from (with those before it that decoded to
+# nothing: a ping, a usage chunk), for an encoder of the same wire, which sends them as they came.
+# Events decoded from one upstream event after the first carry SAME_RAW (sent already). Events the
+# gateway makes itself carry None, and are rendered.
 
 
 @dataclass(slots=True)
@@ -150,12 +246,14 @@ class Start:
     id: str
     model: str
     usage: Usage = field(default_factory=Usage)  # input tokens, when known up front
+    raw: Raw | None = None
 
 
 @dataclass(slots=True)
 class TextDelta:
     index: int
     text: str
+    raw: Raw | None = None
 
 
 @dataclass(slots=True)
@@ -163,6 +261,7 @@ class ThinkingDelta:
     index: int
     text: str
     signature: str | None = None
+    raw: Raw | None = None
 
 
 @dataclass(slots=True)
@@ -170,17 +269,20 @@ class ToolCallStart:
     index: int
     id: str
     name: str
+    raw: Raw | None = None
 
 
 @dataclass(slots=True)
 class ToolArgsDelta:
     index: int
     fragment: str
+    raw: Raw | None = None
 
 
 @dataclass(slots=True)
 class BlockStop:
     index: int
+    raw: Raw | None = None
 
 
 @dataclass(slots=True)
@@ -188,6 +290,7 @@ class Finish:
     stop_reason: StopReason
     usage: Usage  # totals for the whole response, never increments
     stop_sequence: str | None = None
+    raw: Raw | None = None
 
 
 @dataclass(slots=True)
@@ -200,6 +303,7 @@ class Error:
 Event: TypeAlias = (
     Start | TextDelta | ThinkingDelta | ToolCallStart | ToolArgsDelta | BlockStop | Finish | Error
 )
+SAME_RAW = Raw("", [])  # see the note above Start
 
 
 # ---- errors --------------------------------------------------------------------------------

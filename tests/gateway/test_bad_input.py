@@ -63,7 +63,9 @@ BAD_ANTHROPIC = [
     ("malformed-json", b'{"model": "claude", ', 400, "not valid JSON"),
     ("missing-max-tokens", b'{"model": "claude", "messages": [{"role": "user", "content": "x"}]}', 400, "max_tokens"),
     ("wrong-type", b'{"model": "claude", "max_tokens": "ten", "messages": [{"role": "user", "content": "x"}]}', 400, "max_tokens"),
-    ("bad-block", b'{"model": "claude", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}', 400, "messages"),
+    # An unknown block type passes to an Anthropic upstream (it may be newer than the gateway); to
+    # an OpenAI-compatible one it has no counterpart: a 400 naming it.
+    ("bad-block", b'{"model": "gpt", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}', 400, "type=video"),
     ("unknown-model", b'{"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}', 404, "nope"),
 ]
 

@@ -81,7 +81,9 @@ class LocalProvider:
     async def health(self) -> Health:
         from pathlib import Path
 
-        ok = Path(self.cfg.model, "config.json").is_file()
+        path = Path(self.cfg.model)
+        is_gguf = path.suffix.lower() == ".gguf"  # a GGUF file is a whole model, else a HF directory
+        ok = path.is_file() if is_gguf else (path / "config.json").is_file()
         return Health(ok, 0.0 if ok else None, "" if ok else f"no model at {self.cfg.model}", time.time())
 
     async def aclose(self) -> None:
@@ -104,6 +106,11 @@ def _prompt_ids(engine: Any, request: ChatRequest) -> list[int]:
     """Render the request with the model's own chat template."""
     if engine.tokenizer is None:
         raise invalid_request(f"local model {request.model!r} has no tokenizer; it cannot take chat requests")
+    return engine.tokenizer.encode_chat(chat_messages(request))
+
+
+def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
+    """The request as a chat template's messages; a 400 for what a local model cannot take."""
     messages: list[dict[str, str]] = []
     if request.system:
         messages.append({"role": "system", "content": request.system_text()})
@@ -117,7 +124,12 @@ def _prompt_ids(engine: Any, request: ChatRequest) -> list[int]:
         messages.append({"role": m.role, "content": text})
     if request.tools and (request.tool_choice is None or request.tool_choice.mode != "none"):
         raise invalid_request(f"local model {request.model!r} does not support tools", "tools")
-    return engine.tokenizer.encode_chat(messages)
+    return messages
+
+
+def _default(value: float | None, configured: float | None, fallback: float) -> float:
+    """The request's value, else the deployment's default, else the wire protocols' own."""
+    return value if value is not None else configured if configured is not None else fallback
 
 
 def _sampling_params(request: ChatRequest, cfg: ModelConfig) -> Any:
@@ -125,12 +137,12 @@ def _sampling_params(request: ChatRequest, cfg: ModelConfig) -> Any:
 
     try:
         return SamplingParams(
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=_default(request.temperature, cfg.default_temperature, 1.0),
+            top_p=_default(request.top_p, cfg.default_top_p, 1.0),
             top_k=request.top_k or 0,
             max_tokens=request.max_tokens or cfg.max_output_tokens or DEFAULT_MAX_TOKENS,
             stop=list(request.stop),
-            seed=request.extensions.get("seed"),
+            seed=request.seed,
         )
     except ValueError as e:
         raise invalid_request(str(e)) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashstack.gateway.core import Image, Part, Text, Thinking, ToolCall, ToolResult, Usage
+from flashstack.gateway.core import Image, Opaque, Part, RedactedThinking, Text, Thinking, ToolCall, ToolResult, Usage
 
 
 def part_json(p: Part) -> dict[str, Any]:
@@ -20,6 +20,10 @@ def part_json(p: Part) -> dict[str, Any]:
             "type": "tool_result", "tool_call_id": p.tool_call_id, "is_error": p.is_error,
             "content": [part_json(c) for c in p.content],
         }
+    if isinstance(p, RedactedThinking):
+        return {"type": "redacted_thinking", "data": p.data}
+    if isinstance(p, Opaque):
+        return {"type": "opaque", "wire": p.wire, "block": p.block}
     return {"type": "thinking", "text": p.text, "signature": p.signature}
 
 
@@ -34,6 +38,10 @@ def part_from_json(d: dict[str, Any]) -> Part:
     if kind == "tool_result":
         content = [part_from_json(c) for c in d["content"]]
         return ToolResult(d["tool_call_id"], content, d.get("is_error", False))  # type: ignore[arg-type]
+    if kind == "redacted_thinking":
+        return RedactedThinking(d["data"])
+    if kind == "opaque":
+        return Opaque(d["wire"], d["block"])
     return Thinking(d["text"], d.get("signature"))
 
 

@@ -19,8 +19,13 @@ from flashstack.gateway.core import (
     GatewayError,
     Image,
     Message,
+    Opaque,
     Part,
+    Raw,
+    Reasoning,
+    RedactedThinking,
     ResponseFormat,
+    SAME_RAW,
     Start,
     StopReason,
     Text,
@@ -37,8 +42,13 @@ from flashstack.gateway.core import (
     error_for_status,
     invalid_request,
 )
+from flashstack.gateway.translate import fields
+from flashstack.gateway.translate.fields import GATEWAY_FIELDS
+from flashstack.gateway.translate.raw import RawTap
 from flashstack.gateway.vision import checked_base64_image
 from flashstack.gateway.wire import anthropic as w
+
+WIRE = "anthropic"
 
 ERROR_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
@@ -72,19 +82,31 @@ DEFAULT_MAX_TOKENS = 4096  # Anthropic requires max_tokens; OpenAI clients may o
 
 # ---- client → canonical ----------------------------------------------------------------------
 
+_TOP_REBUILT = frozenset({"model", "messages", "system"})  # renamed, edited by sessions/compression
+_TEXT_KEYS = frozenset({"type", "text", "cache_control"})
+_IMAGE_KEYS = frozenset({"type", "source", "cache_control"})
+_TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
+_THINKING_KEYS = frozenset({"type", "thinking", "signature"})
+_TOOL_KEYS = frozenset({"name", "description", "input_schema", "cache_control", "strict"})
 
-def to_canonical(req: w.MessagesRequest) -> ChatRequest:
-    """The canonical request for an Anthropic Messages request."""
+
+def to_canonical(req: w.MessagesRequest, body: dict[str, Any] | None = None) -> ChatRequest:
+    """The canonical request for an Anthropic Messages request (`body`: its JSON, for `extra`)."""
+    body = body if body is not None else req.model_dump(exclude_unset=True)
     messages = [
-        Message(m.role, _parts(m.content, f"messages[{i}].content")) for i, m in enumerate(req.messages)
+        Message(m.role, _parts(m.content, raw["content"], f"messages[{i}].content"),
+                _extra(raw, _MSG_KEYS), isinstance(m.content, str))
+        for i, (m, raw) in enumerate(zip(req.messages, body["messages"]))
     ]
     if isinstance(req.system, str):
         system = [Text(req.system)] if req.system else []
     else:
-        system = [Text(b.text) for b in req.system or []]
+        system = [_text(b, raw) for b, raw in zip(req.system or [], body.get("system") or [])]
     metadata: dict[str, Any] = {}
     if req.metadata is not None:
         metadata = req.metadata.model_dump(exclude_none=True)
+    extra = {k: v for k, v in body.items() if k not in _TOP_REBUILT}
+    extensions = {k: extra.pop(k) for k in GATEWAY_FIELDS if k in extra}
     return ChatRequest(
         model=req.model,
         messages=messages,
@@ -94,51 +116,98 @@ def to_canonical(req: w.MessagesRequest) -> ChatRequest:
         top_p=req.top_p,
         top_k=req.top_k,
         stop=list(req.stop_sequences or []),
-        tools=[Tool(t.name, t.description, t.input_schema) for t in req.tools or []],
+        tools=[_tool(t, raw) for t, raw in zip(req.tools or [], body.get("tools") or [])],
         tool_choice=_tool_choice(req.tool_choice),
         stream=bool(req.stream),
         metadata=metadata,
-        extensions=dict(req.model_extra or {}),
+        extensions=extensions,
+        reasoning=_reasoning(body.get("thinking")),
+        wire=WIRE,
+        extra=extra,
+        system_plain=isinstance(req.system, str),
     )
 
 
-def _parts(content: str | list[Any], param: str) -> list[Part]:
+_MSG_KEYS = frozenset({"role", "content"})
+
+
+def _extra(raw: dict[str, Any], modelled: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in raw.items() if k not in modelled}
+
+
+def _text(b: w.TextBlock, raw: dict[str, Any]) -> Text:
+    return Text(b.text, raw.get("cache_control"), _extra(raw, _TEXT_KEYS))
+
+
+def _reasoning(thinking: Any) -> Reasoning | None:
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    return Reasoning(budget_tokens=budget if isinstance(budget, int) else None)
+
+
+def _tool(t: w.ToolDef, raw: dict[str, Any]) -> Tool:
+    params = t.input_schema if t.input_schema is not None else {"type": "object", "properties": {}}
+    strict = raw.get("strict")
+    return Tool(t.name, t.description, params, raw.get("cache_control"),
+                strict if isinstance(strict, bool) else None, _extra(raw, _TOOL_KEYS))
+
+
+def _parts(content: str | list[Any], raw: Any, param: str) -> list[Part]:
     if isinstance(content, str):
         return [Text(content)]
     parts: list[Part] = []
-    for j, b in enumerate(content):
+    for j, (b, rb) in enumerate(zip(content, raw)):
         p = f"{param}[{j}]"
         if isinstance(b, w.TextBlock):
-            parts.append(Text(b.text))
+            parts.append(_text(b, rb))
         elif isinstance(b, w.ImageBlock):
-            parts.append(_image(b, p))
+            parts.append(_image(b, rb, p))
         elif isinstance(b, w.ToolUseBlock):
-            parts.append(ToolCall(b.id, b.name, orjson.dumps(b.input).decode()))
+            parts.append(ToolCall(b.id, b.name, orjson.dumps(rb["input"]).decode(), rb.get("cache_control"),
+                                  _extra(rb, _TOOL_USE_KEYS)))
         elif isinstance(b, w.ToolResultBlock):
-            parts.append(_tool_result(b, p))
+            parts.append(_tool_result(b, rb, p))
         elif isinstance(b, w.ThinkingBlock):
-            parts.append(Thinking(b.thinking, b.signature))
-        # redacted_thinking carries nothing another provider can use; it is dropped.
+            parts.append(Thinking(b.thinking, b.signature, _extra(rb, _THINKING_KEYS)))
+        elif isinstance(b, w.RedactedThinkingBlock):
+            parts.append(RedactedThinking(b.data))
+        else:
+            parts.append(Opaque(WIRE, rb))
     return parts
 
 
-def _image(b: w.ImageBlock, param: str) -> Image:
+def _image(b: w.ImageBlock, raw: dict[str, Any], param: str) -> Image | Opaque:
     if isinstance(b.source, w.Base64Source):
-        return checked_base64_image(b.source.media_type, b.source.data, f"{param}.source")
-    return Image(url=b.source.url)
+        img = checked_base64_image(b.source.media_type, b.source.data, f"{param}.source")
+    elif isinstance(b.source, w.URLSource):
+        img = Image(url=b.source.url)
+    else:
+        return Opaque(WIRE, raw)  # a Files API source: the same wire only
+    img.cache_control = raw.get("cache_control")
+    img.extra = _extra(raw, _IMAGE_KEYS)
+    return img
 
 
-def _tool_result(b: w.ToolResultBlock, param: str) -> ToolResult:
+def _tool_result(b: w.ToolResultBlock, raw: dict[str, Any], param: str) -> ToolResult | Opaque:
     if b.content is None:
         content: list[Text | Image] = []
     elif isinstance(b.content, str):
         content = [Text(b.content)]
     else:
-        content = [
-            Text(c.text) if isinstance(c, w.TextBlock) else _image(c, f"{param}.content")
-            for c in b.content
-        ]
-    return ToolResult(b.tool_use_id, content, bool(b.is_error))
+        content = []
+        for c, rc in zip(b.content, raw["content"]):
+            if isinstance(c, w.TextBlock):
+                content.append(_text(c, rc))
+            elif isinstance(c, w.ImageBlock) and isinstance(c.source, w.Base64Source | w.URLSource):
+                content.append(_image(c, rc, f"{param}.content"))  # type: ignore[arg-type]
+            else:
+                return Opaque(WIRE, raw)  # a document or search result inside: the same wire only
+    # content and is_error stay in extra when they rendered to nothing ("", [], false): sent back as they came.
+    modelled = {"type", "tool_use_id", "cache_control"} | ({"content"} if content else set())
+    extra = _extra(raw, frozenset(modelled | ({"is_error"} if b.is_error else set())))
+    return ToolResult(b.tool_use_id, content, bool(b.is_error), raw.get("cache_control"), extra,
+                      isinstance(b.content, str))
 
 
 def _tool_choice(tc: w.ToolChoice | None) -> ToolChoice | None:
@@ -172,6 +241,8 @@ def _block_json(p: Part) -> dict[str, Any]:
         return {"type": "thinking", "thinking": p.text, "signature": p.signature or ""}
     if isinstance(p, ToolCall):
         return {"type": "tool_use", "id": p.id, "name": p.name, "input": _tool_input(p)}
+    if isinstance(p, RedactedThinking):
+        return {"type": "redacted_thinking", "data": p.data}
     raise TypeError(f"{type(p).__name__} cannot appear in an assistant message")
 
 
@@ -186,7 +257,11 @@ def _tool_input(p: ToolCall) -> dict[str, Any]:
 
 
 def response_json(resp: ChatResponse, model: str) -> dict[str, Any]:
-    """An Anthropic Message body for a canonical response."""
+    """An Anthropic Message body for a canonical response (an Anthropic upstream's own, renamed)."""
+    if resp.raw is not None and resp.raw.wire == WIRE:
+        body = resp.raw.items[0][1]
+        body["model"] = model
+        return body
     return {
         "id": resp.id if resp.id.startswith("msg_") else message_id(),
         "type": "message",
@@ -204,7 +279,11 @@ def error_json(err: GatewayError) -> dict[str, Any]:
 
 
 class StreamEncoder:
-    """Renders canonical events as the Messages API's SSE event sequence."""
+    """Renders canonical events as the Messages API's SSE event sequence.
+
+    Events decoded from an Anthropic upstream carry its events (`raw`): those go out as they came
+    (pings included), message_start's model renamed.
+    """
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -214,7 +293,13 @@ class StreamEncoder:
         self._input_tokens = 0
 
     def encode(self, ev: Event) -> Iterator[bytes]:
-        if isinstance(ev, Start):
+        raw = ev.raw if not isinstance(ev, Error) else None
+        if raw is not None and (raw is SAME_RAW or raw.wire == WIRE):
+            for name, data in raw.items:
+                if name == "message_start" or data.get("type") == "message_start":
+                    data.get("message", {})["model"] = self.model
+                yield _event(name or str(data.get("type", "message")), data)
+        elif isinstance(ev, Start):
             self._input_tokens = ev.usage.input_tokens
             usage = {"input_tokens": ev.usage.input_tokens, "output_tokens": 0}
             message = {
@@ -283,13 +368,40 @@ PING = _event("ping", {"type": "ping"})
 
 
 def request_json(req: ChatRequest, upstream_model: str, default_max_tokens: int | None = None) -> dict[str, Any]:
-    """The body the Messages API takes for a canonical request."""
+    """The body the Messages API takes for a canonical request.
+
+    From an Anthropic client: its body as sent (`req.extra`), with the model renamed and the system
+    prompt and messages rendered back from the canonical ones (sessions and compression edit those).
+    """
+    if req.wire == WIRE:
+        return _same_wire_json(req, upstream_model, default_max_tokens)
+    fields.check_cross(req, WIRE)
+    return _cross_json(req, upstream_model, default_max_tokens)
+
+
+def _same_wire_json(req: ChatRequest, upstream_model: str, default_max_tokens: int | None) -> dict[str, Any]:
+    body = dict(req.extra)
+    body["model"] = upstream_model
+    body.setdefault("max_tokens", req.max_tokens or default_max_tokens or DEFAULT_MAX_TOKENS)
+    body["messages"] = _messages_json(req.messages, same=True)
+    if req.system:
+        one = req.system[0]
+        if req.system_plain and len(req.system) == 1 and one.cache_control is None and not one.extra:
+            body["system"] = one.text
+        else:
+            body["system"] = [_text_json(t, True) for t in req.system]
+    return body
+
+
+def _cross_json(req: ChatRequest, upstream_model: str, default_max_tokens: int | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": upstream_model,
         "max_tokens": req.max_tokens or default_max_tokens or DEFAULT_MAX_TOKENS,
-        "messages": _messages_json(req.messages),
+        "messages": _messages_json(req.messages, same=False, req=req),
     }
     system = req.system_text()
+    if req.system and any(t.extra.get("name") for t in req.system):
+        req.exchange.dropped.add("messages[].name")
     if req.response_format is not None:
         system = (system + "\n\n" if system else "") + _json_instruction(req.response_format)
     if system:
@@ -303,16 +415,39 @@ def request_json(req: ChatRequest, upstream_model: str, default_max_tokens: int 
     if req.top_k is not None:
         body["top_k"] = req.top_k
     if req.tools:
-        body["tools"] = [
-            {"name": t.name, "description": t.description or "", "input_schema": t.parameters} for t in req.tools
-        ]
+        body["tools"] = [_cross_tool_json(req, t) for t in req.tools]
         if req.tool_choice is not None:
             body["tool_choice"] = _tool_choice_json(req.tool_choice)
-    if req.metadata.get("user_id"):
-        body["metadata"] = {"user_id": req.metadata["user_id"]}
+    user = req.metadata.get("user_id") or req.metadata.get("user")
+    if user:
+        body["metadata"] = {"user_id": user}
+    if req.reasoning is not None:
+        _apply_reasoning(body, req)
     if req.stream:
         body["stream"] = True
     return body
+
+
+def _apply_reasoning(body: dict[str, Any], req: ChatRequest) -> None:
+    """OpenAI's reasoning_effort as a thinking budget, when max_tokens leaves room for one."""
+    from flashstack.gateway.translate.openai import REASONING_BUDGET
+
+    assert req.reasoning is not None
+    budget = req.reasoning.budget_tokens or REASONING_BUDGET.get(req.reasoning.effort or "", 0)
+    if budget and budget < body["max_tokens"]:
+        body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+        body.pop("temperature", None)  # thinking takes the default temperature only
+        body.pop("top_k", None)
+    else:
+        req.exchange.dropped.add("reasoning_effort")
+
+
+def _cross_tool_json(req: ChatRequest, t: Tool) -> dict[str, Any]:
+    if t.extra.get("type") == "custom":
+        fields.refuse_part(req.wire or "", "tools[].type=custom", WIRE, "free-text tools have no counterpart")
+    if t.strict is not None:
+        req.exchange.dropped.add("tools[].function.strict")
+    return {"name": t.name, "description": t.description or "", "input_schema": t.parameters}
 
 
 def _json_instruction(rf: ResponseFormat) -> str:
@@ -331,10 +466,14 @@ def _tool_choice_json(tc: ToolChoice) -> dict[str, Any]:
     return body
 
 
-def _messages_json(messages: list[Message]) -> list[dict[str, Any]]:
+def _messages_json(messages: list[Message], same: bool, req: ChatRequest | None = None) -> list[dict[str, Any]]:
+    if same:
+        return [_same_message_json(m) for m in messages]
     out: list[dict[str, Any]] = []
     for m in messages:
-        blocks = [b for b in (_part_json(p) for p in m.parts) if b is not None]
+        if m.extra.get("name") and req is not None:
+            req.exchange.dropped.add("messages[].name")
+        blocks = [b for b in (_part_json(p, req) for p in m.parts) if b is not None]
         if m.role == "user":
             # The API wants tool results first in a user turn.
             blocks.sort(key=lambda b: b["type"] != "tool_result")
@@ -345,10 +484,64 @@ def _messages_json(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def _part_json(p: Part) -> dict[str, Any] | None:
+def _same_message_json(m: Message) -> dict[str, Any]:
+    if m.plain and len(m.parts) == 1 and isinstance(m.parts[0], Text):
+        t = m.parts[0]
+        if t.cache_control is None and not t.extra:
+            return {**m.extra, "role": m.role, "content": t.text}
+    return {**m.extra, "role": m.role, "content": [_same_part_json(p) for p in m.parts]}
+
+
+def _text_json(p: Text, same: bool) -> dict[str, Any]:
+    body = {**p.extra, "type": "text", "text": p.text} if same else {"type": "text", "text": p.text}
+    if p.cache_control is not None and same:
+        body["cache_control"] = p.cache_control
+    return body
+
+
+def _same_part_json(p: Part) -> dict[str, Any]:
+    """A block as the client sent it: typed fields over its extra."""
+    if isinstance(p, Text):
+        return _text_json(p, True)
+    if isinstance(p, Opaque):
+        return p.block
+    if isinstance(p, Image):
+        return _cached({**p.extra, **_image_json(p)}, p.cache_control)
+    if isinstance(p, ToolCall):
+        block = {**p.extra, "type": "tool_use", "id": p.id, "name": p.name, "input": _tool_input_or_400(p)}
+        return _cached(block, p.cache_control)
+    if isinstance(p, ToolResult):
+        block = {**p.extra, "type": "tool_result", "tool_use_id": p.tool_call_id}
+        if p.content:
+            one = p.content[0]
+            plain = p.plain and len(p.content) == 1 and isinstance(one, Text) and not one.extra
+            block["content"] = one.text if plain and isinstance(one, Text) else [
+                _text_json(c, True) if isinstance(c, Text) else _same_part_json(c) for c in p.content]
+        if p.is_error:
+            block["is_error"] = True
+        return _cached(block, p.cache_control)
+    if isinstance(p, Thinking):
+        block = {**p.extra, "type": "thinking", "thinking": p.text}
+        if p.signature is not None:
+            block["signature"] = p.signature
+        return block
+    if isinstance(p, RedactedThinking):
+        return {"type": "redacted_thinking", "data": p.data}
+    raise TypeError(f"{type(p).__name__} is not a message part")
+
+
+def _cached(block: dict[str, Any], cache_control: dict[str, Any] | None) -> dict[str, Any]:
+    if cache_control is not None:
+        block["cache_control"] = cache_control
+    return block
+
+
+def _part_json(p: Part, req: ChatRequest | None) -> dict[str, Any] | None:
     if isinstance(p, Text):
         return {"type": "text", "text": p.text} if p.text else None
     if isinstance(p, Image):
+        if p.extra and req is not None:
+            req.exchange.dropped.add("messages[].content[].image_url.detail")
         return _image_json(p)
     if isinstance(p, ToolCall):
         return {"type": "tool_use", "id": p.id, "name": p.name, "input": _tool_input_or_400(p)}
@@ -357,6 +550,17 @@ def _part_json(p: Part) -> dict[str, Any] | None:
         return {"type": "tool_result", "tool_use_id": p.tool_call_id, "content": content, "is_error": p.is_error}
     if isinstance(p, Thinking) and p.signature:
         return {"type": "thinking", "thinking": p.text, "signature": p.signature}
+    if isinstance(p, Opaque):
+        return _cross_opaque(p)
+    return None
+
+
+def _cross_opaque(p: Opaque) -> dict[str, Any] | None:
+    if p.type == "refusal":  # an earlier OpenAI answer that refused: its words, as text
+        return {"type": "text", "text": str(p.block.get("refusal", ""))}
+    name = f"messages[].content[].type={p.type}"
+    row = fields.part_row(p.wire, name)
+    fields.refuse_part(p.wire, name, WIRE, row.to if row else "no counterpart")
     return None
 
 
@@ -394,8 +598,8 @@ def _stop_reason(value: str | None) -> StopReason:
         return StopReason.END_TURN
 
 
-def response_from_json(body: dict[str, Any]) -> ChatResponse:
-    """The canonical response for a Messages API response body."""
+def response_from_json(body: dict[str, Any], keep_raw: bool = False) -> ChatResponse:
+    """The canonical response for a Messages API response body (kept whole with `keep_raw`)."""
     content: list[Part] = []
     for b in body.get("content") or []:
         kind = b.get("type")
@@ -405,6 +609,8 @@ def response_from_json(body: dict[str, Any]) -> ChatResponse:
             content.append(ToolCall(b["id"], b["name"], orjson.dumps(b.get("input") or {}).decode()))
         elif kind == "thinking":
             content.append(Thinking(b.get("thinking", ""), b.get("signature")))
+        elif kind == "redacted_thinking":
+            content.append(RedactedThinking(b.get("data", "")))
     return ChatResponse(
         id=body.get("id") or message_id(),
         model=body.get("model", ""),
@@ -412,6 +618,7 @@ def response_from_json(body: dict[str, Any]) -> ChatResponse:
         stop_reason=_stop_reason(body.get("stop_reason")),
         usage=usage_from_json(body.get("usage")),
         stop_sequence=body.get("stop_sequence"),
+        raw=Raw(WIRE, [("", body)]) if keep_raw else None,
     )
 
 
@@ -428,14 +635,25 @@ def upstream_error(status: int, body: Any, retry_after: float | None = None) -> 
 
 
 class EventDecoder:
-    """Turns Messages API stream events into canonical events."""
+    """Turns Messages API stream events into canonical events (kept whole for `tap`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tap: RawTap | None = None) -> None:
+        self.tap = tap
         self.usage = Usage()
         self.stop_reason: StopReason = StopReason.END_TURN
         self.stop_sequence: str | None = None
 
     def feed(self, name: str, data: dict[str, Any]) -> Iterator[Event]:
+        tap = self.tap
+        if tap is None:
+            yield from self._events(name, data)
+            return
+        tap.add(name, data)
+        for ev in self._events(name, data):
+            ev.raw = tap.take()
+            yield ev
+
+    def _events(self, name: str, data: dict[str, Any]) -> Iterator[Event]:
         kind = data.get("type", name)
         if kind == "message_start":
             msg = data.get("message") or {}

@@ -20,8 +20,13 @@ from flashstack.gateway.core import (
     GatewayError,
     Image,
     Message,
+    Opaque,
     Part,
+    Raw,
+    Reasoning,
+    RedactedThinking,
     ResponseFormat,
+    SAME_RAW,
     Start,
     StopReason,
     Text,
@@ -38,8 +43,13 @@ from flashstack.gateway.core import (
     error_for_status,
     invalid_request,
 )
+from flashstack.gateway.translate import fields
+from flashstack.gateway.translate.fields import GATEWAY_FIELDS
+from flashstack.gateway.translate.raw import RawTap
 from flashstack.gateway.vision import image_from_url
 from flashstack.gateway.wire import openai as w
+
+WIRE = "openai"
 
 FINISH_REASON = {
     StopReason.END_TURN: "stop",
@@ -73,31 +83,38 @@ ERROR_TYPE = {
 
 # ---- client → canonical ----------------------------------------------------------------------
 
+# Keys each object's typed canonical fields stand for; everything else goes to its `extra`.
+_TOP_REBUILT = frozenset({"model", "messages"})  # the gateway renames the model, edits the messages
+_TEXT_KEYS = frozenset({"type", "text"})
+_IMAGE_KEYS = frozenset({"type", "image_url"})
+_CALL_KEYS = frozenset({"id", "type", "function"})
+REASONING_BUDGET = {"minimal": 1024, "low": 1024, "medium": 4096, "high": 16384}
 
-def to_canonical(req: w.ChatCompletionRequest) -> ChatRequest:
-    """The canonical request for an OpenAI chat-completions request."""
+
+def to_canonical(req: w.ChatCompletionRequest, body: dict[str, Any] | None = None) -> ChatRequest:
+    """The canonical request for an OpenAI chat-completions request (`body`: its JSON, for `extra`)."""
+    body = body if body is not None else req.model_dump(by_alias=True, exclude_unset=True)
     system: list[Text] = []
     messages: list[Message] = []
-    for i, m in enumerate(req.messages):
+    for i, (m, raw) in enumerate(zip(req.messages, body["messages"])):
         param = f"messages[{i}]"
         if isinstance(m, w.SystemMessage):
-            system.append(Text(_text_of(m.content)))
+            system.append(_system_text(m, raw))
         elif isinstance(m, w.UserMessage):
-            _append(messages, "user", _user_parts(m.content, param))
+            parts = _user_parts(m.content, raw.get("content"), param)
+            messages.append(Message("user", parts, _extra(raw, _MSG_KEYS), isinstance(m.content, str)))
         elif isinstance(m, w.AssistantMessage):
-            _append(messages, "assistant", _assistant_parts(m))
+            messages.append(_assistant_message(m, raw))
         elif isinstance(m, w.ToolMessage):
-            result = ToolResult(m.tool_call_id, [Text(_text_of(m.content))])
-            _append(messages, "user", [result])
+            messages.append(Message("user", [_tool_result(m, raw)]))
     if not messages:
         raise invalid_request("messages must contain at least one user or assistant message", "messages")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    extra = dict(req.model_extra or {})
-    if req.seed is not None:
-        extra["seed"] = req.seed
     metadata = dict(req.metadata or {})
     if req.user:
         metadata["user"] = req.user
+    extra = {k: v for k, v in body.items() if k not in _TOP_REBUILT}
+    extensions = {k: extra.pop(k) for k in GATEWAY_FIELDS if k in extra}
     return ChatRequest(
         model=req.model,
         messages=messages,
@@ -106,56 +123,100 @@ def to_canonical(req: w.ChatCompletionRequest) -> ChatRequest:
         temperature=req.temperature,
         top_p=req.top_p,
         stop=stop,
-        tools=[_tool(t) for t in req.tools or []],
+        tools=[_tool(t, raw) for t, raw in zip(req.tools or [], body.get("tools") or [])],
         tool_choice=_tool_choice(req.tool_choice, req.parallel_tool_calls),
         response_format=_response_format(req.response_format),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         metadata=metadata,
-        extensions=extra,
+        extensions=extensions,
+        seed=req.seed,
+        reasoning=Reasoning(req.reasoning_effort) if req.reasoning_effort else None,
+        wire=WIRE,
+        extra=extra,
     )
 
 
-def _append(messages: list[Message], role: str, parts: list[Part]) -> None:
-    # Consecutive same-role turns (e.g. several tool results) become one canonical message.
-    if messages and messages[-1].role == role:
-        messages[-1].parts.extend(parts)
-    else:
-        messages.append(Message(role, parts))  # type: ignore[arg-type]
+_MSG_KEYS = frozenset({"role", "content"})
+
+
+def _extra(raw: dict[str, Any], modelled: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in raw.items() if k not in modelled}
+
+
+def _system_text(m: w.SystemMessage, raw: dict[str, Any]) -> Text:
+    # One Text per system/developer message; its extra is the message's other keys (role, name, …),
+    # and a list-form content, so that the same wire gets the message back as sent.
+    extra = {k: v for k, v in raw.items() if k != "content" or not isinstance(v, str)}
+    return Text(_text_of(m.content), extra=extra)
 
 
 def _text_of(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(getattr(p, "text", None) or getattr(p, "refusal", "") for p in content)
+    return "".join(getattr(p, "text", None) or getattr(p, "refusal", "") or "" for p in content)
 
 
-def _user_parts(content: str | list[Any], param: str) -> list[Part]:
+def _user_parts(content: str | list[Any], raw: Any, param: str) -> list[Part]:
     if isinstance(content, str):
         return [Text(content)]
     parts: list[Part] = []
-    for j, p in enumerate(content):
+    for j, (p, rp) in enumerate(zip(content, raw)):
         if isinstance(p, w.TextPart):
-            parts.append(Text(p.text))
+            parts.append(Text(p.text, rp.get("cache_control"), _extra(rp, _TEXT_PART_KEYS)))
         elif isinstance(p, w.ImagePart):
-            parts.append(image_from_url(p.image_url.url, f"{param}.content[{j}].image_url.url"))
+            img = image_from_url(p.image_url.url, f"{param}.content[{j}].image_url.url")
+            img.extra = _image_extra(rp)
+            parts.append(img)
         else:
-            parts.append(Text(p.refusal))
+            parts.append(Opaque(WIRE, rp))
     return parts
 
 
-def _assistant_parts(m: w.AssistantMessage) -> list[Part]:
+_TEXT_PART_KEYS = frozenset({"type", "text", "cache_control"})
+
+
+def _image_extra(rp: dict[str, Any]) -> dict[str, Any]:
+    extra = _extra(rp, _IMAGE_KEYS)
+    inner = {k: v for k, v in rp["image_url"].items() if k != "url"}
+    if inner:
+        extra["image_url"] = inner
+    return extra
+
+
+def _assistant_message(m: w.AssistantMessage, raw: dict[str, Any]) -> Message:
     parts: list[Part] = []
-    if m.content:
-        parts.append(Text(_text_of(m.content)))
-    for tc in m.tool_calls or []:
-        parts.append(ToolCall(tc.id, tc.function.name, tc.function.arguments or "{}"))
-    return parts
+    content = raw.get("content")
+    if isinstance(content, str) and content:
+        parts.append(Text(content))
+    elif isinstance(content, list):
+        for rp in content:
+            if rp.get("type") == "text":
+                parts.append(Text(rp.get("text", ""), rp.get("cache_control"), _extra(rp, _TEXT_PART_KEYS)))
+            else:
+                parts.append(Opaque(WIRE, rp))
+    for tc, rtc in zip(m.tool_calls or [], raw.get("tool_calls") or []):
+        parts.append(ToolCall(tc.id, tc.function.name, tc.function.arguments or "{}", extra=_extra(rtc, _CALL_KEYS)))
+    # content and tool_calls stay in extra when they rendered to nothing ("", null, []): sent back as they came.
+    modelled = {"role"} | ({"content"} if content else set()) | ({"tool_calls"} if m.tool_calls else set())
+    return Message("assistant", parts, _extra(raw, frozenset(modelled)), isinstance(content, str))
 
 
-def _tool(t: w.ToolDef) -> Tool:
+def _tool_result(m: w.ToolMessage, raw: dict[str, Any]) -> ToolResult:
+    if isinstance(m.content, str):
+        content: list[Text | Image] = [Text(m.content)]
+    else:
+        content = [Text(p.text, p_raw.get("cache_control"), _extra(p_raw, _TEXT_PART_KEYS))
+                   for p, p_raw in zip(m.content, raw["content"])]
+    extra = _extra(raw, frozenset({"role", "content", "tool_call_id"}))
+    return ToolResult(m.tool_call_id, content, extra=extra, plain=isinstance(m.content, str))
+
+
+def _tool(t: w.ToolDef, raw: dict[str, Any]) -> Tool:
+    if t.function is None:  # a custom tool: same wire only
+        return Tool(str(raw.get(t.type, {}).get("name", t.type)), None, {}, extra={"type": t.type})
     params = t.function.parameters or {"type": "object", "properties": {}}
-    return Tool(t.function.name, t.function.description, params)
+    return Tool(t.function.name, t.function.description, params, strict=t.function.strict)
 
 
 def _tool_choice(choice: Any, parallel: bool | None) -> ToolChoice | None:
@@ -186,18 +247,26 @@ def completion_id() -> str:
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
+    # OpenAI's prompt_tokens include cached ones; canonical input_tokens (Anthropic's) do not.
+    prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
     body: dict[str, Any] = {
-        "prompt_tokens": u.input_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": u.output_tokens,
-        "total_tokens": u.input_tokens + u.output_tokens,
+        "total_tokens": prompt + u.output_tokens,
     }
     if u.cache_read_input_tokens:
         body["prompt_tokens_details"] = {"cached_tokens": u.cache_read_input_tokens}
+    if u.reasoning_tokens:
+        body["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}
     return body
 
 
 def response_json(resp: ChatResponse, model: str) -> dict[str, Any]:
-    """An OpenAI ChatCompletion body for a canonical response."""
+    """An OpenAI ChatCompletion body for a canonical response (an OpenAI upstream's own, renamed)."""
+    if resp.raw is not None and resp.raw.wire == WIRE:
+        body = resp.raw.items[0][1]
+        body["model"] = model
+        return body
     text = "".join(p.text for p in resp.content if isinstance(p, Text))
     tool_calls = [_tool_call_json(p) for p in resp.content if isinstance(p, ToolCall)]
     message: dict[str, Any] = {"role": "assistant", "content": text or None, "refusal": None}
@@ -239,7 +308,11 @@ def error_json(err: GatewayError) -> dict[str, Any]:
 
 
 class StreamEncoder:
-    """Renders canonical events as OpenAI `chat.completion.chunk` SSE lines."""
+    """Renders canonical events as OpenAI `chat.completion.chunk` SSE lines.
+
+    Events decoded from an OpenAI upstream's chunks carry them (`raw`): those chunks go out as they
+    came, the model renamed, and the usage the gateway asked for removed unless the client asked too.
+    """
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model = model
@@ -249,7 +322,12 @@ class StreamEncoder:
         self._tool_ordinal: dict[int, int] = {}
 
     def encode(self, ev: Event) -> Iterator[bytes]:
-        if isinstance(ev, Start):
+        raw = ev.raw if not isinstance(ev, Error) else None
+        if raw is not None and (raw is SAME_RAW or raw.wire == WIRE):
+            yield from self._raw(raw)
+            if isinstance(ev, Finish):
+                yield b"data: [DONE]\n\n"
+        elif isinstance(ev, Start):
             yield self._chunk({"role": "assistant", "content": ""})
         elif isinstance(ev, TextDelta):
             yield self._chunk({"content": ev.text})
@@ -269,6 +347,16 @@ class StreamEncoder:
             yield b"data: [DONE]\n\n"
         elif isinstance(ev, Error):
             yield _sse(error_json(ev.error))
+
+    def _raw(self, raw: Raw) -> Iterator[bytes]:
+        for _, chunk in raw.items:
+            if not self.include_usage and "usage" in chunk:
+                del chunk["usage"]
+                if not chunk.get("choices"):
+                    continue  # the usage chunk only the gateway asked for
+            if "model" in chunk:
+                chunk["model"] = self.model
+            yield _sse(chunk)
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
@@ -295,12 +383,30 @@ def _sse(body: Any) -> bytes:
 
 
 def request_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
-    """The body an OpenAI-compatible upstream takes for a canonical request."""
+    """The body an OpenAI-compatible upstream takes for a canonical request.
+
+    From an OpenAI client: its body as sent (`req.extra`), with the model renamed and the messages
+    rendered back from the canonical ones (sessions, compression and image preparation edit those).
+    """
+    if req.wire == WIRE:
+        body = dict(req.extra)
+        body["model"] = upstream_model
+        body["messages"] = [*(_system_json(t) for t in req.system), *_messages_json(req.messages, same=True)]
+        return body
+    fields.check_cross(req, WIRE)
+    return _cross_json(req, upstream_model)
+
+
+def _system_json(t: Text) -> dict[str, Any]:
+    return {"role": "system", "content": t.text, **t.extra}
+
+
+def _cross_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     if req.system:
+        _note_cache(req, any(t.cache_control for t in req.system), "system[].cache_control")
         messages.append({"role": "system", "content": req.system_text()})
-    for m in req.messages:
-        messages.extend(_message_json(m))
+    messages.extend(_messages_json(req.messages, same=False, req=req))
     body: dict[str, Any] = {"model": upstream_model, "messages": messages, "stream": req.stream}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
@@ -309,46 +415,147 @@ def request_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
     for name in ("temperature", "top_p"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
+    if req.top_k is not None:
+        req.exchange.dropped.add("top_k")
     if req.stop:
         body["stop"] = req.stop
     if req.tools:
-        body["tools"] = [
-            {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters}}
-            for t in req.tools
-        ]
+        body["tools"] = [_cross_tool_json(req, t) for t in req.tools]
     if req.tool_choice is not None:
         _apply_tool_choice(body, req.tool_choice, bool(req.tools))
     if req.response_format is not None:
         body["response_format"] = _response_format_json(req.response_format)
+    if req.metadata.get("user_id"):
+        body["user"] = req.metadata["user_id"]
     return body
 
 
-def _message_json(m: Message) -> Iterator[dict[str, Any]]:
+def _cross_tool_json(req: ChatRequest, t: Tool) -> dict[str, Any]:
+    kind = t.extra.get("type")
+    if kind not in (None, "custom"):
+        fields.refuse_part(req.wire or "", f"tools[].type={kind}", WIRE, "server tools run on Anthropic's side")
+    _note_cache(req, t.cache_control is not None, "tools[].cache_control")
+    for name in t.extra:
+        if name != "type":
+            req.exchange.dropped.add(f"tools[].{name}")
+    if t.strict is not None:
+        req.exchange.dropped.add("tools[].strict")
+    fn = {"name": t.name, "description": t.description or "", "parameters": t.parameters}
+    return {"type": "function", "function": fn}
+
+
+def _note_cache(req: ChatRequest, present: bool, name: str) -> None:
+    if present:
+        req.exchange.dropped.add(name)
+
+
+def _messages_json(messages: list[Message], same: bool, req: ChatRequest | None = None) -> Iterator[dict[str, Any]]:
+    for m in messages:
+        yield from _message_json(m, same, req)
+
+
+def _message_json(m: Message, same: bool, req: ChatRequest | None) -> Iterator[dict[str, Any]]:
+    extra = m.extra if same else {}
     if m.role == "assistant":
-        text = "".join(p.text for p in m.parts if isinstance(p, Text))
-        calls = [_tool_call_json(p) for p in m.parts if isinstance(p, ToolCall)]
-        msg: dict[str, Any] = {"role": "assistant", "content": text or None}
-        if calls:
-            msg["tool_calls"] = calls
-        yield msg
+        yield _assistant_json(m, extra, same, req)
         return
     # Tool results are separate `tool` messages in OpenAI's format, before the user's own parts.
     rest: list[dict[str, Any]] = []
     for p in m.parts:
         if isinstance(p, ToolResult):
-            yield {"role": "tool", "tool_call_id": p.tool_call_id, "content": _result_text(p)}
-        elif isinstance(p, Text):
-            rest.append({"type": "text", "text": p.text})
-        elif isinstance(p, Image):
-            url = p.url or f"data:{p.media_type};base64,{p.data}"
-            rest.append({"type": "image_url", "image_url": {"url": url}})
+            yield _tool_message_json(p, same, req)
+        else:
+            part = _part_json(p, same, req)
+            if part is not None:
+                rest.append(part)
     if rest:
-        only_text = all(r["type"] == "text" for r in rest)
-        yield {"role": "user", "content": "".join(r["text"] for r in rest) if only_text else rest}
+        if m.plain and len(rest) == 1 and rest[0].keys() == _TEXT_KEYS:
+            content: Any = rest[0]["text"]
+        elif not same and all(r["type"] == "text" for r in rest):
+            content = "".join(r["text"] for r in rest)
+        else:
+            content = rest
+        yield {**extra, "role": "user", "content": content}
 
 
-def _result_text(p: ToolResult) -> str:
-    return "".join(c.text for c in p.content if isinstance(c, Text))
+def _assistant_json(m: Message, extra: dict[str, Any], same: bool, req: ChatRequest | None) -> dict[str, Any]:
+    parts = [q for q in (_part_json(p, same, req) for p in m.parts if not isinstance(p, ToolCall)) if q is not None]
+    calls = [{**(p.extra if same else {}), **_tool_call_json(p)} for p in m.parts if isinstance(p, ToolCall)]
+    msg: dict[str, Any] = {**extra, "role": "assistant"}
+    if parts:
+        plain = (m.plain or not same) and all(q.keys() == _TEXT_KEYS for q in parts)
+        msg["content"] = "".join(q["text"] for q in parts) if plain else parts
+    elif not same:
+        msg["content"] = None
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _tool_message_json(p: ToolResult, same: bool, req: ChatRequest | None) -> dict[str, Any]:
+    texts = [c for c in p.content if isinstance(c, Text)]
+    if not same:
+        if len(texts) < len(p.content):
+            fields.refuse_part(req.wire or "" if req else "", "messages[].content[].type=tool_result "
+                               "with an image", WIRE, "tool messages carry text only")
+        if p.is_error and req is not None:
+            req.exchange.dropped.add("messages[].content[].is_error")
+        if p.cache_control is not None and req is not None:
+            req.exchange.dropped.add("messages[].content[].cache_control")
+        return {"role": "tool", "tool_call_id": p.tool_call_id, "content": "".join(c.text for c in texts)}
+    if p.plain and len(texts) == 1 and not texts[0].extra and texts[0].cache_control is None:
+        content: Any = texts[0].text
+    else:
+        content = [_text_json(c) for c in texts]
+    return {**p.extra, "role": "tool", "tool_call_id": p.tool_call_id, "content": content}
+
+
+def _text_json(p: Text) -> dict[str, Any]:
+    body = {**p.extra, "type": "text", "text": p.text}
+    if p.cache_control is not None:
+        body["cache_control"] = p.cache_control
+    return body
+
+
+def _part_json(p: Part, same: bool, req: ChatRequest | None) -> dict[str, Any] | None:
+    """One content part; across wires what has no counterpart is refused or dropped (fields.py)."""
+    if isinstance(p, Text):
+        if same:
+            return _text_json(p)
+        if req is not None:
+            _note_cache(req, p.cache_control is not None, "messages[].content[].cache_control")
+            _note_cache(req, "citations" in p.extra, "messages[].content[].citations")
+        return {"type": "text", "text": p.text}
+    if isinstance(p, Image):
+        url = p.url or f"data:{p.media_type};base64,{p.data}"
+        if same:
+            extra = dict(p.extra)
+            inner = {**extra.pop("image_url", {}), "url": url}
+            return {**extra, "type": "image_url", "image_url": inner}
+        if req is not None:
+            _note_cache(req, p.cache_control is not None, "messages[].content[].cache_control")
+        return {"type": "image_url", "image_url": {"url": url}}
+    if isinstance(p, Opaque):
+        if p.wire == WIRE:
+            return p.block
+        return _cross_opaque(p, req)
+    if isinstance(p, Thinking | RedactedThinking):
+        if req is not None:
+            kind = "thinking" if isinstance(p, Thinking) else "redacted_thinking"
+            req.exchange.dropped.add(f"messages[].content[].type={kind}")
+        return None
+    return None
+
+
+def _cross_opaque(p: Opaque, req: ChatRequest | None) -> dict[str, Any] | None:
+    name = f"messages[].content[].type={p.type}"
+    row = fields.part_row(p.wire, name)
+    if row is not None and row.cross is fields.Fate.DROPPED:
+        if req is not None:
+            req.exchange.dropped.add(name)
+        return None
+    fields.refuse_part(p.wire, name, WIRE, row.to if row else "no counterpart")
+    return None
 
 
 def _apply_tool_choice(body: dict[str, Any], choice: ToolChoice, has_tools: bool) -> None:
@@ -375,11 +582,14 @@ def usage_from_json(u: dict[str, Any] | None) -> Usage:
     if not u:
         return Usage()
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Usage(u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0, cached)
+    reasoning = (u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    # Canonical input tokens are Anthropic's: without the cached ones (OpenAI counts those in).
+    prompt = u.get("prompt_tokens") or 0
+    return Usage(max(0, prompt - cached), u.get("completion_tokens") or 0, cached, 0, reasoning)
 
 
-def response_from_json(body: dict[str, Any]) -> ChatResponse:
-    """The canonical response for an upstream's ChatCompletion body."""
+def response_from_json(body: dict[str, Any], keep_raw: bool = False) -> ChatResponse:
+    """The canonical response for an upstream's ChatCompletion body (kept whole with `keep_raw`)."""
     choice = (body.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[Part] = []
@@ -398,6 +608,7 @@ def response_from_json(body: dict[str, Any]) -> ChatResponse:
         stop_reason=STOP_REASON.get(choice.get("finish_reason") or "stop", StopReason.END_TURN),
         usage=usage_from_json(body.get("usage")),
         created=body.get("created") or int(time.time()),
+        raw=Raw(WIRE, [("", body)]) if keep_raw else None,
     )
 
 
@@ -418,9 +629,13 @@ def _call_id() -> str:
 
 
 class ChunkDecoder:
-    """Turns an upstream's `chat.completion.chunk` objects into canonical events."""
+    """Turns an upstream's `chat.completion.chunk` objects into canonical events.
 
-    def __init__(self) -> None:
+    Only the first choice becomes canonical (n > 1 reaches only an OpenAI client, through `tap`).
+    """
+
+    def __init__(self, tap: RawTap | None = None) -> None:
+        self.tap = tap
         self.started = False
         self.next_index = 0
         self.text_index: int | None = None
@@ -433,12 +648,24 @@ class ChunkDecoder:
     def feed(self, chunk: dict[str, Any]) -> Iterator[Event]:
         if "error" in chunk and not chunk.get("choices"):
             raise upstream_error(500, chunk)
+        tap = self.tap
+        if tap is None:
+            yield from self._events(chunk)
+            return
+        tap.add("", chunk)
+        for ev in self._events(chunk):
+            ev.raw = tap.take()
+            yield ev
+
+    def _events(self, chunk: dict[str, Any]) -> Iterator[Event]:
         if not self.started:
             self.started = True
             yield Start(chunk.get("id") or completion_id(), chunk.get("model", ""))
         if chunk.get("usage"):
             self.usage = usage_from_json(chunk["usage"])
         for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
             yield from self._delta(choice.get("delta") or {})
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
@@ -471,10 +698,11 @@ class ChunkDecoder:
 
     def finish(self) -> Iterator[Event]:
         """Events that close the stream once the upstream sent [DONE] (or simply ended)."""
+        same = SAME_RAW if self.tap is not None else None
         if not self.started:
-            yield Start(completion_id(), "")
+            yield Start(completion_id(), "", raw=same)
         for idx in sorted(self.open):
-            yield BlockStop(idx)
+            yield BlockStop(idx, raw=same)
         self.open.clear()
         reason = STOP_REASON.get(self.finish_reason or "stop", StopReason.END_TURN)
-        yield Finish(reason, self.usage)
+        yield Finish(reason, self.usage, raw=self.tap.take() if self.tap is not None else None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class _Wire(BaseModel):
@@ -23,7 +23,23 @@ class URLSource(_Wire):
     url: str
 
 
-ImageSource = Annotated[Base64Source | URLSource, Field(discriminator="type")]
+class OtherSource(_Wire):
+    type: str  # "file" (Files API) and future kinds: the block passes on the same wire only
+
+
+def _tag(known: tuple[str, ...]) -> Any:
+    def tag(v: Any) -> str:
+        t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+        return t if t in known else "other"
+
+    return Discriminator(tag)
+
+
+ImageSource = Annotated[
+    Annotated[Base64Source, Tag("base64")] | Annotated[URLSource, Tag("url")]
+    | Annotated[OtherSource, Tag("other")],
+    _tag(("base64", "url")),
+]
 
 
 class TextBlock(_Wire):
@@ -43,10 +59,23 @@ class ToolUseBlock(_Wire):
     input: dict[str, Any]
 
 
+class OtherBlock(_Wire):
+    """A block type this gateway does not model (document, search_result, server tools' blocks, a
+    future one): kept verbatim."""
+
+    type: str
+
+
+ResultBlock = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")] | Annotated[OtherBlock, Tag("other")],
+    _tag(("text", "image")),
+]
+
+
 class ToolResultBlock(_Wire):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
+    content: str | list[ResultBlock] | None = None
     is_error: bool | None = None
 
 
@@ -62,8 +91,11 @@ class RedactedThinkingBlock(_Wire):
 
 
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
+    | Annotated[ToolUseBlock, Tag("tool_use")] | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")] | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
+    | Annotated[OtherBlock, Tag("other")],
+    _tag(("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")),
 ]
 
 
@@ -75,7 +107,8 @@ class MessageParam(_Wire):
 class ToolDef(_Wire):
     name: str
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # absent on server tools ({"type": "web_search_…"})
+    type: str | None = None
 
 
 class ToolChoice(_Wire):

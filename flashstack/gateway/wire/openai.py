@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class _Wire(BaseModel):
@@ -32,7 +32,22 @@ class RefusalPart(_Wire):
     refusal: str
 
 
-ContentPart = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")]
+class OtherPart(_Wire):
+    """A part type this gateway does not model (input_audio, file, a future one): kept verbatim."""
+
+    type: str
+
+
+def _part_tag(v: Any) -> str:
+    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return t if t in ("text", "image_url", "refusal") else "other"
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
+    | Annotated[RefusalPart, Tag("refusal")] | Annotated[OtherPart, Tag("other")],
+    Discriminator(_part_tag),
+]
 
 
 class FunctionCall(_Wire):
@@ -85,8 +100,8 @@ class FunctionDef(_Wire):
 
 
 class ToolDef(_Wire):
-    type: Literal["function"] = "function"
-    function: FunctionDef
+    type: str = "function"  # "custom" tools (free-text input) pass on the same wire only
+    function: FunctionDef | None = None
 
 
 class NamedFunction(_Wire):
@@ -121,7 +136,7 @@ class ChatCompletionRequest(_Wire):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1, le=128)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -134,3 +149,7 @@ class ChatCompletionRequest(_Wire):
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None

@@ -1,0 +1,355 @@
+"""Every documented field of both APIs, and what happens to it on each path through the gateway.
+
+One table per API and direction. The translators read it for the fields the canonical types do not
+model (refuse, drop-and-name), docs/protocols.md is rendered from it (`python -m
+flashstack.gateway.translate.fields`), and tests/gateway/protocol/ is generated from it: the doc,
+the code and the tests cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from flashstack.gateway.core import ChatRequest, invalid_request
+
+
+class Fate(enum.StrEnum):
+    PASSED = "passed"  # sent on as the client sent it (JSON value equal)
+    MAPPED = "mapped"  # sent as its counterpart on the other wire
+    REFUSED = "refused"  # 400 naming the field: the client relies on it, the target cannot honour it
+    DROPPED = "dropped"  # not sent, and named in the response header x-flashstack-dropped
+    GATEWAY = "gateway"  # the gateway's own field: read here, never sent upstream
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One wire field: `same` on the same-wire path, `cross` on the path to the other wire."""
+
+    name: str  # the JSON path, [] for list items
+    cross: Fate
+    to: str = ""  # the counterpart (mapped) or why (refused, dropped)
+    sample: Any = None  # a value tests send (top-level request fields)
+    harmless: tuple[Any, ...] = ()  # values that ask for nothing: treated as absent across wires
+    same: Fate = Fate.PASSED
+    same_note: str = ""
+
+
+F, P, M, R, D, G = Field, Fate.PASSED, Fate.MAPPED, Fate.REFUSED, Fate.DROPPED, Fate.GATEWAY
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+# ---- requests: top-level fields, then the parts of messages and tools ------------------------------
+
+OPENAI_REQUEST: tuple[Field, ...] = (
+    F("model", M, "model", same=M, same_note="renamed to the deployment's model"),
+    F("messages", M, "messages, system"),
+    F("max_tokens", M, "max_tokens", 64),
+    F("max_completion_tokens", M, "max_tokens", 64),
+    F("temperature", M, "temperature (capped at 1)", 0.5),
+    F("top_p", M, "top_p", 0.9),
+    F("n", R, "one choice only", 1, harmless=(1,)),
+    F("stop", M, "stop_sequences", ["\n\nEND"]),
+    F("stream", M, "stream", False),
+    F("stream_options", M, "usage is always asked for; sent to the client only when it asked",
+      {"include_usage": True}, same_note="include_usage: true is added (usage accounting); the usage "
+      "chunk reaches the client only when it asked"),
+    F("tools", M, "tools", [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]),
+    F("tool_choice", M, "tool_choice", "auto"),
+    F("parallel_tool_calls", M, "tool_choice.disable_parallel_tool_use", True),
+    F("response_format", M, "an instruction in system; the reply is checked", {"type": "json_object"}),
+    F("user", M, "metadata.user_id", "user-1234"),
+    F("metadata", D, "Anthropic's metadata takes user_id only", {"tag": "a"}),
+    F("seed", D, "no seed on the Messages API", 7),
+    F("presence_penalty", D, "no penalties on the Messages API", 0.5, harmless=(0, 0.0)),
+    F("frequency_penalty", D, "no penalties on the Messages API", 0.5, harmless=(0, 0.0)),
+    F("logprobs", R, "the Messages API returns no log-probabilities", True, harmless=(False,)),
+    F("top_logprobs", R, "the Messages API returns no log-probabilities", 2, harmless=(0,)),
+    F("logit_bias", R, "the Messages API cannot bias tokens", {"50256": -100}, harmless=({},)),
+    F("store", D, "nothing to store on the Messages API", False),
+    F("reasoning_effort", M, "thinking.budget_tokens (low 1024, medium 4096, high 16384; dropped when "
+      "max_tokens leaves no room)", "low"),
+    F("service_tier", D, "OpenAI's tiers have no Anthropic counterpart", "auto"),
+    F("prediction", D, "predicted outputs are only a latency optimisation",
+      {"type": "content", "content": "a"}),
+    F("prompt_cache_key", D, "prompt caching hint", "k1"),
+    F("safety_identifier", D, "no counterpart", "s1"),
+    F("verbosity", D, "no counterpart", "low"),
+    F("modalities", R, "text only on the Messages API", ["text"], harmless=(["text"],)),
+    F("audio", R, "no audio output on the Messages API", {"voice": "alloy", "format": "wav"}),
+    F("web_search_options", R, "use Anthropic's web_search server tool instead", {}),
+    F("functions", R, "deprecated; send tools", [{"name": "f", "parameters": WEATHER}]),
+    F("function_call", R, "deprecated; send tool_choice", "auto"),
+    F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
+)
+OPENAI_PARTS: tuple[Field, ...] = (
+    F("messages[].role=developer", M, "system"),
+    F("messages[].role=system", M, "system"),
+    F("messages[].name", D, "no participant names on the Messages API"),
+    F("messages[].content[].type=text", M, "text block"),
+    F("messages[].content[].type=image_url", M, "image block (base64 or url source)"),
+    F("messages[].content[].image_url.detail", D, "no detail level on the Messages API"),
+    F("messages[].content[].type=refusal", M, "text block"),
+    F("messages[].content[].type=input_audio", R, "no audio input on the Messages API"),
+    F("messages[].content[].type=file", R, "send PDFs to Anthropic as document blocks"),
+    F("messages[].tool_calls[]", M, "tool_use block"),
+    F("messages[].role=tool", M, "tool_result block"),
+    F("tools[].function.strict", D, "strict tool schemas are not sent across"),
+    F("tools[].type=custom", R, "custom (free-text) tools have no counterpart"),
+)
+
+ANTHROPIC_REQUEST: tuple[Field, ...] = (
+    F("model", M, "model", same=M, same_note="renamed to the deployment's model"),
+    F("messages", M, "messages"),
+    F("max_tokens", M, "max_tokens", 64),
+    F("system", M, "a system message", "Be brief."),
+    F("stop_sequences", M, "stop", ["\n\nEND"]),
+    F("stream", M, "stream (with stream_options.include_usage)", False),
+    F("temperature", M, "temperature", 0.5),
+    F("top_p", M, "top_p", 0.9),
+    F("top_k", D, "OpenAI's API has no top_k", 40),
+    F("tools", M, "tools[].function", [{"name": "get_weather", "input_schema": WEATHER}]),
+    F("tool_choice", M, "tool_choice (any → required)", {"type": "auto"}),
+    F("metadata", M, "user (from metadata.user_id)", {"user_id": "user-1234"}),
+    F("thinking", D, "reasoning is configured per model on OpenAI-compatible servers",
+      {"type": "enabled", "budget_tokens": 1024}, harmless=({"type": "disabled"},)),
+    F("context_management", D, "context editing is only an optimisation",
+      {"edits": [{"type": "clear_tool_uses_20250919"}]}),
+    F("service_tier", D, "Anthropic's tiers have no OpenAI counterpart", "auto"),
+    F("cache_control", D, "prompt caching is Anthropic's", {"type": "ephemeral"}),
+    F("output_config", R, "output format and effort are not mapped across wires", {"effort": "low"}),
+    F("inference_geo", D, "no counterpart", "us"),
+    F("speed", D, "no counterpart", "fast"),
+    F("container", R, "containers exist only on the Messages API", "container_1"),
+    F("mcp_servers", R, "the MCP connector exists only on the Messages API",
+      [{"type": "url", "url": "https://example.com/sse", "name": "x"}]),
+    F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
+)
+ANTHROPIC_PARTS: tuple[Field, ...] = (
+    F("system[].cache_control", D, "prompt caching is Anthropic's"),
+    F("system[].citations", D, "no citations on OpenAI's API"),
+    F("messages[].content[].type=text", M, "text part"),
+    F("messages[].content[].type=image", M, "image_url part (data: URL or url)"),
+    F("messages[].content[].type=tool_use", M, "assistant tool_calls[]"),
+    F("messages[].content[].type=tool_result", M, "a tool message"),
+    F("messages[].content[].is_error", D, "tool messages carry no error flag"),
+    F("messages[].content[].type=thinking", D, "an earlier turn's reasoning, signed for Claude only"),
+    F("messages[].content[].type=redacted_thinking", D, "encrypted reasoning, readable by Claude only"),
+    F("messages[].content[].type=document", R, "send PDFs to OpenAI as file parts"),
+    F("messages[].content[].type=search_result", R, "no counterpart"),
+    F("messages[].content[].type=server_tool_use", R, "server tools run on Anthropic's side"),
+    F("messages[].content[].cache_control", D, "prompt caching is Anthropic's"),
+    F("messages[].content[].citations", D, "no citations on OpenAI's API"),
+    F("tools[].cache_control", D, "prompt caching is Anthropic's"),
+    F("tools[].defer_loading", D, "tool search is Anthropic's"),
+    F("tools[].strict", D, "strict tool schemas are not sent across"),
+    F("tools[].type=web_search_20250305", R, "server tools run on Anthropic's side"),
+)
+
+# ---- responses ----------------------------------------------------------------------------------
+
+OPENAI_RESPONSE: tuple[Field, ...] = (
+    F("id", M, "id (msg_…)"),
+    F("model", M, "model", same=M, same_note="renamed to the model the client asked for"),
+    F("created", D, "Messages responses carry no timestamp"),
+    F("choices[0].message.content", M, "text block"),
+    F("choices[0].message.tool_calls[]", M, "tool_use blocks"),
+    F("choices[0].message.reasoning_content", M, "thinking block (no signature)"),
+    F("choices[0].message.refusal", D, "stop_reason refusal when finish_reason is content_filter"),
+    F("choices[0].message.annotations", D, "no counterpart"),
+    F("choices[0].logprobs", D, "cannot be asked for across wires"),
+    F("choices[0].finish_reason", M, "stop_reason (stop → end_turn, length → max_tokens, "
+      "tool_calls → tool_use, content_filter → refusal)"),
+    F("choices[1:]", D, "n > 1 is refused across wires"),
+    F("usage.prompt_tokens", M, "usage.input_tokens (less cached tokens)"),
+    F("usage.completion_tokens", M, "usage.output_tokens"),
+    F("usage.prompt_tokens_details.cached_tokens", M, "usage.cache_read_input_tokens"),
+    F("usage.completion_tokens_details", D, "no counterpart"),
+    F("system_fingerprint", D, "no counterpart"),
+    F("service_tier", D, "no counterpart"),
+)
+ANTHROPIC_RESPONSE: tuple[Field, ...] = (
+    F("id", M, "id (chatcmpl-…)"),
+    F("model", M, "model", same=M, same_note="renamed to the model the client asked for"),
+    F("content[].type=text", M, "message.content"),
+    F("content[].type=thinking", M, "message.reasoning_content (the signature is not sent)"),
+    F("content[].type=redacted_thinking", D, "readable by Claude only"),
+    F("content[].type=tool_use", M, "message.tool_calls[]"),
+    F("content[].citations", D, "no counterpart"),
+    F("stop_reason", M, "finish_reason"),
+    F("stop_sequence", D, "finish_reason stop"),
+    F("usage.input_tokens", M, "usage.prompt_tokens (plus cache reads and writes)"),
+    F("usage.output_tokens", M, "usage.completion_tokens"),
+    F("usage.cache_read_input_tokens", M, "usage.prompt_tokens_details.cached_tokens"),
+    F("usage.cache_creation_input_tokens", M, "counted in usage.prompt_tokens"),
+    F("usage.cache_creation", D, "no counterpart"),
+    F("usage.server_tool_use", D, "no counterpart"),
+    F("usage.service_tier", D, "no counterpart"),
+    F("container", D, "no counterpart"),
+    F("context_management", D, "no counterpart"),
+)
+
+# ---- headers --------------------------------------------------------------------------------------
+
+HEADERS: tuple[Field, ...] = (
+    F("anthropic-beta", D, "beta features of the Messages API", same_note="forwarded to Anthropic upstreams"),
+    F("anthropic-version", D, "the Anthropic provider sends its own", same_note="forwarded to Anthropic upstreams"),
+    F("openai-organization", D, "OpenAI's", same_note="forwarded to OpenAI-compatible upstreams"),
+    F("openai-project", D, "OpenAI's", same_note="forwarded to OpenAI-compatible upstreams"),
+    F("authorization, x-api-key", G, "the gateway's key; upstreams get their configured key",
+      same=G, same_note="never forwarded"),
+)
+FORWARDED_HEADERS = {
+    "anthropic": ("anthropic-beta", "anthropic-version"),
+    "openai": ("openai-organization", "openai-project"),
+}
+_FEATURE_HEADERS = ("anthropic-beta", "openai-organization", "openai-project")  # named when dropped
+RESPONSE_HEADERS = ("request-id", "x-request-id", "openai-processing-ms", "openai-organization",
+                    "anthropic-organization-id")
+RESPONSE_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+
+
+def passed_response_headers(headers: Any) -> dict[str, str]:
+    """The upstream response headers a client reads (request ids, rate limits), by lower-case name."""
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        low = name.lower()
+        if low in RESPONSE_HEADERS or low.startswith(RESPONSE_HEADER_PREFIXES):
+            # x-request-id is the gateway's own (routing traces): the upstream's keeps its value renamed.
+            out["x-upstream-request-id" if low == "x-request-id" else low] = value
+    return out
+
+
+def response_headers(req: ChatRequest) -> dict[str, str]:
+    """The headers the client's response gets from its exchange: the upstream's, and x-flashstack-dropped."""
+    ex = req.exchange
+    if not ex.dropped:
+        return ex.headers
+    return {**ex.headers, "x-flashstack-dropped": ",".join(sorted(ex.dropped))}
+
+
+def client_headers(headers: Any) -> dict[str, str]:
+    """The client's headers on any provider's allow-list (never its credential)."""
+    out: dict[str, str] = {}
+    for names in FORWARDED_HEADERS.values():
+        for name in names:
+            value = headers.get(name)
+            if value is not None:
+                out[name] = value
+    return out
+
+
+def headers_for(req: ChatRequest, wire: str) -> dict[str, str] | None:
+    """The client headers an upstream of `wire` gets; another wire's feature headers are named dropped."""
+    mine = FORWARDED_HEADERS[wire]
+    out: dict[str, str] = {}
+    for name, value in req.headers.items():
+        if name in mine:
+            out[name] = value
+        elif name in _FEATURE_HEADERS:
+            req.exchange.dropped.add(name)
+    return out or None
+
+
+# ---- what the translators ask ----------------------------------------------------------------------
+
+_BY_NAME = {
+    "openai": {f.name: f for f in OPENAI_REQUEST},
+    "anthropic": {f.name: f for f in ANTHROPIC_REQUEST},
+}
+GATEWAY_FIELDS = frozenset(f.name for f in OPENAI_REQUEST + ANTHROPIC_REQUEST if f.same is G)
+
+
+def check_cross(req: ChatRequest, target: str) -> None:
+    """Refuse, or note as dropped, the client's top-level fields that `target` cannot take.
+
+    Fields the canonical types map are left to the translator; a field the table does not know
+    (newer than it) is dropped and named: nothing is dropped silently.
+    """
+    table = _BY_NAME.get(req.wire or "")
+    if table is None:
+        return
+    for name, value in req.extra.items():
+        row = table.get(name)
+        if value is None or (row is not None and (row.cross is M or value in row.harmless)):
+            continue
+        if row is not None and row.cross is R:
+            raise invalid_request(
+                f"{name} cannot be sent to a model served over the {_API[target]} ({row.to}); "
+                f"remove {name} or choose a model served over the {_API[req.wire or '']}", name)
+        req.exchange.dropped.add(name)
+
+
+def refuse_part(wire: str, path: str, target: str, why: str = "") -> None:
+    """A 400 for a content block or tool the target wire has no counterpart for."""
+    raise invalid_request(
+        f"{path} cannot be sent to a model served over the {_API[target]}"
+        + (f" ({why})" if why else "") + f"; remove it or choose a model served over the {_API[wire]}",
+        path)
+
+
+def part_row(wire: str, name: str) -> Field | None:
+    table = OPENAI_PARTS if wire == "openai" else ANTHROPIC_PARTS
+    return next((f for f in table if f.name == name), None)
+
+
+_API = {"openai": "OpenAI chat completions API", "anthropic": "Anthropic Messages API"}
+
+# ---- docs/protocols.md ---------------------------------------------------------------------------
+
+_INTRO = """# Protocol fidelity: every field, on every path
+
+Generated from `flashstack/gateway/translate/fields.py` by
+`python -m flashstack.gateway.translate.fields > docs/protocols.md`; a test fails when it is stale,
+and the protocol tests (tests/gateway/protocol/) are generated from the same table.
+
+The rule: a request passes through whole. Same wire in and out (an OpenAI client to an
+OpenAI-compatible upstream, an Anthropic client to Anthropic): the upstream receives every field the
+client sent, JSON-equal apart from `model`, unknown and future fields included, and the client
+receives every field the upstream returned, streamed (event by event) and not. Across wires: a field
+with a counterpart is mapped; one the target cannot honour and the client relies on is refused with
+a 400 naming it; one that is only an optimisation is dropped and named in the response header
+`x-flashstack-dropped` (comma-separated). A field newer than this table is dropped and named too.
+
+Fates: **passed** (as sent), **mapped** (to its counterpart), **refused** (400), **dropped**
+(named in `x-flashstack-dropped`), **gateway** (the gateway's own; never sent upstream).
+"""
+
+
+def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
+    lines = [f"## {title}", "", f"| field | {same} | {cross} |", "| --- | --- | --- |"]
+    for f in rows:
+        same_cell = f.same.value + (f": {f.same_note}" if f.same_note else "")
+        cross_cell = f.cross.value + (f": {f.to}" if f.to else "")
+        lines.append(f"| `{f.name}` | {same_cell} | {cross_cell} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown() -> str:
+    """docs/protocols.md."""
+    o2o, o2a = "OpenAI client → OpenAI-compatible upstream", "OpenAI client → Anthropic upstream"
+    a2a, a2o = "Anthropic client → Anthropic upstream", "Anthropic client → OpenAI-compatible upstream"
+    up_o, up_a = "OpenAI-compatible upstream → OpenAI client", "→ Anthropic client"
+    up_a2, up_o2 = "Anthropic upstream → Anthropic client", "→ OpenAI client"
+    sections = [
+        _INTRO,
+        _table("OpenAI chat completions request (`POST /v1/chat/completions`)", OPENAI_REQUEST, o2o, o2a),
+        _table("OpenAI request: messages, content parts and tools", OPENAI_PARTS, o2o, o2a),
+        _table("Anthropic Messages request (`POST /v1/messages`)", ANTHROPIC_REQUEST, a2a, a2o),
+        _table("Anthropic request: system, content blocks and tools", ANTHROPIC_PARTS, a2a, a2o),
+        _table("OpenAI chat completion response (and chunks)", OPENAI_RESPONSE, up_o, up_a),
+        _table("Anthropic Message response (and stream events)", ANTHROPIC_RESPONSE, up_a2, up_o2),
+        _table("Request headers", HEADERS, "same wire", "other wire"),
+        "## Response headers\n\nPassed back to the client from the upstream that answered: "
+        + ", ".join(f"`{h}`" for h in RESPONSE_HEADERS) + ", and every `x-ratelimit-*` and "
+        "`anthropic-ratelimit-*` header.\n",
+        "## `POST /v1/messages/count_tokens`\n\nForwarded to Anthropic upstreams (body as sent, model "
+        "renamed); counted with the model's own tokenizer for local models (`provider: local`); "
+        "otherwise a 400 saying that counting is not available for that model.\n",
+    ]
+    return "\n".join(sections)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())
