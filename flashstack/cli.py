@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from flashstack.config import Config, ConfigError, ModelConfig, load_config
+from flashstack.gateway.redact import redact_url
 
 console = Console(stderr=True)
 
@@ -167,7 +168,7 @@ def _print_models(config: Config, host: str, port: int, from_file: bool, scheme:
     if not config.models:
         console.print("[yellow]no models configured[/yellow]")
     for m in config.models:
-        where = m.api_base or m.model
+        where = redact_url(m.api_base) if m.api_base else m.model  # an api_base may carry credentials
         note = f" — {m.description}" if m.description else ""
         console.print(f"  • [cyan]{m.name}[/cyan]  {m.provider}  {where}{note}")
     if not from_file:

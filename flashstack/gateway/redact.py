@@ -97,11 +97,20 @@ class Redactor:
 
 
 def secrets_of(models: Iterable[object], *extra: str | None) -> list[str]:
-    """Every credential in a set of ModelConfigs (api_key, api_base userinfo and query), plus `extra`."""
+    """What a set of ModelConfigs must never show a client, plus `extra`: each api_key, the
+    credentials in each api_base, and each api_base's host (an upstream may quote its own address)."""
     found: list[str] = [s for s in extra if s]
     for m in models:
-        found += [getattr(m, "api_key", None) or "", *url_secrets(getattr(m, "api_base", None))]
+        base = getattr(m, "api_base", None)
+        found += [getattr(m, "api_key", None) or "", *url_secrets(base), _host(base)]
     return [s for s in found if s]
+
+
+def _host(url: str | None) -> str:
+    try:
+        return urlsplit(url).netloc.rpartition("@")[2] if url else ""
+    except ValueError:
+        return ""
 
 
 def _masked_param(pair: str) -> str:

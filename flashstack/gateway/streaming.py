@@ -4,7 +4,8 @@ The client's socket is the backpressure: when the client reads slowly its socket
 `send` waits, the writer stops pulling events, and the upstream is not read. A wire that sends
 keep-alives while the upstream is quiet (Anthropic's pings) needs a reader running beside the
 writer; there a bounded queue between the two carries the backpressure instead. Either way memory
-stays bounded, whatever the upstream sends.
+stays bounded, whatever the upstream sends: the providers cap each line and event they read
+(router.upstream_limits.max_line_bytes, providers/http.py) and stop reading past it.
 """
 
 from __future__ import annotations
