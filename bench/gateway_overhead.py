@@ -140,6 +140,11 @@ def start_flashstack(port: int, mock: int, server: str = "uvicorn") -> Proc:
              "api_base": f"http://127.0.0.1:{mock}", "api_key": "sk-mock"},
         ],
     }))
+    if server == "uvicorn-unlimited":  # uvicorn's own httptools protocol, without gateway/server_limits.py
+        argv = [sys.executable, "-m", "uvicorn", "--http", "httptools", "--loop", "uvloop", "--host", "127.0.0.1",
+                "--port", str(port), "--no-access-log", "--log-level", "warning", "--timeout-keep-alive", "15",
+                "--app-dir", str(ROOT / "bench/gateway"), "asgi_app:app"]
+        return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)})
     if server == "granian":  # the comparison in docs/benchmarks.md; `flashstack serve` runs uvicorn
         argv = [str(Path(sys.executable).parent / "granian"), "--interface", "asgi", "--loop", "uvloop",
                 "--workers", "1", "--runtime-mode", "st", "--host", "127.0.0.1", "--port", str(port),
@@ -379,8 +384,9 @@ def main() -> None:
     p.add_argument("--only", choices=["flashstack", "litellm"], action="append", help="measure one gateway")
     p.add_argument("--chunks", type=int, default=20, help="content events per streamed response")
     p.add_argument("--gap-ms", type=float, default=1.0, help="mock's pause between streamed content events")
-    p.add_argument("--server", choices=["uvicorn", "granian"], default="uvicorn",
-                   help="flashstack's ASGI server (granian: `pip install granian` first; a comparison only)")
+    p.add_argument("--server", choices=["uvicorn", "uvicorn-unlimited", "granian"], default="uvicorn",
+                   help="flashstack's ASGI server (granian: `pip install granian` first; uvicorn-unlimited: "
+                        "without the server limits' protocol class; both comparisons only)")
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args()
     if os.cpu_count() is None or os.cpu_count() < 2:
