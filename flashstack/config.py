@@ -37,6 +37,10 @@ class ModelConfig(BaseModel):
     supports_images: bool = True
     context_window: int | None = None
     max_output_tokens: int | None = None
+    # Sampling for requests that set none (the local engine; OpenAI's default of temperature 1 makes
+    # a small model ramble, so the embedded SmolLM2 takes its model card's 0.2 / 0.9).
+    default_temperature: float | None = Field(None, ge=0)
+    default_top_p: float | None = Field(None, gt=0, le=1)
     weight: float = 1.0
     # Router (see RouterConfig): a stable deployment id, and where to go when this model fails.
     id: str | None = None  # default "<name>#<n>"; names the deployment in headers, metrics, Redis
