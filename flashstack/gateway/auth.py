@@ -24,7 +24,7 @@ import orjson
 
 from flashstack.config import AuthConfig
 from flashstack.gateway import tokens
-from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, invalid_request
+from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Usage, invalid_request
 from flashstack.gateway.sessions.db import Database, api_keys
 
 WINDOW = 60.0  # seconds: limits are per minute
@@ -270,6 +270,12 @@ class Reservation:
         self.settled = True
         await self.limiter.settle(self.key_id, self.hold, max(used, 0))
 
+    async def finish(self, usage: Usage, output_bytes: int) -> None:
+        """Settle a request that ended with its usage; an upstream that reported none is charged
+        the estimate of what it produced, not nothing."""
+        used = usage.input_tokens + usage.output_tokens
+        await self.settle(used or self.prompt_tokens + math.ceil(output_bytes / tokens.BYTES_PER_TOKEN))
+
     async def abandon(self, output_bytes: int) -> None:
         """Settle a request that ended without its usage: nothing if no output had gone out yet; after
         output began (a stream the client cancelled, or the upstream cut off), the whole hold, or what
@@ -435,9 +441,10 @@ class Auth:
     def check_model(self, caller: Caller, model: str) -> None:
         """403 if the key may not use `model`."""
         if not may_use(caller, model):
+            allowed = ", ".join(caller.models or ()) or "none"
             raise GatewayError(
                 ErrorKind.PERMISSION,
-                f"API key {caller.key_id} may not use model {model!r}; allowed: {', '.join(caller.models or ()) or 'none'}",
+                f"API key {caller.key_id} may not use model {model!r}; allowed: {allowed}",
                 param="model",
             )
 

@@ -43,6 +43,7 @@ from flashstack.gateway.core import (
     Usage,
     invalid_request,
 )
+from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.db import Database
 from flashstack.gateway.sessions.store import (
     Failure,
@@ -237,7 +238,7 @@ class Turn:
         if self.replay is not None:
             await self.reservation.settle(0)
             return
-        await self.reservation.settle(resp.usage.input_tokens + resp.usage.output_tokens)
+        await self.reservation.finish(resp.usage, self.output_bytes or _output_bytes(resp))
         if not self._claim():
             return
         try:
@@ -335,8 +336,7 @@ class Turn:
                 if isinstance(ev, Start):
                     start_usage = ev.usage
                 elif isinstance(ev, Finish):
-                    usage = _total(start_usage, ev.usage)
-                    await self.reservation.settle(usage.input_tokens + usage.output_tokens)
+                    await self.reservation.finish(_total(start_usage, ev.usage), self.output_bytes)
                 yield ev
         finally:
             # A stream cut short (the client went away, the upstream broke off) settles here.
@@ -427,6 +427,11 @@ class _ReplyBuilder:
         return ChatResponse(self.id, self.model, content, finish.stop_reason, usage, finish.stop_sequence)
 
 
+def _output_bytes(resp: ChatResponse) -> int:
+    """The size of a whole reply's content: what it is charged by when its upstream reported no usage."""
+    return len(orjson.dumps(codec.parts_json(resp.content)))
+
+
 def _total(start: Usage, finish: Usage) -> Usage:
     """The finish's totals, with the input count from the start where the finish lacks it."""
     if finish.input_tokens or not start.input_tokens:
@@ -444,7 +449,7 @@ class MeteredRouter:
 
     async def complete(self, request: Any, *args: Any) -> ChatResponse:
         resp = await self.router.complete(request, *args)
-        await self.reservation.settle(resp.usage.input_tokens + resp.usage.output_tokens)
+        await self.reservation.finish(resp.usage, _output_bytes(resp))
         return resp
 
     async def open_stream(self, request: Any, *args: Any) -> AsyncIterator[Event]:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from flashstack.gateway.auth import Hold, LocalLimiter, RedisLimiter, Reservation, request_tokens
-from flashstack.gateway.core import ChatRequest, Message, Text
+from flashstack.gateway.core import ChatRequest, Message, Text, Usage
 from tests.gateway.sessions.support import (
     MASTER_KEY,
     REDIS_URL,
@@ -55,7 +55,8 @@ def test_guarded_routes_refuse_without_a_valid_key(gw, path, key):
     assert "gpt" not in r.text and "deployment" not in r.text  # nothing about the models leaks
     r = httpx.get(gw.url + path, headers={**auth_headers(key), **ANTHROPIC})
     assert r.status_code == 401
-    assert r.json() == {"type": "error", "error": {"type": "authentication_error", "message": r.json()["error"]["message"]}}
+    message = r.json()["error"]["message"]
+    assert r.json() == {"type": "error", "error": {"type": "authentication_error", "message": message}}
     # Liveness alone answers anyone; a valid key gets the route.
     assert httpx.get(gw.url + "/health/liveness").json() == {"status": "ok"}
     assert httpx.get(gw.url + path, headers=auth_headers(MASTER_KEY)).status_code == 200
@@ -293,3 +294,14 @@ async def test_concurrent_streams_across_two_gateways_sharing_redis(upstreams, t
     finally:
         for g in gateways:
             g.stop()
+
+
+async def test_a_reply_without_usage_is_charged_its_estimate():
+    # An upstream that reports no usage does not make its tokens free.
+    limiter = LocalLimiter()
+    reservation = Reservation(limiter, "k", _hold(25), prompt_tokens=5)
+    assert await limiter.admit("k", None, 30, reservation.hold) is None
+    await reservation.finish(Usage(), output_bytes=72)  # 5 + 72 / 3.6 = 25 tokens
+    assert limiter._tokens["k"][-1][1] == 25 and not limiter._holds["k"]
+    assert await limiter.admit("k", None, 30, _hold(6)) is not None
+    assert await limiter.admit("k", None, 30, _hold(5)) is None
