@@ -132,3 +132,38 @@ def test_bad_gguf_is_a_config_error_before_serving(tmp_path) -> None:
         said = " ".join(done.stderr.split())  # the console wraps long lines
         assert f"{bad}: not a readable GGUF file" in said and "truncated or corrupt" in said
         assert "Traceback" not in said
+
+
+def test_model_flag_takes_a_gguf_file(monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    (cfg,) = resolve_config(None, [smollm2_path()]).models
+    assert (cfg.name, cfg.provider, cfg.model) == ("SmolLM2-135M-Instruct.Q4_1", "local", str(smollm2_path()))
+
+
+def test_engine_serve_takes_a_gguf_file(tmp_path) -> None:
+    """`flashstack engine serve --model x.gguf`: the engine alone, named after the file."""
+    port = free_port()
+    log = tmp_path / "engine.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashstack.cli", "engine", "serve", "--model", str(smollm2_path()),
+         "--port", str(port), "--device", "cpu"],
+        cwd=tmp_path, env=_bare_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct.Q4_1"]
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, temperature=0,
+                                           max_tokens=24)
+        assert "Paris" in r.choices[0].message.content
+    finally:
+        proc.terminate()
+        proc.wait(10)
