@@ -64,3 +64,13 @@ def test_the_start_up_banner_shows_no_credential():
     assert "proxy.internal:8080" in out and "proxied" in out
     for secret in ("alice", "s3cret-pw", "sas-sig-77", "tok-9a8b", "azure-secret-31f"):
         assert secret not in out, secret
+
+
+def test_httpx_request_logs_lose_the_api_base_query_credentials(caplog):
+    import logging
+
+    import flashstack.gateway.providers.http  # noqa: F401 - installs the filter on httpx's logger
+
+    caplog.set_level(logging.INFO, logger="httpx")
+    logging.getLogger("httpx").info('HTTP Request: %s %s "%s"', "POST", AZURE + "/chat/completions", "HTTP/1.1 200 OK")
+    assert "azure-secret-31f" not in caplog.text and "api-version=2024-06-01" in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -21,7 +22,7 @@ from flashstack.gateway import overhead
 from flashstack.gateway.core import ErrorKind, GatewayError, error_for_status
 from flashstack.gateway.providers.aiohttp_transport import AiohttpTransport, as_httpx
 from flashstack.gateway.providers.upstream import ErrorDecoder, Upstream
-from flashstack.gateway.redact import split_userinfo
+from flashstack.gateway.redact import Redactor, split_userinfo
 from flashstack.gateway.tls import upstream_ssl_context
 
 
@@ -290,22 +291,20 @@ class LineSplitter:
         if b"\r" in chunk:
             self._after_cr = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        pieces = chunk.split(b"\n")
-        if len(pieces) == 1:
-            self._hold(chunk)
-            return []
-        first = pieces[0]
-        if self._parts:
-            self._hold(first)
-            first = b"".join(self._parts)
-        elif len(first) > self._max:
-            raise LineTooLong
-        out = [first, *pieces[1:-1]]
-        if len(pieces) > 2 and max(map(len, pieces[1:-1])) > self._max:
-            raise LineTooLong
-        self._parts, self._size = [], 0
-        self._hold(pieces[-1])
-        return out
+        lines = chunk.split(b"\n")
+        rest = lines.pop()
+        if lines:
+            if self._parts:  # the first line began in an earlier read: joined once, now it ends
+                if self._size + len(lines[0]) > self._max:
+                    raise LineTooLong
+                self._parts.append(lines[0])
+                lines[0] = b"".join(self._parts)
+                self._parts, self._size = [], 0
+            # Only a read longer than the cap can hold a whole line longer than it.
+            if len(chunk) > self._max and max(map(len, lines)) > self._max:
+                raise LineTooLong
+        self._hold(rest)
+        return lines
 
     def _hold(self, piece: bytes) -> None:
         if piece:
@@ -392,4 +391,17 @@ def event_json(data: bytes, upstream: Upstream, what: str) -> dict[str, Any]:
     return obj
 
 
+class _MaskedURLs(logging.Filter):
+    """httpx logs every request's URL at INFO: the query an api_base carries (Azure's `api-key`) is masked."""
+
+    _redact = Redactor()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "://" in message:
+            record.msg, record.args = self._redact(message), ()
+        return True
+
+
 _JSON = {"content-type": "application/json"}
+logging.getLogger("httpx").addFilter(_MaskedURLs())
