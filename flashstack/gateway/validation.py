@@ -102,6 +102,12 @@ def check_request(req: ChatRequest) -> None:
             f"response_format.json_schema.schema is not a valid JSON Schema: {e.message}",
             "response_format.json_schema.schema",
         ) from None
+    except RecursionError:  # jsonschema recurses a dozen frames per level: ~99 nested properties
+        raise invalid_request(
+            "response_format.json_schema.schema nests too deeply to be checked; flatten it (or lower "
+            "server.max_json_depth, so that such schemas are refused on arrival)",
+            "response_format.json_schema.schema",
+        ) from None
 
 
 def check_output(rf: ResponseFormat | None, text: str) -> None:
@@ -118,7 +124,10 @@ def check_output(rf: ResponseFormat | None, text: str) -> None:
         return
     import jsonschema
     validator = jsonschema.validators.validator_for(rf.schema)(rf.schema)
-    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    try:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except RecursionError:
+        raise _violation("the model's output nests too deeply to be checked against the schema") from None
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(root)"
         raise _violation(f"the model's output does not match the response_format schema at {where}: {error.message}")

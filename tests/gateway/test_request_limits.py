@@ -187,3 +187,20 @@ def test_stored_turn_errors_carry_no_internal_detail():
     assert cancelled.message == "the client went away before the reply was complete"
     internal = _failure(KeyError("/etc/flashstack/secret.yaml"))
     assert "secret" not in internal.message and "KeyError" not in internal.message
+
+
+def test_a_schema_too_deep_for_jsonschema_is_a_400_even_under_a_raised_limit(upstreams):
+    config = gateway_config(upstreams)
+    config.server.max_json_depth = 200
+    server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
+    try:
+        schema: dict = {"type": "string"}
+        for _ in range(98):  # 200 levels: inside the limit, past what jsonschema's recursion can check
+            schema = {"type": "object", "properties": {"a": schema}}
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        r = httpx.post(server.url + "/v1/chat/completions", json={**OK_OPENAI, "response_format": rf}, timeout=20)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+        assert httpx.post(server.url + "/v1/chat/completions", json=OK_OPENAI, timeout=20).status_code == 200
+    finally:
+        server.stop()

@@ -63,7 +63,7 @@ def post(url: str, messages: list[dict]) -> httpx.Response:
 @pytest.fixture(scope="module")
 def budgeted(upstreams):
     # Room for an ordinary cold 40-turn history (~3.2 k word pieces), not for 300 messages of new words
-    # (~150 k: 20–40 s of both cores without a budget).
+    # (their chunks alone are 153.6 k: ~8–20 s of both cores without a budget).
     server = gateway_for(upstreams, preload=True, max_embed_tokens=8_000, max_plan_seconds=8)
     assert server.app.state.compressor.wait_loaded(60)
     yield server
@@ -71,7 +71,7 @@ def budgeted(upstreams):
 
 
 def test_a_pathological_request_is_truncated_within_its_budget(budgeted):
-    messages = [*pathological(), *TAIL]  # ~90 k words, 2.4 MB
+    messages = [*pathological(), *TAIL]  # 90 k new words, 0.7 MB
     before, wall, cpu = rss_mb(), time.monotonic(), time.process_time()
     r = post(budgeted.url, messages)
     wall, cpu = time.monotonic() - wall, time.process_time() - cpu
