@@ -1,6 +1,7 @@
 """An upstream that attacks the gateway: it echoes credentials, refuses them, floods, and lies about shapes.
 
-It speaks both the OpenAI (`/v1/chat/completions`) and the Anthropic (`/v1/messages`) wire, and does
+It speaks the OpenAI (`/v1/chat/completions`), Anthropic (`/v1/messages`) and Ollama (`/api/chat`,
+NDJSON streams) wires, and does
 what the last user text asks with `[[hostile:MODE]]` or `[[hostile:MODE:BYTES]]`; without one it
 answers normally ("echo: <text>"), so the same gateway proves it still works after each attack.
 
@@ -43,6 +44,8 @@ def create_app(require: dict[str, str] | None = None, require_query: dict[str, s
         Route("/v1/chat/completions", _openai, methods=["POST"]),
         Route("/v1/messages", _anthropic, methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
+        Route("/api/chat", _ollama, methods=["POST"]),
+        Route("/api/tags", _tags, methods=["GET"]),
     ])
     app.state.sent = {}
     app.state.credentials = []
@@ -55,6 +58,14 @@ async def _models(request: Request) -> Response:
     if not _authorized(request):
         return _error("openai", 401, f"bad credentials: {_quote(request)}")
     return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+
+async def _tags(request: Request) -> Response:
+    return JSONResponse({"models": [{"name": "m", "model": "m"}]})
+
+
+async def _ollama(request: Request) -> Response:
+    return await _serve(request, "ollama")
 
 
 async def _openai(request: Request) -> Response:
@@ -130,6 +141,8 @@ def _last_text(body: dict[str, Any]) -> str:
 
 
 def _error(wire: str, status: int, message: str) -> Response:
+    if wire == "ollama":
+        return JSONResponse({"error": message}, status)
     if wire == "openai":
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": None}}, status)
     kind = {401: "authentication_error", 403: "permission_error", 400: "invalid_request_error"}.get(status, "api_error")
@@ -189,7 +202,19 @@ def _event(data: Any, name: str | None = None) -> bytes:
     return (head + "data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n").encode()
 
 
+def _ollama_line(text: str, done: bool) -> dict[str, Any]:
+    line = {"model": "m", "created_at": "2026-01-01T00:00:00Z", "message": {"role": "assistant", "content": text},
+            "done": done}
+    return {**line, "done_reason": "stop", "prompt_eval_count": 1, "eval_count": 2} if done else line
+
+
+def _ndjson(obj: Any) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
 def _normal_body(wire: str, text: str) -> dict[str, Any]:
+    if wire == "ollama":
+        return _ollama_line(text, True)
     if wire == "openai":
         return {"id": "chatcmpl-h", "object": "chat.completion", "created": 1, "model": "m",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
@@ -200,6 +225,8 @@ def _normal_body(wire: str, text: str) -> dict[str, Any]:
 
 
 def _normal_stream(wire: str, text: str, end: bool = True) -> list[bytes]:
+    if wire == "ollama":
+        return [_ndjson(_ollama_line(text, False))] + ([_ndjson(_ollama_line("", True))] if end else [])
     if wire == "openai":
         chunk = {"id": "chatcmpl-h", "object": "chat.completion.chunk", "created": 1, "model": "m"}
         events = [_event({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}]})]
@@ -223,24 +250,32 @@ def _normal_stream(wire: str, text: str, end: bool = True) -> list[bytes]:
 
 
 def _late_error(wire: str, quote: str) -> bytes:
+    if wire == "ollama":
+        return _ndjson({"error": f"upstream failed for {quote}"})
     if wire == "openai":
         return _event({"error": {"message": f"upstream failed for {quote}", "type": "server_error"}})
     return _event({"type": "error", "error": {"type": "authentication_error", "message": f"key {quote}"}}, "error")
 
 
 def _empty_stream(wire: str) -> list[bytes]:
+    if wire == "ollama":
+        return [b"{}\n", b"{}\n"]
     if wire == "openai":
         return [_event({}), _event({}), _event("[DONE]")]
     return [_event({}, "message_start"), _event({}, "content_block_delta"), _event({}, "message_stop")]
 
 
 def _wrong_stream(wire: str) -> list[bytes]:
+    if wire == "ollama":
+        return [_ndjson({"model": "m", "message": {"role": "assistant", "content": 5}, "done": False})]
     if wire == "openai":
         return [_event({"id": "c", "choices": [{"index": 0, "delta": "not an object"}]}), _event("[DONE]")]
     return [_event({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "x"}}, "content_block_delta")]
 
 
 def _wrong_body(wire: str) -> dict[str, Any]:
+    if wire == "ollama":
+        return {"model": "m", "message": "not an object", "done": True}
     if wire == "openai":
         return {"id": "c", "choices": [{"index": 0, "message": {"role": "assistant", "content": ["not", "a string"]}}]}
     return {"id": "m", "type": "message", "content": "not a list", "stop_reason": "end_turn"}

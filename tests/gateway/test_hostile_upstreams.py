@@ -31,7 +31,9 @@ SECRETS = [OAI_KEY, ANT_KEY, PROXY_PASS, QUERY_KEY, BASIC]
 LIMITS = UpstreamLimits(max_body_bytes=1 << 20, max_error_bytes=64 << 10, max_line_bytes=256 << 10)
 FLOOD = 256 << 20  # what a flooding upstream offers: far past every cap
 EXCERPT_MAX = LIMITS.error_excerpt_chars + 512  # an excerpt plus the gateway's own words
-MODELS = ["oai", "ant", "basic"]  # OpenAI-format upstream, Anthropic-format, OpenAI behind basic auth + ?api-key
+# OpenAI-format upstream, Anthropic-format, Ollama (NDJSON streams), OpenAI behind basic auth and ?api-key.
+MODELS = ["oai", "ant", "oll", "basic"]
+UPSTREAM_FORMATS = ["oai", "ant", "oll"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,7 @@ def _config(hostile, **router) -> Config:
     models = [
         ModelConfig(name="oai", provider="openai", model="m", api_base=plain.url + "/v1", api_key=OAI_KEY),
         ModelConfig(name="ant", provider="anthropic", model="m", api_base=plain.url, api_key=ANT_KEY),
+        ModelConfig(name="oll", provider="ollama", model="m", api_base=plain.url),
         ModelConfig(name="basic", provider="openai", model="m",
                     api_base=f"http://{PROXY_USER}:{PROXY_PASS}@{guarded.host}:{guarded.port}/v1?api-key={QUERY_KEY}"),
     ]
@@ -127,7 +130,7 @@ matrix = pytest.mark.parametrize("wire,model,stream", [
     (w, m, s) for w in WIRES for m in MODELS for s in (False, True)])
 # Attacks on what the upstream sends back: "basic" is the same OpenAI-format upstream as "oai".
 formats = pytest.mark.parametrize("wire,model,stream", [
-    (w, m, s) for w in WIRES for m in ("oai", "ant") for s in (False, True)])
+    (w, m, s) for w in WIRES for m in UPSTREAM_FORMATS for s in (False, True)])
 
 
 @matrix
@@ -167,8 +170,8 @@ FLOODS = [
 
 
 @pytest.mark.parametrize("wire", WIRES)
-@pytest.mark.parametrize("model", ["oai", "ant"])
-@pytest.mark.parametrize("mode,stream,status", FLOODS)
+@pytest.mark.parametrize("model,mode,stream,status", [  # NDJSON (oll) has no events: its flood is giant_line
+    (m, *flood) for m in UPSTREAM_FORMATS for flood in FLOODS if not (m == "oll" and flood[0] == "giant_event")])
 def test_floods_are_cut_off_while_reading_with_bounded_memory(gw, hostile, wire, model, mode, stream, status):
     before = _rss()
     e, message = _refused(gw, wire, model, f"[[hostile:{mode}:{FLOOD}]]", stream, hostile)
@@ -199,7 +202,7 @@ def _stream_raw(gw, wire: str, model: str, text: str) -> httpx.Response:
 
 
 @pytest.mark.parametrize("wire", WIRES)
-@pytest.mark.parametrize("model", ["oai", "ant"])
+@pytest.mark.parametrize("model", UPSTREAM_FORMATS)
 @pytest.mark.parametrize("mode", ["late_echo", f"late_giant_line:{FLOOD}"])
 def test_failures_after_the_first_token_are_error_events_without_secrets(gw, hostile, wire, model, mode):
     r = _stream_raw(gw, wire, model, f"[[hostile:{mode}]]")
@@ -239,7 +242,7 @@ def test_readiness_names_no_address_and_no_credential(gw, hostile):
     assert r.status_code == 200, r.text  # the basic-auth deployment's probe passes too
     _assert_clean(r.text, hostile)
     assert "127.0.0.1" not in r.text
-    assert {d["deployment"] for deps in r.json()["models"].values() for d in deps} == {"oai#0", "ant#0", "basic#0"}
+    assert {d["deployment"] for deps in r.json()["models"].values() for d in deps} == {f"{m}#0" for m in MODELS}
 
 
 def test_line_splitter_is_linear_in_a_long_line_fed_in_small_pieces():
