@@ -58,16 +58,18 @@ class ConnectionLimits:
     body_timeout: float
     body_min_rate: float
     max_connections: int
+    overflow: int  # connections above max_connections still accepted, to be told 503
 
     @classmethod
-    def from_config(cls, server: ServerConfig) -> ConnectionLimits:
+    def from_config(cls, server: ServerConfig, descriptors_for: int | None = None) -> ConnectionLimits:
+        """The server's limits; with `descriptors_for`, the connections shrunk to fit that many."""
+        cap = server.max_connections
+        overflow = max(64, cap // 8)
+        if descriptors_for is not None and descriptors_for < cap + overflow:
+            cap = max(1, descriptors_for * 8 // 9)
+            overflow = max(0, descriptors_for - cap)
         return cls(server.max_header_bytes, server.header_timeout, server.body_timeout,
-                   server.body_min_rate, server.max_connections)
-
-    @property
-    def overflow(self) -> int:
-        """Connections above max_connections that are still accepted, to be told 503."""
-        return max(64, self.max_connections // 8)
+                   server.body_min_rate, cap, overflow)
 
     @property
     def body_window_bytes(self) -> int:
@@ -76,11 +78,8 @@ class ConnectionLimits:
 
 def uvicorn_options(server: ServerConfig, tls: ServerTLS | None = None) -> dict[str, Any]:
     """Keyword arguments for `uvicorn.Config` that serve with these limits (and `tls`, started)."""
-    limits = ConnectionLimits.from_config(server)
-    capped = fit_descriptor_limit(limits.max_connections + limits.overflow)
-    if capped < limits.max_connections + limits.overflow:
-        limits = ConnectionLimits(limits.max_header_bytes, limits.header_timeout, limits.body_timeout,
-                                  limits.body_min_rate, max(1, capped * 8 // 9))
+    wanted = ConnectionLimits.from_config(server)
+    limits = ConnectionLimits.from_config(server, fit_descriptor_limit(wanted.max_connections + wanted.overflow))
     protocol = limited_protocol(limits)
     options: dict[str, Any] = {"http": protocol, "timeout_keep_alive": server.keep_alive_timeout}
     if tls is not None:
@@ -267,12 +266,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Answer `err` (unless a response has begun), end the request, close lingering."""
         self._refused = True
         self._disarm()
-        cycle = self.cycle
-        started = cycle is not None and cycle.response_started
-        if cycle is not None and not cycle.response_complete:
+        cycle = self.cycle  # on a keep-alive connection, maybe the previous request's, complete
+        in_flight = cycle is not None and not cycle.response_complete
+        if in_flight:
             cycle.disconnected = True  # the app's receive() sees a disconnect, its sends are dropped
             cycle.message_event.set()
-        if not started:
+        if not (in_flight and cycle.response_started):
             self.transport.write(self._error_bytes(err))
         self._linger()
 

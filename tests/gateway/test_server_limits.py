@@ -7,8 +7,11 @@ normal request succeeds right after. Limits are small here so that each test tak
 from __future__ import annotations
 
 import gzip
+import resource
 import select
 import socket
+import subprocess
+import sys
 import time
 import zlib
 
@@ -157,6 +160,16 @@ def test_many_headers_count_towards_the_limit(gateway, still_serves):
         Reply(read_all(s)).openai_error("16384 bytes")
 
 
+def test_oversized_second_request_on_a_keep_alive_connection_gets_431(gateway, still_serves):
+    with connect(gateway) as s:
+        s.sendall(b"GET /health/liveness HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n")
+        reply = Reply(read_all(s))
+    assert reply.status == 431
+    reply.openai_error("server.max_header_bytes")
+
+
 def test_headers_under_the_limit_pass(gateway):
     with httpx.Client(base_url=gateway.url, timeout=5) as c:
         r = c.post("/v1/chat/completions", content=OK_OPENAI,
@@ -262,6 +275,38 @@ def test_connections_past_the_cap_get_503_then_nothing_and_fds_stay_bounded(capp
     with httpx.Client(base_url=capped.url, timeout=5) as c:
         assert c.get("/v1/models").status_code == 200
     assert psutil.Process().num_fds() - fds < 10
+
+
+def test_a_low_descriptor_limit_shrinks_the_connection_cap_with_a_warning():
+    # In a child process: it lowers its own hard RLIMIT_NOFILE, which cannot be raised again.
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (600, 600))
+from flashstack.config import ServerConfig
+from flashstack.gateway.server_limits import uvicorn_options
+limits = uvicorn_options(ServerConfig(max_connections=4096))["http"].limits
+print(limits.max_connections, limits.overflow, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    cap, overflow, soft = map(int, out.stdout.split())
+    assert cap + overflow == (600 - 256) // 2 and cap >= 7 * overflow > 0 and soft == 600
+    assert "ulimit -n" in out.stderr and "server.max_connections" in out.stderr
+
+
+def test_the_descriptor_limit_is_raised_to_what_the_cap_needs():
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 20000))
+from flashstack.config import ServerConfig
+from flashstack.gateway.server_limits import uvicorn_options
+limits = uvicorn_options(ServerConfig(max_connections=1000))["http"].limits
+print(limits.max_connections, limits.overflow, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] not in (resource.RLIM_INFINITY,) and \
+            resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 20000:
+        pytest.skip("this machine's hard descriptor limit is below 20000")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["1000", "125", str(256 + 2 * 1125)]
 
 
 # ---- protocol errors and content encoding ---------------------------------------------------

@@ -38,10 +38,15 @@ def _tls_socket(gateway) -> ssl.SSLSocket:
 
 
 def _read_all(s: ssl.SSLSocket) -> bytes:
+    """Until the close, or until a reply's Content-Length is in (TLS has no half-close to wait for)."""
     out = b""
     try:
         while chunk := s.recv(65536):
             out += chunk
+            head, sep, body = out.partition(b"\r\n\r\n")
+            length = [line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+            if sep and length and len(body) >= int(length[0]):
+                break
     except (ConnectionResetError, ssl.SSLError):
         pass
     return out
