@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -59,6 +60,15 @@ class ModelConfig(BaseModel):
     @classmethod
     def _strip_slash(cls, v: str | None) -> str | None:
         return v.rstrip("/") if v else v
+
+    def check_credentials(self) -> None:
+        """A `user:password@` api_base is sent as basic auth: with an OpenAI api_key both would be the
+        Authorization header. Raised without the URL, which holds the password."""
+        if self.provider == "openai" and self.api_key and self.api_base and "@" in urlsplit(self.api_base).netloc:
+            raise ConfigError(
+                f"model {self.name!r}: api_base carries credentials (user:password@) and api_key is set too; "
+                "both would be the Authorization header. Keep the key in api_key, or the proxy's "
+                "credentials in api_base, not both")
 
 
 # ---- TLS (gateway/tls.py, gateway/pki.py) ---------------------------------------------------
@@ -373,6 +383,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> Config:
     data = resolve_env_refs(data)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return Config(**data)
+        config = Config(**data)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from e
+    for m in config.models:
+        m.check_credentials()
+    return config

@@ -74,3 +74,15 @@ def test_httpx_request_logs_lose_the_api_base_query_credentials(caplog):
     caplog.set_level(logging.INFO, logger="httpx")
     logging.getLogger("httpx").info('HTTP Request: %s %s "%s"', "POST", AZURE + "/chat/completions", "HTTP/1.1 200 OK")
     assert "azure-secret-31f" not in caplog.text and "api-version=2024-06-01" in caplog.text
+
+
+def test_userinfo_with_an_api_key_is_refused_by_load_config(tmp_path):
+    from flashstack.config import load_config
+
+    path = tmp_path / "flashstack.yaml"
+    path.write_text(f"models:\n  - {{name: proxied, provider: openai, model: m, api_key: k, api_base: '{PROXY}'}}\n")
+    with pytest.raises(ConfigError, match="model 'proxied'") as exc:
+        load_config(path)
+    assert "s3cret-pw" not in str(exc.value)
+    path.write_text(f"models:\n  - {{name: proxied, provider: anthropic, model: m, api_key: k, api_base: '{PROXY}'}}\n")
+    assert load_config(path).models[0].api_key == "k"  # x-api-key and basic auth go together

@@ -17,7 +17,7 @@ import httpx
 import orjson
 
 from flashstack import __version__
-from flashstack.config import ConfigError, ModelConfig
+from flashstack.config import ModelConfig
 from flashstack.gateway import overhead
 from flashstack.gateway.core import ErrorKind, GatewayError, error_for_status
 from flashstack.gateway.providers.aiohttp_transport import AiohttpTransport, as_httpx
@@ -104,13 +104,9 @@ class Client:
 
 def _split_base(cfg: ModelConfig, headers: dict[str, str]) -> tuple[str, list[tuple[str, str]], dict[str, str]]:
     """(base URL without userinfo or query, the query's pairs, headers with basic auth from the userinfo)."""
+    cfg.check_credentials()  # load_config checked already; a config built in code is checked here
     base, user, password = split_userinfo(cfg.api_base or "")
     if user is not None:
-        if any(k.lower() == "authorization" for k in headers):
-            raise ConfigError(
-                f"model {cfg.name!r}: api_base carries credentials (user:password@) and api_key is set too; "
-                "both would be the Authorization header. Keep the key in api_key, or the proxy's "
-                "credentials in api_base, not both")
         token = base64.b64encode(f"{user}:{password or ''}".encode()).decode()
         headers = {**headers, "authorization": f"Basic {token}"}
     parts = urlsplit(base)
