@@ -447,6 +447,14 @@ def check_message_sizes(inputs: list[Message], limit: int) -> None:
             )
 
 
+def reply_too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        ErrorKind.UPSTREAM,
+        f"the model's reply is over the session message limit of {limit} bytes (store.max_message_bytes); "
+        "it was not stored — ask for a shorter one (max_tokens), or raise the limit",
+    )
+
+
 def check_metadata(metadata: Any) -> dict[str, str]:
     """OpenAI's metadata rules: at most 16 string pairs, keys ≤ 64 and values ≤ 512 characters."""
     if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:

@@ -50,6 +50,7 @@ from flashstack.gateway.sessions.store import (
     SessionStore,
     check_message_sizes,
     reply_from_json,
+    reply_too_large,
     session_busy,
 )
 
@@ -239,6 +240,8 @@ class Turn:
             await self.reservation.settle(0)
             return
         await self.reservation.finish(resp.usage, self.output_bytes or _output_bytes(resp))
+        if self.in_session and self._open and _output_bytes(resp) > self.sessions.config.max_message_bytes:
+            raise reply_too_large(self.sessions.config.max_message_bytes)  # the caller records the failure
         if not self._claim():
             return
         try:
@@ -346,13 +349,20 @@ class Turn:
     async def _watch(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         reply = _ReplyBuilder()
         try:
+            limit = self.sessions.config.max_message_bytes  # type: ignore[union-attr]
             async for ev in events:
                 reply.feed(ev)
                 self._count_output(ev)
+                if self.output_bytes > limit:  # stop before the reply outgrows what may be stored
+                    error = reply_too_large(limit)
+                    await _shielded(self.fail(error))
+                    yield Error(error)
+                    return
                 if isinstance(ev, Finish):
                     try:
                         await self.complete(reply.response(ev))
                     except GatewayError as e:
+                        await _shielded(self.fail(e))
                         yield Error(e)
                         return
                     except Exception:

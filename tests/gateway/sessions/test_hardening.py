@@ -80,9 +80,36 @@ def test_message_at_the_limit_is_stored(gw, store):
     key = create_key(gw.url, name="at-the-limit")["key"]
     sid = _session(gw, key).json()["id"]
     stored_overhead = len(orjson.dumps([{"type": "text", "text": ""}]))
-    r = _turn(gw, key, sid, "z" * (MESSAGE_LIMIT - stored_overhead))
-    assert r.status_code == 200, r.text
+    text = ("ab " * MESSAGE_LIMIT)[: MESSAGE_LIMIT - stored_overhead]
+    body = {"model": "gpt", "max_tokens": 2, "messages": [{"role": "user", "content": text}]}
+    headers = {**auth_headers(key), "X-Session-Id": sid}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=20)
+    assert r.status_code == 200, r.text  # (a short reply: the echo of it all would be over the limit)
     assert _stored(store, sid) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_reply_over_the_limit_is_not_stored(gw, store, upstreams, stream):
+    # A model that answers more than a session message may hold: an error in the caller's format,
+    # the user's message kept as incomplete, and a stream cut off (its upstream closed) at the limit.
+    key = create_key(gw.url, name="big-answers")["key"]
+    sid = _session(gw, key).json()["id"]
+    marker = uuid.uuid4().hex[:8]
+    body = {"model": "gpt", "stream": stream,
+            "messages": [{"role": "user", "content": f"[[big:{8 * MESSAGE_LIMIT}]] {marker}"}]}
+    headers = {**auth_headers(key), "X-Session-Id": sid}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=20) as r:
+        raw = r.read()
+    if stream:
+        assert r.status_code == 200 and b"store.max_message_bytes" in raw and b"[DONE]" not in raw
+        assert len(raw) < 3 * MESSAGE_LIMIT  # cut off near the limit, not relayed whole
+    else:
+        assert r.status_code == 502 and "store.max_message_bytes" in r.json()["error"]["message"]
+    rows = store.query("SELECT role, status, error FROM fs_messages WHERE session_id = ?", sid)
+    assert [(role, status) for role, status, _ in rows] == [("user", "incomplete")]
+    assert "store.max_message_bytes" in rows[0][2]
+    r = _turn(gw, key, sid, "short")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "echo: short"
 
 
 # ---- the history sent upstream ------------------------------------------------------------------
