@@ -152,6 +152,20 @@ def test_families_run_token_identical_to_transformers(family_gguf) -> None:
         assert out.token_ids == hf_greedy(model, prompt, 12), family
 
 
+def test_tensor_parallel_shards_a_gguf(tmp_path) -> None:
+    """Two CPU ranks (gloo) each dequantize the file and keep their slice: same tokens as one."""
+    model = _hf_model("llama")
+    path = write_gguf(tmp_path / "llama.gguf", "llama", model)
+    llm = LLM(path, device="cpu", dtype="float32", show_progress=False, block_size=8, tensor_parallel_size=2)
+    try:
+        prompts = [[3, 4, 5, 6, 7], [100 + i for i in range(21)]]
+        outs = llm.generate(prompts, greedy(8))
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+        assert llm.engine.model.model.layers[0].self_attn.q_proj.weight.shape == (2 * 16, 64)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_config_from_metadata(family_gguf) -> None:
     family, path, model = family_gguf
     cfg = GGUFCheckpoint.open(path).hf_config()
