@@ -17,7 +17,8 @@ import secrets
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
@@ -83,66 +84,81 @@ class Limiter(Protocol):
 
 
 class LocalLimiter:
-    """Sliding windows and holds in this process (a single gateway, or per-replica limits)."""
+    """Sliding windows and holds in this process (a single gateway, or per-replica limits).
+
+    Each key keeps running totals beside its entries, so an admission costs O(1) amortized however
+    busy the key: entries are added once and trimmed once.
+    """
 
     def __init__(self, window: float = WINDOW, hold_ttl: float = HOLD_TTL) -> None:
         self.window = window
         self.hold_ttl = hold_ttl
-        self._requests: dict[str, deque[float]] = {}
-        self._tokens: dict[str, deque[tuple[float, int]]] = {}
-        self._holds: dict[str, dict[str, tuple[float, int]]] = {}  # key → hold id → (expires, tokens)
+        self._keys: dict[str, _KeyWindow] = {}
 
     async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
         # No await in here: the check and the count are one step for every other task of this loop.
         now = time.monotonic()
-        start = now - self.window
-        requests = _trimmed(self._requests.setdefault(key_id, deque()), start)
-        if rpm is not None and len(requests) >= rpm:
-            return requests[0] + self.window - now
+        w = self._keys.setdefault(key_id, _KeyWindow())
+        w.trim(now - self.window, now)
+        if rpm is not None and len(w.requests) >= rpm:
+            return w.requests[0] + self.window - now
         need = hold.tokens if hold is not None else 0
         if tpm is not None:
-            tokens = _trimmed(self._tokens.setdefault(key_id, deque()), start)
-            wait = token_wait(list(tokens), self._held(key_id, now), need, tpm, now, self.window)
+            wait = token_wait(w.tokens, w.used, w.held, need, tpm, now, self.window)
             if wait is not None:
                 return wait
-        requests.append(now)
+        w.requests.append(now)
         if hold is not None and need > 0:
-            self._holds.setdefault(key_id, {})[hold.id] = (now + self.hold_ttl, need)
+            w.holds[hold.id] = (now + self.hold_ttl, need)
+            w.held += need
         return None
 
-    def _held(self, key_id: str, now: float) -> int:
-        holds = self._holds.get(key_id, {})
-        for hold_id in [h for h, (until, _) in holds.items() if until <= now]:  # a leak's safety net
-            del holds[hold_id]
-        return sum(n for _, n in holds.values())
-
     async def settle(self, key_id: str, hold: Hold, used: int) -> None:
-        self._holds.get(key_id, {}).pop(hold.id, None)
+        w = self._keys.setdefault(key_id, _KeyWindow())
+        _, held = w.holds.pop(hold.id, (0.0, 0))
+        w.held -= held
         if used > 0:
-            self._tokens.setdefault(key_id, deque()).append((time.monotonic(), used))
+            w.tokens.append((time.monotonic(), used))
+            w.used += used
+
+    def state(self, key_id: str) -> tuple[int, int]:
+        """(tokens held by requests in flight, tokens used in the window) of a key."""
+        w = self._keys.get(key_id, _KeyWindow())
+        now = time.monotonic()
+        w.trim(now - self.window, now)
+        return w.held, w.used
 
     async def aclose(self) -> None:
         pass
 
 
-def _trimmed(window: deque[Any], start: float) -> deque[Any]:
-    """Drop entries at or before `start`; entries are times or (time, tokens) pairs."""
-    while window and _time_of(window[0]) <= start:
-        window.popleft()
-    return window
+@dataclass(slots=True)
+class _KeyWindow:
+    requests: deque[float] = field(default_factory=deque)  # admission times
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)  # (settle time, tokens used)
+    used: int = 0  # the sum of `tokens`
+    holds: dict[str, tuple[float, int]] = field(default_factory=dict)  # hold id → (expires, tokens)
+    held: int = 0  # the sum of `holds`
 
-
-def _time_of(entry: float | tuple[float, int]) -> float:
-    return entry[0] if isinstance(entry, tuple) else entry
+    def trim(self, start: float, now: float) -> None:
+        """Drop what left the window at `start`, and holds past their expiry (a leak's safety net)."""
+        while self.requests and self.requests[0] <= start:
+            self.requests.popleft()
+        while self.tokens and self.tokens[0][0] <= start:
+            self.used -= self.tokens.popleft()[1]
+        if self.holds and min(until for until, _ in self.holds.values()) <= now:
+            for hold_id in [h for h, (until, _) in self.holds.items() if until <= now]:
+                self.held -= self.holds.pop(hold_id)[1]
 
 
 def token_wait(
-    entries: list[tuple[float, int]], held: int, need: int, tpm: int, now: float, window: float
+    entries: Iterable[tuple[float, int]], used: int, held: int, need: int, tpm: int, now: float, window: float
 ) -> float | None:
-    """None if `need` more tokens fit beside the window's `entries` and the `held` tokens within
-    `tpm`, else the seconds until enough entries leave the window (HOLD_RETRY when only requests in
-    flight, whose end no clock can tell, stand in the way). The Lua script below is the same rule."""
-    over = sum(n for _, n in entries) + held + need - tpm
+    """None if `need` more tokens fit within `tpm` beside the `used` tokens of the window's `entries`
+    (oldest first) and the `held` ones, else the seconds until enough entries leave the window
+    (HOLD_RETRY when only requests in flight, whose end no clock can tell, stand in the way).
+    The Lua script below is the same rule."""
+    over = used + held + need - tpm
     if over <= 0:
         return None
     if held + need > tpm:
@@ -154,55 +170,86 @@ def token_wait(
     return window
 
 
-# KEYS: requests zset (score: time), tokens zset (score: time; member id:tokens), holds zset
-# (score: expiry; member id:tokens). ARGV: rpm (0 = none), tpm (0 = none), window ms, request
-# member, hold member ('' = none), hold tokens, hold ttl ms. Redis' own clock, so replicas with
-# skewed clocks still share one window; one script, so the check and the count are one step.
-_ADMIT = """
+# Per key, under one hash tag: `req` (zset, admission times), `tok` (zset, settle times; member
+# id:tokens), `hold` (zset, expiry times; member id:tokens) and `sum` (hash: `tok` and `hold`, the
+# running totals, so an admission never sums the window). All four share one expiry; a set that
+# vanished (evicted) zeroes its total, a total that vanished is recounted once.
+_LUA_HELPERS = """
+local function tokens_of(m) return tonumber(string.match(m, ':(%d+)$')) end
+local function total(zkey, field)
+  if redis.call('EXISTS', zkey) == 0 then redis.call('HSET', KEYS[4], field, 0) return 0 end
+  local v = redis.call('HGET', KEYS[4], field)
+  if v then return tonumber(v) end
+  local n = 0
+  for _, m in ipairs(redis.call('ZRANGE', zkey, 0, -1)) do n = n + tokens_of(m) end
+  redis.call('HSET', KEYS[4], field, n)
+  return n
+end
+local function drain(zkey, field, upto, n)
+  local gone = redis.call('ZRANGEBYSCORE', zkey, '-inf', upto)
+  for _, m in ipairs(gone) do n = n - tokens_of(m) end
+  if #gone > 0 then
+    redis.call('ZREMRANGEBYSCORE', zkey, '-inf', upto)
+    redis.call('HSET', KEYS[4], field, n)
+  end
+  return n
+end
+local function touch(ttl)
+  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ttl) end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rpm, tpm, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local need = tonumber(ARGV[6])
+"""
+
+# KEYS: req, tok, hold, sum. ARGV: rpm (0 = none), tpm (0 = none), window ms, request member, hold
+# member ('' = none), hold tokens, hold ttl ms, HOLD_RETRY ms, key ttl ms. Redis' own clock, so replicas with
+# skewed clocks still share one window; one script, so the check and the count are one step.
+_ADMIT = _LUA_HELPERS + """
+local rpm, tpm, window, need = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 if rpm > 0 and redis.call('ZCARD', KEYS[1]) >= rpm then
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   return tostring(tonumber(oldest[2]) + window - now)
 end
+local held = drain(KEYS[3], 'hold', now, total(KEYS[3], 'hold'))
 if tpm > 0 then
-  local held = 0
-  for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do held = held + tonumber(string.match(m, ':(%d+)$')) end
-  local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-  local over = held + need - tpm
-  for i = 1, #entries, 2 do over = over + tonumber(string.match(entries[i], ':(%d+)$')) end
+  local used = drain(KEYS[2], 'tok', now - window, total(KEYS[2], 'tok'))
+  local over = used + held + need - tpm
   if over > 0 then
     if held + need > tpm then return ARGV[8] end
-    for i = 1, #entries, 2 do
-      over = over - tonumber(string.match(entries[i], ':(%d+)$'))
-      if over <= 0 then return tostring(tonumber(entries[i + 1]) + window - now) end
+    local start = 0
+    while true do  -- oldest first, a page at a time: most refusals need only the first few
+      local page = redis.call('ZRANGE', KEYS[2], start, start + 63, 'WITHSCORES')
+      if #page == 0 then return tostring(window) end
+      for i = 1, #page, 2 do
+        over = over - tokens_of(page[i])
+        if over <= 0 then return tostring(tonumber(page[i + 1]) + window - now) end
+      end
+      start = start + 64
     end
-    return tostring(window)
   end
 end
 redis.call('ZADD', KEYS[1], now, ARGV[4])
-redis.call('PEXPIRE', KEYS[1], window)
 if ARGV[5] ~= '' and need > 0 then
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[7]), ARGV[5])
-  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[7]))
+  redis.call('HSET', KEYS[4], 'hold', held + need)
 end
+touch(tonumber(ARGV[9]))
 return false
 """
 
-# KEYS: holds zset, tokens zset. ARGV: hold member, used member ('' = none), window ms.
-_SETTLE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREM', KEYS[1], ARGV[1])
-if ARGV[2] ~= '' then
-  redis.call('ZADD', KEYS[2], now, ARGV[2])
-  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]))
+# KEYS: req, tok, hold, sum. ARGV: hold member, used member ('' = none), key ttl ms.
+_SETTLE = _LUA_HELPERS + """
+local held = total(KEYS[3], 'hold')
+if redis.call('ZREM', KEYS[3], ARGV[1]) == 1 then
+  redis.call('HSET', KEYS[4], 'hold', held - tokens_of(ARGV[1]))
 end
+if ARGV[2] ~= '' then
+  local used = total(KEYS[2], 'tok')
+  redis.call('ZADD', KEYS[2], now, ARGV[2])
+  redis.call('HSET', KEYS[4], 'tok', used + tokens_of(ARGV[2]))
+end
+touch(tonumber(ARGV[3]))
 return 1
 """
 
@@ -217,24 +264,24 @@ class RedisLimiter:
         self.prefix = prefix
         self.window_ms = int(window * 1000)
         self.hold_ttl_ms = int(hold_ttl * 1000)
+        self.key_ttl_ms = max(self.window_ms, self.hold_ttl_ms)
         self._admit = self.redis.register_script(_ADMIT)
         self._settle = self.redis.register_script(_SETTLE)
 
     def _keys(self, key_id: str) -> list[str]:
-        base = f"{self.prefix}{{{key_id}}}"  # hash tag: one key's three sets share a cluster slot
-        return [f"{base}:req", f"{base}:tok", f"{base}:hold"]
+        base = f"{self.prefix}{{{key_id}}}"  # hash tag: one key's sets share a cluster slot
+        return [f"{base}:req", f"{base}:tok", f"{base}:hold", f"{base}:sum"]
 
     async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
         member, need = (hold.member, hold.tokens) if hold is not None else ("", 0)
         args = [rpm or 0, tpm or 0, self.window_ms, uuid.uuid4().hex, member, need, self.hold_ttl_ms,
-                int(HOLD_RETRY * 1000)]
+                int(HOLD_RETRY * 1000), self.key_ttl_ms]
         wait = await self._admit(keys=self._keys(key_id), args=args)
         return None if wait is None else max(float(wait) / 1000, 0.001)
 
     async def settle(self, key_id: str, hold: Hold, used: int) -> None:
-        requests, tokens, holds = self._keys(key_id)
         used_member = f"{uuid.uuid4().hex}:{used}" if used > 0 else ""
-        await self._settle(keys=[holds, tokens], args=[hold.member, used_member, self.window_ms])
+        await self._settle(keys=self._keys(key_id), args=[hold.member, used_member, self.key_ttl_ms])
 
     async def aclose(self) -> None:
         await self.redis.aclose()

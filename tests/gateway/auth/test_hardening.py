@@ -138,9 +138,7 @@ async def _until_upstream_cancelled(upstreams, marker: str, n: int) -> None:
 
 def _window(gw, key_id: str) -> tuple[int, int]:
     """(tokens held, tokens counted) of `key_id` in the in-process gateway's limiter."""
-    limiter = gw.app.state.auth.limiter
-    held = sum(n for _, n in limiter._holds.get(key_id, {}).values())
-    return held, sum(n for _, n in limiter._tokens.get(key_id, ()))
+    return gw.app.state.auth.limiter.state(key_id)
 
 
 async def test_concurrent_requests_on_a_tpm_key_admit_only_what_fits(gw, upstreams):
@@ -302,6 +300,24 @@ async def test_a_reply_without_usage_is_charged_its_estimate():
     reservation = Reservation(limiter, "k", _hold(25), prompt_tokens=5)
     assert await limiter.admit("k", None, 30, reservation.hold) is None
     await reservation.finish(Usage(), output_bytes=72)  # 5 + 72 / 3.6 = 25 tokens
-    assert limiter._tokens["k"][-1][1] == 25 and not limiter._holds["k"]
+    assert limiter.state("k") == (0, 25)
     assert await limiter.admit("k", None, 30, _hold(6)) is not None
     assert await limiter.admit("k", None, 30, _hold(5)) is None
+
+
+@pytest.mark.redis
+async def test_redis_totals_survive_an_evicted_key(replicas):
+    # The running totals are a cache of the sets: a lost total is recounted, a lost set zeroes it.
+    a, _ = replicas
+    held = _hold(10)
+    assert await a.admit("key_e", None, 30, held) is None
+    done = _hold(10)
+    assert await a.admit("key_e", None, 30, done) is None
+    await a.settle("key_e", done, 15)  # 10 held + 15 used
+    _, used, _, totals = a._keys("key_e")
+    await a.redis.delete(totals)
+    assert await a.admit("key_e", None, 30, _hold(6)) is not None  # recounted: 25 + 6 > 30
+    assert await a.admit("key_e", None, 30, _hold(5)) is None  # 25 + 5 fits
+    await a.redis.delete(used)  # the window's entries lost: the 15 held remain
+    assert await a.admit("key_e", None, 30, _hold(15)) is None
+    assert await a.admit("key_e", None, 30, _hold(1)) is not None
