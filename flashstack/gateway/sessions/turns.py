@@ -239,9 +239,12 @@ class Turn:
         if self.replay is not None:
             await self.reservation.settle(0)
             return
-        await self.reservation.finish(resp.usage, self.output_bytes or _output_bytes(resp))
-        if self.in_session and self._open and _output_bytes(resp) > self.sessions.config.max_message_bytes:
-            raise reply_too_large(self.sessions.config.max_message_bytes)  # the caller records the failure
+        size = _output_bytes(resp)
+        await self.reservation.finish(resp.usage, self.output_bytes or size)
+        if self.in_session and self._open:
+            limit = self.sessions.config.max_message_bytes  # type: ignore[union-attr]
+            if size > limit:
+                raise reply_too_large(limit)  # the caller records the failure
         if not self._claim():
             return
         try:
