@@ -135,6 +135,23 @@ def test_history_sent_upstream_is_bounded_and_whole_turns(gw, store, upstreams):
     assert _turn(gw, key, sid, "again").status_code == 200
 
 
+def test_session_history_counts_toward_the_tpm_hold(gw, store):
+    # The hold is taken once the history is known: a turn that drags a long history along is
+    # estimated with it (here over the whole tpm, so it waits for an idle window), while the same
+    # key's request without the session is admitted. The refused turn stores nothing.
+    key = create_key(gw.url, name="tpm-history", tpm=2000)["key"]
+    sid = _session(gw, key).json()["id"]
+    headers = {**auth_headers(key), "X-Session-Id": sid}
+    first = {"model": "gpt", "max_tokens": 10, "messages": [{"role": "user", "content": "w" * 6000}]}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=first, headers=headers).status_code == 200
+    second = {"model": "gpt", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=second, headers=headers)
+    assert r.status_code == 429 and "tokens" in r.json()["error"]["message"]
+    assert _stored(store, sid) == 2
+    r = httpx.post(gw.url + "/v1/chat/completions", json=second, headers=auth_headers(key))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "echo: hi"
+
+
 # ---- how many sessions a key may create ---------------------------------------------------------
 
 
