@@ -182,6 +182,15 @@ def test_unknown_route_is_404_not_model_not_found(gw, method):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("model", ["gpt", "claude"])
+def test_an_upstream_404_is_the_upstreams_failure_not_model_not_found(gw, model):
+    r = gw.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "[[status:404]]"}]})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_not_found"
+    r = gw.post("/v1/messages", json={**OK_ANTHROPIC, "model": model,
+                                      "messages": [{"role": "user", "content": "[[status:404]]"}]})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "api_error"
+
+
 def test_stored_turn_errors_carry_no_internal_detail():
     cancelled = _failure(asyncio.CancelledError("Cancelled by cancel scope 7f3a2c10 (task Task-41 at /srv/app.py)"))
     assert cancelled.message == "the client went away before the reply was complete"

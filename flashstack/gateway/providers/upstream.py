@@ -49,6 +49,12 @@ class Upstream:
                 f"(upstream HTTP {err.status}); the gateway's api_key for it needs fixing, not yours",
                 status=502, code="upstream_auth_failed")
         text = excerpt(self.redact(err.message), self.limits.error_excerpt_chars)
+        if err.status == 404:  # the gateway's model (or api_base) is wrong upstream: not the caller's 404
+            return GatewayError(
+                ErrorKind.UPSTREAM,
+                f"upstream {self.name} answered 404: its model or path does not exist there (a deployment's "
+                f"model or api_base needs fixing, not your request); it said: {text}",
+                status=502, code="upstream_not_found")
         return GatewayError(err.kind, f"upstream {self.name} said: {text}", status=err.status, code=err.code,
                             retry_after=err.retry_after)
 

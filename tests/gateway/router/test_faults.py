@@ -193,9 +193,10 @@ def test_slow_first_byte_past_ttft_fails_over(ups):
     assert_served_once_by_backup(ups, tag, headers, text, attempts_on_a=1)
 
 
-@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("status", [401, 403, 404])
 def test_upstream_auth_failures_count_against_the_upstream_and_fall_back(ups, status):
-    """The gateway's credentials for `a` are wrong: a's fault (breaker), never the client's 401/403."""
+    """The gateway's credentials (or its model name, 404) for `a` are wrong: a's fault (breaker), never
+    the client's 401/403/404."""
     ups["a"].fail("status", status=status)
     with gateway(primary_backup(ups), num_retries=0, breaker_failures=1) as gw:
         tag = new_tag()
@@ -205,7 +206,7 @@ def test_upstream_auth_failures_count_against_the_upstream_and_fall_back(ups, st
         assert breaker_of(gw, "primary#0")["breaker"] == "open"
 
 
-@pytest.mark.parametrize("status", [400, 404, 422])
+@pytest.mark.parametrize("status", [400, 422])
 def test_client_errors_are_not_retried_and_do_not_trip_breakers(ups, status):
     ups["a"].fail("status", status=status)
     with gateway(primary_backup(ups), num_retries=2, breaker_failures=1) as gw:
