@@ -7,7 +7,6 @@ flashstack.gateway.embed DIR`, and cached under the state dir. Nothing is downlo
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
@@ -16,11 +15,10 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 
@@ -36,7 +34,6 @@ GROUP = 64  # texts tokenized (and cached) at a time by `embed`
 LONG_TEXT = 512  # characters; longer texts are cached under a digest, so the cache holds no megabytes
 BUILD_TIMEOUT = 900.0  # seconds for the one-time export + quantization (~8 s on 2 idle cores)
 Precision = Literal["int8", "fp32"]
-T = TypeVar("T")
 
 
 class BudgetExceeded(Exception):
@@ -180,7 +177,7 @@ def _quantize_int8(fp32: Path, path: Path) -> None:
 
 
 class Embedder:
-    """Unit-length sentence embeddings; `embed` is blocking, `aembed` runs it off the event loop."""
+    """Unit-length sentence embeddings; blocking (the Compressor runs it on its own thread)."""
 
     def __init__(self, cache_dir: Path, *, precision: Precision = "int8", threads: int = 2,
                  cache_size: int = 50_000) -> None:
@@ -202,8 +199,6 @@ class Embedder:
         self._cache: OrderedDict[str | bytes, np.ndarray] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        # One worker: two concurrent inferences on a 2-core box only contend.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashstack-embed")
 
     def embed(self, texts: Sequence[str], budget: Budget | None = None) -> np.ndarray:
         """(len(texts), 384) float32 unit vectors; only texts not seen before reach the model.
@@ -230,14 +225,6 @@ class Embedder:
                     v = self.encode([texts[i]], budget)[0]
                 out[i] = v
         return out
-
-    async def aembed(self, texts: Sequence[str]) -> np.ndarray:
-        """`embed` on the embedder's own thread, so the event loop never waits on the model."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.embed, list(texts))
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the embedder's thread: blocking work that embeds stays off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def encode(self, texts: Sequence[str], budget: Budget | None = None) -> np.ndarray:
         """Run the model on `texts` (no cache), in length-sorted batches so padding stays small."""
@@ -292,7 +279,8 @@ class Embedder:
         return text_key(text) in self._cache
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop the model and its memory."""
+        self._session = None
 
 
 if __name__ == "__main__":  # the child process of `_build_in_child`: python -m flashstack.gateway.embed DIR
