@@ -6,9 +6,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 
 from flashstack.engine.bundled import smollm2_path
+from flashstack.engine.gguf import open_gguf
 from flashstack.engine.tokenizer import Tokenizer
 
 FRAGMENTS = [
@@ -21,6 +24,7 @@ FRAGMENTS = [
     "   ", "\t\t", "\n\n\n", " \n \n", "\r\n", "    indented", "trailing   ", "a  b   c    d",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<filename>", "<jupyter_code>",
     "<|im_start|>user\nhi<|im_end|>\n", "<|im_start|> spaced <|im_end|>", "not<|im_end|>special",
+    "DON'T SHOUT", "I'M", "they'RE", "12345678", "x1y22z333", "  \n\n  \n", "a\r\n\r\nb", "!!!???",
 ]
 FIXED = [
     "", " ", "a", "A", "  leading spaces", "\ttab", "multiple\n\nnewlines\n", "     ", " " * 17,
@@ -112,3 +116,33 @@ def test_chat_template_matches_transformers(both, gen: bool) -> None:
         ids = hf.apply_chat_template(conv, add_generation_prompt=gen, tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         assert ours.encode_chat(conv, add_generation_prompt=gen) == list(ids)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_pre_tokenizer_and_bos_variants_match_transformers(gguf_file, tmp_path, pre: str) -> None:
+    """The same vocabulary under another `tokenizer.ggml.pre` split and with `add_bos_token` set:
+    ids still equal transformers' for the file."""
+    from gguf import GGUFWriter
+    from transformers import AutoTokenizer
+
+    src = open_gguf(gguf_file)
+    path = tmp_path / f"{pre}.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(src.get("tokenizer.ggml.tokens"))
+    w.add_token_merges(src.get("tokenizer.ggml.merges"))
+    w.add_token_types(src.get("tokenizer.ggml.token_type"))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, hf = Tokenizer(path), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in STRINGS:
+        assert ours.encode(text) == hf(text)["input_ids"], repr(text)
+        assert ours.encode(text)[:1] == [1]  # BOS first
+        assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
