@@ -532,6 +532,7 @@ class Compressor:
 
     @property
     def state(self) -> LoadState:
+        """The embedding model's: idle (never asked for), loading, ready or failed (see the log)."""
         if self._planner.embedder is not None:
             return "ready"
         if self._loader is None:
