@@ -155,8 +155,7 @@ class GGUFCheckpoint:
         cfg: dict[str, Any] = {
             "architectures": [ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
-            "vocab_size": self.arch_get("vocab_size") or len(self.get("tokenizer.ggml.tokens") or [])
-            or self.reader.tensors[0].shape[-1],
+            "vocab_size": self.arch_get("vocab_size") or self._embedding_rows(),
             "hidden_size": hidden,
             "intermediate_size": self._require("feed_forward_length"),
             "num_hidden_layers": self._require("block_count"),
@@ -178,6 +177,11 @@ class GGUFCheckpoint:
             if value is not None:
                 cfg[key] = value
         return cfg
+
+    def _embedding_rows(self) -> int:
+        # The embedding's row count is the model's vocabulary (it may be padded past the tokens).
+        embed = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
+        return int(embed.shape[-1])  # GGUF lists dimensions innermost first: (hidden, vocab)
 
     def _kv_heads(self, heads: int) -> int:
         kv = self.arch_get("attention.head_count_kv", heads)
