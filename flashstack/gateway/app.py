@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from flashstack.config import Config
-from flashstack.gateway import chat
+from flashstack.gateway import chat, count_tokens
 from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
 from flashstack.gateway.core import ErrorKind, GatewayError
@@ -72,6 +72,10 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
     # own errors.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/messages", messages, methods=["POST"])
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request) -> Response:
+        return await count_tokens.handle(request, request.app.state.router, limits)
     app.chat_routes = {"/v1/chat/completions": chat_completions, "/v1/messages": messages}
 
     # With auth on, every route but liveness needs a key (401 in the caller's format, by the handler

@@ -32,6 +32,7 @@ from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import Turn
 from flashstack.gateway.streaming import EventStream, sse
 from flashstack.gateway.translate import anthropic as anthropic_t
+from flashstack.gateway.translate import fields
 from flashstack.gateway.translate import openai as openai_t
 from flashstack.gateway.wire import anthropic as anthropic_w
 from flashstack.gateway.wire import openai as openai_w
@@ -49,7 +50,7 @@ class WireFormat:
 
     name: str
     request_type: type[BaseModel]
-    to_canonical: Callable[[Any], ChatRequest]
+    to_canonical: Callable[[Any, Any], ChatRequest]
     response_json: Callable[[Any, str], dict[str, Any]]
     error_json: Callable[[GatewayError], dict[str, Any]]
     encoder: Callable[[ChatRequest], Encoder]
@@ -98,6 +99,7 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
         # Cheapest first: nothing costly (schema checks, images, sessions, compression) for a request
         # that a look at its fields refuses.
         req = parse(wire, body, limits.max_json_depth)
+        req.headers = fields.client_headers(request.headers)  # anthropic-beta & co., for same-wire upstreams
         check_capabilities(req, router.config_of(req.model))  # unknown model → 404 before any work
         compress.request_options(req)  # a bad `compression` field is a 400 before any session is touched
         validation.check_request(req)
@@ -117,7 +119,8 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
             if req.response_format is not None:
                 validation.check_output(req.response_format, resp.text())
             await turn.complete(resp)  # stored before the client sees the reply
-            response = json_response(wire.response_json(resp, req.model), headers=trace.headers())
+            headers = {**fields.response_headers(req), **trace.headers()}  # request ids, x-flashstack-dropped
+            response = json_response(wire.response_json(resp, req.model), headers=headers)
             return overhead.stamp(clock, squeezed.stamp(response))
     except GatewayError as e:
         return error_response(wire, e, trace.headers())
@@ -186,7 +189,7 @@ def parse(wire: WireFormat, body: Any, max_depth: int = DEFAULT_JSON_DEPTH) -> C
         parsed = wire.request_type.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    req = wire.to_canonical(parsed)
+    req = wire.to_canonical(parsed, body)  # the body too: what the canonical types do not model passes as sent
     validation.check_tool_arguments(req, max_depth)
     return req
 
@@ -207,7 +210,8 @@ async def stream_response(
         events = _validated(events, req)
     events = turn.watch(events)  # the session turn is stored before the final event goes out
     body = sse(events, wire.encoder(req).encode, limits.stream_queue_size, wire.ping, limits.ping_interval)
-    headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **trace.headers()}
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **fields.response_headers(req),
+               **trace.headers()}
     # The background task runs even when the client left before the body began.
     return EventStream(
         body, media_type="text/event-stream", headers=headers, background=BackgroundTask(turn.close_stream)

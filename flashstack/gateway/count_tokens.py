@@ -7,6 +7,7 @@ model counts with its own tokenizer and chat template; any other model says it c
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from starlette.requests import Request
@@ -21,6 +22,7 @@ from flashstack.gateway.router import Router
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.translate import fields
 
+log = logging.getLogger("flashstack.gateway")
 # count_tokens takes a Messages body without max_tokens; validation needs one, the upstream does not.
 _PLACEHOLDER_MAX_TOKENS = 1
 
@@ -36,10 +38,13 @@ async def handle(request: Request, router: Router, limits: chat.Limits) -> Respo
             raise GatewayError(ErrorKind.NOT_FOUND, f"model {req.model!r} does not exist", param="model",
                                code="model_not_found")
         req.headers = fields.client_headers(request.headers)
-        count = await count(router, req)
-        return chat.json_response(count, headers=fields.response_headers(req) or None)
+        counted = await count(router, req)
+        return chat.json_response(counted, headers=fields.response_headers(req) or None)
     except GatewayError as e:
         return chat.error_response(wire, e)
+    except Exception:
+        log.exception("unexpected error counting tokens")
+        return chat.error_response(wire, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log"))
 
 
 def _parse(body: Any, limits: chat.Limits) -> ChatRequest:

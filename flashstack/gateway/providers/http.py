@@ -19,11 +19,12 @@ import orjson
 from flashstack import __version__
 from flashstack.config import ModelConfig
 from flashstack.gateway import overhead
-from flashstack.gateway.core import ErrorKind, GatewayError, error_for_status
+from flashstack.gateway.core import ErrorKind, Exchange, GatewayError, error_for_status
 from flashstack.gateway.providers.aiohttp_transport import AiohttpTransport, as_httpx
 from flashstack.gateway.providers.upstream import ErrorDecoder, Upstream
 from flashstack.gateway.redact import Redactor, split_userinfo
 from flashstack.gateway.tls import upstream_ssl_context
+from flashstack.gateway.translate.fields import passed_response_headers
 
 
 class Client:
@@ -55,9 +56,10 @@ class Client:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout, sock_read=cfg.timeout)
 
     @asynccontextmanager
-    async def post(self, path: str, body: bytes) -> AsyncIterator[Response]:
-        """POST `body`; the response once its head is in, closed (or its connection dropped) on exit."""
-        async with self._send("POST", path, body, None) as response:
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
+        """POST `body` (with `headers` besides the client's own); the response once its head is in,
+        closed (or its connection dropped) on exit."""
+        async with self._send("POST", path, body, None, headers) as response:
             yield response
 
     async def get_json(self, path: str, timeout: float) -> Any:
@@ -72,10 +74,11 @@ class Client:
         return parse_json(raw, self.upstream, "a model list")
 
     @asynccontextmanager
-    async def _send(self, method: str, path: str, body: bytes | None, timeout: float | None
-                    ) -> AsyncIterator[Response]:
+    async def _send(self, method: str, path: str, body: bytes | None, timeout: float | None,
+                    headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
         if self._direct is None:
-            request = self.http.build_request(method, path, content=body, headers=_JSON if body else None,
+            sent = {**_JSON, **headers} if headers else _JSON if body else None
+            request = self.http.build_request(method, path, content=body, headers=sent,
                                               timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
             response = await self.http.send(request, stream=True)
             try:
@@ -86,7 +89,8 @@ class Client:
         t = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
             resp = await self._direct.session().request(
-                method, self._base + path + self._query, data=body, headers=self._headers, timeout=t,
+                method, self._base + path + self._query, data=body, timeout=t,
+                headers={**self._headers, **headers} if headers else self._headers,
                 allow_redirects=False, compress=None)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise as_httpx(e) from e
@@ -228,13 +232,17 @@ def parse_json(raw: bytes, upstream: Upstream, what: str) -> Any:
 
 
 @asynccontextmanager
-async def open_stream(client: Client, path: str, body: dict[str, Any], decode: ErrorDecoder) -> AsyncIterator[Response]:
+async def open_stream(client: Client, path: str, body: dict[str, Any], decode: ErrorDecoder,
+                      headers: dict[str, str] | None = None, exchange: Exchange | None = None
+                      ) -> AsyncIterator[Response]:
     """POST `body` and yield the streaming response once its status says success."""
     sent = time.perf_counter()
     try:
-        async with client.post(path, orjson.dumps(body)) as response:
+        async with client.post(path, orjson.dumps(body), headers) as response:
             overhead.add_upstream(time.perf_counter() - sent)  # time to first byte: the response head
             sent = 0.0
+            if exchange is not None:
+                exchange.headers = passed_response_headers(response.headers)
             if response.status >= 400:
                 raise await error_from_response(response, client.upstream, decode)
             yield response
@@ -245,11 +253,17 @@ async def open_stream(client: Client, path: str, body: dict[str, Any], decode: E
             overhead.add_upstream(time.perf_counter() - sent)
 
 
-async def post_json(client: Client, path: str, body: dict[str, Any], decode: ErrorDecoder) -> Any:
-    """POST `body` and the JSON of a success response (bounded); errors in the gateway's words."""
+async def post_json(client: Client, path: str, body: dict[str, Any], decode: ErrorDecoder,
+                    headers: dict[str, str] | None = None, exchange: Exchange | None = None) -> Any:
+    """POST `body` and the JSON of a success response (bounded); errors in the gateway's words.
+
+    With `exchange`, the response headers a client reads (request ids, rate limits) are kept there.
+    """
     sent = time.perf_counter()
     try:
-        async with client.post(path, orjson.dumps(body)) as response:
+        async with client.post(path, orjson.dumps(body), headers) as response:
+            if exchange is not None:
+                exchange.headers = passed_response_headers(response.headers)
             if response.status >= 400:
                 raise await error_from_response(response, client.upstream, decode)
             raw = await read_body(response, client.upstream)

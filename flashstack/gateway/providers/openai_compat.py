@@ -12,6 +12,8 @@ from flashstack.gateway.providers.http import event_json, make_client, open_stre
 from flashstack.gateway.providers.upstream import Upstream
 from flashstack.gateway.redact import Redactor
 from flashstack.gateway.translate import openai as t
+from flashstack.gateway.translate.fields import headers_for
+from flashstack.gateway.translate.raw import tap_for
 
 
 class OpenAICompatProvider:
@@ -27,11 +29,13 @@ class OpenAICompatProvider:
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         body = t.request_json(request, self.cfg.model)
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        decoder = t.ChunkDecoder()
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}  # for accounting
+        decoder = t.ChunkDecoder(tap_for(request.wire, t.WIRE))
         done = chosen = False
         up = self.upstream
-        async with open_stream(self.client, "/chat/completions", body, t.upstream_error) as resp:
+        headers = headers_for(request, t.WIRE)
+        async with open_stream(self.client, "/chat/completions", body, t.upstream_error, headers,
+                               request.exchange) as resp:
             async for _, data in sse_events(resp, up):
                 if data.strip() == b"[DONE]":
                     done = True
@@ -50,11 +54,14 @@ class OpenAICompatProvider:
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         body = t.request_json(request, self.cfg.model)
-        body["stream"] = False
-        body.pop("stream_options", None)
-        reply = shape.openai_completion(await post_json(self.client, "/chat/completions", body, t.upstream_error),
-                                        self.upstream)
-        return self.upstream.translate(t.response_from_json, reply, "a chat completion")
+        if request.wire != t.WIRE:  # an OpenAI client's body keeps its own stream fields, as sent
+            body["stream"] = False
+            body.pop("stream_options", None)
+        reply = shape.openai_completion(await post_json(
+            self.client, "/chat/completions", body, t.upstream_error, headers_for(request, t.WIRE),
+            request.exchange), self.upstream)
+        keep = request.wire == t.WIRE  # the client gets the upstream's body whole
+        return self.upstream.translate(lambda b: t.response_from_json(b, keep), reply, "a chat completion")
 
     async def list_models(self) -> list[str]:
         return shape.model_ids(await self.client.get_json("/models", timeout=2.0), self.upstream, "data", "id")

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from flashstack.gateway.core import ChatRequest, invalid_request
 
 
@@ -49,7 +51,7 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("max_completion_tokens", M, "max_tokens", 64),
     F("temperature", M, "temperature (capped at 1)", 0.5),
     F("top_p", M, "top_p", 0.9),
-    F("n", R, "one choice only", 1, harmless=(1,)),
+    F("n", R, "one choice only", 2, harmless=(1,)),
     F("stop", M, "stop_sequences", ["\n\nEND"]),
     F("stream", M, "stream", False),
     F("stream_options", M, "usage is always asked for; sent to the client only when it asked",
@@ -76,7 +78,7 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("prompt_cache_key", D, "prompt caching hint", "k1"),
     F("safety_identifier", D, "no counterpart", "s1"),
     F("verbosity", D, "no counterpart", "low"),
-    F("modalities", R, "text only on the Messages API", ["text"], harmless=(["text"],)),
+    F("modalities", R, "text only on the Messages API", ["text", "audio"], harmless=(["text"],)),
     F("audio", R, "no audio output on the Messages API", {"voice": "alloy", "format": "wav"}),
     F("web_search_options", R, "use Anthropic's web_search server tool instead", {}),
     F("functions", R, "deprecated; send tools", [{"name": "f", "parameters": WEATHER}]),
@@ -313,7 +315,13 @@ a 400 naming it; one that is only an optimisation is dropped and named in the re
 `x-flashstack-dropped` (comma-separated). A field newer than this table is dropped and named too.
 
 Fates: **passed** (as sent), **mapped** (to its counterpart), **refused** (400), **dropped**
-(named in `x-flashstack-dropped`), **gateway** (the gateway's own; never sent upstream).
+(named in `x-flashstack-dropped`), **gateway** (the gateway's own; never sent upstream). In the
+response tables, **dropped** means the other wire has no place for the field (a response's head,
+where a header could name it, goes out before a stream's end).
+
+Sessions store the canonical parts of each turn (text, images, tool calls and results, thinking with
+its signature, and verbatim blocks of types the gateway does not model); a history replayed from a
+session does not carry `cache_control` markers or other per-block extras.
 """
 
 
@@ -322,6 +330,8 @@ def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
     for f in rows:
         same_cell = f.same.value + (f": {f.same_note}" if f.same_note else "")
         cross_cell = f.cross.value + (f": {f.to}" if f.to else "")
+        if f.harmless:
+            cross_cell += " (nothing happens for " + " or ".join(f"`{orjson.dumps(v).decode()}`" for v in f.harmless) + ")"
         lines.append(f"| `{f.name}` | {same_cell} | {cross_cell} |")
     return "\n".join(lines) + "\n"
 

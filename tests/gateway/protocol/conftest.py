@@ -29,7 +29,14 @@ def canned_upstreams():
 
 
 @pytest.fixture(scope="session")
-def protocol_gateway(canned_upstreams, tmp_path_factory):
+def tiny_model(tmp_path_factory):
+    from flashstack.engine.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-random")
+
+
+@pytest.fixture(scope="session")
+def protocol_gateway(canned_upstreams, tmp_path_factory, tiny_model):
     config = Config(
         state_dir=tmp_path_factory.mktemp("protocol-state"),
         router=ROUTING,
@@ -38,6 +45,8 @@ def protocol_gateway(canned_upstreams, tmp_path_factory):
                         api_base=canned_upstreams["openai"].url + "/v1", api_key=UPSTREAM_KEY),
             ModelConfig(name="claude", provider="anthropic", model=ANTHROPIC_MODEL,
                         api_base=canned_upstreams["anthropic"].url, api_key=UPSTREAM_KEY),
+            # Never loaded here: count_tokens reads only its tokenizer.
+            ModelConfig(name="tiny", provider="local", model=str(tiny_model), supports_images=False),
         ],
     )
     server = FakeServer(create_app(config), lifespan="on").start()

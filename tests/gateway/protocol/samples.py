@@ -151,6 +151,8 @@ def anthropic_request() -> dict:
     return {"messages": anthropic_messages(), **body, "extra_body": {**extra_body, **FUTURE}}
 
 
+REFUSED_ANTHROPIC = tuple(f.name for f in fields.ANTHROPIC_REQUEST if f.cross is fields.Fate.REFUSED)
+
 ANTHROPIC_USAGE = {
     "input_tokens": 20, "output_tokens": 9, "cache_creation_input_tokens": 50, "cache_read_input_tokens": 1000,
     "cache_creation": {"ephemeral_5m_input_tokens": 50, "ephemeral_1h_input_tokens": 0},
@@ -164,7 +166,7 @@ def anthropic_response() -> dict:
         "content": [
             {"type": "thinking", "thinking": "Short.", "signature": "EqQBsig2"},
             {"type": "redacted_thinking", "data": "EmwKredacted"},
-            {"type": "text", "text": "Sunny.", "citations": None},
+            {"type": "text", "text": "{\"sunny\": true}", "citations": None},
             {"type": "tool_use", "id": "toolu_2", "name": "get_time", "input": {"city": "Paris"}},
         ],
         "stop_reason": "tool_use", "stop_sequence": None, "usage": ANTHROPIC_USAGE,
@@ -192,7 +194,7 @@ def anthropic_events() -> list[tuple[str, dict]]:
         ("content_block_stop", {"type": "content_block_stop", "index": 1}),
         ("content_block_start", {"type": "content_block_start", "index": 2,
                                  "content_block": {"type": "text", "text": "", "citations": None}}),
-        delta(2, {"type": "text_delta", "text": "Sunny."}),
+        delta(2, {"type": "text_delta", "text": "{\"sunny\": true}"}),
         ("content_block_stop", {"type": "content_block_stop", "index": 2}),
         ("content_block_start", {"type": "content_block_start", "index": 3,
                                  "content_block": {"type": "tool_use", "id": "toolu_2", "name": "get_time", "input": {}}}),

@@ -1,0 +1,100 @@
+"""Across wires: what has a counterpart is mapped, what the client relies on is refused by name, what
+is only an optimisation is dropped and named in x-flashstack-dropped."""
+
+from __future__ import annotations
+
+import copy
+
+import anthropic
+import openai
+import pytest
+
+from tests.gateway.protocol import canned, samples
+
+
+@pytest.fixture
+def answered(upstream):
+    upstream["openai"].app.state.reply = canned.Reply(body=samples.openai_response(), events=samples.openai_events())
+    upstream["anthropic"].app.state.reply = canned.Reply(body=samples.anthropic_response(),
+                                                         events=samples.anthropic_events())
+    return upstream
+
+
+def _anthropic_without_refused() -> dict:
+    kwargs = samples.anthropic_request()
+    for name in samples.REFUSED_ANTHROPIC:
+        kwargs.pop(name, None)
+        kwargs["extra_body"].pop(name, None)
+    kwargs["messages"][0]["content"].pop(1)  # the PDF: refused, see below
+    return kwargs
+
+
+def test_anthropic_cache_control_and_thinking_to_an_openai_upstream_are_dropped_and_named(clients, answered):
+    raw = clients["gateway"][1].messages.with_raw_response.create(model="oai", **_anthropic_without_refused())
+    dropped = set(raw.headers["x-flashstack-dropped"].split(","))
+    assert dropped == {"system[].cache_control", "messages[].content[].cache_control", "tools[].cache_control",
+                       "tools[].defer_loading", "messages[].content[].type=thinking",
+                       "messages[].content[].type=redacted_thinking", "messages[].content[].citations",
+                       "thinking", "context_management", "top_k", "service_tier", "inference_geo", "speed",
+                       "x_future_field"}
+    sent = answered["openai"].requests[-1]
+    assert "cache_control" not in sent.raw.decode() and "thinking" not in sent.body
+    assert sent.body["messages"][0] == {"role": "system", "content": "You are terse.\n\nCite sources."}
+    message = raw.parse()
+    assert message.content[0].text == '{"a": 1}' and message.stop_reason == "end_turn"
+    # OpenAI counts cached tokens in prompt_tokens; Anthropic's input_tokens leave them out.
+    assert message.usage.input_tokens == 20 and message.usage.cache_read_input_tokens == 100
+
+
+def test_a_pdf_document_to_an_openai_upstream_is_refused_by_name(clients, answered):
+    kwargs = _anthropic_without_refused()
+    kwargs["messages"] = samples.anthropic_messages()
+    with pytest.raises(anthropic.BadRequestError) as e:
+        clients["gateway"][1].messages.create(model="oai", **kwargs)
+    assert "messages[].content[].type=document" in str(e.value)
+    assert not answered["openai"].requests
+
+
+def test_openai_audio_input_to_anthropic_is_refused_by_name(clients, answered):
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        clients["gateway"][0].chat.completions.create(model="claude", messages=[{"role": "user", "content": [audio]}])
+    assert "type=input_audio" in str(e.value) and not answered["anthropic"].requests
+
+
+def test_openai_request_to_anthropic_maps_what_has_a_counterpart(clients, answered):
+    raw = clients["gateway"][0].chat.completions.with_raw_response.create(
+        model="claude", messages=samples.openai_messages(), reasoning_effort="low", user="user-9",
+        max_completion_tokens=2048, parallel_tool_calls=False, tools=[samples.WEATHER_TOOL], seed=3)
+    sent = answered["anthropic"].requests[-1].body
+    assert sent["system"] == "Be terse.\n\nAnswer in JSON."  # developer and system messages
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1024} and sent["max_tokens"] == 2048
+    assert sent["metadata"] == {"user_id": "user-9"}
+    assert sent["tool_choice"] == {"type": "auto", "disable_parallel_tool_use": True}
+    assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert set(raw.headers["x-flashstack-dropped"].split(",")) == {"seed", "messages[].name", "tools[].function.strict",
+                                                                   "messages[].content[].image_url.detail"}
+    completion = raw.parse()
+    # Anthropic's cache reads and writes are part of OpenAI's prompt_tokens.
+    assert completion.usage.prompt_tokens == 20 + 1000 + 50
+    assert completion.usage.prompt_tokens_details.cached_tokens == 1000
+    assert completion.choices[0].message.tool_calls[0].function.name == "get_time"
+    assert completion.choices[0].finish_reason == "tool_calls"
+
+
+def test_anthropic_stream_to_an_openai_client(clients, answered):
+    chunks = list(clients["gateway"][0].chat.completions.create(
+        model="claude", messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == '{"sunny": true}' and chunks[-1].usage.prompt_tokens == 1070
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert calls[0].function.name == "get_time"
+    assert "".join(tc.function.arguments or "" for tc in calls) == '{"city": "Paris"}'
+
+
+def test_openai_stream_to_an_anthropic_client(clients, answered):
+    kwargs = {"max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+    with clients["gateway"][1].messages.stream(model="oai", **copy.deepcopy(kwargs)) as s:
+        final = s.get_final_message()
+    assert final.content[0].text == '{"a": 1}' and final.usage.cache_read_input_tokens == 100
