@@ -18,6 +18,7 @@ from flashstack.gateway.core import (
     Finish,
     GatewayError,
     Image,
+    Opaque,
     Start,
     StopReason,
     Text,
@@ -120,6 +121,9 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
                 raise invalid_request(f"local model {request.model!r} does not accept images", "messages")
             if isinstance(p, (ToolCall, ToolResult)):
                 raise invalid_request(f"local model {request.model!r} does not support tool calls", "messages")
+            if isinstance(p, Opaque):
+                raise invalid_request(f"local model {request.model!r} cannot read content of type {p.type!r}; "
+                                      "remove it or choose a model served over the API it came from", "messages")
         text = "".join(p.text for p in m.parts if isinstance(p, Text))
         messages.append({"role": m.role, "content": text})
     if request.tools and (request.tool_choice is None or request.tool_choice.mode != "none"):

@@ -87,7 +87,8 @@ OPENAI_REQUEST: tuple[Field, ...] = (
 )
 OPENAI_PARTS: tuple[Field, ...] = (
     F("messages[].role=developer", M, "system"),
-    F("messages[].role=system", M, "system"),
+    F("messages[].role=system", M, "system",
+      same_note="a system or developer message after the first user turn is sent before it"),
     F("messages[].name", D, "no participant names on the Messages API"),
     F("messages[].content[].type=text", M, "text block"),
     F("messages[].content[].type=image_url", M, "image block (base64 or url source)"),
@@ -287,8 +288,8 @@ def refuse_part(wire: str, path: str, target: str, why: str = "") -> None:
     """A 400 for a content block or tool the target wire has no counterpart for."""
     raise invalid_request(
         f"{path} cannot be sent to a model served over the {_API[target]}"
-        + (f" ({why})" if why else "") + f"; remove it or choose a model served over the {_API[wire]}",
-        path)
+        + (f" ({why})" if why else "") + f"; remove it or choose a model served over the "
+        + _API.get(wire, "wire it came from"), path)
 
 
 def part_row(wire: str, name: str) -> Field | None:

@@ -481,6 +481,8 @@ def _message_json(m: Message, same: bool, req: ChatRequest | None) -> Iterator[d
 def _assistant_json(m: Message, extra: dict[str, Any], same: bool, req: ChatRequest | None) -> dict[str, Any]:
     parts = [q for q in (_part_json(p, same, req) for p in m.parts if not isinstance(p, ToolCall)) if q is not None]
     calls = [{**(p.extra if same else {}), **_tool_call_json(p)} for p in m.parts if isinstance(p, ToolCall)]
+    if not same and req is not None and any(isinstance(p, ToolCall) and p.cache_control for p in m.parts):
+        req.exchange.dropped.add("messages[].content[].cache_control")
     msg: dict[str, Any] = {**extra, "role": "assistant"}
     if parts:
         plain = (m.plain or not same) and all(q.keys() == _TEXT_KEYS for q in parts)
@@ -496,7 +498,7 @@ def _tool_message_json(p: ToolResult, same: bool, req: ChatRequest | None) -> di
     texts = [c for c in p.content if isinstance(c, Text)]
     if not same:
         if len(texts) < len(p.content):
-            fields.refuse_part(req.wire or "" if req else "", "messages[].content[].type=tool_result "
+            fields.refuse_part(req.wire if req and req.wire else "", "messages[].content[].type=tool_result "
                                "with an image", WIRE, "tool messages carry text only")
         if p.is_error and req is not None:
             req.exchange.dropped.add("messages[].content[].is_error")
