@@ -102,7 +102,8 @@ class Opaque:
 
 
 Part: TypeAlias = Text | Image | ToolCall | ToolResult | Thinking | RedactedThinking | Opaque
-Role: TypeAlias = Literal["user", "assistant"]
+# "system": an instruction in the middle of the conversation (Anthropic's messages may carry one).
+Role: TypeAlias = Literal["user", "assistant", "system"]
 
 
 @dataclass(slots=True)

@@ -132,6 +132,7 @@ ANTHROPIC_REQUEST: tuple[Field, ...] = (
 ANTHROPIC_PARTS: tuple[Field, ...] = (
     F("system[].cache_control", D, "prompt caching is Anthropic's"),
     F("system[].citations", D, "no citations on OpenAI's API"),
+    F("messages[].role=system", M, "a system message where it stands"),
     F("messages[].content[].type=text", M, "text part"),
     F("messages[].content[].type=image", M, "image_url part (data: URL or url)"),
     F("messages[].content[].type=tool_use", M, "assistant tool_calls[]"),

@@ -459,6 +459,9 @@ def _message_json(m: Message, same: bool, req: ChatRequest | None) -> Iterator[d
     if m.role == "assistant":
         yield _assistant_json(m, extra, same, req)
         return
+    if m.role == "system":  # an instruction mid-conversation: a system message where it stood
+        yield {"role": "system", "content": "".join(p.text for p in m.parts if isinstance(p, Text))}
+        return
     # Tool results are separate `tool` messages in OpenAI's format, before the user's own parts.
     rest: list[dict[str, Any]] = []
     for p in m.parts:

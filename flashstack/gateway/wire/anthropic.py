@@ -100,7 +100,7 @@ ContentBlock = Annotated[
 
 
 class MessageParam(_Wire):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: an instruction mid-conversation (Claude Code sends one)
     content: str | list[ContentBlock]
 
 
