@@ -74,6 +74,8 @@ def _add_keys_parser(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--rpm", type=int, help="requests per minute")
     create.add_argument("--tpm", type=int, help="tokens per minute")
     create.add_argument("--expires-in", help="lifetime: 3600, 90m, 12h or 30d (default: never)")
+    create.add_argument("--budget-day", type=float, help="USD per UTC day (default: no budget)")
+    create.add_argument("--budget-month", type=float, help="USD per UTC month (default: no budget)")
     create.set_defaults(func=_keys, action="create")
     keys_sub.add_parser("list", parents=[common], help="list keys (never their secrets)").set_defaults(
         func=_keys, action="list"

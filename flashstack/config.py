@@ -293,6 +293,54 @@ class AuthConfig(BaseModel):
         return bool(self.master_key)
 
 
+# ---- spend, traces and the console (gateway/spend.py, gateway/telemetry.py, gateway/ui/) -----
+
+
+class ModelPrice(BaseModel):
+    """USD per million tokens of one model; cache prices default to the input price."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    cache_write: float | None = Field(None, ge=0)  # Anthropic cache_creation_input_tokens
+    cache_read: float | None = Field(None, ge=0)  # Anthropic cache_read / OpenAI cached_tokens
+
+
+class SpendConfig(BaseModel):
+    """What requests cost (prices beside the built-in table) and the request log they are kept in."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # By configured model name or upstream model id; wins over the built-in table. Local models cost 0 unless set.
+    prices: dict[str, ModelPrice] = Field(default_factory=dict)
+    log_size: int = Field(1000, ge=0)  # the newest requests kept in memory for /ui (0: none)
+    store_requests: bool = True  # a row per request (cost, tokens, route) in the sessions database
+    flush_interval: float = Field(0.5, gt=0)  # seconds between batched writes of those rows
+
+
+class TelemetryConfig(BaseModel):
+    """OpenTelemetry traces over OTLP/HTTP; off unless enabled or OTEL_EXPORTER_OTLP_*ENDPOINT is set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool | None = None  # None: on when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set
+    endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; None: the OTEL_* variables' choice
+    headers: dict[str, str] = Field(default_factory=dict)  # sent with every export (use env:NAME for tokens)
+    service_name: str = "flashstack-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)  # of traces the client did not already decide on
+
+
+class UIConfig(BaseModel):
+    """The operator's console at /ui: master key sign-in, a cookie session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True  # needs auth.master_key; without it /ui says how to turn it on
+    session_ttl: float = Field(12 * 3600, gt=0)  # seconds a sign-in lasts
+    secure_cookie: bool | None = None  # None: Secure when the request came over https
+
+
 # ---- context compression (gateway/compress.py) ---------------------------------------------
 
 CompressionMode = Literal["auto", "off", "truncate"]
@@ -335,6 +383,9 @@ class Config(BaseSettings):
     store: StoreConfig = Field(default_factory=StoreConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    spend: SpendConfig = Field(default_factory=SpendConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    ui: UIConfig = Field(default_factory=UIConfig)
     state_dir: Path = Path(".flashstack")
 
     @model_validator(mode="after")

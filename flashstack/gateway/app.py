@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -15,7 +17,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from flashstack.config import Config
-from flashstack.gateway import chat, count_tokens
+from flashstack.gateway import chat, count_tokens, spend
+from flashstack.gateway.requestlog import RequestLog
+from flashstack.gateway.spend import SpendStore
+from flashstack.gateway.telemetry import Tracing
 from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
 from flashstack.gateway.core import ErrorKind, GatewayError
@@ -26,6 +31,7 @@ from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import open_sessions
 
 _STARTED = int(time.time())
+log = logging.getLogger("flashstack.gateway")
 
 
 def create_app(config: Config, router: Router | None = None) -> FastAPI:
@@ -43,11 +49,17 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         # Sessions, API keys and rate limits: the database is migrated before the first request.
         app.state.sessions = await open_sessions(config)
         app.state.auth = app.state.sessions.auth
+        # The request log (a cost row per request, in the same database) and, when on, its traces.
+        app.state.requests = RequestLog.from_config(config, SpendStore(app.state.sessions.store.db),
+                                                    Tracing.from_config(config.telemetry, os.environ))
+        for name in app.state.requests.prices.unpriced:
+            log.warning("model %r has no price (spend.prices): its requests count as costing $0", name)
         # Everything loaded so far lives as long as the process: out of the collector's sight, a full
         # collection scans only what requests allocate (it took ~65 ms, the p99 under load).
         gc.collect()
         gc.freeze()
         yield
+        await app.state.requests.aclose()
         await app.state.sessions.aclose()
         app.state.compressor.close()
         await app.state.router.aclose()
@@ -218,6 +230,19 @@ def _add_session_routes(app: FastAPI, limits: chat.Limits) -> None:
     @app.delete("/v1/keys/{key_id}")
     async def revoke_key(key_id: str, request: Request) -> Response:
         return await sessions_api.revoke_key(request, key_id)
+
+    @app.get("/v1/keys/{key_id}/spend")
+    async def key_spend(key_id: str, request: Request) -> Response:
+        """The master key sees every key's spend; a key sees its own."""
+        caller = await session_hooks.authenticate(request)
+        auth = request.app.state.auth
+        if not caller.admin and caller.key_id != key_id:
+            auth.require_admin(caller)
+        key = await auth.keys.get(key_id)
+        if key is None:
+            raise GatewayError(ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id")
+        await request.app.state.requests.flush()  # rows still in the write buffer count too
+        return chat.json_response(await spend.key_spend(SpendStore(auth.keys.db), key))
 
 
 def _wire_of(request: Request) -> chat.WireFormat:

@@ -27,6 +27,7 @@ from flashstack.config import AuthConfig
 from flashstack.gateway import tokens
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Usage, invalid_request
 from flashstack.gateway.sessions.db import Database, api_keys
+from flashstack.gateway.spend import NANO, Budget, Budgets, BudgetHold
 
 WINDOW = 60.0  # seconds: limits are per minute
 # A hold outlives any request (a replica that died mid-request leaves its holds; they expire then).
@@ -47,6 +48,7 @@ class Caller:
     models: tuple[str, ...] | None = None  # None: every model
     rpm: int | None = None
     tpm: int | None = None
+    budget: Budget | None = None  # USD per UTC day / month (spend.py)
 
 
 ANONYMOUS = Caller(owner="")  # auth off: one shared owner, no limits
@@ -302,13 +304,21 @@ def request_tokens(req: ChatRequest, output_reserve: int) -> tuple[int, int]:
 
 @dataclass(eq=False)
 class Reservation:
-    """One admitted request's hold on its key's tpm; settles exactly once, however the request ends."""
+    """One admitted request's holds on its key's tpm and budgets; each settles exactly once, however
+    the request ends."""
 
     limiter: Limiter | None = None
     key_id: str = ""
     hold: Hold | None = None
     prompt_tokens: int = 0
     settled: bool = False
+    budget: BudgetHold | None = None
+    served_by: str | None = None  # the deployment that served it (what its cost is priced by)
+
+    @property
+    def metered(self) -> bool:
+        """True when the request's end must be reported here (it holds tokens or money)."""
+        return self.hold is not None or self.budget is not None
 
     async def settle(self, used: int) -> None:
         """Replace the hold by the tokens the request really used (0 when it failed before any output)."""
@@ -322,18 +332,42 @@ class Reservation:
         the estimate of what it produced, not nothing."""
         used = usage.input_tokens + usage.output_tokens
         await self.settle(used or self.prompt_tokens + math.ceil(output_bytes / tokens.BYTES_PER_TOKEN))
+        if self.budget is not None:
+            await self.budget.settle(self._cost(usage, output_bytes))
+
+    def _cost(self, usage: Usage, output_bytes: int) -> float:
+        """USD of the request: its usage at the serving deployment's price, or, without usage, the
+        estimate of what it produced."""
+        b = self.budget
+        price = b.budgets.prices.of_deployment(self.served_by, b.model)  # type: ignore[union-attr]
+        reported = usage.input_tokens + usage.output_tokens + usage.cache_read_input_tokens
+        if reported + usage.cache_creation_input_tokens:
+            return price.cost(usage)
+        return price.cost(Usage(self.prompt_tokens, math.ceil(output_bytes / tokens.BYTES_PER_TOKEN)))
 
     async def abandon(self, output_bytes: int) -> None:
         """Settle a request that ended without its usage: nothing if no output had gone out yet; after
         output began (a stream the client cancelled, or the upstream cut off), the whole hold, or what
         was produced if that is more — the upstream bills what it generated, seen or not."""
+        if self.budget is not None:  # after output began: the most it could have cost
+            await self.budget.settle(self.budget.need / NANO if output_bytes > 0 else 0.0)
         if self.hold is None:
             return
         produced = self.prompt_tokens + math.ceil(output_bytes / tokens.BYTES_PER_TOKEN)
         await self.settle(max(self.hold.tokens, produced) if output_bytes > 0 else 0)
 
 
-UNLIMITED = Reservation()  # no tpm: nothing to hold or settle
+UNLIMITED = Reservation()  # no tpm and no budget: nothing to hold or settle
+
+
+def budget_bounds(req: ChatRequest, output_reserve: int) -> tuple[int, int]:
+    """(prompt, output) tokens no upstream can exceed for `req`: every token is at least one byte of
+    its text (images and framing counted as for tpm); the output is max_tokens, or `output_reserve`
+    without one (then a bound only by convention: such a request may cost more than it held)."""
+    n_bytes = len(tokens.fixed_text(req).encode()) + sum(len(tokens.message_text(m).encode()) for m in req.messages)
+    images = sum(tokens.image_count(m) for m in req.messages)
+    prompt = n_bytes + tokens.PER_IMAGE * images + tokens.PER_MESSAGE * len(req.messages) + tokens.PER_REQUEST
+    return prompt, req.max_tokens or output_reserve
 
 
 # ---- keys -----------------------------------------------------------------------------------
@@ -356,6 +390,8 @@ def key_json(row: Any) -> dict[str, Any]:
         "expires_at": _int_or_none(row["expires_at"]),
         "created_at": int(row["created_at"]),
         "revoked_at": _int_or_none(row["revoked_at"]),
+        "budget_day_usd": row.get("budget_day_usd"),
+        "budget_month_usd": row.get("budget_month_usd"),
     }
 
 
@@ -376,14 +412,18 @@ class KeyStore:
         rpm: int | None = None,
         tpm: int | None = None,
         expires_at: float | None = None,
+        budget_day_usd: float | None = None,
+        budget_month_usd: float | None = None,
     ) -> dict[str, Any]:
         """A new key; the returned `key` field is the only time the secret is ever shown."""
         check_key_fields(name, models, rpm, tpm, expires_at)
+        check_budgets(budget_day_usd, budget_month_usd)
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         row = {
             "id": "key_" + uuid.uuid4().hex[:16], "name": name, "key_hash": hash_key(secret),
             "prefix": secret[:10], "models": orjson.dumps(models).decode() if models is not None else None,
             "rpm": rpm, "tpm": tpm, "expires_at": expires_at, "created_at": time.time(), "revoked_at": None,
+            "budget_day_usd": budget_day_usd, "budget_month_usd": budget_month_usd,
         }
         async with self.db.write() as conn:
             await conn.execute(api_keys.insert().values(**row))
@@ -430,25 +470,33 @@ def check_key_fields(
         raise invalid_request("expires_at must be a unix time in seconds", "expires_at")
 
 
+def check_budgets(day: Any, month: Any) -> None:
+    for field_name, v in (("budget_day_usd", day), ("budget_month_usd", month)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e9):
+            raise invalid_request(f"{field_name} must be a positive number of US dollars (or null for none)",
+                                  field_name)
+
+
 # ---- the gate -------------------------------------------------------------------------------
 
 
 class Auth:
     """Authenticates requests and enforces each key's models and limits."""
 
-    def __init__(self, config: AuthConfig, keys: KeyStore, limiter: Limiter) -> None:
+    def __init__(self, config: AuthConfig, keys: KeyStore, limiter: Limiter, budgets: Budgets | None = None) -> None:
         self.master_key = config.master_key
         self.client_cert_keys = dict(config.client_cert_keys)
         self.keys = keys
         self.limiter = limiter
+        self.budgets = budgets  # None: budgets are not enforced (a bare Auth in tests and tools)
         self.output_reserve = config.reserve_output_tokens
 
     @classmethod
-    def from_config(cls, config: AuthConfig, db: Database) -> Auth:
+    def from_config(cls, config: AuthConfig, db: Database, budgets: Budgets | None = None) -> Auth:
         limiter: Limiter = (
             RedisLimiter(config.redis_url, config.redis_prefix) if config.redis_url else LocalLimiter()
         )
-        return cls(config, KeyStore(db), limiter)
+        return cls(config, KeyStore(db), limiter, budgets)
 
     @property
     def enabled(self) -> bool:
@@ -496,9 +544,24 @@ class Auth:
             )
 
     async def admit(self, caller: Caller, req: ChatRequest) -> Reservation:
-        """Count `req` against the key's rpm and hold its estimated tokens against its tpm (429 with
-        retry-after if either is spent). A request estimated above the whole tpm holds all of it:
-        it waits for an idle minute instead of never being admitted."""
+        """Count `req` against the key's rpm, hold its estimated tokens against its tpm and the most it
+        can cost against its budgets (429 with retry-after if any is spent). A request estimated above
+        the whole tpm holds all of it: it waits for an idle minute instead of never being admitted."""
+        reservation = await self._admit_limits(caller, req)
+        if caller.key_id is None or caller.budget is None or self.budgets is None:
+            return reservation
+        try:
+            budget = await self.budgets.reserve(caller.key_id, caller.budget, req.model,
+                                                *budget_bounds(req, self.output_reserve))
+        except BaseException:
+            await reservation.settle(0)  # refused: the tpm hold goes back
+            raise
+        if reservation is UNLIMITED:
+            reservation = Reservation(key_id=caller.key_id, prompt_tokens=request_tokens(req, self.output_reserve)[0])
+        reservation.budget = budget
+        return reservation
+
+    async def _admit_limits(self, caller: Caller, req: ChatRequest) -> Reservation:
         if caller.key_id is None or (caller.rpm is None and caller.tpm is None):
             return UNLIMITED
         if caller.tpm is None:
@@ -536,6 +599,8 @@ class Auth:
 
     async def aclose(self) -> None:
         await self.limiter.aclose()
+        if self.budgets is not None:
+            await self.budgets.aclose()
 
 
 def _caller_of(row: Any) -> Caller:
@@ -545,7 +610,9 @@ def _caller_of(row: Any) -> Caller:
     if row["expires_at"] is not None and row["expires_at"] <= time.time():
         raise _unauthenticated(f"API key {row['id']} has expired; ask an admin for a new one")
     models = tuple(orjson.loads(row["models"])) if row["models"] else None
-    return Caller(owner=row["id"], key_id=row["id"], models=models, rpm=row["rpm"], tpm=row["tpm"])
+    day, month = row.get("budget_day_usd"), row.get("budget_month_usd")
+    budget = Budget(day, month) if day is not None or month is not None else None
+    return Caller(owner=row["id"], key_id=row["id"], models=models, rpm=row["rpm"], tpm=row["tpm"], budget=budget)
 
 
 def may_use(caller: Caller, model: str) -> bool:
@@ -581,7 +648,9 @@ async def keys_command(config: Any, args: Any) -> list[str]:
         if args.action == "create":
             models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
             expires = time.time() + parse_duration(args.expires_in) if args.expires_in else None
-            return [orjson.dumps(await keys.create(args.name, models, args.rpm, args.tpm, expires)).decode()]
+            created = await keys.create(args.name, models, args.rpm, args.tpm, expires, args.budget_day,
+                                        args.budget_month)
+            return [orjson.dumps(created).decode()]
         if args.action == "list":
             return [orjson.dumps(k).decode() for k in await keys.list()]
         return [orjson.dumps(await keys.revoke(args.key_id)).decode()]

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.background import BackgroundTask
+from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.responses import Response
 
 from flashstack.config import ModelConfig, ServerConfig, VisionConfig
@@ -27,6 +27,7 @@ from flashstack.gateway.core import (
     TextDelta,
     invalid_request,
 )
+from flashstack.gateway.requestlog import RequestLog, RequestRecord
 from flashstack.gateway.router import Router, RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import Turn
@@ -90,15 +91,31 @@ class Limits:
 
 
 async def handle(wire: WireFormat, request: Request, router: Router, limits: Limits) -> Response:
-    """Serve one chat request; every failure becomes an error in the caller's format."""
+    """Serve one chat request; every failure becomes an error in the caller's format. The request
+    log (and its trace) gets it when it ends: a stream when its last event went out."""
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))  # what routing did → headers
+    requests: RequestLog = request.app.state.requests
+    record = requests.begin(trace, wire.name, request.method, request.url.path, request.headers)
+    response = await _serve(wire, request, router, limits, trace, record)
+    if isinstance(response, EventStream):
+        response.background = BackgroundTasks([response.background, BackgroundTask(
+            requests.end, record, 200, None, response.headers.get("x-flashstack-dropped"))])
+    else:
+        await requests.end(record, response.status_code, dropped=response.headers.get("x-flashstack-dropped"))
+    return response
+
+
+async def _serve(wire: WireFormat, request: Request, router: Router, limits: Limits, trace: RouteTrace,
+                 record: RequestRecord) -> Response:
     clock = overhead.start()  # → X-Flashstack-Overhead-Ms: this handler's time minus the upstreams'
     try:
         caller = await session_hooks.authenticate(request)  # 401 before the body is read
+        record.key_id = caller.key_id
         body = await read_json(request, limits.max_body_bytes)
         # Cheapest first: nothing costly (schema checks, images, sessions, compression) for a request
         # that a look at its fields refuses.
         req = parse(wire, body, limits.max_json_depth)
+        record.request(req, request.headers.get(session_hooks.SESSION_HEADER) or req.metadata.get("session_id"))
         req.headers = fields.client_headers(request.headers)  # anthropic-beta & co., for same-wire upstreams
         check_capabilities(req, router.config_of(req.model))  # unknown model → 404 before any work
         compress.request_options(req)  # a bad `compression` field is a 400 before any session is touched
@@ -108,6 +125,7 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
         # 403/429 for the key; with X-Session-Id the session is locked and its history prepended.
         own_messages = len(req.messages)
         turn = await session_hooks.begin_turn(request, req, caller, body)
+        record.charged = turn.reservation.budget
         compress.shift_pinned(req, len(req.messages) - own_messages)
         async with turn.guard():  # a failure below is stored as the turn's error, never half a turn
             # Over the model's window: compress (or 400 context_length_exceeded), said in x-flashstack-* headers.
@@ -123,6 +141,7 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
             response = json_response(wire.response_json(resp, req.model), headers=headers)
             return overhead.stamp(clock, squeezed.stamp(response))
     except GatewayError as e:
+        record.error = e.message
         return error_response(wire, e, trace.headers())
     except ClientDisconnect:
         return Response(status_code=499)

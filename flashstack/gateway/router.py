@@ -21,7 +21,7 @@ from typing import TypeVar
 import orjson
 
 from flashstack.config import ConfigError, ModelConfig, RouterConfig
-from flashstack.gateway import balancer
+from flashstack.gateway import balancer, telemetry
 from flashstack.gateway.breaker import Breakers, counts_against_upstream
 from flashstack.gateway.core import (
     ChatRequest,
@@ -33,6 +33,7 @@ from flashstack.gateway.core import (
     GatewayError,
     Start,
     Text,
+    Usage,
 )
 from flashstack.gateway.health import HealthChecker, probe
 from flashstack.gateway.metrics import RouterMetrics
@@ -82,6 +83,11 @@ class RouteTrace:
     request_id: str = field(default_factory=lambda: "req_" + uuid.uuid4().hex[:24])
     attempts: list[Attempt] = field(default_factory=list)
     served_by: str | None = None
+    usage: Usage | None = None  # the upstream's, once its reply (or the stream's Finish) is in
+    ttft_ms: float | None = None  # streams: to the first token of the serving attempt
+    error: str | None = None  # streams: why the stream broke off after its first token
+    tracing: telemetry.Tracing | None = None  # with `span`, the request's trace: attempts are its children
+    span: object = None
 
     @classmethod
     def from_header(cls, request_id: str | None) -> RouteTrace:
@@ -344,25 +350,35 @@ class Router:
 
     async def _complete_on(self, dep: Deployment, request: ChatRequest, trace: RouteTrace) -> ChatResponse:
         t0 = time.perf_counter()
+        span = _attempt_span(dep, request, trace)
         await self._enter(dep)
         try:
-            resp = await dep.provider.complete(request)
-        except GatewayError as e:
-            e = self._sanitized(e)
-            await self._failed(dep, e, trace, t0)
-            raise e from None
+            with telemetry.sending(span):
+                resp = await dep.provider.complete(request)
+        except BaseException as e:
+            if isinstance(e, GatewayError):
+                e = self._sanitized(e)
+                await self._failed(dep, e, trace, t0)
+            telemetry.end_attempt(span, e)
+            if isinstance(e, GatewayError):
+                raise e from None
+            raise
         finally:
             await self._leave(dep)
+        trace.usage = resp.usage
+        telemetry.end_attempt(span, None, resp.usage, resp.model, resp.stop_reason)
         await self._served(dep, trace, t0, time.perf_counter() - t0)
         return resp
 
     async def _open_on(self, dep: Deployment, request: ChatRequest, trace: RouteTrace) -> AsyncIterator[Event]:
         t0 = time.perf_counter()
+        span = _attempt_span(dep, request, trace)
         await self._enter(dep)
         events = dep.provider.stream(request)
         head: list[Event] = []
         try:
-            head = await self._first_token(dep, events)
+            with telemetry.sending(span):  # the upstream request goes out at the first event
+                head = await self._first_token(dep, events)
         except BaseException as e:
             with suppress(Exception):
                 await events.aclose()  # type: ignore[attr-defined]
@@ -370,12 +386,15 @@ class Router:
             if isinstance(e, GatewayError):
                 e = self._sanitized(e)
                 await self._failed(dep, e, trace, t0)
+            telemetry.end_attempt(span, e)
+            if isinstance(e, GatewayError):
                 raise e from None
             raise
         ttft = time.perf_counter() - t0
+        trace.ttft_ms = ttft * 1000
         self.metrics.ttft.labels(dep.id).observe(ttft)
         await self._served(dep, trace, t0, ttft)
-        return self._relay(dep, head, events, trace)
+        return self._relay(dep, head, events, trace, span)
 
     async def _first_token(self, dep: Deployment, events: AsyncIterator[Event]) -> list[Event]:
         """Events up to and including the first that carries content, within the TTFT timeout."""
@@ -395,30 +414,41 @@ class Router:
         raise GatewayError(ErrorKind.UPSTREAM, f"deployment {dep.id} ended the stream before any token")
 
     async def _relay(self, dep: Deployment, head: list[Event], events: AsyncIterator[Event],
-                     trace: RouteTrace) -> AsyncIterator[Event]:
+                     trace: RouteTrace, span: object = None) -> AsyncIterator[Event]:
         """The stream after its first token; a failure now is passive health evidence, not a retry."""
+        usage = _StreamUsage(trace)
         finished = any(isinstance(ev, Finish) for ev in head)
+        failure: BaseException | None = None
         try:
             for ev in head:
+                usage.feed(ev)
                 yield ev
             async for ev in events:
                 if isinstance(ev, Error):
                     ev = Error(self._sanitized(ev.error))
+                    failure = ev.error
                     if counts_against_upstream(ev.error):
                         await self._midstream_failure(dep, ev.error, trace)
                 finished = finished or isinstance(ev, Finish)
+                usage.feed(ev)
                 yield ev
             if not finished:  # a truncated upstream: never pass half an answer off as complete
                 raise GatewayError(ErrorKind.UPSTREAM, f"deployment {dep.id} ended the stream before it finished")
         except GatewayError as e:
-            e = self._sanitized(e)
+            e = failure = self._sanitized(e)
             if counts_against_upstream(e):
                 await self._midstream_failure(dep, e, trace)
             raise e from None
+        except BaseException as e:  # the client went away (cancel / aclose)
+            failure = e
+            raise
         finally:
             with suppress(Exception):
                 await events.aclose()  # type: ignore[attr-defined]
             await asyncio.shield(self._leave(dep))
+            if failure is not None:
+                trace.error = failure.message if isinstance(failure, GatewayError) else "the client went away"
+            telemetry.end_attempt(span, failure, trace.usage, usage.model, usage.stop_reason)
 
     async def _midstream_failure(self, dep: Deployment, e: GatewayError, trace: RouteTrace) -> None:
         self.metrics.attempts.labels(dep.id, "midstream_error").inc()
@@ -482,6 +512,32 @@ class Router:
         health.detail = excerpt(self.redact(health.detail), self._max_error)
         dep.health = health
         self.metrics.health.labels(dep.id).set(1 if health.ok else 0)
+
+
+def _attempt_span(dep: Deployment, request: ChatRequest, trace: RouteTrace) -> object:
+    """The attempt's span under the request's, when the request is traced."""
+    if trace.tracing is None or trace.span is None:
+        return None
+    return trace.tracing.attempt_span(trace.span, dep.id, dep.cfg, request, len(trace.attempts) + 1)
+
+
+class _StreamUsage:
+    """What a stream's events say about it: the model that answered, why it stopped, and its usage
+    (the Finish's totals, with the input count from the Start where the Finish lacks it)."""
+
+    def __init__(self, trace: RouteTrace) -> None:
+        self.trace, self.model, self.stop_reason = trace, None, None
+        self.start = Usage()
+
+    def feed(self, ev: Event) -> None:
+        if isinstance(ev, Start):
+            self.model, self.start = ev.model, ev.usage
+        elif isinstance(ev, Finish):
+            u = ev.usage
+            if not u.input_tokens and self.start.input_tokens:
+                u = Usage(self.start.input_tokens, u.output_tokens, u.cache_read_input_tokens,
+                          u.cache_creation_input_tokens, u.reasoning_tokens)
+            self.trace.usage, self.stop_reason = u, str(ev.stop_reason)
 
 
 def _fallback_reason(e: GatewayError) -> str | None:

@@ -70,6 +70,8 @@ class CreateKey(_Body):
     tpm: int | None = Field(None, ge=1)
     expires_at: float | None = None  # unix seconds
     expires_in: float | None = Field(None, gt=0)  # seconds from now
+    budget_day_usd: float | None = Field(None, gt=0)  # USD per UTC day (gateway/spend.py)
+    budget_month_usd: float | None = Field(None, gt=0)  # USD per UTC month
 
 
 Handler = Callable[..., Awaitable[Response]]
@@ -256,7 +258,8 @@ async def create_key(request: Request, limits: chat.Limits) -> Response:
     expires_at = body.expires_at
     if body.expires_in is not None:
         expires_at = time.time() + body.expires_in
-    created = await auth.keys.create(body.name, body.models, body.rpm, body.tpm, expires_at)
+    created = await auth.keys.create(body.name, body.models, body.rpm, body.tpm, expires_at,
+                                     body.budget_day_usd, body.budget_month_usd)
     return chat.json_response(created)
 
 

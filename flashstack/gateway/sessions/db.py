@@ -73,6 +73,28 @@ api_keys = sa.Table(
     sa.Column("expires_at", sa.Float),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float),
+    sa.Column("budget_day_usd", sa.Float),  # NULL: no daily budget (UTC days)
+    sa.Column("budget_month_usd", sa.Float),  # NULL: no monthly budget (UTC months)
+)
+
+# One row per chat request (gateway/requestlog.py): what it cost, and how it was routed.
+requests = sa.Table(
+    "fs_requests", meta,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("request_id", sa.Text, nullable=False),  # x-request-id (the client's, when it sent one)
+    sa.Column("created_at", sa.BigInteger, nullable=False),  # unix ms
+    sa.Column("key_id", sa.Text),  # NULL: the master key, or auth off
+    sa.Column("model", sa.Text),  # as requested
+    sa.Column("deployment", sa.Text),  # the one that served it
+    sa.Column("status", sa.Integer, nullable=False),
+    sa.Column("stream", sa.Integer, nullable=False),
+    sa.Column("input_tokens", sa.BigInteger, nullable=False),  # without the cached ones
+    sa.Column("output_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cache_read_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cache_write_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cost_usd", sa.Float, nullable=False),
+    sa.Column("latency_ms", sa.Float, nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),  # JSON: attempts, ttft, error, dropped fields, wire
 )
 
 # Compression memory (issue 11): each message's embeddings, and cluster summaries per session.
@@ -121,6 +143,18 @@ MIGRATIONS: list[list[str]] = [
         """CREATE TABLE fs_summaries (
             session_id TEXT NOT NULL, key TEXT NOT NULL, summary TEXT NOT NULL, created_at BIGINT NOT NULL,
             PRIMARY KEY (session_id, key))""",
+    ],
+    [  # 3: spend (gateway/spend.py): budgets per key, a row per request
+        "ALTER TABLE fs_api_keys ADD COLUMN budget_day_usd DOUBLE PRECISION",
+        "ALTER TABLE fs_api_keys ADD COLUMN budget_month_usd DOUBLE PRECISION",
+        """CREATE TABLE fs_requests (
+            id TEXT PRIMARY KEY, request_id TEXT NOT NULL, created_at BIGINT NOT NULL, key_id TEXT,
+            model TEXT, deployment TEXT, status INTEGER NOT NULL, stream INTEGER NOT NULL,
+            input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL, cache_read_tokens BIGINT NOT NULL,
+            cache_write_tokens BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
+            latency_ms DOUBLE PRECISION NOT NULL, detail TEXT NOT NULL)""",
+        "CREATE INDEX fs_requests_key ON fs_requests (key_id, created_at)",
+        "CREATE INDEX fs_requests_time ON fs_requests (created_at)",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

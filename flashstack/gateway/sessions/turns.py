@@ -43,8 +43,10 @@ from flashstack.gateway.core import (
     Usage,
     invalid_request,
 )
+from flashstack.gateway.router import RouteTrace
 from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.db import Database
+from flashstack.gateway.spend import budgets_from_config
 from flashstack.gateway.sessions.store import (
     Failure,
     SessionStore,
@@ -78,7 +80,7 @@ class Idempotency:
 async def open_sessions(config: Config) -> Sessions:
     """Open (and migrate) the configured database; sessions and API keys share it."""
     db = await Database.from_config(config).open()
-    return Sessions(SessionStore(db), Auth.from_config(config.auth, db), config.store)
+    return Sessions(SessionStore(db), Auth.from_config(config.auth, db, budgets_from_config(config, db)), config.store)
 
 
 class _Locks:
@@ -213,7 +215,7 @@ class Turn:
         """The router this turn's request goes to: an idempotent retry gets the stored reply."""
         if self.replay is not None:
             return ReplayRouter(self.replay)
-        return router if self.reservation.hold is None else MeteredRouter(router, self.reservation)
+        return MeteredRouter(router, self.reservation) if self.reservation.metered else router
 
     def metadata(self) -> dict[str, str]:
         """The session's metadata (empty without a session)."""
@@ -322,7 +324,7 @@ class Turn:
         self._streaming = True  # from here the stream, not `guard`, settles the turn
         if self.in_session:
             return self._watch(events)
-        if self.reservation.hold is not None:
+        if self.reservation.metered:
             return self._settle_at_finish(events)
         return events
 
@@ -462,11 +464,19 @@ class MeteredRouter:
 
     async def complete(self, request: Any, *args: Any) -> ChatResponse:
         resp = await self.router.complete(request, *args)
+        self.reservation.served_by = _served_by(args)
         await self.reservation.finish(resp.usage, _output_bytes(resp))
         return resp
 
     async def open_stream(self, request: Any, *args: Any) -> AsyncIterator[Event]:
-        return await self.router.open_stream(request, *args)
+        events = await self.router.open_stream(request, *args)
+        self.reservation.served_by = _served_by(args)  # known from the first token on
+        return events
+
+
+def _served_by(args: tuple[Any, ...]) -> str | None:
+    """The deployment the router's trace (its second argument) says served the request."""
+    return args[0].served_by if args and isinstance(args[0], RouteTrace) else None
 
 
 class ReplayRouter:

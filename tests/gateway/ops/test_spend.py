@@ -1,0 +1,200 @@
+"""Spend: prices, costs from the upstream's usage (cached tokens at cache prices), budgets per key."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import uuid
+
+import httpx
+import pytest
+
+from flashstack.config import AuthConfig, Config, ModelConfig, ModelPrice, RouterConfig, ServerConfig, SpendConfig
+from flashstack.gateway.core import Usage
+from flashstack.gateway.spend import DEFAULT_PRICES, FREE, Price, PriceTable, default_price
+from tests.fakes.server import FakeServer
+from tests.gateway.ops import metered_upstream
+from tests.gateway.sessions.support import (
+    MASTER_KEY,
+    REDIS_URL,
+    ScratchStore,
+    auth_headers,
+    create_key,
+    pg_available,
+    redis_available,
+    start_gateway,
+)
+
+ROUTING = RouterConfig(num_retries=0, health_check_interval=0, breaker_failures=10**6, breaker_min_requests=10**6)
+PROMPT = "x" * 1200  # 1,200 bytes: at least as many tokens as the 1,000 + cached the upstream reports
+SONNET = DEFAULT_PRICES["claude-sonnet-4-5"]
+MINI = DEFAULT_PRICES["gpt-4o-mini"]
+
+
+def test_prices_of_deployments():
+    models = [
+        ModelConfig(name="sonnet", provider="anthropic", model="claude-sonnet-4-5-20250929", api_key="k"),
+        ModelConfig(name="mini", provider="openai", model="gpt-4o-mini-2024-07-18", api_key="k"),
+        ModelConfig(name="llama", provider="ollama", model="llama3.2"),
+        ModelConfig(name="vllm", provider="openai", model="my-finetune", api_key="k"),
+        ModelConfig(name="mine", provider="openai", model="gpt-4o", api_key="k"),
+    ]
+    table = PriceTable(models, {"mine": ModelPrice(input=1, output=2, cache_read=0.5)})
+    assert table.of_deployment("sonnet#0", "sonnet") == SONNET  # a dated snapshot priced as its family
+    assert table.of_deployment("mini#0", "mini") == MINI
+    assert table.of_deployment("llama#0", "llama") == FREE  # local: free unless priced
+    assert table.of_deployment("mine#0", "mine") == Price(1, 2, 1, 0.5)  # cache_write defaults to input
+    assert table.unpriced == ["vllm"]
+    assert default_price("claude-haiku-4-5-latest") == DEFAULT_PRICES["claude-haiku-4-5"]
+    usage = Usage(input_tokens=1000, output_tokens=200, cache_read_input_tokens=5000, cache_creation_input_tokens=300)
+    assert SONNET.cost(usage) == pytest.approx((1000 * 3 + 200 * 15 + 5000 * 0.30 + 300 * 3.75) / 1e6)
+
+
+def _config(store: ScratchStore, tmp, upstream: FakeServer, redis_url: str | None = None,
+            prefix: str | None = None) -> Config:
+    return Config(
+        server=ServerConfig(), router=ROUTING, state_dir=tmp, store=store.config(),
+        models=[
+            ModelConfig(name="sonnet", provider="anthropic", model="claude-sonnet-4-5-20250929",
+                        api_base=upstream.url, api_key="sk-up"),
+            ModelConfig(name="mini", provider="openai", model="gpt-4o-mini", api_base=upstream.url + "/v1",
+                        api_key="sk-up"),
+        ],
+        auth=AuthConfig(master_key=MASTER_KEY, redis_url=redis_url,
+                        redis_prefix=prefix or f"fs-test-{uuid.uuid4().hex[:8]}:"),
+        spend=SpendConfig(flush_interval=0.05),
+    )
+
+
+STORES = [pytest.param("sqlite", id="sqlite"), pytest.param("postgres", id="postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=STORES)
+def store(request, tmp_path):
+    if request.param == "postgres" and not pg_available():
+        pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
+    s = ScratchStore(request.param, tmp_path)
+    yield s
+    s.drop()
+
+
+@pytest.fixture
+def upstream():
+    server = FakeServer(metered_upstream.create_app(input_tokens=1000, cache_read=100, cache_write=50)).start()
+    yield server
+    server.stop()
+
+
+def _chat(url: str, key: str, model: str, stream: bool = False, max_tokens: int = 100,
+          anthropic: bool = False) -> httpx.Response:
+    body = {"model": model, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": PROMPT}]}
+    if anthropic:
+        return httpx.post(url + "/v1/messages", json=body, timeout=20,
+                          headers={"x-api-key": key, "anthropic-version": "2023-06-01"})
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=auth_headers(key), timeout=20)
+
+
+def _spend(url: str, key_id: str, key: str = MASTER_KEY) -> dict:
+    r = httpx.get(f"{url}/v1/keys/{key_id}/spend", headers=auth_headers(key), timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_costs_are_the_price_table_times_the_usage(store, upstream, tmp_path):
+    gw = start_gateway(_config(store, tmp_path, upstream))
+    try:
+        key = create_key(gw.url, name="meter")
+        for stream in (False, True):
+            assert _chat(gw.url, key["key"], "sonnet", stream, anthropic=True).status_code == 200
+            assert _chat(gw.url, key["key"], "mini", stream).status_code == 200
+        report = _spend(gw.url, key["id"])
+        assert _spend(gw.url, key["id"], key["key"]) == report  # a key may read its own spend
+        other = create_key(gw.url, name="other")["key"]
+        assert httpx.get(f"{gw.url}/v1/keys/{key['id']}/spend", headers=auth_headers(other)).status_code == 403
+    finally:
+        gw.stop()
+    # Anthropic counts cache reads and writes apart from input; OpenAI's prompt_tokens include the
+    # cached ones (and it has no cache writes): each priced as cached.
+    sonnet = (1000 * SONNET.input + 100 * SONNET.output + 100 * SONNET.cache_read + 50 * SONNET.cache_write) / 1e6
+    mini = (1000 * MINI.input + 100 * MINI.output + 100 * MINI.cache_read) / 1e6
+    by_model = {m["model"]: m for m in report["by_model"]}
+    assert by_model["sonnet"]["cost_usd"] == pytest.approx(2 * sonnet, rel=1e-9)
+    assert by_model["mini"]["cost_usd"] == pytest.approx(2 * mini, rel=1e-9)
+    assert by_model["sonnet"]["cache_read_tokens"] == 200 and by_model["sonnet"]["cache_write_tokens"] == 100
+    assert by_model["mini"]["input_tokens"] == 2000 and by_model["mini"]["cache_write_tokens"] == 0
+    assert report["budgets"]["day"]["spent_usd"] == pytest.approx(2 * (sonnet + mini), rel=1e-6)
+    assert report["budgets"]["day"]["limit_usd"] is None
+    rows = store.query("SELECT model, stream, cost_usd FROM fs_requests WHERE key_id = ? ORDER BY created_at", key["id"])
+    assert [(r[0], r[1]) for r in rows] == [("sonnet", 0), ("mini", 0), ("sonnet", 1), ("mini", 1)]
+
+
+def test_over_budget_is_a_429_naming_the_budget_and_its_reset(upstream, tmp_path):
+    store = ScratchStore("sqlite", tmp_path)
+    gw = start_gateway(_config(store, tmp_path, upstream))
+    try:
+        key = create_key(gw.url, name="capped", budget_day_usd=0.001)
+        assert key["budget_day_usd"] == 0.001
+        assert _chat(gw.url, key["key"], "sonnet").status_code == 200  # alone in flight: may go over, once
+        for anthropic in (False, True):
+            r = _chat(gw.url, key["key"], "sonnet", anthropic=anthropic)
+            assert r.status_code == 429, r.text
+            body = r.json()
+            assert body.get("type") == ("error" if anthropic else None)  # each wire's own error shape
+            err = body["error"]
+            assert err["type"] == "rate_limit_error" and err.get("code") == (None if anthropic else "budget_exceeded")
+            assert "over its daily budget of $0.00" in err["message"] and "resets at" in err["message"]
+            assert 0 < int(r.headers["retry-after"]) <= 86400
+        bad = httpx.post(gw.url + "/v1/keys", json={"name": "x", "budget_day_usd": -1}, headers=auth_headers(MASTER_KEY))
+        assert bad.status_code == 400 and "budget_day_usd" in bad.text
+        assert _chat(gw.url, create_key(gw.url, name="free")["key"], "sonnet").status_code == 200
+    finally:
+        gw.stop()
+    assert store.query("SELECT COUNT(*) FROM fs_requests WHERE status = 429") == [(2,)]
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_two_replicas_racing_the_last_cents_never_put_more_than_one_request_over(tmp_path):
+    if not (pg_available() and redis_available()):
+        pytest.skip("needs PostgreSQL on 127.0.0.1:5432 and Redis on 127.0.0.1:6379")
+    store = ScratchStore("postgres", tmp_path)
+    upstream = FakeServer(metered_upstream.create_app(input_tokens=1000, delay=0.02)).start()
+    prefix = f"fs-test-{uuid.uuid4().hex[:8]}:"
+    replicas = [start_gateway(_config(store, tmp_path / str(i), upstream, REDIS_URL, prefix)) for i in range(2)]
+    cost = (1000 * SONNET.input + 100 * SONNET.output) / 1e6  # 0.0045 a request; each holds ~0.006
+    budget = 0.02
+    try:
+        key = create_key(replicas[0].url, name="racer", budget_day_usd=budget)
+
+        def client(i: int) -> tuple[int, str]:
+            """Ask until served, or refused for the budget itself (not for what is held in flight)."""
+            url = replicas[i % 2].url
+            while True:
+                r = _chat(url, key["key"], "sonnet")
+                if r.status_code == 200:
+                    return 200, ""
+                assert r.status_code == 429, r.text
+                message = r.json()["error"]["message"]
+                if "over its daily budget" in message:
+                    return 429, message
+                time.sleep(0.02)
+
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(client, range(12)))
+        assert time.monotonic() - t0 < 20
+        served = sum(1 for status, _ in results if status == 200)
+        report = _spend(replicas[1].url, key["id"])
+    finally:
+        for gw in replicas:
+            gw.stop()
+        upstream.stop()
+        store.drop()
+    spent = report["budgets"]["day"]["spent_usd"]
+    assert spent == pytest.approx(served * cost, rel=1e-6)  # every served request charged once
+    assert spent > budget  # the last cents went: someone went over…
+    assert spent - cost < budget  # …but only one request
+    assert served == 5  # 4 within the budget (3 held at once at most), the 5th alone
