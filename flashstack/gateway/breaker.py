@@ -55,6 +55,12 @@ class Breakers:
     async def try_probe(self, dep: str, ttl: float) -> bool:
         return await self._run(lambda s: s.try_probe(dep, ttl))
 
+    async def probe_passed(self, dep: str) -> bool:
+        """A passing active health probe ends an open breaker's cooldown; True when one was open.
+        Half-open, not closed: a model list answering does not prove chat does, so the next request
+        is the trial that closes it (or re-opens it at once)."""
+        return await self._run(lambda s: s.end_cooldown(dep))
+
     async def add_in_flight(self, dep: str, delta: int) -> None:
         await self._run(lambda s: s.add_in_flight(dep, delta))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
 from typing import Any
 
@@ -31,7 +31,7 @@ async def probe(provider: Any, timeout: float) -> Health:
 class HealthChecker:
     """Runs `probe` for every deployment every `interval` seconds and hands results to `report`."""
 
-    def __init__(self, interval: float, timeout: float, report: Callable[[Any, Health], None]) -> None:
+    def __init__(self, interval: float, timeout: float, report: Callable[[Any, Health], Awaitable[None]]) -> None:
         self.interval, self.timeout, self.report = interval, timeout, report
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -44,7 +44,7 @@ class HealthChecker:
         # Jittered start, so replicas and deployments do not probe in lockstep.
         await asyncio.sleep(random.uniform(0, min(self.interval, 1.0)))
         while True:
-            self.report(dep, await probe(dep.provider, self.timeout))
+            await self.report(dep, await probe(dep.provider, self.timeout))
             await asyncio.sleep(self.interval * random.uniform(0.9, 1.1))
 
     async def aclose(self) -> None:

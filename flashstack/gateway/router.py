@@ -135,7 +135,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.breakers = Breakers(build_state(self.cfg.redis_url, self.cfg.redis_prefix), self.cfg)
         self.checker = HealthChecker(self.cfg.health_check_interval, self.cfg.health_check_timeout,
-                                     self._on_probe)
+                                     self._on_active_probe)
 
     def _check_fallbacks(self, models: list[ModelConfig]) -> None:
         """Every fallback must name a configured model: a typo would otherwise surface mid-outage."""
@@ -512,6 +512,14 @@ class Router:
         health.detail = excerpt(self.redact(health.detail), self._max_error)
         dep.health = health
         self.metrics.health.labels(dep.id).set(1 if health.ok else 0)
+
+    async def _on_active_probe(self, dep: Deployment, health: Health) -> None:
+        """A background probe's result; one that passes ends an open breaker's cooldown (a restarted
+        upstream gets traffic back within a probe interval). A readiness call's probe only reports."""
+        self._on_probe(dep, health)
+        if health.ok and await self.breakers.probe_passed(dep.id):
+            self.metrics.breaker.labels(dep.id).set(BreakerState.HALF_OPEN)
+            _log("breaker_half_open", RouteTrace(), deployment=dep.id, reason="health probe passed")
 
 
 def _attempt_span(dep: Deployment, request: ChatRequest, trace: RouteTrace) -> object:

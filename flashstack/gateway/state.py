@@ -63,6 +63,10 @@ class StateStore(Protocol):
 
     async def try_probe(self, dep: str, ttl: float) -> bool: ...
 
+    async def end_cooldown(self, dep: str) -> bool:
+        """An open breaker becomes half-open now; True when it was open."""
+        ...
+
     async def add_in_flight(self, dep: str, delta: int) -> None: ...
 
     async def aclose(self) -> None: ...
@@ -162,6 +166,11 @@ class MemoryState:
         self._set(f"{dep}:probe", 1, ttl)
         return True
 
+    async def end_cooldown(self, dep: str) -> bool:
+        was_open = self._get(f"{dep}:open") is not None
+        self._delete(f"{dep}:open")
+        return was_open
+
     async def add_in_flight(self, dep: str, delta: int) -> None:
         self._incr(f"{dep}:inflight", delta)
 
@@ -255,6 +264,9 @@ class RedisState:
 
     async def try_probe(self, dep: str, ttl: float) -> bool:
         return bool(await self.redis.set(self._k(dep, "probe"), "1", nx=True, px=max(1, int(ttl * 1000))))
+
+    async def end_cooldown(self, dep: str) -> bool:
+        return bool(await self.redis.delete(self._k(dep, "open")))  # "tripped" stays: half-open
 
     async def add_in_flight(self, dep: str, delta: int) -> None:
         pipe = self.redis.pipeline(transaction=False)

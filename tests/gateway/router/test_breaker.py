@@ -76,6 +76,18 @@ async def test_half_open_failure_reopens_at_once(store):
     assert await state(store) is BreakerState.OPEN
 
 
+async def test_a_passing_health_probe_ends_the_cooldown_and_the_next_request_decides(store):
+    for _ in range(3):
+        await store.record_failure("d", POLICY, 60)
+    assert await store.end_cooldown("d"), "it was open"
+    assert await state(store) is BreakerState.HALF_OPEN
+    assert not await store.end_cooldown("d"), "half-open is not open"
+    assert await store.try_probe("d", 5)
+    assert await store.record_success("d", POLICY)
+    assert await state(store) is BreakerState.CLOSED
+    assert not await store.end_cooldown("d")
+
+
 async def test_in_flight_counts(store):
     await store.add_in_flight("d", 1)
     await store.add_in_flight("d", 1)
