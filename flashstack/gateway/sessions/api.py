@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -28,6 +29,7 @@ from flashstack.gateway.core import (
     Text,
     invalid_request,
 )
+from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.router import Router, RouteTrace
 from flashstack.gateway.sessions.store import Order, message_json
 from flashstack.gateway.sessions.turns import Idempotency, Sessions
@@ -217,14 +219,24 @@ async def post_message(request: Request, session_id: str, limits: chat.Limits) -
     )
     await turn.admit(auth, req)  # 429 with retry-after; the history is part of what it costs
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
-    async with turn.guard():
-        req, squeezed = await compress.for_request(request, req, router.config_of(model), turn)
-        if req.stream:
-            return squeezed.stamp(
-                await chat.stream_response(wire_of(request), req, turn.route(router), limits, trace, turn)
-            )
-        resp = await turn.route(router).complete(req, trace)
-        await turn.complete(resp)
+    requests: RequestLog = request.app.state.requests  # the request log: its cost row, its trace
+    record = requests.begin(trace, wire_of(request).name, request.method, request.url.path, request.headers)
+    record.key_id, record.charged = caller.key_id, turn.reservation.budget
+    record.request(req, session_id)
+    try:
+        async with turn.guard():
+            req, squeezed = await compress.for_request(request, req, router.config_of(model), turn)
+            if req.stream:
+                response = await chat.stream_response(wire_of(request), req, turn.route(router), limits, trace, turn)
+                response.background = BackgroundTasks([response.background,
+                                                       BackgroundTask(requests.end, record, 200)])
+                return squeezed.stamp(response)
+            resp = await turn.route(router).complete(req, trace)
+            await turn.complete(resp)
+    except GatewayError as e:
+        await requests.end(record, e.status, e)
+        raise
+    await requests.end(record, 200)
     if turn.replay_message_id is not None:
         return chat.json_response(await sessions.store.message(turn.replay_message_id))
     return squeezed.stamp(chat.json_response(message_json(turn.rows[-1])))

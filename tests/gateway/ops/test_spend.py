@@ -110,6 +110,10 @@ def test_costs_are_the_price_table_times_the_usage(store, upstream, tmp_path):
         for stream in (False, True):
             assert _chat(gw.url, key["key"], "sonnet", stream, anthropic=True).status_code == 200
             assert _chat(gw.url, key["key"], "mini", stream).status_code == 200
+        session = httpx.post(gw.url + "/v1/sessions", json={"model": "sonnet"}, headers=auth_headers(key["key"])).json()
+        r = httpx.post(f"{gw.url}/v1/sessions/{session['id']}/messages", headers=auth_headers(key["key"]),
+                       json={"content": PROMPT, "max_tokens": 100}, timeout=20)
+        assert r.status_code == 200, r.text  # a session turn is charged like a chat request
         report = _spend(gw.url, key["id"])
         assert _spend(gw.url, key["id"], key["key"]) == report  # a key may read its own spend
         other = create_key(gw.url, name="other")["key"]
@@ -121,14 +125,14 @@ def test_costs_are_the_price_table_times_the_usage(store, upstream, tmp_path):
     sonnet = (1000 * SONNET.input + 100 * SONNET.output + 100 * SONNET.cache_read + 50 * SONNET.cache_write) / 1e6
     mini = (1000 * MINI.input + 100 * MINI.output + 100 * MINI.cache_read) / 1e6
     by_model = {m["model"]: m for m in report["by_model"]}
-    assert by_model["sonnet"]["cost_usd"] == pytest.approx(2 * sonnet, rel=1e-9)
+    assert by_model["sonnet"]["cost_usd"] == pytest.approx(3 * sonnet, rel=1e-9)
     assert by_model["mini"]["cost_usd"] == pytest.approx(2 * mini, rel=1e-9)
-    assert by_model["sonnet"]["cache_read_tokens"] == 200 and by_model["sonnet"]["cache_write_tokens"] == 100
+    assert by_model["sonnet"]["cache_read_tokens"] == 300 and by_model["sonnet"]["cache_write_tokens"] == 150
     assert by_model["mini"]["input_tokens"] == 2000 and by_model["mini"]["cache_write_tokens"] == 0
-    assert report["budgets"]["day"]["spent_usd"] == pytest.approx(2 * (sonnet + mini), rel=1e-6)
+    assert report["budgets"]["day"]["spent_usd"] == pytest.approx(3 * sonnet + 2 * mini, rel=1e-6)
     assert report["budgets"]["day"]["limit_usd"] is None
     rows = store.query("SELECT model, stream, cost_usd FROM fs_requests WHERE key_id = ? ORDER BY created_at", key["id"])
-    assert [(r[0], r[1]) for r in rows] == [("sonnet", 0), ("mini", 0), ("sonnet", 1), ("mini", 1)]
+    assert [(r[0], r[1]) for r in rows] == [("sonnet", 0), ("mini", 0), ("sonnet", 1), ("mini", 1), ("sonnet", 0)]
 
 
 def test_over_budget_is_a_429_naming_the_budget_and_its_reset(upstream, tmp_path):
