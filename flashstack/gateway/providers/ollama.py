@@ -126,6 +126,9 @@ def request_json(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
 
 def _message_json(m: Message) -> Iterator[dict[str, Any]]:
     text = "".join(p.text for p in m.parts if isinstance(p, Text))
+    if m.role == "system":  # an instruction mid-conversation, where it stands
+        yield {"role": "system", "content": text}
+        return
     if m.role == "assistant":
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         calls = [p for p in m.parts if isinstance(p, ToolCall)]

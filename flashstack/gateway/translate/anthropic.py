@@ -394,13 +394,16 @@ def _same_wire_json(req: ChatRequest, upstream_model: str, default_max_tokens: i
 
 
 def _cross_json(req: ChatRequest, upstream_model: str, default_max_tokens: int | None) -> dict[str, Any]:
+    # An instruction mid-conversation (an OpenAI system message after the first turn) joins the
+    # system prompt: the Messages API takes one only up front.
+    late = [t for m in req.messages if m.role == "system" for t in m.parts if isinstance(t, Text)]
     body: dict[str, Any] = {
         "model": upstream_model,
         "max_tokens": req.max_tokens or default_max_tokens or DEFAULT_MAX_TOKENS,
-        "messages": _messages_json(req.messages, same=False, req=req),
+        "messages": _messages_json([m for m in req.messages if m.role != "system"], same=False, req=req),
     }
-    system = req.system_text()
-    if req.system and any(t.extra.get("name") for t in req.system):
+    system = "\n\n".join(t.text for t in [*req.system, *late])
+    if any(t.extra.get("name") for t in [*req.system, *late]):
         req.exchange.dropped.add("messages[].name")
     if req.response_format is not None:
         system = (system + "\n\n" if system else "") + _json_instruction(req.response_format)

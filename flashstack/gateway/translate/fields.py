@@ -87,8 +87,7 @@ OPENAI_REQUEST: tuple[Field, ...] = (
 )
 OPENAI_PARTS: tuple[Field, ...] = (
     F("messages[].role=developer", M, "system"),
-    F("messages[].role=system", M, "system",
-      same_note="a system or developer message after the first user turn is sent before it"),
+    F("messages[].role=system", M, "system (one after the first turn joins it too)"),
     F("messages[].name", D, "no participant names on the Messages API"),
     F("messages[].content[].type=text", M, "text block"),
     F("messages[].content[].type=image_url", M, "image block (base64 or url source)"),

@@ -99,7 +99,10 @@ def to_canonical(req: w.ChatCompletionRequest, body: dict[str, Any] | None = Non
     for i, (m, raw) in enumerate(zip(req.messages, body["messages"])):
         param = f"messages[{i}]"
         if isinstance(m, w.SystemMessage):
-            system.append(_system_text(m, raw))
+            if messages:  # after the conversation began: kept where it stands
+                messages.append(Message("system", [_system_text(m, raw)]))
+            else:
+                system.append(_system_text(m, raw))
         elif isinstance(m, w.UserMessage):
             parts = _user_parts(m.content, raw.get("content"), param)
             messages.append(Message("user", parts, _extra(raw, _MSG_KEYS), isinstance(m.content, str)))
@@ -460,7 +463,11 @@ def _message_json(m: Message, same: bool, req: ChatRequest | None) -> Iterator[d
         yield _assistant_json(m, extra, same, req)
         return
     if m.role == "system":  # an instruction mid-conversation: a system message where it stood
-        yield {"role": "system", "content": "".join(p.text for p in m.parts if isinstance(p, Text))}
+        texts = [p for p in m.parts if isinstance(p, Text)]
+        if same and len(texts) == 1:
+            yield _system_json(texts[0])
+        else:
+            yield {"role": "system", "content": "".join(p.text for p in texts)}
         return
     # Tool results are separate `tool` messages in OpenAI's format, before the user's own parts.
     rest: list[dict[str, Any]] = []

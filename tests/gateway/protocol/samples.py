@@ -40,6 +40,7 @@ def openai_messages() -> list[dict]:
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
         {"role": "assistant", "content": "It is sunny.", "refusal": None},
+        {"role": "developer", "content": [{"type": "text", "text": "Now be verbose."}], "name": "ops"},
         {"role": "user", "content": [
             {"type": "text", "text": "And this picture?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png_b64(), "detail": "low"}},

@@ -67,7 +67,7 @@ def test_openai_request_to_anthropic_maps_what_has_a_counterpart(clients, answer
         model="claude", messages=samples.openai_messages(), reasoning_effort="low", user="user-9",
         max_completion_tokens=2048, parallel_tool_calls=False, tools=[samples.WEATHER_TOOL], seed=3)
     sent = answered["anthropic"].requests[-1].body
-    assert sent["system"] == "Be terse.\n\nAnswer in JSON."  # developer and system messages
+    assert sent["system"] == "Be terse.\n\nAnswer in JSON.\n\nNow be verbose."  # developer and system messages
     assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1024} and sent["max_tokens"] == 2048
     assert sent["metadata"] == {"user_id": "user-9"}
     assert sent["tool_choice"] == {"type": "auto", "disable_parallel_tool_use": True}
