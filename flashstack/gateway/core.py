@@ -132,7 +132,6 @@ class Reasoning:
 
     effort: Literal["minimal", "low", "medium", "high"] | None = None
     budget_tokens: int | None = None
-    enabled: bool = True
 
 
 @dataclass(slots=True)

@@ -90,9 +90,9 @@ _THINKING_KEYS = frozenset({"type", "thinking", "signature"})
 _TOOL_KEYS = frozenset({"name", "description", "input_schema", "cache_control", "strict"})
 
 
-def to_canonical(req: w.MessagesRequest, body: dict[str, Any] | None = None) -> ChatRequest:
-    """The canonical request for an Anthropic Messages request (`body`: its JSON, for `extra`)."""
-    body = body if body is not None else req.model_dump(exclude_unset=True)
+def to_canonical(req: w.MessagesRequest, body: dict[str, Any]) -> ChatRequest:
+    """The canonical request for an Anthropic Messages request; `body`, its JSON, gives the values
+    `extra` keeps (exactly as sent)."""
     messages = [
         Message(m.role, _parts(m.content, raw["content"], f"messages[{i}].content"),
                 _extra(raw, _MSG_KEYS), isinstance(m.content, str))

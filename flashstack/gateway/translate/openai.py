@@ -91,9 +91,9 @@ _CALL_KEYS = frozenset({"id", "type", "function"})
 REASONING_BUDGET = {"minimal": 1024, "low": 1024, "medium": 4096, "high": 16384}
 
 
-def to_canonical(req: w.ChatCompletionRequest, body: dict[str, Any] | None = None) -> ChatRequest:
-    """The canonical request for an OpenAI chat-completions request (`body`: its JSON, for `extra`)."""
-    body = body if body is not None else req.model_dump(by_alias=True, exclude_unset=True)
+def to_canonical(req: w.ChatCompletionRequest, body: dict[str, Any]) -> ChatRequest:
+    """The canonical request for an OpenAI chat-completions request; `body`, its JSON, gives the
+    values `extra` keeps (exactly as sent: pydantic would turn 1 into 1.0)."""
     system: list[Text] = []
     messages: list[Message] = []
     for i, (m, raw) in enumerate(zip(req.messages, body["messages"])):
