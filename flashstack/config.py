@@ -356,9 +356,13 @@ class CompressionConfig(BaseModel):
     threshold: float = Field(0.85, gt=0, le=1)  # compress when prompt + output reserve > this × window
     keep_last_turns: int = Field(4, ge=1)  # the newest messages, always kept verbatim
     dbscan_eps: float = Field(0.35, gt=0, lt=2)  # cosine distance; picked with bench/compress_eval.py
-    summarizer: Literal["llm", "extractive"] = "extractive"  # extractive: offline, no model call
+    # extractive: offline, no model call; llm: a routed model; local: a GGUF on the in-process engine
+    summarizer: Literal["llm", "local", "extractive"] = "extractive"
     summarizer_model: str | None = None  # llm: a configured model name; None: the routed model
+    summarizer_path: Path | None = None  # local: a GGUF file or model directory; None: the bundled SmolLM2
     summary_sentences: int = Field(3, ge=1)
+    summary_max_tokens: int = Field(96, ge=8)  # local: tokens one summary may generate (greedy)
+    summary_input_tokens: int = Field(1_024, ge=64)  # local: cluster text it reads, most relevant first
     embed_threads: int = Field(2, ge=1)
     embed_cache_size: int = Field(50_000, ge=0)  # embeddings kept in memory (1.5 KiB each)
     cache_dir: Path | None = None  # the built ONNX models; None: <state_dir>/models

@@ -34,8 +34,8 @@ _STARTED = int(time.time())
 log = logging.getLogger("flashstack.gateway")
 
 
-def create_app(config: Config, router: Router | None = None) -> FastAPI:
-    """The gateway's ASGI app for `config`."""
+def create_app(config: Config, router: Router | None = None, tracing: Tracing | None = None) -> FastAPI:
+    """The gateway's ASGI app for `config` (`tracing`: spans go there instead of telemetry's exporter)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,7 +51,7 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         app.state.auth = app.state.sessions.auth
         # The request log (a cost row per request, in the same database) and, when on, its traces.
         app.state.requests = RequestLog.from_config(config, SpendStore(app.state.sessions.store.db),
-                                                    Tracing.from_config(config.telemetry, os.environ))
+                                                    tracing or Tracing.from_config(config.telemetry, os.environ))
         for name in app.state.requests.prices.unpriced:
             log.warning("model %r has no price (spend.prices): its requests count as costing $0", name)
         # Everything loaded so far lives as long as the process: out of the collector's sight, a full
@@ -61,7 +61,7 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
         yield
         await app.state.requests.aclose()
         await app.state.sessions.aclose()
-        app.state.compressor.close()
+        await app.state.compressor.aclose()
         await app.state.router.aclose()
 
     app = GatewayApp(title="flashstack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -129,8 +129,11 @@ def create_app(config: Config, router: Router | None = None) -> FastAPI:
             body["tls"] = tls_report = tls.status()
             ready = ready and tls_report["status"] != "expired"
         compression = request.app.state.compressor.state  # idle | loading | ready | failed
-        body["compression"] = {"embedding_model": compression}
+        body["compression"] = states = {"embedding_model": compression}
         ready = ready and compression != "loading"  # failed: requests are truncated, still served
+        if (summarizer := request.app.state.compressor.summarizer_state) is not None:
+            states["summarizer"] = summarizer  # failed: summaries stay extractive
+            ready = ready and summarizer != "loading"
         # Deployment ids and probe errors name upstreams: the detail is the master key's (or auth off).
         detail = body if caller.admin or caller == ANONYMOUS else {}
         return chat.json_response({"status": "ready" if ready else "degraded", **detail}, 200 if ready else 503)

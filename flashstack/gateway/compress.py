@@ -5,7 +5,9 @@ units that must stay whole (a tool call with its results), and the newest `keep_
 messages, pinned messages, the system prompt and tool schemas are kept. The other units are ranked
 by embedding similarity to the latest user turn: the most relevant stay verbatim, the rest are
 clustered with DBSCAN (cosine distance) and each cluster is replaced by a summary in the system
-prompt. A conversation whose kept part alone does not fit gets a 400 `context_length_exceeded`.
+prompt: extractive (its most central sentences), or written by a routed model (`llm`) or by a model
+on the in-process engine (`local`, gateway/summarize.py), which fall back to the extractive one.
+A conversation whose kept part alone does not fit gets a 400 `context_length_exceeded`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +33,7 @@ from flashstack.config import CompressionConfig, CompressionMode, ModelConfig
 from flashstack.gateway import tokens
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Message, Text, ToolCall, ToolResult
 from flashstack.gateway.core import invalid_request
+from flashstack.gateway.summarize import SUMMARIZE_PROMPT, LocalSummarizer
 
 if TYPE_CHECKING:
     import numpy as np  # imported where used: 16 MB that a gateway which never compresses need not hold
@@ -42,6 +46,9 @@ log = logging.getLogger("flashstack.gateway.compress")
 MODES: tuple[CompressionMode, ...] = ("auto", "off", "truncate")
 # Why a request that needed compression was truncated instead (x-flashstack-compression-fallback).
 Fallback = Literal["warming-up", "unavailable", "budget"]
+# Why a cluster's summary is extractive although a model summarizer is configured
+# (x-flashstack-summarizer-fallback); the request is still compressed.
+SummarizerFallback = Literal["warming-up", "unavailable", "budget", "error"]
 LoadState = Literal["idle", "loading", "ready", "failed"]  # of the embedding model
 VERBATIM_SHARE = 0.6  # of the free budget, for the most relevant old units; the rest for summaries
 MIN_SUMMARY_TOKENS = 24  # a cluster summary shorter than this says nothing; drop the cluster instead
@@ -51,10 +58,6 @@ SOURCE_UNITS = 3  # extractive summaries draw on this many most central + most r
 SUMMARY_HEADER = (
     "Earlier parts of this conversation were compressed by the gateway to fit the model's context "
     "window. Summaries of the omitted messages, oldest first:"
-)
-SUMMARIZE_PROMPT = (
-    "Summarize the conversation excerpt below in at most {n} sentences. Keep every name, number, "
-    "identifier, decision and code symbol exactly as written. Reply with the summary only.\n\n{text}"
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
@@ -131,6 +134,8 @@ class Outcome:
     messages_summarized: int = 0
     messages_dropped: int = 0
     fallback: Fallback | None = None  # truncated although the mode was auto, and why
+    summarizers: tuple[str, ...] = ()  # what wrote the summaries: extractive, llm:<model>, local:<model>
+    summarizer_fallback: SummarizerFallback | None = None  # a model summary replaced by an extractive one
 
     def stamp(self, response: Any) -> Any:
         """`response` with this outcome's headers added."""
@@ -149,6 +154,10 @@ class Outcome:
         }
         if self.fallback is not None:
             out["x-flashstack-compression-fallback"] = self.fallback
+        if self.summarizers:
+            out["x-flashstack-summarizer"] = ", ".join(self.summarizers)
+        if self.summarizer_fallback is not None:
+            out["x-flashstack-summarizer-fallback"] = self.summarizer_fallback
         return out
 
 
@@ -169,6 +178,10 @@ class CompressionMetrics:
                                ["model"], registry=r)
         self.fallbacks = Counter("flashstack_compression_fallbacks", "Requests truncated instead of compressed",
                                  ["model", "reason"], registry=r)
+        self.summarizer_fallbacks = Counter(
+            "flashstack_compression_summarizer_fallbacks",
+            "Compressed requests whose model summaries were (partly) extractive instead", ["model", "reason"],
+            registry=r)
 
     def record(self, model: str, outcome: Outcome) -> None:
         self.requests.labels(model, outcome.action).inc()
@@ -177,6 +190,8 @@ class CompressionMetrics:
         self.dropped.labels(model).inc(outcome.messages_dropped)
         if outcome.fallback is not None:
             self.fallbacks.labels(model, outcome.fallback).inc()
+        if outcome.summarizer_fallback is not None:
+            self.summarizer_fallbacks.labels(model, outcome.summarizer_fallback).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -512,6 +527,8 @@ class Compressor:
     The embedding model never loads on a request's path: `start_loading` loads it in a thread of
     its own (at start-up with `preload`, else when a request first needs it), and until it is
     loaded a request over the window is truncated, said in x-flashstack-compression-fallback.
+    A local summarizer loads the same way; until then summaries are extractive, said in
+    x-flashstack-summarizer-fallback.
     """
 
     def __init__(self, cfg: CompressionConfig, state_dir: Path, router: Router | None = None,
@@ -526,7 +543,8 @@ class Compressor:
         self._loaded = threading.Event()  # set once the load finished, loaded or not
         # One thread for measuring, planning and embedding: two at once on a 2-core box only contend.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashstack-compress")
-        self._summaries: OrderedDict[str, str] = OrderedDict()  # LLM summaries per cluster key
+        self._summaries: OrderedDict[str, str] = OrderedDict()  # model summaries per cluster key
+        self.local = LocalSummarizer(cfg, router) if cfg.summarizer == "local" else None
 
     # ---- the embedding model -----------------------------------------------------------------
 
@@ -539,12 +557,20 @@ class Compressor:
             return "idle"
         return "failed" if self._loaded.is_set() else "loading"
 
+    @property
+    def summarizer_state(self) -> LoadState | None:
+        """The local summarizer's load state; None when the summarizer is not `local`."""
+        return None if self.local is None else self.local.state
+
     def start_loading(self) -> None:
-        """Load the embedding model in a background thread, once; nothing waits for it."""
+        """Load the embedding model in a background thread, and a local summarizer (in an event loop
+        only: else the first request that needs it starts it), once; nothing waits for them."""
         with self._loader_lock:
             if self._loader is None and self._planner.embedder is None:
                 self._loader = threading.Thread(target=self._load, name="flashstack-embed-load", daemon=True)
                 self._loader.start()
+        if self.local is not None:
+            self.local.start_loading()
 
     def _load(self) -> None:
         try:
@@ -561,16 +587,25 @@ class Compressor:
         return Embedder(self.cache_dir, threads=self.cfg.embed_threads, cache_size=self.cfg.embed_cache_size)
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
-        """Block until the model is loaded (True) or failed to load / timed out (False); for tools and tests."""
+        """Block until the models are loaded (True) or one failed to load / timed out (False); for tools and
+        tests, off the event loop. A local summarizer is waited for once its load has started."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._planner.embedder is None:
             self.start_loading()
             self._loaded.wait(timeout)
-        return self._planner.embedder is not None
+        if self.local is not None and self.local.state != "idle":
+            self.local.wait_loaded(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._planner.embedder is not None and self.local_ready()
+
+    def local_ready(self) -> bool:
+        return self.local is None or self.local.state == "ready"
 
     async def planner(self) -> Planner:
-        """The planner with its embedding model, waiting for the load (offline tools; requests never wait)."""
+        """The planner with its models loaded, waiting for them (offline tools; requests never wait)."""
         if not await asyncio.to_thread(self.wait_loaded):
             raise RuntimeError("the embedding model could not be loaded; see the log of flashstack.gateway.compress")
+        if self.local is not None and not await self.local.loaded():
+            raise RuntimeError("the local summarizer could not be loaded; see the log of flashstack.gateway.summarize")
         return self._planner
 
     # ---- one request -------------------------------------------------------------------------
@@ -654,8 +689,11 @@ class Compressor:
             await self._run(seed_vectors, planner.embedder, req.messages, memory.turn.history_ids, stored_vectors)
             plan = await self._run(planner.plan, counter, req, target, "auto", pinned, stored_summaries,
                                    summarizer, budget)
+        summarizer_fallback: SummarizerFallback | None = None
         if self.cfg.summarizer == "llm" and plan.clusters and self.router is not None:
             await self._llm_summaries(plan, req, cfg, counter)
+        elif self.local is not None and plan.clusters:
+            summarizer_fallback = await self._local_summaries(self.local, plan, counter, budget)
         if memory is not None:
             await memory.save_summaries({c.key(c.source): c.summary for c in plan.clusters
                                          if not c.cached and c.source == summarizer})
@@ -666,7 +704,9 @@ class Compressor:
                     stored_vectors, budget))
             except BudgetExceeded:
                 pass  # the plan stands; the inputs' embeddings are computed (and stored) by a later turn
-        return apply(req, plan), outcome_of(plan)
+        outcome = outcome_of(plan)
+        outcome.summarizer_fallback = summarizer_fallback
+        return apply(req, plan), outcome
 
     def _budget(self) -> Budget:
         from flashstack.gateway.embed import Budget
@@ -677,6 +717,8 @@ class Compressor:
         """What wrote a summary, part of its cache key: `extractive` or `llm:<model>`."""
         if self.cfg.summarizer == "llm" and self.router is not None:
             return "llm:" + (self.cfg.summarizer_model or req.model)
+        if self.local is not None:
+            return self.local.name
         return "extractive"
 
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -688,19 +730,62 @@ class Compressor:
         fresh = [c for c in plan.clusters if not c.cached]  # a stored summary is not asked for again
         results = await asyncio.gather(*(self._llm_summary(c, model, counter) for c in fresh))
         for c, text in zip(fresh, results):
-            if text is None:
-                continue  # the extractive summary stays
-            n = counter.tokens("- " + text) + 1
-            if n <= c.tokens:
-                c.summary, c.tokens, c.source = text, n, "llm:" + model
-            else:  # longer than the cluster's share: keep the extractive one, which fits
-                log.info("LLM summary of %d tokens exceeds the cluster's %d; keeping the extractive one", n, c.tokens)
+            if text is not None:  # else the extractive summary stays
+                _replace_summary(plan, c, text, "llm:" + model, counter)
+
+    async def _local_summaries(self, local: LocalSummarizer, plan: Plan, counter: tokens.Counter,
+                               budget: Budget) -> SummarizerFallback | None:
+        """Model-written summaries for the clusters, all at once (the engine batches them), until
+        `budget`'s deadline; the extractive ones stay where they do not come in time, or do not fit."""
+        fresh = [c for c in plan.clusters if not c.cached]
+        for c in [c for c in fresh if c.key(local.name) in self._summaries]:
+            _replace_summary(plan, c, self._remember(c.key(local.name)), local.name, counter)
+            fresh.remove(c)
+        if not fresh:
+            return None
+        if local.state != "ready":
+            local.start_loading()
+            return "unavailable" if local.state == "failed" else "warming-up"
+        tasks = {asyncio.ensure_future(local.summarize(self._cluster_text(c, self.cfg.summary_input_tokens, counter),
+                                                       self._summary_room(plan, c))): c for c in fresh}
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=max(0.0, budget.deadline - time.monotonic()))
+        finally:  # past the deadline, or the request itself cancelled (client gone)
+            for t in tasks:
+                t.cancel()  # the engine aborts a generation still running and frees its KV blocks
+        fallback: SummarizerFallback | None = "budget" if pending else None
+        for t, c in tasks.items():  # most relevant cluster first: it has first claim on the room
+            if t not in done:
+                continue
+            if t.exception() is not None:
+                log.warning("local summarizer %s failed (%s); using the extractive summary", local.name, t.exception())
+                fallback = fallback or "error"
+            elif text := t.result():
+                self._remember(c.key(local.name), text)
+                _replace_summary(plan, c, text, local.name, counter)
+        if pending:
+            log.info("%d of %d local summaries not done within the compression budget; extractive ones kept",
+                     len(pending), len(tasks))
+        return fallback
+
+    def _summary_room(self, plan: Plan, c: Cluster) -> int:
+        """Tokens a model summary of `c` may generate: its configured bound, within the plan's free room."""
+        return max(8, min(self.cfg.summary_max_tokens, plan.target - plan.tokens_after() + c.tokens))
+
+    def _remember(self, key: str, text: str | None = None) -> str:
+        """A model summary by cluster key: stored (with `text`) or looked up, in an LRU of 10,000."""
+        if text is None:
+            self._summaries.move_to_end(key)
+            return self._summaries[key]
+        self._summaries[key] = text
+        if len(self._summaries) > 10_000:
+            self._summaries.popitem(last=False)
+        return text
 
     async def _llm_summary(self, c: Cluster, model: str, counter: tokens.Counter) -> str | None:
         key = c.key("llm:" + model)
         if key in self._summaries:
-            self._summaries.move_to_end(key)
-            return self._summaries[key]
+            return self._remember(key)
         assert self.router is not None
         text = self._summarizer_input(c, model, counter)
         request = ChatRequest(model=model, messages=[Message("user", [Text(SUMMARIZE_PROMPT.format(
@@ -710,23 +795,27 @@ class Compressor:
         except GatewayError as e:
             log.warning("LLM summarizer %s failed (%s); using the extractive summary", model, e.message)
             return None
-        if summary:
-            self._summaries[key] = summary
-            if len(self._summaries) > 10_000:
-                self._summaries.popitem(last=False)
-        return summary or None
+        return self._remember(key, summary) if summary else None
 
     def _summarizer_input(self, c: Cluster, model: str, counter: tokens.Counter) -> str:
         """The cluster's text, cut to leave room for the summarizer's own prompt and answer."""
         assert self.router is not None
         window = tokens.context_window(self.router.config_of(model)) or 8_192
-        room = int(window * self.cfg.threshold) - 256 - max(32, c.tokens)
+        return self._cluster_text(c, int(window * self.cfg.threshold) - 256 - max(32, c.tokens), counter)
+
+    @staticmethod
+    def _cluster_text(c: Cluster, room: int, counter: tokens.Counter) -> str:
+        """The cluster's units in order, the most relevant ones if not all fit in `room` tokens (the most
+        relevant one clipped if none does)."""
         parts, used = [], 0
-        for u in sorted(c.units, key=lambda u: -u.relevance):  # most relevant first if it must be cut
+        for u in sorted(c.units, key=lambda u: -u.relevance):
             if used + u.tokens > room:
                 continue
             parts.append((u.start, u.text))
             used += u.tokens
+        if not parts:
+            best = max(c.units, key=lambda u: u.relevance)
+            return _clip(counter, best.text, max(1, room))
         return "\n\n".join(t for _, t in sorted(parts))
 
     def render_metrics(self) -> bytes:
@@ -736,6 +825,21 @@ class Compressor:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._planner.embedder is not None:
             self._planner.embedder.close()
+
+    async def aclose(self) -> None:
+        """`close`, and the local summarizer's engine unless a served model shares it (the router closes that)."""
+        if self.local is not None and not self.local.shared:
+            await self.local.provider.aclose()
+        self.close()
+
+
+def _replace_summary(plan: Plan, c: Cluster, text: str, source: str, counter: tokens.Counter) -> None:
+    """`text` (by `source`) as `c`'s summary if the plan still fits its target with it; else the current one stays."""
+    n = counter.tokens("- " + text) + 1
+    if plan.tokens_after() - c.tokens + n > plan.target:
+        log.info("%s summary of %d tokens does not fit the window; keeping the extractive one", source, n)
+        return
+    c.summary, c.tokens, c.source = text, n, source
 
 
 def apply(req: ChatRequest, plan: Plan) -> ChatRequest:
@@ -752,7 +856,8 @@ def outcome_of(plan: Plan) -> Outcome:
     summarized = sum(c.n_messages for c in plan.clusters)
     dropped = sum(u.end - u.start for u in plan.dropped)
     action: Literal["compressed", "truncated"] = "truncated" if plan.truncated else "compressed"
-    return Outcome(action, plan.tokens_before, plan.tokens_after(), summarized, dropped)
+    sources = tuple(dict.fromkeys(c.source for c in plan.clusters))
+    return Outcome(action, plan.tokens_before, plan.tokens_after(), summarized, dropped, summarizers=sources)
 
 
 async def for_request(request: Any, req: ChatRequest, cfg: ModelConfig,

