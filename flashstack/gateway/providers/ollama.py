@@ -19,6 +19,7 @@ from flashstack.gateway.core import (
     GatewayError,
     Image,
     Message,
+    Opaque,
     Start,
     StopReason,
     Text,
@@ -125,6 +126,10 @@ def request_json(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
 
 
 def _message_json(m: Message) -> Iterator[dict[str, Any]]:
+    for p in m.parts:
+        if isinstance(p, Opaque):  # a document, a server tool's block: nothing Ollama can read
+            raise invalid_request(f"messages[].content[].type={p.type} cannot be sent to an Ollama model; "
+                                  "remove it or choose a model served over the API it came from", "messages")
     text = "".join(p.text for p in m.parts if isinstance(p, Text))
     if m.role == "system":  # an instruction mid-conversation, where it stands
         yield {"role": "system", "content": text}

@@ -42,7 +42,7 @@ from flashstack.gateway.core import (
     error_for_status,
     invalid_request,
 )
-from flashstack.gateway.translate import fields
+from flashstack.gateway.translate import documents, fields
 from flashstack.gateway.translate.fields import GATEWAY_FIELDS
 from flashstack.gateway.translate.raw import RawTap
 from flashstack.gateway.vision import checked_base64_image
@@ -561,6 +561,8 @@ def _part_json(p: Part, req: ChatRequest | None) -> dict[str, Any] | None:
 def _cross_opaque(p: Opaque) -> dict[str, Any] | None:
     if p.type == "refusal":  # an earlier OpenAI answer that refused: its words, as text
         return {"type": "text", "text": str(p.block.get("refusal", ""))}
+    if p.type == "file" and (block := documents.file_as_anthropic(p.block)) is not None:
+        return block
     name = f"messages[].content[].type={p.type}"
     row = fields.part_row(p.wire, name)
     fields.refuse_part(p.wire, name, WIRE, row.to if row else "no counterpart")

@@ -94,7 +94,8 @@ OPENAI_PARTS: tuple[Field, ...] = (
     F("messages[].content[].image_url.detail", D, "no detail level on the Messages API"),
     F("messages[].content[].type=refusal", M, "text block"),
     F("messages[].content[].type=input_audio", R, "no audio input on the Messages API"),
-    F("messages[].content[].type=file", R, "send PDFs to Anthropic as document blocks"),
+    F("messages[].content[].type=file", M, "document block (a PDF in file_data; a file_id is refused: "
+      "OpenAI's file storage)"),
     F("messages[].tool_calls[]", M, "tool_use block"),
     F("messages[].role=tool", M, "tool_result block"),
     F("tools[].function.strict", D, "strict tool schemas are not sent across"),
@@ -139,7 +140,8 @@ ANTHROPIC_PARTS: tuple[Field, ...] = (
     F("messages[].content[].is_error", D, "tool messages carry no error flag"),
     F("messages[].content[].type=thinking", D, "an earlier turn's reasoning, signed for Claude only"),
     F("messages[].content[].type=redacted_thinking", D, "encrypted reasoning, readable by Claude only"),
-    F("messages[].content[].type=document", R, "send PDFs to OpenAI as file parts"),
+    F("messages[].content[].type=document", M, "file part (a base64 PDF; a text document as a text part; "
+      "url and file sources are refused: no counterpart)"),
     F("messages[].content[].type=search_result", R, "no counterpart"),
     F("messages[].content[].type=server_tool_use", R, "server tools run on Anthropic's side"),
     F("messages[].content[].cache_control", D, "prompt caching is Anthropic's"),

@@ -43,7 +43,7 @@ from flashstack.gateway.core import (
     error_for_status,
     invalid_request,
 )
-from flashstack.gateway.translate import fields
+from flashstack.gateway.translate import documents, fields
 from flashstack.gateway.translate.fields import GATEWAY_FIELDS
 from flashstack.gateway.translate.raw import RawTap
 from flashstack.gateway.vision import image_from_url
@@ -561,6 +561,12 @@ def _part_json(p: Part, same: bool, req: ChatRequest | None) -> dict[str, Any] |
 
 def _cross_opaque(p: Opaque, req: ChatRequest | None) -> dict[str, Any] | None:
     name = f"messages[].content[].type={p.type}"
+    if p.type == "document" and (part := documents.document_as_openai(p.block)) is not None:
+        if req is not None:
+            for key in ("cache_control", "citations", "context"):
+                if key in p.block:
+                    req.exchange.dropped.add(f"messages[].content[].{key}")
+        return part
     row = fields.part_row(p.wire, name)
     if row is not None and row.cross is fields.Fate.DROPPED:
         if req is not None:

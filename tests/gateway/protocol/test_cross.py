@@ -46,13 +46,34 @@ def test_anthropic_cache_control_and_thinking_to_an_openai_upstream_are_dropped_
     assert message.usage.input_tokens == 20 and message.usage.cache_read_input_tokens == 100
 
 
-def test_a_pdf_document_to_an_openai_upstream_is_refused_by_name(clients, answered):
+def test_a_pdf_document_to_an_openai_upstream_is_a_file_part(clients, answered):
     kwargs = _anthropic_without_refused()
     kwargs["messages"] = samples.anthropic_messages()
+    raw = clients["gateway"][1].messages.with_raw_response.create(model="oai", **kwargs)
+    assert raw.http_response.status_code == 200
+    user = answered["openai"].requests[-1].body["messages"][1]
+    assert user["content"][1] == {"type": "file", "file": {
+        "filename": "doc", "file_data": "data:application/pdf;base64," + samples.PDF}}
+
+
+def test_a_document_by_url_is_refused_by_name(clients, answered):
+    doc = {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}
     with pytest.raises(anthropic.BadRequestError) as e:
-        clients["gateway"][1].messages.create(model="oai", **kwargs)
+        clients["gateway"][1].messages.create(model="oai", max_tokens=8, messages=[{"role": "user", "content": [doc]}])
     assert "messages[].content[].type=document" in str(e.value)
     assert not answered["openai"].requests
+
+
+def test_an_openai_pdf_file_to_anthropic_is_a_document(clients, answered):
+    file = {"type": "file", "file": {"filename": "a.pdf", "file_data": "data:application/pdf;base64," + samples.PDF}}
+    clients["gateway"][0].chat.completions.create(model="claude", messages=[{"role": "user", "content": [file]}])
+    block = answered["anthropic"].requests[-1].body["messages"][0]["content"][0]
+    assert block == {"type": "document", "title": "a.pdf",
+                     "source": {"type": "base64", "media_type": "application/pdf", "data": samples.PDF}}
+    with pytest.raises(openai.BadRequestError) as e:
+        by_id = {"type": "file", "file": {"file_id": "file-abc"}}
+        clients["gateway"][0].chat.completions.create(model="claude", messages=[{"role": "user", "content": [by_id]}])
+    assert "type=file" in str(e.value)
 
 
 def test_openai_audio_input_to_anthropic_is_refused_by_name(clients, answered):
@@ -98,3 +119,11 @@ def test_openai_stream_to_an_anthropic_client(clients, answered):
     with clients["gateway"][1].messages.stream(model="oai", **copy.deepcopy(kwargs)) as s:
         final = s.get_final_message()
     assert final.content[0].text == '{"a": 1}' and final.usage.cache_read_input_tokens == 100
+
+
+def test_a_block_ollama_cannot_read_is_refused_by_name(anthropic_client):
+    # tests/gateway/conftest.py's gateway, in front of the faithful Ollama fake.
+    doc = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": samples.PDF}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model="llama", max_tokens=8, messages=[{"role": "user", "content": [doc]}])
+    assert "type=document" in str(e.value)
