@@ -8,6 +8,7 @@ into its own virtualenv (.bench/litellm-venv), never into the project's.
     .venv/bin/python bench/gateway_overhead.py            # full run, ≤ 10 min
     .venv/bin/python bench/gateway_overhead.py --quick    # ≤ 2 min
     .venv/bin/python bench/gateway_overhead.py --only flashstack --json out.json
+    .venv/bin/python bench/gateway_overhead.py --quick --only flashstack --traces  # and with OpenTelemetry on
 
 Prints one JSON object.
 """
@@ -129,10 +130,12 @@ def start_mock(port: int, chunks: int, gap_ms: float) -> Proc:
     return spawn("mock", argv, LOAD_CORE)
 
 
-def start_flashstack(port: int, mock: int, server: str = "uvicorn") -> Proc:
+def start_flashstack(port: int, mock: int, server: str = "uvicorn", traces: str | None = None) -> Proc:
     cfg = WORK / "flashstack.yaml"
     cfg.write_text(json.dumps({
         "server": {"host": "127.0.0.1", "port": port},
+        # Traces: every span exported over OTLP/HTTP (batched) to `traces`, a collector that says 200.
+        "telemetry": {"enabled": True, "endpoint": traces} if traces else {"enabled": False},
         "models": [
             {"name": "gpt", "provider": "openai", "model": "gpt-4o-mini",
              "api_base": f"http://127.0.0.1:{mock}/v1", "api_key": "sk-mock"},
@@ -153,6 +156,43 @@ def start_flashstack(port: int, mock: int, server: str = "uvicorn") -> Proc:
         return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)})
     argv = [sys.executable, "-m", "flashstack.cli", "serve", "--config", str(cfg), "--port", str(port)]
     return spawn("flashstack", argv, GATEWAY_CORE)
+
+
+class Collector:
+    """An OTLP/HTTP endpoint in a thread of this process that counts the spans it is sent."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.spans = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                msg = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["content-length"])))
+                outer.spans += sum(len(s.spans) for r in msg.resource_spans for s in r.scope_spans)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+def start_collector() -> Collector:
+    return Collector()
 
 
 def ensure_litellm() -> Path:
@@ -388,6 +428,8 @@ def main() -> None:
                    help="flashstack's ASGI server (granian: `pip install granian` first; uvicorn-unlimited: "
                         "without the server limits' protocol class; both comparisons only)")
     p.add_argument("--json", type=Path, help="also write the result here")
+    p.add_argument("--traces", action="store_true",
+                   help="also measure flashstack with OpenTelemetry on (flashstack+traces), side by side")
     args = p.parse_args()
     if os.cpu_count() is None or os.cpu_count() < 2:
         sys.exit("needs 2 cores: the gateway on core 0, mock and load on core 1")
@@ -396,25 +438,35 @@ def main() -> None:
     t0 = time.perf_counter()
     mock_port = free_port()
     mock = start_mock(mock_port, args.chunks, args.gap_ms)
+    collector = start_collector() if args.traces else None
     result: dict[str, Any] = {"bench": "gateway_overhead", "quick": args.quick, "chunks": args.chunks,
                               "gap_ms": args.gap_ms, "flashstack_server": args.server,
                               "machine_before": machine_load(),
                               "pinning": {"gateway": GATEWAY_CORE, "mock_and_load": LOAD_CORE}}
     try:
         wait_until_serving(mock, OPENAI.direct(mock_port, False), 10)
-        for name in args.only or ["flashstack", "litellm"]:
+        names = list(args.only or ["flashstack", "litellm"])
+        if args.traces:
+            names.insert(names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+traces")
+        for name in names:
             port = free_port()
             if name == "flashstack":
                 gw = start_flashstack(port, mock_port, args.server)
+            elif name == "flashstack+traces":
+                gw = start_flashstack(port, mock_port, args.server, collector.url)  # type: ignore[union-attr]
             else:
                 gw = start_litellm(port, mock_port)
             try:
                 wait_until_serving(gw, OPENAI.via_gateway(port, False), 120)
-                result[name] = measure(name, gw, port, mock_port, plans(args.quick)[name], args.chunks)
+                plan = plans(args.quick)[name.split("+")[0]]
+                result[name] = measure(name, gw, port, mock_port, plan, args.chunks)
             finally:
                 gw.stop()
     finally:
         mock.stop()
+        if collector is not None:
+            result["spans_exported"] = collector.spans
+            collector.stop()
     result["machine_after"] = machine_load()
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if "flashstack" in result and "litellm" in result:
@@ -422,6 +474,9 @@ def main() -> None:
         result["ratio_litellm_over_flashstack"] = {
             k: round(l[k] / f[k], 1) for k in ("nonstream_seq_added_p50_ms", "stream_seq_added_ttft_p50_ms",
                                                "cpu_ms_per_request_nonstream") if f[k] > 0}
+    if "flashstack" in result and "flashstack+traces" in result:
+        f, t = result["flashstack"]["headline"], result["flashstack+traces"]["headline"]
+        result["traces_added"] = {k: round(t[k] - f[k], 3) for k in f if isinstance(f[k], int | float)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -76,15 +76,15 @@ class Tracing:
 
     def attempt_span(self, parent: Any, dep_id: str, cfg: ModelConfig, req: ChatRequest, n: int) -> Any:
         """The client span of one attempt on one deployment (retries and fallbacks are siblings)."""
-        attrs: dict[str, Any] = {
+        attrs = request_attributes(req)
+        attrs.update({
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": _PROVIDER_NAMES.get(cfg.provider, cfg.provider),
-            "gen_ai.request.model": cfg.model,
+            "gen_ai.request.model": cfg.model,  # what this upstream was asked for
             "flashstack.deployment": dep_id,
             "flashstack.model": cfg.name,
             "flashstack.attempt": n,
-        }
-        attrs.update(request_attributes(req))
+        })
         return self.tracer.start_span(f"chat {cfg.model}", context=self._trace.set_span_in_context(parent),
                                       kind=self._trace.SpanKind.CLIENT, attributes=attrs)
 

@@ -18,7 +18,7 @@ import orjson
 
 from flashstack import __version__
 from flashstack.config import ModelConfig
-from flashstack.gateway import overhead
+from flashstack.gateway import overhead, telemetry
 from flashstack.gateway.core import ErrorKind, Exchange, GatewayError, error_for_status
 from flashstack.gateway.providers.aiohttp_transport import AiohttpTransport, as_httpx
 from flashstack.gateway.providers.upstream import ErrorDecoder, Upstream
@@ -76,6 +76,7 @@ class Client:
     @asynccontextmanager
     async def _send(self, method: str, path: str, body: bytes | None, timeout: float | None,
                     headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
+        headers = telemetry.outgoing_headers(headers)  # W3C traceparent of the attempt being traced
         if self._direct is None:
             sent = {**_JSON, **headers} if headers else _JSON if body else None
             request = self.http.build_request(method, path, content=body, headers=sent,
