@@ -122,6 +122,7 @@ def to_canonical(req: w.MessagesRequest, body: dict[str, Any]) -> ChatRequest:
         metadata=metadata,
         extensions=extensions,
         reasoning=_reasoning(body.get("thinking")),
+        response_format=_output_format(body.get("output_config")),
         wire=WIRE,
         extra=extra,
         system_plain=isinstance(req.system, str),
@@ -144,6 +145,17 @@ def _reasoning(thinking: Any) -> Reasoning | None:
         return None
     budget = thinking.get("budget_tokens")
     return Reasoning(budget_tokens=budget if isinstance(budget, int) else None)
+
+
+def _output_format(config: Any) -> ResponseFormat | None:
+    """output_config.format (structured outputs) as the canonical response format, checked here too."""
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise invalid_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {…}}",
+                              "output_config.format")
+    return ResponseFormat("json_schema", fmt["schema"], None, True)
 
 
 def _tool(t: w.ToolDef, raw: dict[str, Any]) -> Tool:

@@ -121,7 +121,8 @@ ANTHROPIC_REQUEST: tuple[Field, ...] = (
       {"edits": [{"type": "clear_tool_uses_20250919"}]}),
     F("service_tier", D, "Anthropic's tiers have no OpenAI counterpart", "auto"),
     F("cache_control", D, "prompt caching is Anthropic's", {"type": "ephemeral"}),
-    F("output_config", R, "output format and effort are not mapped across wires", {"effort": "low"}),
+    F("output_config", M, "format (json_schema) → response_format, the reply checked; effort and the rest "
+      "dropped and named as output_config.<key>", {"format": {"type": "json_schema", "schema": {"type": "object"}}}),
     F("inference_geo", D, "no counterpart", "us"),
     F("speed", D, "no counterpart", "fast"),
     F("container", R, "containers exist only on the Messages API", "container_1"),

@@ -430,6 +430,9 @@ def _cross_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
         body["response_format"] = _response_format_json(req.response_format)
     if req.metadata.get("user_id"):
         body["user"] = req.metadata["user_id"]
+    config = req.extra.get("output_config")
+    if isinstance(config, dict):  # format went to response_format; the rest has no counterpart
+        req.exchange.dropped.update(f"output_config.{k}" for k in config if k != "format")
     return body
 
 

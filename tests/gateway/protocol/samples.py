@@ -146,6 +146,7 @@ def anthropic_request() -> dict:
     body["tool_choice"] = {"type": "auto", "disable_parallel_tool_use": True}
     body.pop("temperature")  # thinking takes the default temperature
     body.pop("cache_control")  # automatic caching besides the explicit markers: one or the other
+    body["output_config"] = {"effort": "high"}
     # What this SDK version has no keyword for goes in extra_body, as a user of it would send it.
     known = set(inspect.signature(anthropic.resources.Messages.create).parameters)
     extra_body = {k: body.pop(k) for k in list(body) if k not in known}

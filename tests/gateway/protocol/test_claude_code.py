@@ -19,7 +19,7 @@ import pytest
 
 from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
-from tests.fakes import anthropic_upstream
+from tests.fakes import anthropic_upstream, openai_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
 
@@ -76,3 +76,21 @@ def test_claude_code_through_the_gateway_sends_what_it_sends_directly(claude, tm
     assert "cache_control" in first.raw.decode() and first.body["thinking"]
     assert first.headers["anthropic-beta"] == direct_requests[0].headers["anthropic-beta"]
 
+
+
+def test_claude_code_works_through_the_gateway_with_an_openai_compatible_model(claude, tmp_path):
+    # Its Anthropic-only fields (thinking, context_management, cache_control, output_config.effort) are
+    # dropped and named; none is refused, so Claude Code runs on any model.
+    with FakeServer(openai_upstream.create_app()) as fake:
+        config = Config(state_dir=tmp_path / "state", router=ROUTING, models=[
+            ModelConfig(name="claude", provider="openai", model="gpt-4o-mini", api_base=fake.url + "/v1",
+                        api_key="sk-up")])
+        with FakeServer(create_app(config), lifespan="on") as gateway:
+            for d in ("home", "work"):
+                (tmp_path / d).mkdir()
+            done = _run(claude, gateway.url, tmp_path / "home", tmp_path / "work")
+    assert done.returncode == 0, done.stderr
+    assert len(fake.requests) >= 2 and done.stdout.startswith("tool said:")
+    first = fake.requests[0]
+    assert "cache_control" not in first.raw.decode() and first.body["messages"][0]["role"] == "system"
+    assert first.body["tools"][0]["type"] == "function"

@@ -36,7 +36,7 @@ def test_anthropic_cache_control_and_thinking_to_an_openai_upstream_are_dropped_
                        "tools[].defer_loading", "messages[].content[].type=thinking",
                        "messages[].content[].type=redacted_thinking", "messages[].content[].citations",
                        "thinking", "context_management", "top_k", "service_tier", "inference_geo", "speed",
-                       "x_future_field"}
+                       "x_future_field", "output_config.effort"}
     sent = answered["openai"].requests[-1]
     assert "cache_control" not in sent.raw.decode() and "thinking" not in sent.body
     assert sent.body["messages"][0] == {"role": "system", "content": "You are terse.\n\nCite sources."}
