@@ -108,6 +108,7 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
 async def _serve(wire: WireFormat, request: Request, router: Router, limits: Limits, trace: RouteTrace,
                  record: RequestRecord) -> Response:
     clock = overhead.start()  # → X-Flashstack-Overhead-Ms: this handler's time minus the upstreams'
+    req: ChatRequest | None = None
     try:
         caller = await session_hooks.authenticate(request)  # 401 before the body is read
         record.key_id = caller.key_id
@@ -142,7 +143,9 @@ async def _serve(wire: WireFormat, request: Request, router: Router, limits: Lim
             return overhead.stamp(clock, squeezed.stamp(response))
     except GatewayError as e:
         record.error = e.message
-        return error_response(wire, e, trace.headers())
+        # An upstream's refusal keeps its request id and rate-limit headers: what a client backs off by.
+        upstream = fields.response_headers(req) if req is not None else {}
+        return error_response(wire, e, {**upstream, **trace.headers()})
     except ClientDisconnect:
         return Response(status_code=499)
     except Exception:

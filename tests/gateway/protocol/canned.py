@@ -25,6 +25,7 @@ class Reply:
     body: dict[str, Any] = field(default_factory=dict)  # the non-stream answer
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (SSE event name or "", data)
     headers: dict[str, str] = field(default_factory=dict)
+    status: int = 200  # of the non-stream answer
     done: bool = True  # OpenAI streams end with data: [DONE]
 
 
@@ -64,7 +65,7 @@ def create_app(wire: str) -> FastAPI:
             events = reply.events if wire != "openai" else _usage_as_asked(reply.events, body)
             return EventStream(_sse(events, reply.done and wire == "openai"), "text/event-stream",
                                reply.headers, index, request.app.state.cancelled)
-        return Response(orjson.dumps(reply.body), media_type="application/json", headers=reply.headers)
+        return Response(orjson.dumps(reply.body), reply.status, media_type="application/json", headers=reply.headers)
 
     if wire == "openai":
         app.add_route("/v1/chat/completions", answer, methods=["POST"])

@@ -52,3 +52,15 @@ def test_anthropic_headers_stay_with_anthropic(protocol_gateway, answered):
     sent = answered["anthropic"].requests[-1].headers
     assert sent["anthropic-beta"] == "x-beta" and sent["x-api-key"] == UPSTREAM_KEY
     assert "openai-organization" not in sent and r.headers["x-flashstack-dropped"] == "openai-organization"
+
+
+def test_an_upstream_refusal_keeps_its_rate_limit_headers(protocol_gateway, upstream):
+    body = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    upstream["anthropic"].app.state.reply = canned.Reply(
+        body=body, status=429, headers={"request-id": "req_429", "anthropic-ratelimit-requests-remaining": "0",
+                                        "retry-after": "3"})
+    r = httpx.post(protocol_gateway.url + "/v1/messages", timeout=20,
+                   json={"model": "claude", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+                   headers={"x-api-key": CLIENT_KEY, "anthropic-version": "2023-06-01"})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    assert r.headers["request-id"] == "req_429" and r.headers["anthropic-ratelimit-requests-remaining"] == "0"
