@@ -355,9 +355,10 @@ def render_markdown() -> str:
         _table("OpenAI chat completion response (and chunks)", OPENAI_RESPONSE, up_o, up_a),
         _table("Anthropic Message response (and stream events)", ANTHROPIC_RESPONSE, up_a2, up_o2),
         _table("Request headers", HEADERS, "same wire", "other wire"),
-        "## Response headers\n\nPassed back to the client from the upstream that answered: "
-        + ", ".join(f"`{h}`" for h in RESPONSE_HEADERS) + ", and every `x-ratelimit-*` and "
-        "`anthropic-ratelimit-*` header.\n",
+        "## Response headers\n\nPassed back to the client from the upstream that answered, its errors "
+        "included: " + ", ".join(f"`{h}`" for h in RESPONSE_HEADERS) + ", and every `x-ratelimit-*` and "
+        "`anthropic-ratelimit-*` header. The upstream's `x-request-id` arrives as `x-upstream-request-id`: "
+        "`x-request-id` is the gateway's own (its routing trace).\n",
         "## `POST /v1/messages/count_tokens`\n\nForwarded to Anthropic upstreams (body as sent, model "
         "renamed); counted with the model's own tokenizer for local models (`provider: local`); "
         "otherwise a 400 saying that counting is not available for that model.\n",
