@@ -200,7 +200,8 @@ ANTHROPIC_RESPONSE: tuple[Field, ...] = (
 
 HEADERS: tuple[Field, ...] = (
     F("anthropic-beta", D, "beta features of the Messages API", same_note="forwarded to Anthropic upstreams"),
-    F("anthropic-version", D, "the Anthropic provider sends its own", same_note="forwarded to Anthropic upstreams"),
+    F("anthropic-version", D, "means nothing there; not named, as every Anthropic SDK sends it",
+      same_note="forwarded to Anthropic upstreams"),
     F("openai-organization", D, "OpenAI's", same_note="forwarded to OpenAI-compatible upstreams"),
     F("openai-project", D, "OpenAI's", same_note="forwarded to OpenAI-compatible upstreams"),
     F("authorization, x-api-key", G, "the gateway's key; upstreams get their configured key",
