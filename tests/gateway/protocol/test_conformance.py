@@ -134,3 +134,22 @@ def test_anthropic_stream_reaches_the_client_event_by_event(clients, upstream):
     direct, through, _, _ = _both(clients, upstream, "anthropic", call)
     assert [_dump(e) for e in through] == [_dump(e) for e in direct]
     assert [e.type for e in through].count("content_block_start") == 4
+
+
+def test_openai_n_choices_reach_the_client(clients, upstream):
+    # The canonical response holds the first choice (sessions store it); the client gets every one.
+    body = samples.openai_response()
+    body["choices"].append({**body["choices"][0], "index": 1, "message": {"role": "assistant", "content": '{"b": 2}'}})
+    events = samples.openai_events()
+    second = [("", {**data, "choices": [{**c, "index": 1} for c in data["choices"]]}) for _, data in events[1:3]]
+    upstream["openai"].app.state.reply = canned.Reply(body=body, events=events[:3] + second + events[3:])
+    kwargs = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+
+    def call(client, model):
+        return (client.chat.completions.create(model=model, **kwargs),
+                list(client.chat.completions.create(model=model, stream=True, **kwargs)))
+
+    (direct, direct_chunks), (through, through_chunks), _, _ = _both(clients, upstream, "openai", call)
+    assert [c.message.content for c in through.choices] == ['{"a": 1}', '{"b": 2}']
+    assert _dump(through) == _dump(direct)
+    assert [_dump(c) for c in through_chunks] == [_dump(c) for c in direct_chunks]
