@@ -7,7 +7,14 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install run test test-gpu bench clean
 
-install: $(STAMP)
+install: $(STAMP) chromium
+
+# The console's browser test (tests/gateway/ops/test_ui.py) drives Debian's chromium through
+# Playwright, whose own browser download is not reachable here: installed once, when absent.
+.PHONY: chromium
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 # torch is pinned and installed first: the machines carry a local CPU wheel of 2.13.0, and an
 # unpinned torch pulled in by another package would download a multi-GB CUDA build.

@@ -21,6 +21,7 @@ from flashstack.gateway import chat, count_tokens, spend
 from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.spend import SpendStore
 from flashstack.gateway.telemetry import Tracing
+from flashstack.gateway.ui.routes import add_console_routes
 from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
 from flashstack.gateway.core import ErrorKind, GatewayError
@@ -72,6 +73,7 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
     )
 
     _add_session_routes(app, limits)
+    add_console_routes(app, config)  # /ui: the operator's console (master key only)
 
     async def chat_completions(request: Request) -> Response:
         return await chat.handle(chat.OPENAI, request, request.app.state.router, limits)

@@ -348,6 +348,14 @@ class SpendStore:
         async with self.db.read() as conn:
             return float((await conn.execute(q)).scalar() or 0.0)
 
+    async def by_key(self, since: datetime) -> dict[str | None, float]:
+        """USD per key from `since` on."""
+        c = requests.c
+        q = (sa.select(c.key_id, sa.func.sum(c.cost_usd)).where(c.created_at >= int(since.timestamp() * 1000))
+             .group_by(c.key_id))
+        async with self.db.read() as conn:
+            return {k: float(v or 0.0) for k, v in (await conn.execute(q)).all()}
+
     async def by_model(self, key_id: str | None, since: datetime) -> list[dict[str, Any]]:
         """Requests, tokens and USD per model from `since` on (every key's when `key_id` is None)."""
         c = requests.c
