@@ -518,8 +518,8 @@ def _same_part_json(p: Part) -> dict[str, Any]:
     """A block as the client sent it: typed fields over its extra."""
     if isinstance(p, Text):
         return _text_json(p, True)
-    if isinstance(p, Opaque):
-        return p.block
+    if isinstance(p, Opaque):  # another wire's block (a session's history may hold one): mapped or refused
+        return p.block if p.wire == WIRE else _cross_opaque(p)  # type: ignore[return-value]
     if isinstance(p, Image):
         return _cached({**p.extra, **_image_json(p)}, p.cache_control)
     if isinstance(p, ToolCall):
