@@ -85,21 +85,45 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("function_call", R, "deprecated; send tool_choice", "auto"),
     F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
 )
+# Part rows' samples are body fragments (messages, system, tools) that carry the part.
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"  # 1x1
+PDF_B64 = "JVBERi0xLjQKJSVFT0YK"  # "%PDF-1.4\n%%EOF\n"
+HI = {"role": "user", "content": "hi"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def _o(*content: dict) -> dict:
+    return {"messages": [{"role": "user", "content": list(content)}]}
+
+
 OPENAI_PARTS: tuple[Field, ...] = (
-    F("messages[].role=developer", M, "system"),
-    F("messages[].role=system", M, "system (one after the first turn joins it too)"),
-    F("messages[].name", D, "no participant names on the Messages API"),
-    F("messages[].content[].type=text", M, "text block"),
-    F("messages[].content[].type=image_url", M, "image block (base64 or url source)"),
-    F("messages[].content[].image_url.detail", D, "no detail level on the Messages API"),
-    F("messages[].content[].type=refusal", M, "text block"),
-    F("messages[].content[].type=input_audio", R, "no audio input on the Messages API"),
+    F("messages[].role=developer", M, "system", {"messages": [{"role": "developer", "content": "Be brief."}, HI]}),
+    F("messages[].role=system", M, "system (one after the first turn joins it too)",
+      {"messages": [HI, {"role": "system", "content": "Be brief."}]}),
+    F("messages[].name", D, "no participant names on the Messages API",
+      {"messages": [{"role": "user", "content": "hi", "name": "ada"}]}),
+    F("messages[].content[].type=text", M, "text block", _o({"type": "text", "text": "hi"})),
+    F("messages[].content[].type=image_url", M, "image block (base64 or url source)",
+      _o({"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}})),
+    F("messages[].content[].image_url.detail", D, "no detail level on the Messages API",
+      _o({"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG, "detail": "low"}})),
+    F("messages[].content[].type=refusal", M, "text block", {"messages": [
+        HI, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, HI]}),
+    F("messages[].content[].type=input_audio", R, "no audio input on the Messages API",
+      _o({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}})),
     F("messages[].content[].type=file", M, "document block (a PDF in file_data; a file_id is refused: "
-      "OpenAI's file storage)"),
-    F("messages[].tool_calls[]", M, "tool_use block"),
-    F("messages[].role=tool", M, "tool_result block"),
-    F("tools[].function.strict", D, "strict tool schemas are not sent across"),
-    F("tools[].type=custom", R, "custom (free-text) tools have no counterpart"),
+      "OpenAI's file storage)",
+      _o({"type": "file", "file": {"filename": "a.pdf", "file_data": "data:application/pdf;base64," + PDF_B64}})),
+    F("messages[].tool_calls[]", M, "tool_use block", {"messages": [
+        HI, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}),
+    F("messages[].role=tool", M, "tool_result block", {"messages": [
+        HI, {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18 C"}]}]}),
+    F("tools[].function.strict", D, "strict tool schemas are not sent across", {"tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}}]}),
+    F("tools[].type=custom", R, "custom (free-text) tools have no counterpart",
+      {"tools": [{"type": "custom", "custom": {"name": "grep"}}]}),
 )
 
 ANTHROPIC_REQUEST: tuple[Field, ...] = (
@@ -130,27 +154,63 @@ ANTHROPIC_REQUEST: tuple[Field, ...] = (
       [{"type": "url", "url": "https://example.com/sse", "name": "x"}]),
     F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
 )
+CACHED = {"type": "ephemeral"}
+TOOL = {"name": "get_weather", "input_schema": WEATHER}
+CITATION = [{"type": "char_location", "cited_text": "a", "document_index": 0, "start_char_index": 0,
+             "end_char_index": 1}]
+
+
+def _a(*content: dict) -> dict:
+    return {"messages": [{"role": "user", "content": list(content)}]}
+
+
+def _after_tool_use(*result: dict) -> dict:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    return {"messages": [HI, {"role": "assistant", "content": [use]}, {"role": "user", "content": list(result)}]}
+
+
+def _thought(block: dict) -> dict:
+    return {"messages": [HI, {"role": "assistant", "content": [block, {"type": "text", "text": "Hello."}]}, HI]}
+
+
 ANTHROPIC_PARTS: tuple[Field, ...] = (
-    F("system[].cache_control", D, "prompt caching is Anthropic's"),
-    F("system[].citations", D, "no citations on OpenAI's API"),
-    F("messages[].role=system", M, "a system message where it stands"),
-    F("messages[].content[].type=text", M, "text part"),
-    F("messages[].content[].type=image", M, "image_url part (data: URL or url)"),
-    F("messages[].content[].type=tool_use", M, "assistant tool_calls[]"),
-    F("messages[].content[].type=tool_result", M, "a tool message"),
-    F("messages[].content[].is_error", D, "tool messages carry no error flag"),
-    F("messages[].content[].type=thinking", D, "an earlier turn's reasoning, signed for Claude only"),
-    F("messages[].content[].type=redacted_thinking", D, "encrypted reasoning, readable by Claude only"),
+    F("system[].cache_control", D, "prompt caching is Anthropic's",
+      {"system": [{"type": "text", "text": "Be brief.", "cache_control": CACHED}]}),
+    F("system[].citations", D, "no citations on OpenAI's API",
+      {"system": [{"type": "text", "text": "Be brief.", "citations": CITATION}]}),
+    F("messages[].role=system", M, "a system message where it stands",
+      {"messages": [HI, {"role": "system", "content": "Be brief."}, HI]}),
+    F("messages[].content[].type=text", M, "text part", _a({"type": "text", "text": "hi"})),
+    F("messages[].content[].type=image", M, "image_url part (data: URL or url)",
+      _a({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}})),
+    F("messages[].content[].type=tool_use", M, "assistant tool_calls[]",
+      _after_tool_use({"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"})),
+    F("messages[].content[].type=tool_result", M, "a tool message",
+      _after_tool_use({"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18 C"}]})),
+    F("messages[].content[].is_error", D, "tool messages carry no error flag",
+      _after_tool_use({"type": "tool_result", "tool_use_id": "toolu_1", "content": "failed", "is_error": True})),
+    F("messages[].content[].type=thinking", D, "an earlier turn's reasoning, signed for Claude only",
+      _thought({"type": "thinking", "thinking": "Hm.", "signature": "EqQBsig"})),
+    F("messages[].content[].type=redacted_thinking", D, "encrypted reasoning, readable by Claude only",
+      _thought({"type": "redacted_thinking", "data": "EmwKredacted"})),
     F("messages[].content[].type=document", M, "file part (a base64 PDF; a text document as a text part; "
-      "url and file sources are refused: no counterpart)"),
-    F("messages[].content[].type=search_result", R, "no counterpart"),
-    F("messages[].content[].type=server_tool_use", R, "server tools run on Anthropic's side"),
-    F("messages[].content[].cache_control", D, "prompt caching is Anthropic's"),
-    F("messages[].content[].citations", D, "no citations on OpenAI's API"),
-    F("tools[].cache_control", D, "prompt caching is Anthropic's"),
-    F("tools[].defer_loading", D, "tool search is Anthropic's"),
-    F("tools[].strict", D, "strict tool schemas are not sent across"),
-    F("tools[].type=web_search_20250305", R, "server tools run on Anthropic's side"),
+      "url and file sources are refused: no counterpart)",
+      _a({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": PDF_B64}})),
+    F("messages[].content[].type=search_result", R, "no counterpart",
+      _a({"type": "search_result", "source": "https://example.com", "title": "t",
+          "content": [{"type": "text", "text": "a"}]})),
+    F("messages[].content[].type=server_tool_use", R, "server tools run on Anthropic's side", {"messages": [
+        HI, {"role": "assistant", "content": [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
+                                               "input": {"query": "a"}}]}, HI]}),
+    F("messages[].content[].cache_control", D, "prompt caching is Anthropic's",
+      _a({"type": "text", "text": "hi", "cache_control": CACHED})),
+    F("messages[].content[].citations", D, "no citations on OpenAI's API", {"messages": [
+        HI, {"role": "assistant", "content": [{"type": "text", "text": "a", "citations": CITATION}]}, HI]}),
+    F("tools[].cache_control", D, "prompt caching is Anthropic's", {"tools": [{**TOOL, "cache_control": CACHED}]}),
+    F("tools[].defer_loading", D, "tool search is Anthropic's", {"tools": [{**TOOL, "defer_loading": True}]}),
+    F("tools[].strict", D, "strict tool schemas are not sent across", {"tools": [{**TOOL, "strict": True}]}),
+    F("tools[].type=web_search_20250305", R, "server tools run on Anthropic's side",
+      {"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 1}]}),
 )
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -408,6 +408,7 @@ def _cross_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     if req.system:
         _note_cache(req, any(t.cache_control for t in req.system), "system[].cache_control")
+        _note_cache(req, any(t.extra.get("citations") for t in req.system), "system[].citations")
         messages.append({"role": "system", "content": req.system_text()})
     messages.extend(_messages_json(req.messages, same=False, req=req))
     body: dict[str, Any] = {"model": upstream_model, "messages": messages, "stream": req.stream}
@@ -539,7 +540,7 @@ def _part_json(p: Part, same: bool, req: ChatRequest | None) -> dict[str, Any] |
             return _text_json(p)
         if req is not None:
             _note_cache(req, p.cache_control is not None, "messages[].content[].cache_control")
-            _note_cache(req, "citations" in p.extra, "messages[].content[].citations")
+            _note_cache(req, bool(p.extra.get("citations")), "messages[].content[].citations")
         return {"type": "text", "text": p.text}
     if isinstance(p, Image):
         url = p.url or f"data:{p.media_type};base64,{p.data}"

@@ -22,6 +22,7 @@ WIRES = {
                   {"max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}),
 }
 TABLES = {"openai": fields.OPENAI_REQUEST, "anthropic": fields.ANTHROPIC_REQUEST}
+PART_TABLES = {"openai": fields.OPENAI_PARTS, "anthropic": fields.ANTHROPIC_PARTS}
 
 
 def _rows(fate_filter) -> list:
@@ -99,3 +100,32 @@ def test_a_field_newer_than_the_table_is_dropped_and_named_across_wires(protocol
     assert r.status_code == 200 and r.headers["x-flashstack-dropped"] == "x_future_field"
     r = _post(protocol_gateway, "openai", "oai", x_future_field=1)
     assert answered["openai"].requests[-1].body["x_future_field"] == 1 and "x-flashstack-dropped" not in r.headers
+
+
+# ---- part rows: each sample is a body fragment (messages, system or tools) carrying the part -------
+
+def _part_rows() -> list:
+    return [pytest.param(wire, row, id=f"{wire}:{row.name}") for wire, table in PART_TABLES.items() for row in table]
+
+
+@pytest.mark.parametrize("wire,row", _part_rows())
+def test_same_wire_passes_the_part_as_sent(protocol_gateway, answered, wire, row):
+    r = _post(protocol_gateway, wire, WIRES[wire][1], **row.sample)
+    assert r.status_code == 200, r.text
+    sent = answered[wire].requests[-1].body
+    assert {k: sent[k] for k in row.sample} == row.sample
+    assert "x-flashstack-dropped" not in r.headers
+
+
+@pytest.mark.parametrize("wire,row", _part_rows())
+def test_across_wires_the_part_meets_its_fate(protocol_gateway, answered, wire, row):
+    other = "anthropic" if wire == "openai" else "openai"
+    before = len(answered[other].requests)
+    r = _post(protocol_gateway, wire, WIRES[wire][2], **row.sample)
+    if row.cross is Fate.REFUSED:
+        assert r.status_code == 400 and row.name in r.json()["error"]["message"], r.text
+        assert len(answered[other].requests) == before
+        return
+    assert r.status_code == 200, r.text
+    dropped = r.headers.get("x-flashstack-dropped", "").split(",")
+    assert (row.name in dropped) is (row.cross is Fate.DROPPED), dropped
