@@ -9,6 +9,7 @@ into its own virtualenv (.bench/litellm-venv), never into the project's.
     .venv/bin/python bench/gateway_overhead.py --quick    # ≤ 2 min
     .venv/bin/python bench/gateway_overhead.py --only flashstack --json out.json
     .venv/bin/python bench/gateway_overhead.py --quick --only flashstack --traces  # and with OpenTelemetry on
+    .venv/bin/python bench/gateway_overhead.py --quick --only flashstack --no-log  # and without the request log
 
 Prints one JSON object.
 """
@@ -130,12 +131,15 @@ def start_mock(port: int, chunks: int, gap_ms: float) -> Proc:
     return spawn("mock", argv, LOAD_CORE)
 
 
-def start_flashstack(port: int, mock: int, server: str = "uvicorn", traces: str | None = None) -> Proc:
+def start_flashstack(port: int, mock: int, server: str = "uvicorn", traces: str | None = None,
+                     request_log: bool = True) -> Proc:
     cfg = WORK / "flashstack.yaml"
     cfg.write_text(json.dumps({
         "server": {"host": "127.0.0.1", "port": port},
         # Traces: every span exported over OTLP/HTTP (batched) to `traces`, a collector that says 200.
         "telemetry": {"enabled": True, "endpoint": traces} if traces else {"enabled": False},
+        # Without the request log: no ring and no fs_requests rows (what the console and spend read).
+        **({} if request_log else {"spend": {"log_size": 0, "store_requests": False}}),
         "models": [
             {"name": "gpt", "provider": "openai", "model": "gpt-4o-mini",
              "api_base": f"http://127.0.0.1:{mock}/v1", "api_key": "sk-mock"},
@@ -428,6 +432,8 @@ def main() -> None:
                    help="flashstack's ASGI server (granian: `pip install granian` first; uvicorn-unlimited: "
                         "without the server limits' protocol class; both comparisons only)")
     p.add_argument("--json", type=Path, help="also write the result here")
+    p.add_argument("--no-log", action="store_true",
+                   help="also measure flashstack without its request log (flashstack+nolog), side by side")
     p.add_argument("--traces", action="store_true",
                    help="also measure flashstack with OpenTelemetry on (flashstack+traces), side by side")
     args = p.parse_args()
@@ -448,10 +454,14 @@ def main() -> None:
         names = list(args.only or ["flashstack", "litellm"])
         if args.traces:
             names.insert(names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+traces")
+        if args.no_log:
+            names.insert(names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+nolog")
         for name in names:
             port = free_port()
             if name == "flashstack":
                 gw = start_flashstack(port, mock_port, args.server)
+            elif name == "flashstack+nolog":
+                gw = start_flashstack(port, mock_port, args.server, request_log=False)
             elif name == "flashstack+traces":
                 gw = start_flashstack(port, mock_port, args.server, collector.url)  # type: ignore[union-attr]
             else:
@@ -477,6 +487,9 @@ def main() -> None:
     if "flashstack" in result and "flashstack+traces" in result:
         f, t = result["flashstack"]["headline"], result["flashstack+traces"]["headline"]
         result["traces_added"] = {k: round(t[k] - f[k], 3) for k in f if isinstance(f[k], int | float)}
+    if "flashstack" in result and "flashstack+nolog" in result:
+        f, n = result["flashstack"]["headline"], result["flashstack+nolog"]["headline"]
+        result["request_log_added"] = {k: round(f[k] - n[k], 3) for k in f if isinstance(f[k], int | float)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
