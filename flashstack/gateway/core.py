@@ -69,7 +69,9 @@ class ToolResult:
     is_error: bool = False
     cache_control: dict[str, Any] | None = None
     extra: Extra = field(default_factory=dict)
-    plain: bool = False  # the content arrived as one bare string
+    # The content arrived as one bare string (so it goes back as one): the default, as a string is
+    # what every server takes for what the gateway makes itself (a session's history).
+    plain: bool = True
 
 
 @dataclass(slots=True)
@@ -113,7 +115,7 @@ class Message:
     role: Role
     parts: list[Part]
     extra: Extra = field(default_factory=dict)  # e.g. OpenAI `name`
-    plain: bool = False  # the content arrived as one bare string (rendered back so while it is one Text)
+    plain: bool = True  # the content arrived as one bare string (as ToolResult.plain says)
 
 
 @dataclass(slots=True)

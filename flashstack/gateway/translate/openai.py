@@ -483,12 +483,9 @@ def _message_json(m: Message, same: bool, req: ChatRequest | None) -> Iterator[d
             if part is not None:
                 rest.append(part)
     if rest:
-        if m.plain and len(rest) == 1 and rest[0].keys() == _TEXT_KEYS:
-            content: Any = rest[0]["text"]
-        elif not same and all(r["type"] == "text" for r in rest):
-            content = "".join(r["text"] for r in rest)
-        else:
-            content = rest
+        # Text only goes as one string, unless the client sent parts (the other wire's blocks: a string).
+        plain = (m.plain or not same) and all(r.keys() == _TEXT_KEYS for r in rest)
+        content: Any = "".join(r["text"] for r in rest) if plain else rest
         yield {**extra, "role": "user", "content": content}
 
 
@@ -519,8 +516,8 @@ def _tool_message_json(p: ToolResult, same: bool, req: ChatRequest | None) -> di
         if p.cache_control is not None and req is not None:
             req.exchange.dropped.add("messages[].content[].cache_control")
         return {"role": "tool", "tool_call_id": p.tool_call_id, "content": "".join(c.text for c in texts)}
-    if p.plain and len(texts) == 1 and not texts[0].extra and texts[0].cache_control is None:
-        content: Any = texts[0].text
+    if p.plain and all(not t.extra and t.cache_control is None for t in texts):
+        content: Any = "".join(t.text for t in texts)
     else:
         content = [_text_json(c) for c in texts]
     return {**p.extra, "role": "tool", "tool_call_id": p.tool_call_id, "content": content}
