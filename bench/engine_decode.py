@@ -173,7 +173,7 @@ def stage_bucket(graphs, bucket: int, context: int) -> None:
 def graph_replay_ms(graphs, bucket: int, context: int, iters: int = 50) -> float:
     """Replay one bucket's captured decode graph back to back; CUDA-event time per replay."""
     stage_bucket(graphs, bucket, context)
-    g = graphs.graphs[bucket]
+    g = graphs.graphs[graphs.keys[bucket, graphs.max_model_len]]  # the bucket's graph for every context
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -190,7 +190,7 @@ def graph_kernel_profile(graphs, bucket: int, context: int, iters: int = 20, top
     from torch.profiler import ProfilerActivity, profile
 
     stage_bucket(graphs, bucket, context)
-    g = graphs.graphs[bucket]
+    g = graphs.graphs[graphs.keys[bucket, graphs.max_model_len]]  # the bucket's graph for every context
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -229,10 +229,10 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also measure without CUDA graphs")
     ap.add_argument("--gemv", default="triton",
                     help="batch-1 projections, comma-separated runs: triton (the default: fused Triton GEMVs "
-                         "with programmatic dependent launch), nopdl (FLASHSTACK_PDL=0), cublas "
-                         "(FLASHSTACK_TRITON_GEMV=0), sepqkv (the separate q/k/v kernel before decode "
-                         "attention: FLASHSTACK_DECODE_QKV=0), plainkv (decode attention without the "
-                         "tensor-memory accelerator: FLASHSTACK_DECODE_TMA=0)")
+                         "with programmatic dependent launch), nopdl (kernels.pdl=False), cublas "
+                         "(kernels.triton_gemv=False), sepqkv (the separate q/k/v kernel before decode "
+                         "attention: kernels.decode_qkv=False), plainkv (decode attention without the "
+                         "tensor-memory accelerator: kernels.decode_tma=False)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay")
     ap.add_argument("--planted-head", action="store_true",
@@ -289,20 +289,18 @@ def main() -> None:
     from flashstack.engine import LLM, SamplingParams
 
     gemvs = args.gemv.split(",")
-    gemv_env = {"triton": ("1", "1", "1", "1"), "nopdl": ("1", "0", "1", "1"), "cublas": ("0", "1", "1", "1"),
-                "sepqkv": ("1", "1", "0", "1"), "plainkv": ("1", "1", "1", "0")}
+    kernel_variants = {"triton": {}, "nopdl": {"pdl": False}, "cublas": {"triton_gemv": False},
+                       "sepqkv": {"decode_qkv": False}, "plainkv": {"decode_tma": False}}
     runs = [(bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs]
     if args.eager:
         runs.append((runs[0][0], True, gemvs[0]))
     for block_size, eager, gemv in runs:
         key = f"flashstack_bs{block_size}" + ("_eager" if eager else "") + ("" if gemv == "triton" else f"_{gemv}")
-        (os.environ["FLASHSTACK_TRITON_GEMV"], os.environ["FLASHSTACK_PDL"],
-         os.environ["FLASHSTACK_DECODE_QKV"], os.environ["FLASHSTACK_DECODE_TMA"]) = gemv_env[gemv]
         try:
             t = time.perf_counter()
             llm = LLM(str(root / "llama3-8b"), block_size=block_size, max_num_seqs=max(batches), dtype="bfloat16",
                       enforce_eager=eager, gpu_memory_utilization=0.85, max_model_len=4096, show_progress=False,
-                      device=DEVICE)
+                      device=DEVICE, kernels=kernel_variants[gemv])
             entry: dict = {"load_s": round(time.perf_counter() - t, 1), "steps": {}}
             ours = [o.token_ids for o in llm.generate(agree_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))]
             entry["greedy_agreement_vs_transformers"] = round(agreement(ours, hf_tokens), 4)
@@ -315,7 +313,7 @@ def main() -> None:
                     [forced[i] for i in decisive], [hf_flat[i] for i in decisive])
             graphs = llm.engine.runner.graphs
             if graphs is not None:  # the GPU's own time for one step, without any host work
-                entry["graph_replay_ms"] = {str(b): round(graph_replay_ms(graphs, b, ctx), 3) for b in (1, 8, 32) if b in graphs.graphs}
+                entry["graph_replay_ms"] = {str(b): round(graph_replay_ms(graphs, b, ctx), 3) for b in (1, 8, 32) if b in graphs.bounds}
                 if args.profile:
                     entry["graph_kernels_b1"] = graph_kernel_profile(graphs, 1, ctx)
             for b in batches:

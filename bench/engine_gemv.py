@@ -101,8 +101,6 @@ def layer_chain(layers: int = 8) -> dict:
     """The four projections of `layers` decoder layers back to back in one graph, each layer its own
     weights (3.5 GB: nothing stays in L2, as in a decode step): the fused Triton GEMVs with and
     without programmatic dependent launch, and cuBLAS with the separate kernels it needs."""
-    import os
-
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
 
     h, inter, qkv = 4096, 14336, 6144
@@ -115,14 +113,14 @@ def layer_chain(layers: int = 8) -> dict:
     attn = torch.randn(1, h, dtype=dt, device=dev)
     nbytes = sum(w.numel() * 2 for layer in ws for w in layer)
 
-    def fused() -> None:
+    def fused(pdl: bool) -> None:
         for w_qkv, w_o, w_gu, w_d in ws:
-            gemv_triton(w_qkv, residual, norm=(g, 1e-5))
-            gemv_triton(w_o, attn, residual=residual)
-            gate_up = gemv_triton(w_gu, residual, norm=(g, 1e-5))
-            gemv_triton(w_d, gate_up, silu=True, residual=residual)
+            gemv_triton(w_qkv, residual, norm=(g, 1e-5), pdl=pdl)
+            gemv_triton(w_o, attn, residual=residual, pdl=pdl)
+            gate_up = gemv_triton(w_gu, residual, norm=(g, 1e-5), pdl=pdl)
+            gemv_triton(w_d, gate_up, silu=True, residual=residual, pdl=pdl)
 
-    def cublas() -> None:
+    def cublas(pdl: bool) -> None:
         linear = torch.nn.functional.linear
         res = residual
         for w_qkv, w_o, w_gu, w_d in ws:
@@ -132,11 +130,9 @@ def layer_chain(layers: int = 8) -> dict:
             linear(silu_and_mul_triton(linear(x, w_gu)), w_d)
 
     out = {}
-    for name, fn, pdl in (("triton_pdl", fused, "1"), ("triton", fused, "0"), ("cublas", cublas, "0")):
-        os.environ["FLASHSTACK_PDL"] = pdl
-        us = graph_us(lambda i: fn(), iters=1, reps=20) / layers
+    for name, fn, pdl in (("triton_pdl", fused, True), ("triton", fused, False), ("cublas", cublas, False)):
+        us = graph_us(lambda i, fn=fn, pdl=pdl: fn(pdl), iters=1, reps=20) / layers
         out[name] = {"us_per_layer": round(us, 2), "tb_s": round(nbytes / layers / us / 1e6, 2)}
-    os.environ.pop("FLASHSTACK_PDL")
     return out
 
 

@@ -38,8 +38,8 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
     cache. The graph replays `calls_per_graph` launches back to back, as a decode step's graph runs
     its layers, so a graph launch is not counted against each call (`calls_per_graph=1` counts it).
     `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
-    goes to paged_decode_triton (num_splits, min_split, block_n, num_warps, num_stages, tma)."""
-    from flashstack.engine.kernels.triton_attention import paged_decode_triton
+    goes to plan_decode (num_splits, min_split, block_n, num_warps, num_stages, tma)."""
+    from flashstack.engine.kernels.triton_attention import paged_decode_triton, plan_decode
 
     blocks_per_seq = math.ceil(context / block_size)
     num_blocks = batch * blocks_per_seq
@@ -48,7 +48,8 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
     tables = perm.view(batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
-    run = lambda: paged_decode_triton(q, cache, tables, lens, dim ** -0.5, grid_context or context, **launch)  # noqa: E731
+    plan = plan_decode(batch, cache, grid_context or context, **launch)
+    run = lambda: paged_decode_triton(q, cache, tables, lens, dim ** -0.5, plan)  # noqa: E731
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -150,7 +150,7 @@ def profile_steps(llm: Any, steps: int = 10, top: int = 15) -> list[dict[str, An
 def host_timing(llm: Any, steps: int = 40) -> dict[str, float]:
     """Rank 0's host time per batch-1 decode step, by part (median µs): wall clocks wrapped around
     the engine's own methods. `sample` includes waiting for the GPU: the step's device time."""
-    import flashstack.engine.distributed as distributed
+    import flashstack.engine.tp.channel as channel
     import flashstack.engine.model_runner as model_runner
     from flashstack.engine import SamplingParams
 
@@ -178,7 +178,7 @@ def host_timing(llm: Any, steps: int = 40) -> dict[str, float]:
     wrap(model_runner.PendingStep, "wait", "wait for a queued step's tokens (async scheduling)")
     if engine.workers is not None:
         wrap(engine.workers.channel.mailbox, "post", "mailbox post")
-        wrap(distributed.dist, "broadcast", "broadcast call (NCCL on GPUs)")
+        wrap(channel.dist, "broadcast", "broadcast call (NCCL on GPUs)")
     engine.add_request(_prompts(1, 64, 1)[0],
                        SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True))
     for _ in range(10):

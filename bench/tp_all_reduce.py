@@ -3,8 +3,9 @@
 Per rank, Llama-3-8B shape bf16 with random weights, one token: each layer runs the one-row path's
 GEMVs (q/k/v with the norm, o writing its partial into the peer-visible buffer, all-reduce, gate/up
 with the norm, down with SiLU into the buffer, all-reduce), 32 layers in one CUDA graph, attention
-left out. The all-reduce is torch's `one_shot_all_reduce`, our pull or our push
-(kernels/triton_collectives.py), NCCL, or none (each rank keeps its partial: the GEMVs' floor). Also
+left out. The all-reduce is our push (kernels/triton_collectives.py; the engine's, with
+EngineConfig.kernels' values and warps per program), NCCL, or none (each rank keeps its partial: the
+GEMVs' floor). Also
 64 all-reduces in a row of 8 KB (batch 1) and 256 KB (batch 32), each fed by a copy.
 
 Reports per-layer time, per-all-reduce cost (chain minus the no-all-reduce chain), the roofline
@@ -69,29 +70,25 @@ def _chain(tp: Any, layers: list[dict[str, torch.Tensor]], kind: str, x: torch.T
     return residual
 
 
-def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int], warps: list[int],
+def _rank(rank: int, world: int, port: int, kinds: list[str], block: int, warps: list[int],
           results: Any) -> None:
-    from flashstack.engine.distributed import disable_multicast, init_rank, leave_group
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.tp.group import disable_multicast, init_rank, leave_group
 
     disable_multicast()
     device = torch.device("cuda", rank)
-    tp = init_rank(rank, world, port, device)
+    tp = init_rank(rank, world, port, device, kernels=KernelOptions(tp_all_reduce_block=block))
     tp.enable_fast_all_reduce(32 * HIDDEN, torch.bfloat16)
     gen = torch.Generator(device).manual_seed(rank)
     layers = layer_weights(world, gen, device)
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
     out: dict[str, Any] = {}
-    # The pull sweeps values x warps per program; the push keeps its inbox's values per program
-    # (FLASHSTACK_TP_ALLREDUCE_BLOCK at start-up) and sweeps warps.
-    variants = [(k, b, w) for k in kinds for b in (blocks if k == "pull" else [0])
-                for w in (warps if k in ("pull", "push") else [0])]
-    for kind, block, warp in variants:
-        name = {"pull": f"pull/{block}/{warp}", "push": f"push/{warp}"}.get(kind, kind)
-        if kind == "pull":
-            tp.fast.block_values = block
+    # The push keeps its inbox's values per program (--block, at start-up) and sweeps warps.
+    variants = [(k, w) for k in kinds for w in (warps if k == "push" else [0])]
+    for kind, warp in variants:
+        name = f"push/{block}/{warp}" if kind == "push" else kind
         tp.fast.warps = warp or 4
-        tp.fast.kernel = kind if kind in ("torch", "pull", "push") else "push"
         out[f"chain_ms/{name}"] = graph_ms(lambda: _chain(tp, layers, kind, x.clone(), norm), 30, dist.barrier)
         if kind == "none":
             continue
@@ -113,21 +110,20 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], blocks: list[int],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--kinds", default="none,torch,pull,push,nccl")
-    ap.add_argument("--blocks", default="2048", help="values per program of our pull kernel")
+    ap.add_argument("--kinds", default="none,push,nccl")
+    ap.add_argument("--block", type=int, default=2048, help="values per program of our push kernels")
     ap.add_argument("--warps", default="4", help="warps per program of our kernels")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import multiprocessing as mp
 
-    from flashstack.engine.distributed import master_store
+    from flashstack.engine.tp.group import master_store
 
     store = master_store(args.world)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    blocks = [int(b) for b in args.blocks.split(",")]
     warps = [int(w) for w in args.warps.split(",")]
-    procs = [ctx.Process(target=_rank, args=(r, args.world, store.port, args.kinds.split(","), blocks, warps, results))
+    procs = [ctx.Process(target=_rank, args=(r, args.world, store.port, args.kinds.split(","), args.block, warps, results))
              for r in range(args.world)]
     for p in procs:
         p.start()

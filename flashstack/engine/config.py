@@ -2,8 +2,68 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+import torch
+
+TP_ALL_REDUCES = ("push", "nccl")
+DEFAULT_TP_TIMEOUT_S = 300.0
+
+
+@dataclass(slots=True, frozen=True)
+class KernelOptions:
+    """Which kernel variants the engine runs. The defaults are the fastest measured
+    (docs/benchmarks.md); each off switch exists for the benchmark that measures what it buys."""
+
+    # Batch-1 products through the Triton GEMV, with the norms, SiLU-and-mul and residual adds
+    # folded in (kernels/triton_gemv.py); False: cuBLAS and the separate elementwise kernels.
+    triton_gemv: bool = True
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
+    decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v
+    decode_tma: bool = True  # decode attention reads tiles through the TMA where it applies (Hopper+)
+    # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
+    # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
+    tp_all_reduce: str = "push"
+    tp_all_reduce_block: int = 2048  # values per program of the push kernels
+    tp_all_reduce_warps: int = 4
+    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S  # bound on start-up and device collectives of a TP group
+
+    def __post_init__(self) -> None:
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"kernels.tp_all_reduce must be one of {TP_ALL_REDUCES}, got {self.tp_all_reduce!r}")
+        block = self.tp_all_reduce_block
+        if block < 64 or block & (block - 1):
+            raise ValueError(f"kernels.tp_all_reduce_block must be a power of two >= 64, got {block}")
+        if self.tp_all_reduce_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"kernels.tp_all_reduce_warps must be 1, 2, 4, 8 or 16, got {self.tp_all_reduce_warps}")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"kernels.tp_timeout_s must be positive, got {self.tp_timeout_s}")
+
+    @classmethod
+    def of(cls, value: KernelOptions | dict[str, Any] | None) -> KernelOptions:
+        """Options from a config file's mapping (unknown keys named), or as given."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown kernels option(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    def resolved(self, device: torch.device) -> KernelOptions:
+        """These options as they apply on `device`: the GPU kernels off elsewhere, the Hopper
+        features (PDL, TMA) off before compute capability 9.0."""
+        if device.type != "cuda":
+            return replace(self, triton_gemv=False, pdl=False, decode_qkv=False, decode_tma=False)
+        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+        return replace(self, pdl=self.pdl and hopper, decode_tma=self.decode_tma and hopper)
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
 
 @dataclass(slots=True)
@@ -43,9 +103,11 @@ class EngineConfig:
     # The estimate's constants; None takes engine/swap.py's DEVICE_DEFAULTS for the device type.
     swap_bandwidth_gbps: float | None = None  # host<->device copy rate, GB/s
     recompute_tflops: float | None = None  # achieved prefill rate, TFLOP/s
+    kernels: KernelOptions = field(default_factory=KernelOptions)
     hf_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.kernels = KernelOptions.of(self.kernels)
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_num_seqs <= 0:

@@ -8,25 +8,25 @@ ranks. Each bucket's graph reads the packed buffer in its own layout and convert
 inputs of the attention kernels itself. Padded rows write nothing (slot -1) and read one harmless
 slot (context length 1).
 
-Bucket 1 has a second graph when contexts can be longer than the attention kernel's short-context
-bound (kernels/triton_attention.short_decode): a lone sequence with a short context reads it with
-another launch configuration, and a graph bakes its launches in. Graphs are keyed by their bucket,
-and that one by SHORT_CONTEXT_KEY; tensor-parallel ranks receive the key and replay the same graph.
+A bucket has one graph per grid bound its attention backend asks for (`decode_grid_bounds`: the
+Triton backend gives bucket 1 a short-context launch too, kernels/triton_attention.plan_decode), as a
+graph bakes its launches in; a step replays the smallest bound that holds its longest context.
+Graphs are keyed by their place in `captures`; tensor-parallel ranks capture the same list, receive
+the key and replay the same graph.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from flashstack.engine.step import ShareInputs, StepHook
 
 MAX_GRAPH_BATCH = 512
 _INPUT_ROWS = 4  # ids, positions, slots, context lengths; the block table follows
-SHORT_CONTEXT_KEY = 0  # bucket 1's short-context graph (buckets themselves are ≥ 1)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -50,10 +50,6 @@ class _BucketInputs:
     block_tables: torch.Tensor  # int64 [bucket, width]; the graph converts it
 
 
-# Called between staging a step and replaying it: (graph key, packed inputs).
-StepHook = Callable[[int, torch.Tensor], None]
-
-
 class DecodeGraphs:
     """Captured decode graphs for a model and its KV cache; `run` replays the right bucket."""
 
@@ -69,19 +65,18 @@ class DecodeGraphs:
         self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by key: the bucket, or SHORT_CONTEXT_KEY
+        # (bucket, grid bound) of every graph, largest bucket first so the shared pool is sized once;
+        # a graph's key is its index here.
+        self.captures = [(bs, bound) for bs in reversed(self.buckets)
+                         for bound in sorted(backend.decode_grid_bounds(bs, max_model_len), reverse=True)]
+        self.keys = {capture: key for key, capture in enumerate(self.captures)}
+        self.bounds = {bs: sorted(b for c, b in self.captures if c == bs) for bs in self.buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
-        # Contexts up to this many tokens replay bucket 1's short-context graph (0: it has none).
-        self.short_context = 0
-        if backend is not None and backend.name == "triton" and 1 in self.buckets:
-            from flashstack.engine.kernels.triton_attention import SHORT_DECODE_CONTEXT
-
-            if max_model_len > SHORT_DECODE_CONTEXT:
-                self.short_context = SHORT_DECODE_CONTEXT
         self.pool = None
         self.before_replay: StepHook | None = None  # rank 0 of a tensor-parallel group announces the step
         # Under tensor parallelism: the graphs' first kernel gives every rank rank 0's packed inputs.
-        self.share_inputs: Callable[[torch.Tensor], None] | None = None
+        self.share_inputs: ShareInputs | None = None
 
     @property
     def max_batch(self) -> int:
@@ -103,14 +98,13 @@ class DecodeGraphs:
         return _BucketInputs(ids, pos, slots, ctx, tables)
 
     def _meta(self, bs: int, slot_mapping: torch.Tensor, max_context_len: int) -> AttentionMetadata:
-        meta = AttentionMetadata(
+        # One grid for every step of this graph: split-KV sized for the longest context it serves.
+        return AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
             query_start_loc=self.query_start_loc[: bs + 1], block_size=self.block_size, max_query_len=1,
             max_context_len=max_context_len, query_lens_host=[1] * bs, context_lens_host=[1] * bs,
+            grid_context_len=max_context_len,
         )
-        # One grid for every step of this graph: split-KV sized for the longest context it serves.
-        meta.scratch["graph_max_context_len"] = max_context_len
-        return meta
 
     def _forward(self, bs: int, max_context_len: int) -> torch.Tensor | None:
         if self.share_inputs is not None:
@@ -136,10 +130,7 @@ class DecodeGraphs:
         Under tensor parallelism every rank calls this at once: warm-ups and captures issue the
         same collectives in the same order on every rank.
         """
-        graphs = [(bs, bs, self.max_model_len) for bs in reversed(self.buckets)]
-        if self.short_context:
-            graphs.append((SHORT_CONTEXT_KEY, 1, self.short_context))
-        for key, bs, max_context_len in graphs:
+        for key, (bs, max_context_len) in enumerate(self.captures):
             self._pad(bs)
             self._forward(bs, max_context_len)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize(self.device)
@@ -149,7 +140,7 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph
-            if on_bucket is not None and key != SHORT_CONTEXT_KEY:
+            if on_bucket is not None and max_context_len == self.max_model_len:
                 on_bucket()
         torch.cuda.synchronize(self.device)
 
@@ -162,6 +153,10 @@ class DecodeGraphs:
         self.logits.clear()
         self.pool = None
 
+    def key_for(self, bs: int, longest: int) -> int:
+        """The graph of bucket `bs` with the smallest grid bound that holds a `longest`-token context."""
+        return self.keys[bs, next(b for b in self.bounds[bs] if b >= longest)]
+
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
@@ -173,7 +168,7 @@ class DecodeGraphs:
         bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
         if ids_from is not None:
             self.packed[: len(input_ids)].copy_(ids_from)
-        key = SHORT_CONTEXT_KEY if bs == 1 and context_lens[0] <= self.short_context else bs
+        key = self.key_for(bs, max(context_lens))
         if self.before_replay is not None:
             self.before_replay(key, self.packed[: self.packed_size(bs)])
         self.graphs[key].replay()

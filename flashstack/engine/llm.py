@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -36,9 +37,10 @@ from flashstack.engine.scheduler import ScheduledBatch, Scheduler
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.swap import PreemptionCost, num_host_blocks
 from flashstack.engine.tokenizer import Tokenizer
-from flashstack.engine.worker import DriverRunner, launch
+from flashstack.engine.tp.worker import GroupBroadcast, launch
 
 Prompt = str | list[int]
+log = logging.getLogger("flashstack.engine")
 _GiB = 1 << 30
 
 
@@ -62,6 +64,8 @@ class LLMEngine:
         path = Path(config.model)
         config.hf_config = hf = read_hf_config(path)
         self.device = resolve_device(config.device)
+        config.kernels = config.kernels.resolved(self.device)
+        log.info("kernels on %s: %s", self.device, config.kernels.describe())
         # Tensor parallel: ranks 1..N-1 start loading their shards while this rank loads its own.
         self.workers = launch(config, self.device) if config.tensor_parallel_size > 1 else None
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
@@ -70,7 +74,7 @@ class LLMEngine:
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
             if self.device.type == "cuda":
-                fuse_model(self.model)
+                fuse_model(self.model, config.kernels)
             num_blocks = self._size_kv_cache(progress)
         if self.workers is not None:  # every rank's cache gets rank 0's block count
             num_blocks = self.workers.start(num_blocks)
@@ -90,11 +94,8 @@ class LLMEngine:
             args = self.model.args
             cost = PreemptionCost.for_model(config, self.model, args, per_block, self.device)
         self.scheduler = Scheduler(config, self.block_manager, eos, cost)
-        self.runner = (
-            ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
-            if self.workers is None
-            else DriverRunner(config, self.model, num_blocks, self.device, self.dtype, self.workers)
-        )
+        peers = GroupBroadcast(self.workers) if self.workers is not None else None
+        self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype, peers)
         if num_host:
             self.runner.enable_swap(num_host)
         if self._use_graphs():
@@ -169,7 +170,7 @@ class LLMEngine:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
             block_size=cfg.block_size, max_query_len=n, max_context_len=n, query_lens_host=[n], context_lens_host=[n],
         )
-        backend = get_attention_backend(cfg.attention_backend, dev)
+        backend = get_attention_backend(cfg.attention_backend, dev, cfg.kernels)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)

@@ -17,7 +17,7 @@ from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
 from flashstack.engine.models.parallel import checkpoint_slices, shard_model
 
 if TYPE_CHECKING:
-    from flashstack.engine.distributed import TensorParallel
+    from flashstack.engine.tp.group import TensorParallel
 
 _DTYPES = {
     "float32": torch.float32,

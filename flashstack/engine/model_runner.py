@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,7 @@ from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.sampling import needs_host, sample, sample_on_device, to_device
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
+from flashstack.engine.step import ShareInputs, StepBroadcast, StepInputs
 from flashstack.engine.swap import SwapSpace
 
 
@@ -22,17 +23,6 @@ def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> 
     """Bytes one block takes across all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Device tensors for one forward pass, plus which rows get sampled."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # indices into the packed tokens whose logits are sampled
-    sample_seqs: list[int]  # positions in batch.seqs that sample this step
 
 
 @dataclass(slots=True)
@@ -52,7 +42,8 @@ class PendingStep:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache; turns a ScheduledBatch into sampled token ids."""
+    """Owns the model and the KV cache; turns a ScheduledBatch into sampled token ids. `peers`:
+    where each step goes for the other ranks of a tensor-parallel group (by default none)."""
 
     def __init__(
         self,
@@ -61,8 +52,11 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         dtype: torch.dtype,
+        peers: StepBroadcast | None = None,
     ) -> None:
         self.config, self.model, self.device, self.dtype = config, model, device, dtype
+        self.peers = peers if peers is not None else StepBroadcast()
+        weakref.finalize(self, self.peers.close)
         a = model.args
         # [layers, blocks, K|V, block_size, kv_heads, head_dim]: one block of one layer is
         # contiguous.
@@ -77,7 +71,7 @@ class ModelRunner:
             device=device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.backend = get_attention_backend(config.attention_backend, device)
+        self.backend = get_attention_backend(config.attention_backend, device, config.kernels)
         self.graphs: DecodeGraphs | None = None
         self.swap_space: SwapSpace | None = None
 
@@ -85,14 +79,22 @@ class ModelRunner:
         """Give the runner a host KV pool of `num_host_blocks` blocks for swap preemption."""
         self.swap_space = SwapSpace(self.kv_cache, num_host_blocks)
 
-    def capture_graphs(self, max_model_len: int, on_bucket=None,
-                       share_inputs: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Capture decode CUDA graphs for every batch bucket (CUDA and a graph-safe backend only).
-        `share_inputs`: the first kernel of every graph (a tensor-parallel group's input broadcast)."""
+    def capture_graphs(self, max_model_len: int, on_bucket=None, share_inputs: ShareInputs | None = None) -> None:
+        """Capture decode CUDA graphs for every batch bucket (CUDA and a graph-safe backend only),
+        on every rank of a group at once. `share_inputs`: the first kernel of every graph (a
+        tensor-parallel group's input broadcast; a rank other than 0 passes it, rank 0 gets it from
+        its peers)."""
+        if share_inputs is None:
+            share_inputs = self.peers.before_capture(self, max_model_len)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.config.block_size,
                                    max_model_len, self.config.max_num_seqs, self.device)
         self.graphs.share_inputs = share_inputs
         self.graphs.capture(on_bucket)
+        self.graphs.before_replay = self.peers.replay_hook(share_inputs)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel group, if any."""
+        self.peers.close()
 
     def release_graphs(self) -> None:
         """Free the decode graphs (back to eager); a tensor-parallel group can then be torn down."""
@@ -128,6 +130,8 @@ class ModelRunner:
         return graphs.run(ids, positions, slots, [s.block_table for s in batch.seqs], lens, ids_from=ids_from)
 
     def _eager_decode_logits(self, batch: ScheduledBatch, ids_from: torch.Tensor | None) -> torch.Tensor | None:
+        if not self.peers.queues_eager_steps:  # the other ranks get eager steps through `execute`
+            return None
         rows = self._decode_rows(batch, ahead=int(ids_from is not None))
         if rows is None:
             return None
@@ -243,6 +247,7 @@ class ModelRunner:
             sample_seqs = list(range(len(batch.seqs)))
         else:
             inputs = self.prepare(batch)
+            self.peers.send(inputs)
             hidden = self.model(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend
             )

@@ -56,7 +56,6 @@ def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
 def test_cuda_one_sequence_across_the_short_context_graph(tmp_path) -> None:
     """Bucket 1 has a second graph for short contexts; a sequence whose context grows past its
     bound moves to the other graph mid-generation, and its greedy tokens stay transformers'."""
-    from flashstack.engine.cuda_graphs import SHORT_CONTEXT_KEY
     from flashstack.engine.kernels.triton_attention import SHORT_DECODE_CONTEXT
     from tests.engine.conftest import make_hf_model
 
@@ -67,5 +66,6 @@ def test_cuda_one_sequence_across_the_short_context_graph(tmp_path) -> None:
     ref = hf_greedy(model, prompt, 24)
     llm = LLM(tmp_path, block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=4)
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and SHORT_CONTEXT_KEY in graphs.graphs and graphs.max_model_len > SHORT_DECODE_CONTEXT
+    assert graphs is not None and graphs.max_model_len > SHORT_DECODE_CONTEXT
+    assert graphs.bounds[1] == [SHORT_DECODE_CONTEXT, graphs.max_model_len]
     assert run_checked(llm, [prompt], greedy(24)) == [ref]

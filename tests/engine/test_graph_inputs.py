@@ -7,11 +7,13 @@ from __future__ import annotations
 import torch
 
 from flashstack.engine.cuda_graphs import DecodeGraphs, graph_buckets
+from flashstack.engine.kernels.attention import get_attention_backend
 
 
 def _graphs(max_num_seqs: int = 16) -> DecodeGraphs:
     # block_size 16, max_model_len 64: tables are 4 blocks wide.
-    return DecodeGraphs(torch.nn.Identity(), [], None, 16, 64, max_num_seqs, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    return DecodeGraphs(torch.nn.Identity(), [], get_attention_backend("reference", cpu), 16, 64, max_num_seqs, cpu)
 
 
 def test_buckets() -> None:

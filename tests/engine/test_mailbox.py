@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from flashstack.engine.mailbox import Mailbox
+from flashstack.engine.tp.mailbox import Mailbox
 
 
 def test_messages_arrive_in_order_through_a_small_ring() -> None:

@@ -30,13 +30,8 @@ ENGINE = dict(
     max_num_batched_tokens=16,
     num_kv_blocks=18,
     max_num_seqs=8,
+    kernels={"tp_timeout_s": 30},  # a broken rank must fail the test in seconds, not hang it
 )
-
-
-@pytest.fixture(autouse=True)
-def _bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A broken rank must fail the test in seconds, not hang it (children inherit the variable).
-    monkeypatch.setenv("FLASHSTACK_TP_TIMEOUT_S", "30")
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +154,13 @@ def test_nccl_two_gpus_match_one(hf_checkpoints) -> None:
 
 
 def _graph_step_rank1(port: int, mailbox_path: str, width: int, results: object) -> None:
-    from flashstack.engine.distributed import StepChannel, init_rank, leave_group
-    from flashstack.engine.mailbox import Mailbox
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.tp.channel import StepChannel
+    from flashstack.engine.tp.group import init_rank, leave_group
+    from flashstack.engine.tp.mailbox import Mailbox
 
     mailbox = Mailbox.attach(mailbox_path, 1, width)
-    tp = init_rank(1, 2, port, torch.device("cpu"))
+    tp = init_rank(1, 2, port, torch.device("cpu"), kernels=KernelOptions(tp_timeout_s=30))
     channel = StepChannel(tp, 4, mailbox)
     capture, step = channel.recv(), channel.recv()
     received = torch.zeros(step.size, dtype=torch.int64)
@@ -179,18 +176,14 @@ def test_graph_step_protocol_over_gloo() -> None:
     buffer, then exit."""
     import multiprocessing as mp
 
-    from flashstack.engine.distributed import (
-        CaptureGraphs,
-        GraphStep,
-        StepChannel,
-        init_rank,
-        leave_group,
-        master_store,
-    )
-    from flashstack.engine.mailbox import Mailbox
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.step import CaptureGraphs, GraphStep
+    from flashstack.engine.tp.channel import StepChannel
+    from flashstack.engine.tp.group import init_rank, leave_group, master_store
+    from flashstack.engine.tp.mailbox import Mailbox
 
     width = StepChannel.header_width(8)
-    store = master_store(2)
+    store = master_store(2, timeout_s=30)
     mailbox = Mailbox.create(1, width)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -198,7 +191,7 @@ def test_graph_step_protocol_over_gloo() -> None:
     rank1 = ctx.Process(target=_graph_step_rank1, args=args)
     rank1.start()
     try:
-        tp = init_rank(0, 2, store.port, torch.device("cpu"), store)
+        tp = init_rank(0, 2, store.port, torch.device("cpu"), store, KernelOptions(tp_timeout_s=30))
         channel = StepChannel(tp, 4, mailbox)
         channel.send_capture(4096)
         packed = torch.arange(3 * 9, dtype=torch.int64) * 7  # bucket 3 of a 5-block-wide table
@@ -216,20 +209,16 @@ def test_graph_step_protocol_over_gloo() -> None:
     assert rank1.exitcode == 0
 
 
-def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
+def _all_reduce_rank(rank: int, port: int, errors: object) -> None:
     """Stage rank-dependent values, all-reduce them and compare with the rank-order sum, gather them
     and compare with the ranks' values side by side; eagerly and replayed from a CUDA graph, where
     the buffers, inboxes and flags are reused over and over. The push also broadcasts a graph
     step's inputs from rank 0, new ones before every replay."""
-    import os
+    from flashstack.engine.tp.group import init_rank, leave_group
 
-    from flashstack.engine.distributed import init_rank, leave_group
-
-    os.environ["FLASHSTACK_TP_ALLREDUCE"] = kernel
     device = torch.device("cuda", rank)
     tp = init_rank(rank, 2, port, device)
     tp.enable_fast_all_reduce(4096 * 40, torch.bfloat16, step_inputs=1000)
-    push = kernel == "push"
 
     def parts(numel: int, seed: int) -> list[torch.Tensor]:
         gen = torch.Generator(device).manual_seed(seed)
@@ -240,8 +229,7 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
         return (a.float() + b.float()).to(torch.bfloat16)
 
     try:
-        odd = 2 if kernel == "torch" else 3  # torch's kernel takes whole 4-byte words only
-        for i, numel in enumerate([4096, 1000, 4096 * 40, 4096 * 40 - odd] * 5):  # eager, odd sizes, many programs
+        for i, numel in enumerate([4096, 1000, 4096 * 40, 4096 * 40 - 3] * 5):  # eager, odd sizes, many programs
             x = parts(numel, i)[rank]
             got = tp.all_reduce(x.clone())
             if not torch.equal(got, expected(numel, i)):
@@ -271,8 +259,7 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
         with torch.cuda.stream(stream):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
-                if push:
-                    tp.fast.broadcast_step_inputs(packed)
+                tp.fast.broadcast_step_inputs(packed)
                 h = xs[rank].clone()
                 for k in range(16):
                     staged = tp.fast.stage((4096,))
@@ -294,7 +281,7 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
             if not (torch.equal(h, ref) and torch.equal(gathered, ref_gathered)):
                 errors.put(f"rank {rank}, graph replay {replay}: wrong values")
                 break
-            if push and not torch.equal(packed, step_inputs(replay)):
+            if not torch.equal(packed, step_inputs(replay)):
                 errors.put(f"rank {rank}, graph replay {replay}: wrong step inputs")
                 break
     finally:
@@ -303,19 +290,18 @@ def _all_reduce_rank(rank: int, port: int, kernel: str, errors: object) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("kernel", ["push", "pull", "torch"])
-def test_peer_all_reduce_two_gpus(kernel: str) -> None:
-    """The one-shot all-reduce over symmetric memory gives both ranks the exact rank-order sum (our
-    push or pull, or torch's kernel); the all-gather gives both the ranks' values side by side
-    (ours); the push broadcast gives rank 1 rank 0's step inputs."""
+def test_peer_all_reduce_two_gpus() -> None:
+    """The push all-reduce over symmetric memory gives both ranks the exact rank-order sum; the
+    all-gather gives both the ranks' values side by side; the push broadcast gives rank 1 rank 0's
+    step inputs."""
     import multiprocessing as mp
 
-    from flashstack.engine.distributed import master_store
+    from flashstack.engine.tp.group import master_store
 
     store = master_store(2)
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    ranks = [ctx.Process(target=_all_reduce_rank, args=(r, store.port, kernel, errors)) for r in range(2)]
+    ranks = [ctx.Process(target=_all_reduce_rank, args=(r, store.port, errors)) for r in range(2)]
     for p in ranks:
         p.start()
     for p in ranks:

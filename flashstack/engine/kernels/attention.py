@@ -9,10 +9,12 @@ queries are the *last* ``query_len`` positions of its ``context_len`` cached tok
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+
+from flashstack.engine.config import KernelOptions
 
 
 @dataclass(slots=True)
@@ -33,6 +35,9 @@ class AttentionMetadata:
     # Host copies so the reference path never syncs with the device to read a length.
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # The context bound a decode launch's grid is sized for: a captured graph's, so one graph serves
+    # every step; None: the step's own longest context.
+    grid_context_len: int | None = None
     # Per-step values a backend derives once and reuses in every layer (indices, masks).
     scratch: dict[str, Any] = field(default_factory=dict)
 
@@ -49,17 +54,32 @@ class AttentionMetadata:
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 AttendFn = Callable[
-    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None"], torch.Tensor
+    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None", KernelOptions], torch.Tensor
 ]
+GridBoundsFn = Callable[[int, int], list[int]]
+
+
+def one_grid_bound(batch: int, max_model_len: int) -> list[int]:
+    """One decode graph per batch bucket, for contexts up to max_model_len."""
+    return [max_model_len]
 
 
 @dataclass(slots=True, frozen=True)
 class AttentionBackend:
-    """A pair of kernels: write new K/V into their slots, then attend over the paged cache."""
+    """A pair of kernels: write new K/V into their slots, then attend over the paged cache; with the
+    engine's kernel options (`get_attention_backend` binds them)."""
 
     name: str
     store_kvcache: StoreFn  # (k, v, kv_cache, slot_mapping) -> None
-    paged_attention: AttendFn  # (q, kv_cache, meta, scale, sliding_window) -> out
+    paged_attention: AttendFn  # (q, kv_cache, meta, scale, sliding_window, kernels) -> out
+    # (batch, max_model_len) -> the grid bounds decode graphs of `batch` sequences are captured for
+    decode_grid_bounds: GridBoundsFn = one_grid_bound
+    kernels: KernelOptions = KernelOptions()
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Attention of q over the paged cache with this backend's kernel options."""
+        return self.paged_attention(q, kv_cache, meta, scale, sliding_window, self.kernels)
 
 
 def _flat_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -151,6 +171,7 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kernels: KernelOptions | None = None,  # torch's kernels take no launch options
 ) -> torch.Tensor:
     """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache."""
     if meta.is_decode_only:
@@ -214,24 +235,29 @@ def register_attention_backend(backend: AttentionBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolve a backend name ('auto' picks the fastest one registered for this device)."""
+def get_attention_backend(name: str, device: torch.device,
+                          kernels: KernelOptions = KernelOptions()) -> AttentionBackend:
+    """Resolve a backend name ('auto' picks the fastest one registered for this device), bound to
+    the engine's kernel options."""
     if device.type == "cuda" and "triton" not in _BACKENDS:
         _register_triton()
     if name == "auto":
         name = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
+    return replace(_BACKENDS[name], kernels=kernels)
 
 
 def _register_triton() -> None:
     # Imported lazily: triton is only needed (and only compiles) on CUDA devices.
     try:
         from flashstack.engine.kernels.triton_attention import (
+            decode_grid_bounds,
             paged_attention_triton,
             store_kvcache_triton,
         )
     except ImportError:
         return
-    register_attention_backend(AttentionBackend("triton", store_kvcache_triton, paged_attention_triton))
+    register_attention_backend(
+        AttentionBackend("triton", store_kvcache_triton, paged_attention_triton, decode_grid_bounds)
+    )

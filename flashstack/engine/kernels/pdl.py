@@ -18,7 +18,6 @@ drains is the first suspect.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -34,11 +33,11 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """PDL for kernels on `device`: Hopper and later, compiled (not interpreted) Triton, and not
-    switched off with FLASHSTACK_PDL=0."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("FLASHSTACK_PDL", "1") != "0" and _capability(device.index) >= (9, 0))
+def pdl_applies(device: torch.device, wanted: bool = True) -> bool:
+    """PDL for kernels on `device`: when `wanted` (EngineConfig.kernels.pdl), on Hopper and later,
+    with compiled (not interpreted) Triton."""
+    return (wanted and device.type == "cuda" and not triton.knobs.runtime.interpret
+            and _capability(device.index) >= (9, 0))
 
 
 @functools.cache

@@ -25,7 +25,6 @@ an atomic ticket) measured slower on the H200: 32K context, batch 1 61.8 µs aga
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashstack.engine.config import KernelOptions
 from flashstack.engine.kernels.attention import (
     AttentionMetadata,
     paged_prefill_sdpa,
@@ -326,11 +326,9 @@ def short_decode(batch: int, max_context_len: int) -> bool:
 
 def tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
     """Whether decode tiles can go through the tensor-memory accelerator (TMA): Hopper or later, a
-    contiguous 16-bit cache whose blocks hold whole tiles and a power-of-two head size, and not
-    switched off with FLASHSTACK_DECODE_TMA=0."""
+    contiguous 16-bit cache whose blocks hold whole tiles and a power-of-two head size."""
     dim = kv_cache.shape[-1]
     return (kv_cache.is_cuda and kv_cache.dtype in (torch.bfloat16, torch.float16)
-            and os.environ.get("FLASHSTACK_DECODE_TMA", "1") != "0"
             and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
             and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
             and kv_cache.shape[2] % block_n == 0 and dim & (dim - 1) == 0)
@@ -365,25 +363,40 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a few splits, small enough to run the merge on CPU
 
 
-def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float, max_context_len: int,
-                        sliding_window: int | None = None, num_splits: int | None = None,
-                        block_n: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, new: NewTokens | None = None,
-                        min_split: int | None = None, tma: bool | None = None) -> torch.Tensor:
-    """One query per sequence, q [batch, heads, head_dim], over the paged cache; returns
-    [batch, heads, head_dim] in q's dtype.
+def decode_grid_bounds(batch: int, max_model_len: int) -> list[int]:
+    """The grid bounds a decode graph of `batch` sequences is captured for, one graph each: a
+    lone sequence also gets the short-context launch when contexts can be longer than its bound."""
+    if batch == 1 and max_model_len > SHORT_DECODE_CONTEXT:
+        return [SHORT_DECODE_CONTEXT, max_model_len]
+    return [max_model_len]
 
-    `max_context_len` fixes the grid (and must bound every context length); pass the engine's
-    max_model_len when capturing a CUDA graph, so one graph serves every step. With `new`, q is
-    the unrotated q straight from the q/k/v projection and the new k/v are not in the cache yet:
-    the kernel rotates them, stores them and attends with them (see NewTokens). `min_split`: the
-    fewest tokens a split reads (DECODE_MIN_SPLIT). `tma`: fetch tiles with the tensor-memory
-    accelerator; by default where tma_applies, with tma_launch's stages and split count unless given.
-    """
-    batch, heads, dim = q.shape
-    kv_heads = kv_cache.shape[3]
-    group = heads // kv_heads
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """One decode launch's configuration for a grid bound: what a CUDA graph bakes in, and what an
+    eager step plans for its own longest context (`plan_decode`)."""
+
+    batch: int
+    max_context_len: int  # the grid bound: every context of a step must be at most this
+    block_n: int  # tokens per tile
+    min_split: int  # fewest tokens a split reads
+    num_splits: int
+    tma: bool  # tiles through the tensor-memory accelerator
+    table_span: int  # block-table entries a TMA split holds (1 without TMA)
+    num_stages: int | None = None  # None: Triton's default
+    num_warps: int | None = None
+
+
+def plan_decode(batch: int, kv_cache: torch.Tensor, max_context_len: int, *, tma: bool | None = None,
+                num_splits: int | None = None, block_n: int | None = None, min_split: int | None = None,
+                num_stages: int | None = None, num_warps: int | None = None) -> DecodePlan:
+    """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
+
+    Pass the engine's max_model_len when capturing a CUDA graph, so one graph serves every step.
+    `tma`: None takes the accelerator where tma_applies (with tma_launch's stages and split count
+    unless given), False never, True always. The other arguments override the measured defaults
+    (benchmarks and tests)."""
+    kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
     if short:
         block_n = 64 if block_n is None else block_n
@@ -393,18 +406,35 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         block_n = decode_block_n(batch, kv_heads)
     if min_split is None:
         min_split = DECODE_MIN_SPLIT
-    sm_count = _sm_count(q.device)
+    sm_count = _sm_count(kv_cache.device)
     if tma is None and tma_applies(kv_cache, block_n):
         # A TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs.
         stages, per_sm = tma_launch(batch, kv_heads, sm_count, short)
         splits = num_splits or max(1, min(per_sm * sm_count // (batch * kv_heads),
                                           math.ceil(max_context_len / block_n)))
-        if _table_span(max_context_len, splits, block_n, min_split, kv_cache.shape[2]) <= TMA_MAX_TABLE_SPAN:
+        if _table_span(max_context_len, splits, block_n, min_split, block_size) <= TMA_MAX_TABLE_SPAN:
             tma, num_splits, num_stages = True, splits, num_stages or stages
     tma = bool(tma)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, sm_count)
-    table_span = _table_span(max_context_len, num_splits, block_n, min_split, kv_cache.shape[2]) if tma else 1
+    table_span = _table_span(max_context_len, num_splits, block_n, min_split, block_size) if tma else 1
+    return DecodePlan(batch, max_context_len, block_n, min_split, num_splits, tma, table_span, num_stages, num_warps)
+
+
+def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float, plan: DecodePlan,
+                        sliding_window: int | None = None, new: NewTokens | None = None) -> torch.Tensor:
+    """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
+    says (plan_decode); returns [batch, heads, head_dim] in q's dtype. With `new`, q is the
+    unrotated q straight from the q/k/v projection and the new k/v are not in the cache yet: the
+    kernel rotates them, stores them and attends with them (see NewTokens).
+    """
+    batch, heads, dim = q.shape
+    kv_heads = kv_cache.shape[3]
+    group = heads // kv_heads
+    assert plan.batch == batch, f"a plan for {plan.batch} sequences launched for {batch}"
+    num_splits, block_n, min_split, tma = plan.num_splits, plan.block_n, plan.min_split, plan.tma
+    num_stages, num_warps, table_span = plan.num_stages, plan.num_warps, plan.table_span
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
@@ -532,19 +562,21 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     return out
 
 
-def decode_grid_context(meta: AttentionMetadata) -> int:
-    """The context length a decode step's grid is sized for: the captured graph's (max_model_len)
-    inside a graph, so one graph serves every step; the step's own longest context otherwise."""
-    return meta.scratch.get("graph_max_context_len", meta.max_context_len)
+def plan_step_decode(meta: AttentionMetadata, kv_cache: torch.Tensor, kernels: KernelOptions) -> DecodePlan:
+    """The decode launch of a step: for its graph's grid bound inside a CUDA graph (one graph serves
+    every step), for the step's own longest context otherwise."""
+    bound = meta.grid_context_len or meta.max_context_len
+    return plan_decode(meta.num_seqs, kv_cache, bound, tma=None if kernels.decode_tma else False)
 
 
 def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                           scale: float, sliding_window: int | None = None,
+                           kernels: KernelOptions = KernelOptions()) -> torch.Tensor:
     """The Triton backend's attention: split-KV decode for decode-only steps; long prefill chunks
     through torch's fused attention (attention.SDPA_MIN_QUERY_LEN says why); paged prefill otherwise."""
     if sdpa_prefill_applies(meta, sliding_window):
         return paged_prefill_sdpa(q, kv_cache, meta, scale)
     if meta.is_decode_only:
         return paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, scale,
-                                   decode_grid_context(meta), sliding_window)
+                                   plan_step_decode(meta, kv_cache, kernels), sliding_window)
     return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashstack.engine.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 
 
 @triton.jit
@@ -124,10 +124,10 @@ def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, ...]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """F.linear (into `out` if given), through `gemv_triton` when x is one row on CUDA."""
     if x.shape[0] == 1 and x.is_cuda:
-        return gemv_triton(weight, x, bias, out=out)
+        return gemv_triton(weight, x, bias, out=out, pdl=pdl)
     if out is None:
         return torch.nn.functional.linear(x, weight, bias)
     torch.matmul(x, weight.t(), out=out)
@@ -137,12 +137,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
                 config: tuple[int, ...] | None = None, *,
                 norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-                residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                pdl: bool = True) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
     `norm=(weight, eps)`: multiply by RMSNorm(x) instead of x. `silu`: x is [1, 2K] and the product
     is taken with silu(x[:, :K]) * x[:, K:]. `residual` [1, N]: add the product into it in place and
-    return it. `out` [1, N]: write the result there (residual added, if given) and return it. `config` overrides `gemv_config` (rows per program, K chunk, warps)."""
+    return it. `out` [1, N]: write the result there (residual added, if given) and return it. `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic dependent launch
+    where the device has it (EngineConfig.kernels.pdl)."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
@@ -154,7 +156,7 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
         assert out.shape == (1, n) and out.is_contiguous() and out.dtype == x.dtype
     y = out if out is not None else residual if residual is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (y, 0.0)
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_applies(x.device, pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight, x, bias if bias is not None else y, y, residual if residual is not None else y, norm_weight,
         n, k, weight.stride(0), eps,

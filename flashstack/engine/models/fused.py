@@ -12,12 +12,11 @@ The plain modules stay the CPU path and the oracle; this path is taken only on C
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashstack.engine.config import KernelOptions
 from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
 
 
@@ -36,41 +35,31 @@ class GemvLinear(nn.Module):
     """An nn.Linear (same weight, same bias) whose one-row products run through the Triton batch-1
     GEMV (kernels/triton_gemv.py); every other shape stays with cuBLAS."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, pdl: bool = True) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.pdl = pdl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from flashstack.engine.kernels.triton_gemv import linear
 
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, pdl=self.pdl)
 
 
-def triton_gemv_enabled() -> bool:
-    """The batch-1 Triton GEMV is the default on CUDA; FLASHSTACK_TRITON_GEMV=0 keeps cuBLAS."""
-    return os.environ.get("FLASHSTACK_TRITON_GEMV", "1") != "0"
-
-
-def decode_takes_qkv() -> bool:
-    """Batch-1 decode attention does the q/k/v kernel's work by default; FLASHSTACK_DECODE_QKV=0
-    keeps the separate kernel (for the benchmark that measures what the fusion buys)."""
-    return os.environ.get("FLASHSTACK_DECODE_QKV", "1") != "0"
-
-
-def use_triton_gemv(model: nn.Module) -> None:
+def use_triton_gemv(model: nn.Module, pdl: bool = True) -> None:
     """Route the plain projections' batch-1 products through the Triton GEMV (tensor-parallel
     row-parallel layers keep their own forward, which reduces across ranks)."""
     owners = [model] + [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
     for owner in owners:
         for name, child in list(owner.named_children()):
             if type(child) is nn.Linear:
-                setattr(owner, name, GemvLinear(child))
+                setattr(owner, name, GemvLinear(child, pdl))
     if hasattr(model.lm_head, "one_row_gemv"):  # the vocabulary-parallel head
         model.lm_head.one_row_gemv = True
 
 
-def fuse_model(model: nn.Module) -> bool:
+def fuse_model(model: nn.Module, kernels: KernelOptions = KernelOptions()) -> bool:
     """Switch a loaded decoder to the fused path; returns False (and changes nothing) off CUDA."""
     decoder = model.model
     if decoder.embed_tokens.weight.device.type != "cuda":
@@ -78,12 +67,12 @@ def fuse_model(model: nn.Module) -> bool:
     head_dim = model.args.head_dim
     if head_dim & (head_dim - 1):  # the rotary kernel works on power-of-two halves
         return False
-    fuse_weights(model, one_row_gemv=triton_gemv_enabled())
+    fuse_weights(model, one_row_gemv=kernels.triton_gemv, pdl=kernels.pdl)
     torch.cuda.empty_cache()
     return True
 
 
-def fuse_weights(model: nn.Module, one_row_gemv: bool = True) -> None:
+def fuse_weights(model: nn.Module, one_row_gemv: bool = True, pdl: bool = True) -> None:
     """Concatenate q/k/v and gate/up and mark the decoder fused (fuse_model without its device
     check: the kernel tests drive the fused path on CPU under Triton's interpreter)."""
     decoder = model.model
@@ -98,7 +87,7 @@ def fuse_weights(model: nn.Module, one_row_gemv: bool = True) -> None:
         # One-row steps fold the norms, SiLU-and-mul and residual adds into the GEMVs; under tensor
         # parallelism the row-parallel o and down GEMVs write partial sums for the all-reduce.
         decoder.one_row_gemv = True
-        use_triton_gemv(model)
+        use_triton_gemv(model, pdl)
 
 
 def fused_forward(decoder: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -131,18 +120,21 @@ def _one_row_forward(decoder: nn.Module, hidden: torch.Tensor, cos: torch.Tensor
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
     from flashstack.engine.kernels.triton_gemv import gemv_triton
 
+    pdl = backend.kernels.pdl
     residual = hidden  # the embedding row, fresh from the lookup: ours to add into
     for layer, kv_cache in zip(decoder.layers, kv_caches):
         attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-        qkv = gemv_triton(attn.qkv_proj.weight, residual, attn.qkv_proj.bias, norm=(norm1.weight, norm1.eps))
+        qkv = gemv_triton(attn.qkv_proj.weight, residual, attn.qkv_proj.bias, norm=(norm1.weight, norm1.eps), pdl=pdl)
         out = _qkv_attention(attn, qkv, cos, sin, meta, kv_cache, backend)
-        residual = _add_projection(attn.o_proj, out, residual)
-        gate_up = gemv_triton(mlp.gate_up_proj.weight, residual, mlp.gate_up_proj.bias, norm=(norm2.weight, norm2.eps))
-        residual = _add_projection(mlp.down_proj, gate_up, residual, silu=True)
+        residual = _add_projection(attn.o_proj, out, residual, pdl=pdl)
+        gate_up = gemv_triton(mlp.gate_up_proj.weight, residual, mlp.gate_up_proj.bias, norm=(norm2.weight, norm2.eps),
+                              pdl=pdl)
+        residual = _add_projection(mlp.down_proj, gate_up, residual, silu=True, pdl=pdl)
     return rmsnorm_triton(residual, decoder.norm.weight, decoder.norm.eps)[0]
 
 
-def _add_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> torch.Tensor:
+def _add_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor, silu: bool = False,
+                    pdl: bool = True) -> torch.Tensor:
     """residual + proj(x) for the o and down projections of a one-row step; returns the new residual.
 
     On one GPU the GEMV adds into the residual in place. A row-parallel projection (tensor
@@ -154,12 +146,12 @@ def _add_projection(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor, si
 
     tp = getattr(proj, "tp", None)
     if tp is None:
-        return gemv_triton(proj.weight, x, proj.bias, silu=silu, residual=residual)
+        return gemv_triton(proj.weight, x, proj.bias, silu=silu, residual=residual, pdl=pdl)
     driver = tp.is_driver
     fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)
     staged = tp.fast.stage(tuple(residual.shape)) if fast else torch.empty_like(residual)
     gemv_triton(proj.weight, x, proj.bias if driver else None, silu=silu, residual=residual if driver else None,
-                out=staged)
+                out=staged, pdl=pdl)
     if fast:
         return tp.fast.reduce(staged)
     dist.all_reduce(staged, group=tp.group)
@@ -190,19 +182,15 @@ def _qkv_attention(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: t
     k = qkv[:, q_size:q_size + kv_size].view(n, attn.num_kv_heads, d)
     v = qkv[:, q_size + kv_size:].view(n, attn.num_kv_heads, d)
     norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
-    if backend.name == "triton" and meta.is_decode_only and n == 1 and decode_takes_qkv():
+    if backend.name == "triton" and meta.is_decode_only and n == 1 and backend.kernels.decode_qkv:
         # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all. Only
         # at batch 1, where it measured faster (8B step 4.30 -> 4.24 ms on the H200); at batch 32
         # and 128 it measured ~1 % slower than the separate kernel.
-        from flashstack.engine.kernels.triton_attention import (
-            NewTokens,
-            decode_grid_context,
-            paged_decode_triton,
-        )
+        from flashstack.engine.kernels.triton_attention import NewTokens, paged_decode_triton, plan_step_decode
 
-        out = paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, attn.scale,
-                                  decode_grid_context(meta), attn.sliding_window,
-                                  new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms))
+        plan = plan_step_decode(meta, kv_cache, backend.kernels)
+        out = paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, attn.scale, plan,
+                                  attn.sliding_window, new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms))
         return out.reshape(n, -1)
     if backend.name == "triton":  # one launch for q/k-norm, rotary and the KV store
         from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
@@ -214,7 +202,7 @@ def _qkv_attention(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: t
             k = rmsnorm_triton(k, attn.k_norm.weight, attn.k_norm.eps)[0]
         q, k = rope_triton(q, k, cos, sin)
         backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
-    out = backend.paged_attention(q, kv_cache, meta, attn.scale, attn.sliding_window)
+    out = backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window)
     return out.reshape(n, -1)
 
 

@@ -99,7 +99,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
-        out = backend.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+        out = backend.attend(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from flashstack.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM, ModelArgs
 
 if TYPE_CHECKING:
-    from flashstack.engine.distributed import TensorParallel
+    from flashstack.engine.tp.group import TensorParallel
 
 
 def mark_slice(module: nn.Module, name: str, dim: int, start: int, stop: int) -> None:

@@ -78,12 +78,12 @@ def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device)
     runs that path for real (its all-reduce is the identity), against the plain modules."""
     import torch.distributed as dist
 
-    from flashstack.engine.distributed import TensorParallel
     from flashstack.engine.kernels.triton_attention import (
         paged_attention_triton,
         store_kvcache_triton,
     )
     from flashstack.engine.models.parallel import RowParallelLinear
+    from flashstack.engine.tp.group import TensorParallel
 
     plain = _model(False, device)
     fused = copy.deepcopy(plain)

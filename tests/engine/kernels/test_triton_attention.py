@@ -55,6 +55,13 @@ def _meta(query_lens, context_lens, tables, block_size, device):
     )
 
 
+def _decode(q, cache, tables, context_lens, scale, grid_context, window=None, new=None, **launch):
+    """The decode kernel for these queries, launched as plan_decode says for `grid_context` (with
+    `launch` overriding its choices)."""
+    plan = tk.plan_decode(q.shape[0], cache, grid_context, **launch)
+    return tk.paged_decode_triton(q, cache, tables, context_lens, scale, plan, window, new=new)
+
+
 def _tol(dtype):
     return dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=2e-4, rtol=2e-4)
 
@@ -83,20 +90,20 @@ def test_decode_matches_reference(device, dtype, heads, kv_heads, dim, block_siz
     q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
     scale = dim**-0.5
     want = paged_attention_reference(q, cache, meta, scale)
-    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx))
+    got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx))
     torch.testing.assert_close(got, want, **_tol(dtype))
     # A graph-sized grid (more splits than the context needs) gives the same answer, and so do
     # short splits, which the merge kernel combines.
-    got = tk.paged_decode_triton(
+    got = _decode(
         q, cache, tables, meta.context_lens, scale, max(ctx) * 4, num_splits=5
     )
     torch.testing.assert_close(got, want, **_tol(dtype))
-    got = tk.paged_decode_triton(
+    got = _decode(
         q, cache, tables, meta.context_lens, scale, max(ctx), num_splits=5, block_n=16, min_split=16
     )
     torch.testing.assert_close(got, want, **_tol(dtype))
     # One split: the kernel writes the output directly, no merge.
-    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), num_splits=1)
+    got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx), num_splits=1)
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
@@ -114,8 +121,11 @@ def test_decode_one_sequence_short_and_long_grids(device, ctx, grid_context):
     q = torch.randn(1, heads, dim, dtype=dtype, device=device)
     assert tk.short_decode(1, grid_context) == (grid_context <= tk.SHORT_DECODE_CONTEXT)
     assert not tk.short_decode(2, grid_context)
+    # Bucket 1's graphs: one per launch configuration it can take.
+    assert tk.decode_grid_bounds(1, grid_context) == sorted({min(grid_context, tk.SHORT_DECODE_CONTEXT), grid_context})
+    assert tk.decode_grid_bounds(2, grid_context) == [grid_context]
     want = paged_attention_reference(q, cache, meta, 0.125)
-    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, grid_context)
+    got = _decode(q, cache, tables, meta.context_lens, 0.125, grid_context)
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
@@ -149,13 +159,13 @@ def test_decode_through_tma_matches_reference(device, window, new_tokens, block_
         v = torch.randn(len(ctx), kv_heads, dim, dtype=dtype, device=device)
         q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
         new = tk.NewTokens(k, v, cos, sin, slots)
-        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
+        got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
         # The reference attends with q rotated in fp32, as the kernel does, over the cache the
         # kernel stored into.
         q = apply_rotary(q.float(), k.float(), cos.float(), sin.float())[0].to(dtype)
     else:
         q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
-        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
+        got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
     # The reference reads whole blocks, so it gets the same cache with the NaN slots zeroed.
     want = paged_attention_reference(q, cache.nan_to_num(0.0), meta, scale, window)
     assert not got.isnan().any()
@@ -172,7 +182,7 @@ def test_decode_sliding_window(device, window):
     meta = _meta([1, 1], ctx, tables, bs, device)
     q = torch.randn(2, 4, 64, dtype=dtype, device=device)
     want = paged_attention_reference(q, cache, meta, 0.125, window)
-    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, 30, window)
+    got = _decode(q, cache, tables, meta.context_lens, 0.125, 30, window)
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
@@ -271,9 +281,9 @@ def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(device, dtype, qk
     full_cache = cache.clone()  # what every row must attend over: its own new k/v included
     q_rot = rope_and_store_kv_triton(q.clone(), k, v, cos, sin, full_cache, real_slots, qw, kw, 1e-6)
     launch = dict(num_splits=splits, block_n=16, min_split=16)  # short splits: the merge runs too
-    want = tk.paged_decode_triton(q_rot, full_cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
+    want = _decode(q_rot, full_cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
     new = tk.NewTokens(k, v, cos, sin, slots, qw, kw, 1e-6)
-    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
+    got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
     torch.testing.assert_close(got, want, **_tol(dtype))
     torch.testing.assert_close(cache, want_cache, **_tol(dtype))
     assert torch.equal(q, qkv[:, :heads * dim].view(-1, heads, dim))  # q itself is left unrotated

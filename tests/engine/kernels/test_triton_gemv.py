@@ -6,6 +6,7 @@ import pytest
 import torch
 
 tg = pytest.importorskip("flashstack.engine.kernels.triton_gemv")
+triton = pytest.importorskip("triton")
 
 DTYPES = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float32]
 
@@ -155,12 +156,16 @@ def test_one_prologue_per_call(device):
         tg.gemv_triton(w, torch.randn(1, 16, device=device), silu=True, norm=(torch.ones(8, device=device), 1e-6))
 
 
-def test_programmatic_dependent_launch_only_where_it_can_run(monkeypatch):
-    from flashstack.engine.kernels.pdl import pdl_enabled
+def test_programmatic_dependent_launch_only_where_it_can_run():
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.kernels.pdl import pdl_applies
 
-    assert not pdl_enabled(torch.device("cpu"))
+    assert not pdl_applies(torch.device("cpu"))
+    assert not KernelOptions().resolved(torch.device("cpu")).pdl
     if torch.cuda.is_available():
-        monkeypatch.setenv("FLASHSTACK_PDL", "0")
-        assert not pdl_enabled(torch.device("cuda", 0))
-        monkeypatch.setenv("FLASHSTACK_PDL", "1")
-        assert pdl_enabled(torch.device("cuda", 0)) == (torch.cuda.get_device_capability(0) >= (9, 0))
+        cuda = torch.device("cuda", 0)
+        hopper = torch.cuda.get_device_capability(0) >= (9, 0)
+        assert not pdl_applies(cuda, wanted=False)
+        assert pdl_applies(cuda) == (hopper and not triton.knobs.runtime.interpret)
+        assert KernelOptions().resolved(cuda).pdl == hopper
+        assert not KernelOptions(pdl=False).resolved(cuda).pdl

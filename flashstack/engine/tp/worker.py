@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks: rank 0's runner that broadcasts each step, and the loop of ranks 1..N-1.
+"""Tensor-parallel ranks: rank 0's broadcast of each step, and the loop of ranks 1..N-1.
 
 Rank 0 lives in the caller's process and keeps the scheduler and block manager; ranks 1..N-1 are
 spawned processes that hold their own weight shard and KV cache. Every rank's cache has the same
@@ -13,9 +13,8 @@ import os
 import signal
 import threading
 import time
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,27 +22,22 @@ import torch.distributed as dist
 
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from flashstack.engine.distributed import (
-    OP_PROFILE,
-    OP_START,
-    CaptureGraphs,
-    GraphStep,
-    StepChannel,
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
+from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
+from flashstack.engine.model_runner import ModelRunner
+from flashstack.engine.models import LlamaForCausalLM
+from flashstack.engine.models.fused import fuse_model
+from flashstack.engine.step import CaptureGraphs, GraphStep, ShareInputs, StepBroadcast, StepHook, StepInputs
+from flashstack.engine.tp.channel import OP_PROFILE, OP_START, StepChannel
+from flashstack.engine.tp.group import (
     TensorParallel,
-    collective_timeout,
     disable_multicast,
     init_rank,
     leave_group,
     master_store,
     rank_device,
 )
-from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
-from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
-from flashstack.engine.mailbox import Mailbox
-from flashstack.engine.model_runner import ModelRunner, StepInputs
-from flashstack.engine.models import LlamaForCausalLM
-from flashstack.engine.models.fused import fuse_model
-from flashstack.engine.scheduler import ScheduledBatch
+from flashstack.engine.tp.mailbox import Mailbox
 
 
 @dataclass(slots=True)
@@ -97,7 +91,7 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
             f"tensor_parallel_size={world} needs {world} GPUs; this process sees "
             f"{torch.cuda.device_count()}"
         )
-    store = master_store(world)
+    store = master_store(world, config.kernels.tp_timeout_s)
     mailbox = Mailbox.create(world - 1, StepChannel.header_width(config.max_num_seqs))
     ctx = mp.get_context("spawn")  # fork after torch/CUDA init is unsafe
     procs = [
@@ -112,7 +106,7 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     for p in procs:
         p.start()
     share_cpu_threads(device, world)
-    tp = init_rank(0, world, store.port, rank_device(device, 0), store)
+    tp = init_rank(0, world, store.port, rank_device(device, 0), store, config.kernels)
     # Every rank has mapped the mailbox: its file can go, so a crash leaves nothing in /dev/shm.
     store.wait([_attached_key(rank) for rank in range(1, world)])
     mailbox.unlink()
@@ -120,47 +114,31 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     return WorkerGroup(tp, procs, store, mailbox, channel)
 
 
-class DriverRunner(ModelRunner):
-    """Rank 0's runner: the single-GPU runner plus one broadcast of the packed step inputs."""
+class GroupBroadcast(StepBroadcast):
+    """Rank 0's side of a tensor-parallel group: each host-built step is broadcast to the other
+    ranks; decode graphs are captured on every rank at once, and each replay announced."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        model: LlamaForCausalLM,
-        num_blocks: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        workers: WorkerGroup,
-    ) -> None:
-        super().__init__(config, model, num_blocks, device, dtype)
-        self.workers = workers
-        weakref.finalize(self, workers.close)
+    # Eager steps reach the other ranks as host-built inputs, one at a time through `execute`;
+    # only graph steps are queued ahead (their inputs go by a broadcast on the device, in order).
+    queues_eager_steps = False
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Pack the batch as the single-GPU runner does, then send it to the other ranks."""
-        inputs = super().prepare(batch)
-        assert self.workers.channel is not None
-        self.workers.channel.send(inputs)
-        return inputs
+    def __init__(self, workers: WorkerGroup) -> None:
+        assert workers.channel is not None
+        self.workers, self.channel = workers, workers.channel
 
-    def _eager_decode_logits(self, batch: ScheduledBatch, ids_from: torch.Tensor | None) -> torch.Tensor | None:
-        # Eager steps reach the other ranks through `prepare` (host-built inputs): they run one at
-        # a time through `execute`. Graph steps are queued ahead: their packed inputs, input ids
-        # included, go to the other ranks by a broadcast on the device, in stream order.
-        return None
+    def send(self, inputs: StepInputs) -> None:
+        self.channel.send(inputs)
 
-    def capture_graphs(self, max_model_len: int, on_bucket=None) -> None:
-        """Capture on every rank at once (the graphs hold collectives), then broadcast each replay's
-        packed inputs before it."""
-        channel = self.workers.channel
-        assert channel is not None
-        channel.send_capture(max_model_len)
-        share = enable_graph_collectives(self, self.workers.tp, max_model_len)
-        super().capture_graphs(max_model_len, on_bucket, share_inputs=share)
-        assert self.graphs is not None
-        self.graphs.before_replay = channel.announce_graph_step if share else channel.send_graph_step
+    def before_capture(self, runner: ModelRunner, max_model_len: int) -> ShareInputs | None:
+        """Have every rank capture alongside (the graphs hold collectives)."""
+        self.channel.send_capture(max_model_len)
+        return enable_graph_collectives(runner, self.workers.tp, max_model_len)
 
-    def shutdown(self) -> None:
+    def replay_hook(self, share: ShareInputs | None) -> StepHook:
+        """Announce each replay; its packed inputs follow by NCCL unless the graph fetches them."""
+        return self.channel.announce_graph_step if share else self.channel.send_graph_step
+
+    def close(self) -> None:
         """Stop the other ranks and leave the process group."""
         self.workers.close()
 
@@ -177,8 +155,7 @@ def _attached_key(rank: int) -> str:
     return f"flashstack-tp-mailbox-attached-{rank}"
 
 
-def enable_graph_collectives(runner: ModelRunner, tp: TensorParallel,
-                             max_model_len: int) -> Callable[[torch.Tensor], None] | None:
+def enable_graph_collectives(runner: ModelRunner, tp: TensorParallel, max_model_len: int) -> ShareInputs | None:
     """Collective, before every rank captures: set up the peer-memory collectives the decode graphs
     use. Returns the input broadcast that starts each graph, or None where the graphs' inputs
     travel by NCCL before each replay (no peer memory)."""
@@ -214,13 +191,13 @@ def worker_main(
     width = StepChannel.header_width(config.max_num_seqs)
     mailbox = Mailbox.attach(mailbox_path, config.tensor_parallel_size - 1, width)
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
-                          timeout=collective_timeout())
+                          timeout=timedelta(seconds=config.kernels.tp_timeout_s))
     store.set(_attached_key(rank), "1")  # rank 0 may now remove the mailbox's file
-    tp = init_rank(rank, config.tensor_parallel_size, port, device, store)
+    tp = init_rank(rank, config.tensor_parallel_size, port, device, store, config.kernels)
     dtype = resolve_dtype(config.dtype, read_hf_config(config.model), device)
     model = load_model(Path(config.model), dtype, device, tp=tp)
     if device.type == "cuda":
-        fuse_model(model)  # as rank 0 does: same kernels, same collectives
+        fuse_model(model, config.kernels)  # as rank 0 does: same kernels, same collectives
     channel = StepChannel(tp, config.block_size, mailbox)
     while (msg := channel.recv_control())[0] == OP_PROFILE:
         profile_step(model, msg[1], config, device, dtype)
@@ -253,7 +230,7 @@ def profile_step(
         block_size=bs, max_query_len=n, max_context_len=n, query_lens_host=[n],
         context_lens_host=[n],
     )
-    backend = get_attention_backend(config.attention_backend, device)
+    backend = get_attention_backend(config.attention_backend, device, config.kernels)
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     hidden = model(ids, torch.arange(n, device=device), meta, caches, backend)
     model.compute_logits(hidden[-min(n, config.max_num_seqs) :])
