@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 import uuid
@@ -202,3 +203,41 @@ def test_two_replicas_racing_the_last_cents_never_put_more_than_one_request_over
     assert spent > budget  # the last cents went: someone went over…
     assert spent - cost < budget  # …but only one request
     assert served == 5  # 4 within the budget (3 held at once at most), the 5th alone
+
+
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+async def ledger(request):
+    from flashstack.gateway.spend import LocalLedger, RedisLedger
+
+    if request.param == "local":
+        yield LocalLedger(hold_ttl=0.3)
+        return
+    if not redis_available():
+        pytest.skip("Redis is not running on 127.0.0.1:6379")
+    prefix = f"fs-test-{uuid.uuid4().hex[:8]}:"
+    redis_ledger = RedisLedger(REDIS_URL, prefix, hold_ttl=0.3)
+    yield redis_ledger
+    keys = await redis_ledger.redis.keys(prefix + "*")
+    if keys:
+        await redis_ledger.redis.delete(*keys)
+    await redis_ledger.aclose()
+
+
+async def test_ledger_holds_seeds_and_the_one_request_over(ledger):
+    from flashstack.gateway.spend import Refusal
+
+    names, limits = {"day": "20261201"}, {"day": 100}
+    assert await ledger.reserve("k", limits, names, "h0", 10) == ["day"]  # unseeded: load it first
+    await ledger.seed("k", "day", "20261201", 40, 60)
+    await ledger.seed("k", "day", "20261201", 0, 60)  # a counter that exists is kept
+    assert await ledger.reserve("k", limits, names, "h1", 50) is None  # 40 + 50 <= 100
+    refused = await ledger.reserve("k", limits, names, "h2", 20)  # 40 + 50 + 20 > 100, and h1 in flight
+    assert refused == Refusal("day", 100, 40, 50)
+    await ledger.settle("k", names, "h1", 50, 30)  # it cost less than it held
+    assert await ledger.reserve("k", limits, names, "h3", 80) is None  # 70 spent, nothing held: alone, may go over
+    assert isinstance(await ledger.reserve("k", limits, names, "h4", 1), Refusal)  # 70 + 80 held
+    await asyncio.sleep(0.4)  # a hold whose replica died expires
+    assert await ledger.reserve("k", limits, names, "h5", 1) is None
+    await ledger.settle("k", names, "h5", 1, 0)
+    await ledger.settle("k", names, "h3", 80, 80)  # 150 spent: over, by one request
+    assert await ledger.reserve("k", limits, names, "h6", 1) == Refusal("day", 100, 150, 0)
