@@ -317,6 +317,8 @@ class SpendConfig(BaseModel):
     log_size: int = Field(1000, ge=0)  # the newest requests kept in memory for /ui (0: none)
     store_requests: bool = True  # a row per request (cost, tokens, route) in the sessions database
     flush_interval: float = Field(0.5, gt=0)  # seconds between batched writes of those rows
+    # Rows older than this are deleted (hourly); at least 32 days: a monthly budget is seeded from them.
+    retention_days: int = Field(400, ge=32)
 
 
 class TelemetryConfig(BaseModel):

@@ -24,6 +24,7 @@ from flashstack.gateway.router import RouteTrace
 from flashstack.gateway.spend import PriceTable, SpendStore
 
 log = logging.getLogger("flashstack.requests")
+PRUNE_EVERY = 3600.0  # seconds between deletions of rows past spend.retention_days
 
 
 @dataclass(slots=True)
@@ -94,10 +95,13 @@ class RequestLog:
     """Records requests: a ring in memory, batched rows in the database, and the request's span."""
 
     def __init__(self, prices: PriceTable, store: SpendStore | None, size: int = 1000,
-                 flush_interval: float = 0.5, tracing: telemetry.Tracing | None = None) -> None:
+                 flush_interval: float = 0.5, tracing: telemetry.Tracing | None = None,
+                 retention_days: int = 400) -> None:
         self.prices = prices
         self.store = store
         self.flush_interval = flush_interval
+        self.retention = retention_days * 86400.0
+        self._pruned = 0.0  # monotonic time of the last deletion of rows past the retention
         self.tracing = tracing
         self.ring: deque[RequestRecord] = deque(maxlen=size)
         self._pending: list[dict[str, Any]] = []
@@ -108,7 +112,7 @@ class RequestLog:
     def from_config(cls, config: Config, store: SpendStore, tracing: telemetry.Tracing | None) -> RequestLog:
         return cls(PriceTable(config.models, config.spend.prices),
                    store if config.spend.store_requests else None,
-                   config.spend.log_size, config.spend.flush_interval, tracing)
+                   config.spend.log_size, config.spend.flush_interval, tracing, config.spend.retention_days)
 
     def begin(self, trace: RouteTrace, wire: str, method: str, path: str, headers: Any) -> RequestRecord:
         if self.tracing is not None:
@@ -154,6 +158,19 @@ class RequestLog:
         while True:
             await asyncio.sleep(self.flush_interval)
             await self.flush()
+            if time.monotonic() - self._pruned > PRUNE_EVERY:
+                await self.prune()
+
+    async def prune(self) -> int:
+        """Delete rows older than `spend.retention_days` (each replica does; the second finds none)."""
+        self._pruned = time.monotonic()
+        if self.store is None:
+            return 0
+        try:
+            return await self.store.delete_before(time.time() - self.retention)
+        except Exception:
+            log.exception("could not delete request rows past their retention")
+            return 0
 
     async def flush(self) -> None:
         """Write the rows not yet written (a failed write is logged, and its rows dropped)."""

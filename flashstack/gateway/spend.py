@@ -341,6 +341,11 @@ class SpendStore:
             async with self.db.write() as conn:
                 await conn.execute(requests.insert(), rows)
 
+    async def delete_before(self, unix: float) -> int:
+        """Delete the rows created before `unix`; how many went."""
+        async with self.db.write() as conn:
+            return (await conn.execute(requests.delete().where(requests.c.created_at < int(unix * 1000)))).rowcount
+
     async def spent_since(self, key_id: str, since: datetime) -> float:
         """USD a key spent from `since` on."""
         q = sa.select(sa.func.coalesce(sa.func.sum(requests.c.cost_usd), 0.0)).where(

@@ -241,3 +241,23 @@ async def test_ledger_holds_seeds_and_the_one_request_over(ledger):
     await ledger.settle("k", names, "h5", 1, 0)
     await ledger.settle("k", names, "h3", 80, 80)  # 150 spent: over, by one request
     assert await ledger.reserve("k", limits, names, "h6", 1) == Refusal("day", 100, 150, 0)
+
+
+async def test_rows_past_the_retention_are_deleted(tmp_path):
+    from flashstack.gateway.requestlog import RequestLog
+    from flashstack.gateway.sessions.db import Database
+    from flashstack.gateway.spend import SpendStore
+
+    db = await Database(f"sqlite+aiosqlite:///{tmp_path / 'r.db'}").open()
+    store = SpendStore(db)
+    now_ms = int(time.time() * 1000)
+    row = {"request_id": "r", "key_id": "k", "model": "m", "deployment": "m#0", "status": 200, "stream": 0,
+           "input_tokens": 1, "output_tokens": 1, "cache_read_tokens": 0, "cache_write_tokens": 0,
+           "cost_usd": 1.0, "latency_ms": 1.0, "detail": "{}"}
+    await store.insert([{**row, "id": "old", "created_at": now_ms - 33 * 86_400_000},
+                        {**row, "id": "new", "created_at": now_ms - 31 * 86_400_000}])
+    log = RequestLog(PriceTable([]), store, retention_days=32)
+    assert await log.prune() == 1
+    async with db.read() as conn:
+        assert [r[0] for r in (await conn.exec_driver_sql("SELECT id FROM fs_requests")).all()] == ["new"]
+    await db.close()
