@@ -106,7 +106,7 @@ class RequestLog:
         self.ring: deque[RequestRecord] = deque(maxlen=size)
         self._pending: list[dict[str, Any]] = []
         self._writer: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._writing = asyncio.Lock()  # a flush returns once every row ended before it is written
 
     @classmethod
     def from_config(cls, config: Config, store: SpendStore, tracing: telemetry.Tracing | None) -> RequestLog:
@@ -174,13 +174,14 @@ class RequestLog:
 
     async def flush(self) -> None:
         """Write the rows not yet written (a failed write is logged, and its rows dropped)."""
-        rows, self._pending = self._pending, []
-        if not rows or self.store is None:
-            return
-        try:
-            await self.store.insert(rows)
-        except Exception:
-            log.exception("could not store %d request rows", len(rows))
+        async with self._writing:
+            rows, self._pending = self._pending, []
+            if not rows or self.store is None:
+                return
+            try:
+                await self.store.insert(rows)
+            except Exception:
+                log.exception("could not store %d request rows", len(rows))
 
     def recent(self, limit: int = 100, key_id: str | None = None, model: str | None = None,
                status: str | None = None, text: str | None = None) -> list[dict[str, Any]]:
