@@ -137,7 +137,7 @@ def layer_chain(layers: int = 8) -> dict:
 
 
 def fused_variant(name: str, ws: list[torch.Tensor], x: torch.Tensor, configs) -> dict:
-    """The GEMV with the work the decoder folds into it (models/fused.py), against cuBLAS plus the
+    """The GEMV with the work the decoder folds into it (models/ops.py, Batch1Ops), against cuBLAS plus the
     separate kernel it replaces: the RMSNorm before q/k/v and gate/up, SiLU-and-mul before down and
     the residual add after o and down."""
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton

@@ -1,6 +1,6 @@
 """Launch configurations of the batch-1 GEMVs, chosen in the decoder's own chain.
 
-One GPU, Llama-3-8B shape bf16, random weights: 32 layers of the one-row path's four GEMVs (q/k/v
+One GPU, Llama-3-8B shape bf16, random weights: 32 layers of the batch-1 path's four GEMVs (q/k/v
 with the RMSNorm, o adding the residual, gate/up with the RMSNorm, down with SiLU-and-mul adding
 the residual) in one CUDA graph, attention and all-reduces left out. `--world 2` uses one
 tensor-parallel rank's slices (half the heads and the intermediate size; o and down write a

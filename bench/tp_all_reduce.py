@@ -1,6 +1,6 @@
 """The tensor-parallel batch-1 all-reduce, alone and inside the decoder's GEMV chain, 2 ranks.
 
-Per rank, Llama-3-8B shape bf16 with random weights, one token: each layer runs the one-row path's
+Per rank, Llama-3-8B shape bf16 with random weights, one token: each layer runs the batch-1 path's
 GEMVs (q/k/v with the norm, o writing its partial into the peer-visible buffer, all-reduce, gate/up
 with the norm, down with SiLU into the buffer, all-reduce), 32 layers in one CUDA graph, attention
 left out. The all-reduce is our push (kernels/triton_collectives.py; the engine's, with

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from flashstack.engine.kernels.attention import AttentionMetadata
+from flashstack.engine.models.ops import Ops
 from flashstack.engine.step import ShareInputs, StepHook
 
 MAX_GRAPH_BATCH = 512
@@ -53,9 +54,10 @@ class _BucketInputs:
 class DecodeGraphs:
     """Captured decode graphs for a model and its KV cache; `run` replays the right bucket."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend,
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], ops: Ops,
                  block_size: int, max_model_len: int, max_num_seqs: int, device: torch.device) -> None:
-        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.model, self.kv_caches, self.ops = model, kv_caches, ops
+        backend = ops.backend
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.buckets = graph_buckets(max_num_seqs)
         top = self.buckets[-1]
@@ -113,8 +115,8 @@ class DecodeGraphs:
         self.context_lens[:bs].copy_(v.context_lens)
         self.block_tables[:bs].copy_(v.block_tables)
         meta = self._meta(bs, v.slot_mapping, max_context_len)
-        hidden = self.model(v.input_ids, v.positions, meta, self.kv_caches, self.backend)
-        return self.model.compute_logits(hidden)  # None on ranks other than a group's rank 0
+        hidden = self.model(v.input_ids, v.positions, meta, self.kv_caches, self.ops)
+        return self.model.compute_logits(hidden, self.ops)  # None on ranks other than a group's rank 0
 
     def _pad(self, bs: int) -> None:
         """Fill bucket `bs`'s inputs with padding rows (what warm-up and capture run on)."""

@@ -30,7 +30,7 @@ from flashstack.engine.loader import (
     resolve_dtype,
 )
 from flashstack.engine.model_runner import ModelRunner, PendingStep, kv_bytes_per_block
-from flashstack.engine.models.fused import fuse_model
+from flashstack.engine.models.ops import select_ops
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.scheduler import ScheduledBatch, Scheduler
@@ -73,8 +73,6 @@ class LLMEngine:
         self.tokenizer = Tokenizer(path) if has_tokenizer else None
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
-            if self.device.type == "cuda":
-                fuse_model(self.model, config.kernels)
             num_blocks = self._size_kv_cache(progress)
         if self.workers is not None:  # every rank's cache gets rank 0's block count
             num_blocks = self.workers.start(num_blocks)
@@ -175,8 +173,9 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, torch.arange(n, device=dev), meta, caches, backend)
-        self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):])
+        ops = select_ops(dev, backend, self.model.args.head_dim)
+        hidden = self.model(ids, torch.arange(n, device=dev), meta, caches, ops)
+        self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):], ops)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
         del caches, hidden

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from flashstack.engine.gguf import is_gguf, open_gguf
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
-from flashstack.engine.models.parallel import checkpoint_slices, shard_model
+from flashstack.engine.models.linear import Source, checkpoint_sources
 
 if TYPE_CHECKING:
     from flashstack.engine.tp.group import TensorParallel
@@ -99,10 +99,7 @@ def build_model(
     """Allocate an uninitialised model (weights come from the checkpoint); `tp`: this rank's shard."""
     cls = model_class(hf)
     with torch.device("meta"):
-        model = cls(cls.args_from_hf(hf))
-        if tp is not None:
-            shard_model(model, tp)
-        model = model.to(dtype)
+        model = cls(cls.args_from_hf(hf), tp).to(dtype)
     model.to_empty(device=device)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -114,38 +111,47 @@ def build_model(
     return model.eval()
 
 
-def _copy_in(param: torch.Tensor, part: torch.Tensor, dim: int) -> None:
-    if part.shape[dim] < param.shape[dim]:
-        param.zero_()  # the last vocabulary part is padded so every rank's logits gather evenly
-    param.narrow(dim, 0, part.shape[dim]).copy_(part)
-
-
-def _safetensors_part(sf: Any, key: str, where: tuple[int, int, int] | None) -> torch.Tensor:
-    # A tensor-parallel shard reads only its slice from the mmap (see models/parallel.py).
-    if where is None:
+def _safetensors_part(sf: Any, key: str, source: Source | None) -> torch.Tensor:
+    # A tensor-parallel shard reads only its slice from the mmap (models/linear.py).
+    if source is None:
         return sf.get_tensor(key)
-    dim, start, stop = where
-    return sf.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+    return sf.get_slice(key)[(slice(None),) * source.dim + (slice(source.start, source.stop),)]
+
+
+def _narrow(w: torch.Tensor, source: Source | None) -> torch.Tensor:
+    return w if source is None else w.narrow(source.dim, source.start, source.stop - source.start)
 
 
 class _Filler:
-    """Copies checkpoint tensors into a model's parameters and tracks which are still unset."""
+    """Copies checkpoint tensors, or the slices this rank needs, into their places in the model's
+    parameters (a packed q/k/v or gate/up weight takes several) and tracks which are still unset."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.missing = set(dict(model.named_parameters()))
-        self.slices = checkpoint_slices(model)
+        self.sources = checkpoint_sources(model)
+        packed = {param for targets in self.sources.values() for param, _ in targets}
+        # Every parameter is filled by its own checkpoint tensor unless it names its sources.
+        for name in self.params:
+            if name not in packed:
+                self.sources.setdefault(name, []).append((name, None))
+        owned = set(dict(model.named_parameters()))
+        self.missing = {key for key, targets in self.sources.items() if any(p in owned for p, _ in targets)}
 
     def wants(self, key: str) -> bool:
-        return key in self.params
+        return key in self.sources
 
-    def copy(self, key: str, part: torch.Tensor) -> None:
-        where = self.slices.get(key)
-        if where is None:
-            self.params[key].copy_(part)
-        else:
-            _copy_in(self.params[key], part, where[0])
+    def copy(self, key: str, read: Callable[[Source | None], torch.Tensor]) -> None:
+        """Fill every place checkpoint tensor `key` goes; `read(source)` gives its slice (None: all)."""
+        for param, source in self.sources[key]:
+            part = read(source)
+            if source is None:
+                self.params[param].copy_(part)
+                continue
+            target = self.params[param]
+            if source.pads:  # the last vocabulary part is padded so every rank's logits gather evenly
+                target.zero_()
+            target.narrow(source.dim, source.offset, part.shape[source.dim]).copy_(part)
         self.missing.discard(key)
 
     def check(self, source: str | Path) -> None:
@@ -167,7 +173,7 @@ def load_weights(
             with safe_open(str(f), framework="pt") as sf:  # mmap: only touched pages are read
                 for key in sf.keys():
                     if fill.wants(key):
-                        fill.copy(key, _safetensors_part(sf, key, fill.slices.get(key)))
+                        fill.copy(key, lambda source, sf=sf, key=key: _safetensors_part(sf, key, source))
                     if on_tensor is not None:
                         on_tensor()
     fill.check(files[0].parent if files else "the checkpoint")
@@ -181,8 +187,7 @@ def load_gguf_weights(
     with torch.no_grad():
         for key, w in open_gguf(path).weights():
             if fill.wants(key):
-                where = fill.slices.get(key)
-                fill.copy(key, w if where is None else w.narrow(where[0], where[1], where[2] - where[1]))
+                fill.copy(key, lambda source, w=w: _narrow(w, source))
             if on_tensor is not None:
                 on_tensor()
     fill.check(path)

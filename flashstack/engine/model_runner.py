@@ -12,6 +12,7 @@ from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
+from flashstack.engine.models.ops import select_ops
 from flashstack.engine.sampling import needs_host, sample, sample_on_device, to_device
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
@@ -72,6 +73,7 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.backend = get_attention_backend(config.attention_backend, device, config.kernels)
+        self.ops = select_ops(device, self.backend, model.args.head_dim)  # once per device
         self.graphs: DecodeGraphs | None = None
         self.swap_space: SwapSpace | None = None
 
@@ -86,7 +88,7 @@ class ModelRunner:
         its peers)."""
         if share_inputs is None:
             share_inputs = self.peers.before_capture(self, max_model_len)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.config.block_size,
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.ops, self.config.block_size,
                                    max_model_len, self.config.max_num_seqs, self.device)
         self.graphs.share_inputs = share_inputs
         self.graphs.capture(on_bucket)
@@ -138,8 +140,8 @@ class ModelRunner:
         ids, positions, slots, lens = rows
         meta = self._metadata(batch.seqs, slots, [1] * len(ids), lens)
         input_ids = ids_from if ids_from is not None else self._tensor(ids, torch.int64)
-        hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta, self.kv_caches, self.backend)
-        return self.model.compute_logits(hidden)
+        hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta, self.kv_caches, self.ops)
+        return self.model.compute_logits(hidden, self.ops)
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
         """True when `launch` can queue this batch without reading anything back: a decode step
@@ -249,11 +251,11 @@ class ModelRunner:
             inputs = self.prepare(batch)
             self.peers.send(inputs)
             hidden = self.model(
-                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend
+                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.ops
             )
             sample_seqs = inputs.sample_seqs
             if sample_seqs:
-                logits = self.model.compute_logits(hidden[inputs.sample_rows])
+                logits = self.model.compute_logits(hidden[inputs.sample_rows], self.ops)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not sample_seqs:
             return sampled

@@ -161,7 +161,8 @@ def test_tensor_parallel_shards_a_gguf(tmp_path) -> None:
         prompts = [[3, 4, 5, 6, 7], [100 + i for i in range(21)]]
         outs = llm.generate(prompts, greedy(8))
         assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
-        assert llm.engine.model.model.layers[0].self_attn.q_proj.weight.shape == (2 * 16, 64)
+        # q/k/v packed: rank 0's 2 query heads and its KV head's k and v, 16 wide each
+        assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.shape == ((2 + 1 + 1) * 16, 64)
     finally:
         llm.engine.shutdown()
 

@@ -8,12 +8,13 @@ import torch
 
 from flashstack.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from flashstack.engine.kernels.attention import get_attention_backend
+from flashstack.engine.models.ops import TorchOps
 
 
 def _graphs(max_num_seqs: int = 16) -> DecodeGraphs:
     # block_size 16, max_model_len 64: tables are 4 blocks wide.
     cpu = torch.device("cpu")
-    return DecodeGraphs(torch.nn.Identity(), [], get_attention_backend("reference", cpu), 16, 64, max_num_seqs, cpu)
+    return DecodeGraphs(torch.nn.Identity(), [], TorchOps(get_attention_backend("reference", cpu)), 16, 64, max_num_seqs, cpu)
 
 
 def test_buckets() -> None:

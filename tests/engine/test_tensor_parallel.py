@@ -87,7 +87,8 @@ def test_llama_kv_heads_split_over_ranks(hf_checkpoints) -> None:
     llm = _check_identical(path, model)
     attn = llm.engine.model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-    assert attn.q_proj.weight.shape == (2 * 16, 64), "rank 0 must hold only its query heads"
+    # q/k/v packed: rank 0's 2 query heads and its KV head's k and v, 16 wide each
+    assert attn.qkv_proj.weight.shape == ((2 + 1 + 1) * 16, 64), "rank 0 must hold only its own heads"
     assert llm.engine.runner.kv_cache.shape[4] == 1, "rank 0 caches only its KV head"
 
 
@@ -147,7 +148,7 @@ def test_nccl_two_gpus_match_one(hf_checkpoints) -> None:
         assert llm.engine.runner.graphs is not None, "decode graphs are captured on every rank"
         assert run_checked(llm, PROMPTS, greedy(MAX_TOKENS)) == refs
         # One sequence alone: batch-1 steps, whose row-parallel GEMVs carry the residual into the
-        # all-reduce (models/fused.py, _add_projection).
+        # all-reduce (models/ops.py, Batch1Ops.project_add).
         assert run_checked(llm, [PROMPTS[2]], greedy(MAX_TOKENS)) == [refs[2]]
     finally:
         llm.engine.shutdown()

@@ -1,4 +1,4 @@
-"""Blocks shared by the decoder families: RMSNorm, rotary embedding (incl. Llama 3 scaling), MLP."""
+"""Blocks shared by the decoder families: RMSNorm, rotary embedding (incl. Llama 3 scaling)."""
 
 from __future__ import annotations
 
@@ -106,16 +106,3 @@ def apply_rotary(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -3,20 +3,25 @@ so checkpoint keys load without renaming."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from flashstack.engine.models.layers import (
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    rope_parameters,
+from flashstack.engine.kernels.attention import AttentionMetadata
+from flashstack.engine.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
+from flashstack.engine.models.linear import Linear, PackedLinear, Part
+from flashstack.engine.models.parallel import (
+    HeadSplit,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
+
+if TYPE_CHECKING:
+    from flashstack.engine.models.ops import Ops
+    from flashstack.engine.tp.group import TensorParallel
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -67,71 +72,79 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: writes its K/V into the paged cache, reads the context back."""
+    """Grouped-query attention's weights: q/k/v packed in one projection, o after the heads.
+    Under tensor parallelism this rank's heads (`split`); what runs is the Ops' (models/ops.py)."""
 
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelArgs, split: HeadSplit, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        d, h = a.head_dim, a.hidden_size
+        q0, k0, nq, nkv = split.q_start * d, split.kv_start * d, split.num_q * d, split.num_kv * d
+        parts = [Part("q_proj", q0, q0 + nq), Part("k_proj", k0, k0 + nkv), Part("v_proj", k0, k0 + nkv)]
+        self.qkv_proj = PackedLinear(h, parts, bias=a.qkv_bias)
+        self.o_proj = RowParallelLinear(h, q0, q0 + nq, a.o_bias, tp) if tp else Linear(nq, h, bias=a.o_bias)
         if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
-            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.q_norm = RMSNorm(d, a.rms_norm_eps)
+            self.k_norm = RMSNorm(d, a.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = split.num_q, split.num_kv, d
         self.qk_norm = a.qk_norm
         self.sliding_window = a.sliding_window
-        self.scale = a.head_dim**-0.5
+        self.scale = d**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
-        out = backend.attend(q, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(n, -1))
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of q [n, heads, d], k and v [n, kv_heads, d] in the packed projection's output."""
+        n, d = qkv.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q = qkv[:, :q_size].view(n, self.num_heads, d)
+        k = qkv[:, q_size:q_size + kv_size].view(n, self.num_kv_heads, d)
+        v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, d)
+        return q, k, v
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward's weights: down(silu(gate(x)) * up(x)), gate and up packed in one."""
+
+    def __init__(self, a: ModelArgs, tp: TensorParallel | None) -> None:
+        super().__init__()
+        world, rank = (tp.world_size, tp.rank) if tp else (1, 0)
+        if a.intermediate_size % world:
+            raise ValueError(f"intermediate_size {a.intermediate_size} does not split over {world} ranks")
+        part = a.intermediate_size // world
+        i0, i1 = rank * part, (rank + 1) * part
+        self.gate_up_proj = PackedLinear(a.hidden_size, [Part("gate_proj", i0, i1), Part("up_proj", i0, i1)],
+                                         bias=a.mlp_bias)
+        self.down_proj = (RowParallelLinear(a.hidden_size, i0, i1, a.mlp_bias, tp) if tp
+                          else Linear(part, a.hidden_size, bias=a.mlp_bias))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block."""
 
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelArgs, split: HeadSplit, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.self_attn = Attention(a)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+        self.self_attn = Attention(a, split, tp)
+        self.mlp = GatedMLP(a, tp)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor | None, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, ops: Ops) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(h, residual) -> the next layer's: the residual stream plus this block's pending output
+        (which the next norm adds in; Ops that add in place leave h None)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = ops.norm_project(self.input_layernorm, attn.qkv_proj, h, residual)
+        h, residual = ops.project_add(attn.o_proj, ops.attend(attn, qkv, rope, meta, kv_cache), residual)
+        gate_up, residual = ops.norm_project(self.post_attention_layernorm, mlp.gate_up_proj, h, residual)
+        return ops.project_add(mlp.down_proj, gate_up, residual, silu=True)
 
 
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm."""
 
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelArgs, split: HeadSplit, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp) if tp else nn.Embedding(
+            a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a, split, tp) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(a.head_dim, a.rope, a.max_positions)
 
@@ -141,29 +154,33 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
-        backend: AttentionBackend,
+        ops: Ops,
     ) -> torch.Tensor:
-        if getattr(self, "fused", False):  # the CUDA fast path (models/fused.py)
-            from flashstack.engine.models.fused import fused_forward
-
-            return fused_forward(self, input_ids, positions, meta, kv_caches, backend)
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, x.dtype)  # shared by every layer
+        ops = ops.for_tokens(input_ids.shape[0])
+        h: torch.Tensor | None = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, h.dtype)  # shared by every layer
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, meta, kv_cache, backend)
-        return self.norm(x)
+            h, residual = layer(h, residual, rope, meta, kv_cache, ops)
+        return ops.final_norm(self.norm, h, residual)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama 1/2/3 (incl. rope scaling) and Mistral."""
+    """Llama 1/2/3 (incl. rope scaling) and Mistral; `tp`: this rank's shard of it."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.args = args
-        self.model = DecoderModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        world, rank = (tp.world_size, tp.rank) if tp else (1, 0)
+        split = HeadSplit.of(args.num_heads, args.num_kv_heads, rank, world)
+        self.model = DecoderModel(args, split, tp)
+        if tp:
+            self.lm_head: Linear = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
+        else:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The KV cache and its sizing read these: each rank caches only its own KV heads.
+        self.args = replace(args, num_heads=split.num_q, num_kv_heads=split.num_kv)
 
     @classmethod
     def args_from_hf(cls, hf: dict[str, Any]) -> ModelArgs:
@@ -176,11 +193,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
-        backend: AttentionBackend,
+        ops: Ops,
     ) -> torch.Tensor:
         """Hidden states for the packed tokens."""
-        return self.model(input_ids, positions, meta, kv_caches, backend)
+        return self.model(input_ids, positions, meta, kv_caches, ops)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits for the selected hidden states."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, ops: Ops) -> torch.Tensor | None:
+        """Vocabulary logits for the selected hidden states (None on a tensor-parallel rank > 0)."""
+        return ops.logits(self.lm_head, hidden)

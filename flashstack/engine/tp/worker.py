@@ -26,7 +26,7 @@ from flashstack.engine.kernels.attention import AttentionMetadata, get_attention
 from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
 from flashstack.engine.model_runner import ModelRunner
 from flashstack.engine.models import LlamaForCausalLM
-from flashstack.engine.models.fused import fuse_model
+from flashstack.engine.models.ops import select_ops
 from flashstack.engine.step import CaptureGraphs, GraphStep, ShareInputs, StepBroadcast, StepHook, StepInputs
 from flashstack.engine.tp.channel import OP_PROFILE, OP_START, StepChannel
 from flashstack.engine.tp.group import (
@@ -169,7 +169,7 @@ def fast_all_reduce_numel(runner: ModelRunner) -> int:
     """Values in the largest decode step's all-reduce (the top graph bucket's hidden states), and at
     least one row of this rank's logits (the vocabulary-parallel head's gather)."""
     hidden_states = graph_buckets(runner.config.max_num_seqs)[-1] * runner.model.args.hidden_size
-    return max(hidden_states, getattr(runner.model.lm_head, "out_features", 0))
+    return max(hidden_states, runner.model.lm_head.out_features)
 
 
 def _watch_parent() -> None:
@@ -196,8 +196,6 @@ def worker_main(
     tp = init_rank(rank, config.tensor_parallel_size, port, device, store, config.kernels)
     dtype = resolve_dtype(config.dtype, read_hf_config(config.model), device)
     model = load_model(Path(config.model), dtype, device, tp=tp)
-    if device.type == "cuda":
-        fuse_model(model, config.kernels)  # as rank 0 does: same kernels, same collectives
     channel = StepChannel(tp, config.block_size, mailbox)
     while (msg := channel.recv_control())[0] == OP_PROFILE:
         profile_step(model, msg[1], config, device, dtype)
@@ -232,8 +230,9 @@ def profile_step(
     )
     backend = get_attention_backend(config.attention_backend, device, config.kernels)
     ids = torch.zeros(n, dtype=torch.int64, device=device)
-    hidden = model(ids, torch.arange(n, device=device), meta, caches, backend)
-    model.compute_logits(hidden[-min(n, config.max_num_seqs) :])
+    ops = select_ops(device, backend, model.args.head_dim)  # as rank 0's: same kernels, same collectives
+    hidden = model(ids, torch.arange(n, device=device), meta, caches, ops)
+    model.compute_logits(hidden[-min(n, config.max_num_seqs) :], ops)
 
 
 @torch.inference_mode()
@@ -251,7 +250,7 @@ def run_steps(runner: ModelRunner, channel: StepChannel) -> None:
             runner.graphs.replay_received(inputs.key)
             continue
         hidden = runner.model(
-            inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend
+            inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.ops
         )
         if inputs.sample_rows.numel():
-            runner.model.compute_logits(hidden[inputs.sample_rows])  # joins the logits gather
+            runner.model.compute_logits(hidden[inputs.sample_rows], runner.ops)  # joins the logits gather

@@ -1,9 +1,7 @@
-"""The one-token decoder path (norms, SiLU-and-mul and residual adds inside the GEMVs) against the
-plain modules and the reference attention: same hidden states, same KV written."""
+"""The batch-1 decoder ops (norms, SiLU-and-mul and residual adds inside the GEMVs) against the
+plain torch ops and the reference attention: same hidden states, same KV written."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -16,17 +14,20 @@ from flashstack.engine.kernels.attention import (  # noqa: E402
     get_attention_backend,
 )
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs  # noqa: E402
-from flashstack.engine.models.fused import fuse_weights  # noqa: E402
+from flashstack.engine.models.ops import Batch1Ops, TorchOps, TritonOps  # noqa: E402
 
 BLOCK = 4
 
 
-def _model(qk_norm: bool, device) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+def _args(qk_norm: bool) -> ModelArgs:
+    return ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, qk_norm=qk_norm, qkv_bias=qk_norm,
                      rope={"rope_theta": 1e4, "rope_type": "default"})
-    model = LlamaForCausalLM(args).to(device)
+
+
+def _model(qk_norm: bool, device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_args(qk_norm)).to(device)
     with torch.no_grad():
         for p in model.parameters():  # norms and biases away from 1 and 0 too
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 and p.shape[0] in (16, 64) else 0.0))
@@ -45,29 +46,32 @@ def _meta(context: int, device) -> AttentionMetadata:
     )
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (q/k-norm, and a q/k/v bias)
-@torch.inference_mode()
-def test_one_row_step_matches_plain_modules(device, qk_norm):
+def _triton_backend() -> AttentionBackend:
     from flashstack.engine.kernels.triton_attention import (
+        decode_grid_bounds,
         paged_attention_triton,
         store_kvcache_triton,
     )
 
-    plain = _model(qk_norm, device)
-    fused = copy.deepcopy(plain)
-    fuse_weights(fused)
-    assert fused.model.one_row_gemv
-    args, context = plain.args, 7
+    return AttentionBackend("triton", store_kvcache_triton, paged_attention_triton, decode_grid_bounds)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (q/k-norm, and a q/k/v bias)
+@torch.inference_mode()
+def test_batch1_step_matches_torch_ops(device, qk_norm):
+    model = _model(qk_norm, device)
+    ops = TritonOps(_triton_backend()).for_tokens(1)
+    assert isinstance(ops, Batch1Ops), "a one-token step on the Triton backend takes the batch-1 ops"
+    args, context = model.args, 7
     caches = [torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device) for _ in range(args.num_layers)]
-    fused_caches = [c.clone() for c in caches]
+    batch1_caches = [c.clone() for c in caches]
     ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
 
-    want = plain(ids, pos, _meta(context, device), caches, get_attention_backend("reference", device))
-    triton_backend = AttentionBackend("triton", store_kvcache_triton, paged_attention_triton)
-    got = fused(ids, pos, _meta(context, device), fused_caches, triton_backend)
+    want = model(ids, pos, _meta(context, device), caches, TorchOps(get_attention_backend("reference", device)))
+    got = model(ids, pos, _meta(context, device), batch1_caches, ops)
 
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for mine, theirs in zip(fused_caches, caches):
+    for mine, theirs in zip(batch1_caches, caches):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
@@ -75,36 +79,26 @@ def test_one_row_step_matches_plain_modules(device, qk_norm):
 def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device):
     """Under tensor parallelism o and down are row-parallel: each rank's GEMV writes a partial sum,
     the driver's with the residual, and the all-reduce gives the new residual. A one-rank gloo group
-    runs that path for real (its all-reduce is the identity), against the plain modules."""
+    runs that path for real (its all-reduce is the identity), against the plain model."""
     import torch.distributed as dist
 
-    from flashstack.engine.kernels.triton_attention import (
-        paged_attention_triton,
-        store_kvcache_triton,
-    )
     from flashstack.engine.models.parallel import RowParallelLinear
     from flashstack.engine.tp.group import TensorParallel
 
     plain = _model(False, device)
-    fused = copy.deepcopy(plain)
-    fuse_weights(fused)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         tp = TensorParallel(0, 1, torch.device(device), dist.group.WORLD)
-        for layer in fused.model.layers:
-            for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
-                linear = getattr(owner, name)
-                row = RowParallelLinear(linear.out_features, 0, linear.in_features, False, tp).to(device)
-                row.weight.data.copy_(linear.weight)
-                setattr(owner, name, row)
+        shard = LlamaForCausalLM(_args(False), tp).to(device).eval()
+        shard.load_state_dict(plain.state_dict())
+        assert isinstance(shard.model.layers[0].mlp.down_proj, RowParallelLinear)
         args, context = plain.args, 6
         caches = [torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
                   for _ in range(args.num_layers)]
-        fused_caches = [c.clone() for c in caches]
+        shard_caches = [c.clone() for c in caches]
         ids, pos = torch.tensor([5], device=device), torch.tensor([context - 1], device=device)
-        want = plain(ids, pos, _meta(context, device), caches, get_attention_backend("reference", device))
-        triton_backend = AttentionBackend("triton", store_kvcache_triton, paged_attention_triton)
-        got = fused(ids, pos, _meta(context, device), fused_caches, triton_backend)
+        want = plain(ids, pos, _meta(context, device), caches, TorchOps(get_attention_backend("reference", device)))
+        got = shard(ids, pos, _meta(context, device), shard_caches, Batch1Ops(_triton_backend()))
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,221 @@
+"""What a decoder layer's steps run on: one `Ops` family chosen per device (`select_ops`).
+
+- `TorchOps`: plain torch, the CPU path and the oracle of the kernel tests.
+- `TritonOps` (CUDA): fused Triton kernels: RMSNorm + residual add and SiLU-and-mul in one launch
+  each, q/k-norm, rotary and the KV store in one.
+- `Batch1Ops` (CUDA, one token: a batch-1 decode step): at batch 1 a step is a few hundred small
+  kernels between the weight reads, and their launch gaps, not the arithmetic, separate it from the
+  bandwidth floor. The norms run in the prologues of the q/k/v and gate/up GEMVs, SiLU-and-mul in
+  the down GEMV's, the residual adds in the epilogues of o and down (kernels/triton_gemv.py), and
+  the decode attention kernel does the q/k/v kernel's work: six kernels a layer (four GEMVs,
+  attention and its merge).
+
+A layer passes (h, residual): the residual stream and the block's output still to be added, which
+the next norm adds in (`norm_project`). Batch1Ops adds in place and leaves h None.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flashstack.engine.config import KernelOptions
+from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from flashstack.engine.models.layers import apply_rotary
+
+if TYPE_CHECKING:
+    from flashstack.engine.models.layers import RMSNorm
+    from flashstack.engine.models.linear import Linear
+    from flashstack.engine.models.llama import Attention
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+Stream = tuple[torch.Tensor | None, torch.Tensor]
+
+
+class TorchOps:
+    """Plain torch, with `backend`'s attention kernels."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+        self.kernels: KernelOptions = backend.kernels
+
+    def for_tokens(self, num_tokens: int) -> TorchOps:
+        """The ops for a step of `num_tokens` tokens (Batch1Ops where it applies)."""
+        return self
+
+    def norm_project(self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """proj(norm(residual + h)) and the new residual (h itself before the first layer)."""
+        assert h is not None
+        residual = h if residual is None else residual + h
+        return proj(norm(residual)), residual
+
+    def attend(self, attn: Attention, qkv: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        """Norms, rotary, KV store and attention from the packed q/k/v projection's output; the
+        heads' outputs [tokens, heads * head_dim], before o_proj."""
+        q, k, v = attn.split_qkv(qkv)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
+        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(qkv.shape[0], -1)
+
+    def project_add(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> Stream:
+        """proj(x) (of silu(gate) * up when `silu`), to be added to the residual by the next norm."""
+        if silu:
+            gate, up = x.chunk(2, dim=-1)
+            x = nn.functional.silu(gate) * up
+        return proj(x), residual
+
+    def final_norm(self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        """The decoder's output: the final norm of the residual stream."""
+        assert h is not None
+        return norm(residual + h)
+
+    def logits(self, head: Linear, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Vocabulary logits (None on a tensor-parallel rank other than 0)."""
+        return head(hidden)
+
+
+class TritonOps(TorchOps):
+    """The fused Triton kernels (CUDA, a power-of-two head size for the rotary kernel)."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        super().__init__(backend)
+        # The Triton attention backend also takes rotary and the KV store in its q/k/v kernel.
+        self.triton_attention = backend.name == "triton"
+        self.batch1 = Batch1Ops(backend) if self.triton_attention and self.kernels.triton_gemv else None
+
+    def for_tokens(self, num_tokens: int) -> TorchOps:
+        return self.batch1 if num_tokens == 1 and self.batch1 is not None else self
+
+    def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+        if proj.tp is not None or not self.kernels.triton_gemv:
+            return proj(x)  # a row-parallel layer reduces across ranks in its forward
+        from flashstack.engine.kernels.triton_gemv import linear
+
+        return linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl)  # one-row products: the Triton GEMV
+
+    def norm_project(self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+        assert h is not None
+        out, new_residual = rmsnorm_triton(h, norm.weight, norm.eps, residual)
+        return self._linear(proj, out), (h if residual is None else new_residual)
+
+    def attend(self, attn: Attention, qkv: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, rope_triton
+
+        n = qkv.shape[0]
+        q, k, v = attn.split_qkv(qkv)
+        cos, sin = rope
+        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
+        if self.triton_attention and meta.is_decode_only and n == 1 and self.kernels.decode_qkv:
+            # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all. Only
+            # at batch 1, where it measured faster (8B step 4.30 -> 4.24 ms on the H200); at batch 32
+            # and 128 it measured ~1 % slower than the separate kernel.
+            from flashstack.engine.kernels.triton_attention import NewTokens, paged_decode_triton, plan_step_decode
+
+            plan = plan_step_decode(meta, kv_cache, self.kernels)
+            out = paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, attn.scale, plan,
+                                      attn.sliding_window, new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms))
+            return out.reshape(n, -1)
+        if self.triton_attention:  # one launch for q/k-norm, rotary and the KV store
+            from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
+
+            q = rope_and_store_kv_triton(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)
+        else:
+            if attn.qk_norm:
+                q = rmsnorm_triton(q, attn.q_norm.weight, attn.q_norm.eps)[0]
+                k = rmsnorm_triton(k, attn.k_norm.weight, attn.k_norm.eps)[0]
+            q, k = rope_triton(q, k, cos, sin)
+            self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
+        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(n, -1)
+
+    def project_add(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> Stream:
+        if silu:
+            from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
+
+            x = silu_and_mul_triton(x)
+        return self._linear(proj, x), residual
+
+    def final_norm(self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+        assert h is not None
+        return rmsnorm_triton(h, norm.weight, norm.eps, residual)[0]
+
+    def logits(self, head: Linear, hidden: torch.Tensor) -> torch.Tensor | None:
+        from flashstack.engine.models.parallel import ParallelLMHead
+
+        if isinstance(head, ParallelLMHead):  # the vocabulary-parallel head gathers on rank 0
+            return head.gathered(hidden, gemv=self.kernels.triton_gemv)
+        return self._linear(head, hidden)
+
+
+class Batch1Ops(TritonOps):
+    """One token: the residual stream is one row that every layer adds into (in place on one GPU,
+    through the all-reduce under tensor parallelism: `project_add`). Same rounding as TritonOps on
+    one GPU (kernels/triton_gemv.py)."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        TorchOps.__init__(self, backend)
+        self.triton_attention, self.batch1 = True, None
+
+    def for_tokens(self, num_tokens: int) -> TorchOps:
+        return self
+
+    def norm_project(self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+        if residual is None:  # the embedding row, fresh from the lookup: ours to add into
+            assert h is not None
+            residual = h
+        out = gemv_triton(proj.weight, residual, proj.bias, norm=(norm.weight, norm.eps), pdl=self.kernels.pdl)
+        return out, residual
+
+    def project_add(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> Stream:
+        """residual + proj(x) for the o and down projections; h is None after it.
+
+        On one GPU the GEMV adds into the residual in place. A row-parallel projection (tensor
+        parallelism) holds a slice of the input features, so each rank's GEMV gives a partial sum:
+        the driver's also carries the residual (and the bias), so the all-reduce of the partials is
+        the new residual, with no separate add. The partials go straight into peer-visible memory
+        where the all-reduce reads them."""
+        from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+        pdl, tp = self.kernels.pdl, proj.tp
+        if tp is None:
+            return None, gemv_triton(proj.weight, x, proj.bias, silu=silu, residual=residual, pdl=pdl)
+        driver = tp.is_driver
+        fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)
+        staged = tp.fast.stage(tuple(residual.shape)) if fast else torch.empty_like(residual)
+        gemv_triton(proj.weight, x, proj.bias if driver else None, silu=silu, residual=residual if driver else None,
+                    out=staged, pdl=pdl)
+        if fast:
+            return None, tp.fast.reduce(staged)
+        dist.all_reduce(staged, group=tp.group)
+        return None, staged
+
+    def final_norm(self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+        return rmsnorm_triton(residual, norm.weight, norm.eps)[0]
+
+
+Ops = TorchOps
+
+
+def select_ops(device: torch.device, backend: AttentionBackend, head_dim: int) -> TorchOps:
+    """The ops for a model on `device`: Triton's on CUDA (its rotary kernel works on power-of-two
+    halves), plain torch elsewhere."""
+    if device.type == "cuda" and not head_dim & (head_dim - 1):
+        return TritonOps(backend)
+    return TorchOps(backend)
