@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from flashstack.config import Config
-from flashstack.gateway import chat, count_tokens, spend
+from flashstack.gateway import chat, count_tokens, responses, spend
 from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.spend import SpendStore
 from flashstack.gateway.telemetry import Tracing
@@ -86,11 +86,12 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
     # own errors.
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/messages", messages, methods=["POST"])
+    _add_responses_routes(app, limits)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> Response:
         return await count_tokens.handle(request, request.app.state.router, limits)
-    app.chat_routes = {"/v1/chat/completions": chat_completions, "/v1/messages": messages}
+    app.chat_routes = {**app.chat_routes, "/v1/chat/completions": chat_completions, "/v1/messages": messages}
 
     # With auth on, every route but liveness needs a key (401 in the caller's format, by the handler
     # of GatewayError below); a key limited to some models sees only those.
@@ -148,7 +149,8 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:  # an unknown route, not a model: no model_not_found
             err = GatewayError(ErrorKind.NOT_FOUND, f"{request.method} {request.url.path} is not a route of this "
-                               "gateway (it serves /v1/chat/completions, /v1/messages, /v1/models, /v1/sessions)",
+                               "gateway (it serves /v1/chat/completions, /v1/messages, /v1/responses, /v1/models, "
+                               "/v1/sessions)",
                                code="not_found")
         else:
             err = GatewayError(ErrorKind.INVALID_REQUEST, f"{request.method} {request.url.path}: {exc.detail}",
@@ -191,6 +193,28 @@ def _route_path(scope: Scope) -> str:
     """The path the route table would match: without the root path a proxy mounted us under."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
+
+
+def _add_responses_routes(app: GatewayApp, limits: chat.Limits) -> None:
+    """The OpenAI Responses API (responses.py): POST served like the chat routes, stored ones read back."""
+
+    async def create_response(request: Request) -> Response:
+        return await responses.handle(request, request.app.state.router, limits)
+
+    app.add_route("/v1/responses", create_response, methods=["POST"])
+    app.chat_routes = {**app.chat_routes, "/v1/responses": create_response}
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        return await responses.get_response(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        return await responses.delete_response(request, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> Response:
+        return await responses.list_input_items(request, response_id)
 
 
 def _add_session_routes(app: FastAPI, limits: chat.Limits) -> None:

@@ -113,6 +113,17 @@ summaries = sa.Table(
     sa.Column("created_at", sa.BigInteger, nullable=False),
 )
 
+# Stored Responses (POST /v1/responses with store): what previous_response_id continues from.
+responses = sa.Table(
+    "fs_responses", meta,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("input_items", sa.Text, nullable=False),  # this request's own input items (JSON)
+    sa.Column("history", sa.Text, nullable=False),  # every item before the output: earlier turns too
+    sa.Column("response", sa.Text, nullable=False),  # the response object as the client got it
+)
+
 # Append-only: a released version never changes, a new one is added. Plain SQL that SQLite and
 # PostgreSQL both accept, so the two stores cannot drift apart.
 MIGRATIONS: list[list[str]] = [
@@ -155,6 +166,12 @@ MIGRATIONS: list[list[str]] = [
             latency_ms DOUBLE PRECISION NOT NULL, detail TEXT NOT NULL)""",
         "CREATE INDEX fs_requests_key ON fs_requests (key_id, created_at)",
         "CREATE INDEX fs_requests_time ON fs_requests (created_at)",
+    ],
+    [  # 4: stored Responses (gateway/responses_store.py)
+        """CREATE TABLE fs_responses (
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at BIGINT NOT NULL, input_items TEXT NOT NULL,
+            history TEXT NOT NULL, response TEXT NOT NULL)""",
+        "CREATE INDEX fs_responses_owner ON fs_responses (owner, created_at)",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

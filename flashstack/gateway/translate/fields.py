@@ -85,6 +85,47 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("function_call", R, "deprecated; send tool_choice", "auto"),
     F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
 )
+# The Responses API has no same-wire upstream here: every request goes through the canonical types,
+# so `cross` is its fate on the way to any upstream (an Anthropic, chat-completions or local model).
+RESPONSES_REQUEST: tuple[Field, ...] = (
+    F("model", M, "model (renamed to the deployment's)"),
+    F("input", M, "messages (message, function_call, function_call_output and reasoning items; "
+      "other item types refused)", "hi"),
+    F("instructions", M, "system", "Be brief."),
+    F("tools", M, "tools (function tools; hosted tools such as web_search are refused by name)",
+      [{"type": "function", "name": "get_weather", "parameters": WEATHER}]),
+    F("tool_choice", M, "tool_choice (required → any; a hosted tool refused)", "auto"),
+    F("parallel_tool_calls", M, "tool_choice.disable_parallel_tool_use / parallel_tool_calls", False),
+    F("max_output_tokens", M, "max_tokens", 64),
+    F("temperature", M, "temperature", 0.5),
+    F("top_p", M, "top_p", 0.9),
+    F("text", M, "format → response_format (json_schema checked as chat's is); verbosity dropped, "
+      "named text.verbosity", {"format": {"type": "json_object"}}),
+    F("reasoning", M, "effort → reasoning effort / thinking budget; thinking comes back as reasoning items "
+      "with a summary_text (its signature in encrypted_content)", {"effort": "low", "summary": "auto"}),
+    F("stream", M, "stream (the full Responses event sequence, numbered)", False),
+    F("user", M, "metadata.user_id / user", "user-1234"),
+    F("metadata", G, "kept on the stored response and echoed back; never sent upstream", {"tag": "a"}),
+    F("store", G, "the gateway's response store (fs_responses): GET/DELETE /v1/responses/{id}", False),
+    F("previous_response_id", G, "the stored response's input and output are prepended (the caller's own "
+      "responses only)"),
+    F("include", G, "reasoning.encrypted_content honoured; message.output_text.logprobs refused; others "
+      "dropped, named include=<value>", ["reasoning.encrypted_content"]),
+    F("prompt_cache_key", D, "a prompt-caching hint", "k1"),
+    F("client_metadata", D, "a client's own tags (Codex CLI)", {"a": "b"}),
+    F("service_tier", D, "OpenAI's tiers", "auto"),
+    F("safety_identifier", D, "no counterpart", "s1"),
+    F("truncation", D, "the gateway's own compression applies instead", "auto", harmless=("disabled",)),
+    F("stream_options", D, "obfuscation padding only", {"include_obfuscation": False}),
+    F("max_tool_calls", R, "a hosted tools' limit", 2),
+    F("top_logprobs", R, "log-probabilities are not returned", 2, harmless=(0,)),
+    F("background", R, "background responses need OpenAI's queue", True, harmless=(False,)),
+    F("conversation", R, "OpenAI's conversations; use previous_response_id or /v1/sessions", "conv_1"),
+    F("prompt", R, "reusable prompts live in OpenAI's dashboard", {"id": "pmpt_1"}),
+    F("compression", G, "flashstack's context compression"),
+)
+RESPONSES_BY_NAME = {f.name: f for f in RESPONSES_REQUEST}
+
 # Part rows' samples are body fragments (messages, system, tools) that carry the part.
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"  # 1x1
 PDF_B64 = "JVBERi0xLjQKJSVFT0YK"  # "%PDF-1.4\n%%EOF\n"
@@ -390,6 +431,23 @@ session does not carry `cache_control` markers or other per-block extras.
 """
 
 
+_RESPONSES_OUT = """## Responses: what the client gets back
+
+The `response` object (and, streamed, `response.created`, `response.in_progress`,
+`response.output_item.added`, `response.content_part.added`, `response.output_text.delta` / `.done`,
+`response.reasoning_summary_part.added`, `response.reasoning_summary_text.delta` / `.done`,
+`response.function_call_arguments.delta` / `.done`, `response.content_part.done`,
+`response.output_item.done`, then `response.completed` or `response.incomplete`, each with its
+`sequence_number`; a failure after the start is `error` then `response.failed`, and nothing is stored).
+Text is a `message` item with one `output_text` part, a tool call a `function_call` item, thinking a
+`reasoning` item (its summary the thinking text; its signature, or Anthropic's redacted thinking, in
+`encrypted_content`, which comes back unchanged in a later input). `usage.input_tokens` counts cached
+tokens too (`input_tokens_details.cached_tokens`); `output_tokens_details.reasoning_tokens` is the
+upstream's count. An upstream's own response fields that the canonical response does not carry
+(logprobs, annotations, `system_fingerprint`) do not reach a Responses client.
+"""
+
+
 def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
     lines = [f"## {title}", "", f"| field | {same} | {cross} |", "| --- | --- | --- |"]
     for f in rows:
@@ -415,6 +473,9 @@ def render_markdown() -> str:
         _table("Anthropic request: system, content blocks and tools", ANTHROPIC_PARTS, a2a, a2o),
         _table("OpenAI chat completion response (and chunks)", OPENAI_RESPONSE, up_o, up_a),
         _table("Anthropic Message response (and stream events)", ANTHROPIC_RESPONSE, up_a2, up_o2),
+        _table("OpenAI Responses request (`POST /v1/responses`)", RESPONSES_REQUEST, "(no same-wire upstream)",
+               "→ any upstream, through the canonical types"),
+        _RESPONSES_OUT,
         _table("Request headers", HEADERS, "same wire", "other wire"),
         "## Response headers\n\nPassed back to the client from the upstream that answered, its errors "
         "included: " + ", ".join(f"`{h}`" for h in RESPONSE_HEADERS) + ", and every `x-ratelimit-*` and "
