@@ -127,7 +127,7 @@ def _parse(body: Any, max_depth: int) -> w.ResponsesRequest:
 def _options(parsed: w.ResponsesRequest, body: dict[str, Any]) -> t.Options:
     items = [_with_id(item) for item in t.input_items(parsed)]
     return t.Options(body, store=parsed.store is not False, include_encrypted=t.ENCRYPTED in (parsed.include or ()),
-                     previous_response_id=parsed.previous_response_id, items=items)
+                     previous_response_id=parsed.previous_response_id, items=items, namespaces=t.namespaces(body))
 
 
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}

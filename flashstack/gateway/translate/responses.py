@@ -69,6 +69,15 @@ class Options:
     include_encrypted: bool = False
     previous_response_id: str | None = None
     items: list[dict[str, Any]] = field(default_factory=list)  # this request's own input items
+    namespaces: frozenset[str] = frozenset()  # of the request's namespace tools
+
+    def call_item(self, item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        """A function_call item; a namespaced tool's call names its namespace apart."""
+        ns, sep, short = name.partition(NAMESPACE_SEP)
+        item = _call_item(item_id, call_id, name, arguments, status)
+        if sep and ns in self.namespaces:
+            item.update(name=short, namespace=ns)
+        return item
 
 
 # ---- client → canonical ----------------------------------------------------------------------
@@ -97,7 +106,7 @@ def to_canonical(req: w.ResponsesRequest, body: dict[str, Any], history: list[di
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
-        tools=[_tool(t, i) for i, t in enumerate(req.tools or [])],
+        tools=[tool for i, t in enumerate(req.tools or []) for tool in _tools(t, i)],
         tool_choice=_tool_choice(req.tool_choice, req.parallel_tool_calls),
         response_format=_format(req.text),
         stream=bool(req.stream),
@@ -142,7 +151,10 @@ def _messages(items: list[dict[str, Any]], system: list[Text], own_from: int) ->
         if kind == "message":
             _message(item, param, out, system)
         elif kind == "function_call":
-            call = ToolCall(_str(item, "call_id", param), _str(item, "name", param), _str(item, "arguments", param))
+            name = _str(item, "name", param)
+            if isinstance(item.get("namespace"), str):
+                name = item["namespace"] + NAMESPACE_SEP + name
+            call = ToolCall(_str(item, "call_id", param), name, _str(item, "arguments", param))
             _append(out, "assistant", call)
         elif kind == "function_call_output":
             _append(out, "user", _call_output(item, param))
@@ -241,6 +253,28 @@ def _reasoning_part(item: dict[str, Any]) -> Part:
     texts = [s.get("text", "") for s in item.get("summary") or [] if isinstance(s, dict)]
     texts += [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
     return Thinking("\n\n".join(t for t in texts if t), sealed if isinstance(sealed, str) else None)
+
+
+# A namespace's functions are flat tools upstream, named <namespace>__<name> (Anthropic's tool names
+# allow no dots); the model's calls of them come back split, with their `namespace`.
+NAMESPACE_SEP = "__"
+
+
+def _tools(t: dict[str, Any], i: int) -> list[Tool]:
+    if t.get("type") != "namespace":
+        return [_tool(t, i)]
+    ns = t.get("name")
+    if not isinstance(ns, str) or not ns or not isinstance(t.get("tools"), list):
+        raise invalid_request(f"tools[{i}]: a namespace needs a name and a list of tools", f"tools[{i}]")
+    inner = [_tool(u, i) for u in t["tools"]]
+    for tool in inner:
+        tool.name = ns + NAMESPACE_SEP + tool.name
+    return inner
+
+
+def namespaces(body: dict[str, Any]) -> frozenset[str]:
+    tools = body.get("tools") or []
+    return frozenset(t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "namespace")
 
 
 def _tool(t: dict[str, Any], i: int) -> Tool:
@@ -358,7 +392,7 @@ def response_json(resp: ChatResponse, model: str, opts: Options) -> dict[str, An
         elif isinstance(p, Thinking | RedactedThinking):
             output.append(_reasoning_item(new_id("rs"), p, opts))
         elif isinstance(p, ToolCall):
-            output.append(_call_item(new_id("fc"), p.id, p.name, p.arguments, "completed"))
+            output.append(opts.call_item(new_id("fc"), p.id, p.name, p.arguments, "completed"))
     body = envelope(opts, new_id("resp"), model, resp.created or int(time.time()), "completed", output, resp.usage)
     return _finished(body, resp.stop_reason)
 
@@ -428,7 +462,7 @@ class StreamEncoder:
         elif isinstance(ev, ThinkingDelta):
             yield from self._thinking(ev)
         elif isinstance(ev, ToolCallStart):
-            item = self._add(ev.index, _call_item(new_id("fc"), ev.id, ev.name, "", "in_progress"))
+            item = self._add(ev.index, self.opts.call_item(new_id("fc"), ev.id, ev.name, "", "in_progress"))
             yield self._event("response.output_item.added", output_index=item.output_index, item=dict(item.body))
         elif isinstance(ev, ToolArgsDelta):
             item = self.open[ev.index]

@@ -1,0 +1,118 @@
+"""Codex CLI as a real client: `codex exec` speaks only the Responses API (wire_api = "responses").
+Through the gateway, in front of a recording chat-completions upstream that first asks for a shell
+command and then answers with what it printed, Codex runs the command (read-only sandbox), sends
+its output back, prints the answer and exits 0.
+
+Codex is installed once with npm (pinned) into ~/.cache/flashstack/codex; without npm, or without
+the registry on the first run, the test is skipped. It runs with its own CODEX_HOME under the
+test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import orjson
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from flashstack.config import Config, ModelConfig
+from flashstack.gateway.app import create_app
+from tests.fakes.server import FakeServer
+from tests.gateway.protocol.conftest import ROUTING
+
+VERSION = "0.171.0"
+CACHE = Path.home() / ".cache" / "flashstack" / "codex" / VERSION
+
+
+@pytest.fixture(scope="module")
+def codex() -> Path:
+    binary = CACHE / "node_modules" / ".bin" / "codex"
+    if not binary.exists():
+        if shutil.which("npm") is None:
+            pytest.skip("npm is not installed: Codex CLI cannot be installed")
+        CACHE.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE),
+                               f"@openai/codex@{VERSION}"], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0 or not binary.exists():
+            pytest.skip(f"npm could not install Codex CLI {VERSION}: {done.stderr[-300:]}")
+    return binary
+
+
+def shell_upstream() -> FastAPI:
+    """A streaming chat-completions upstream: a call of exec_command first, then the tool's output."""
+    app = FastAPI()
+    app.state.bodies = []
+
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request) -> Response:
+        body = await request.json()
+        app.state.bodies.append(body)
+        last = body["messages"][-1]
+        if last["role"] == "tool":
+            delta = {"role": "assistant", "content": "the command printed: " + last["content"]}
+            finish = "stop"
+        else:
+            call = {"index": 0, "id": "call_codex1", "type": "function",
+                    "function": {"name": "exec_command", "arguments": json.dumps({"cmd": "cat marker.txt"})}}
+            delta, finish = {"role": "assistant", "tool_calls": [call]}, "tool_calls"
+        return Response(_sse(body["model"], delta, finish), media_type="text/event-stream")
+
+    return app
+
+
+def _sse(model: str, delta: dict, finish: str) -> bytes:
+    head = {"id": "chatcmpl-codex", "object": "chat.completion.chunk", "created": 0, "model": model}
+    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+              {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+              {**head, "choices": [], "usage": {"prompt_tokens": 900, "completion_tokens": 12, "total_tokens": 912,
+                                                 "prompt_tokens_details": {"cached_tokens": 100}}}]
+    return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def test_codex_exec_runs_a_tool_through_the_gateway(codex, tmp_path):
+    marker = "flashstack-" + secrets.token_hex(6)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "marker.txt").write_text(marker + "\n")
+    with FakeServer(shell_upstream()) as fake:
+        config = Config(state_dir=tmp_path / "state", router=ROUTING, models=[
+            ModelConfig(name="coder", provider="openai", model="upstream-coder", api_base=fake.url + "/v1",
+                        api_key="sk-upstream")])
+        with FakeServer(create_app(config), lifespan="on") as gateway:
+            done = _run(codex, gateway.url, tmp_path / "codex-home", work)
+        bodies = fake.app.state.bodies
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the command printed: " in done.stdout and marker in done.stdout
+    first, second = bodies
+    assert first["stream"] is True and first["messages"][0]["role"] == "system"
+    assert first["messages"][-1] == {"role": "user", "content": "Print the marker file."}
+    names = {t["function"]["name"] for t in first["tools"]}
+    assert "exec_command" in names and any("__" in n for n in names)  # a namespace's tools, flattened
+    assert second["messages"][-2]["tool_calls"][0]["function"]["name"] == "exec_command"
+    tool = second["messages"][-1]
+    assert tool["role"] == "tool" and tool["tool_call_id"] == "call_codex1" and marker in tool["content"]
+
+
+def _run(codex: Path, gateway_url: str, home: Path, cwd: Path) -> subprocess.CompletedProcess:
+    home.mkdir()
+    # Codex offers OpenAI's hosted web_search unless told not to; the gateway refuses it by name.
+    (home / "config.toml").write_text(f"""model = "coder"
+model_provider = "flashstack"
+web_search = "disabled"
+
+[model_providers.flashstack]
+name = "flashstack gateway"
+base_url = "{gateway_url}/v1"
+env_key = "FLASHSTACK_API_KEY"
+wire_api = "responses"
+""")
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home), "FLASHSTACK_API_KEY": "sk-codex"}
+    return subprocess.run([str(codex), "exec", "--skip-git-repo-check", "-s", "read-only", "Print the marker file."],
+                          env=env, cwd=cwd, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
