@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from flashstack.cuda import use_backend
-from flashstack.cuda.fake import FakeBackend
-from flashstack.cuda.pytest_plugin import cuda_leak_check  # noqa: F401  (re-exported fixture)
+from tests.fakes.cuda_driver import FakeBackend
+from tests.fakes.cuda_leak_check import cuda_leak_check  # noqa: F401  (re-exported fixture)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flashstack import cuda as fc
-from flashstack.cuda.fake import FakeBackend, FakeDriverError
+from tests.fakes.cuda_driver import FakeBackend, FakeDriverError
 
 def test_with_device_restores_caller_context_on_exception(fake: FakeBackend) -> None:
     dev = fc.Device(0)

@@ -7,7 +7,7 @@ import pytest
 
 from flashstack import cuda as fc
 from flashstack.cuda import use_backend
-from flashstack.cuda.fake import FakeBackend
+from tests.fakes.cuda_driver import FakeBackend
 from flashstack.cuda.peer import (
     PeerAccessError,
     can_access_peer,

@@ -12,7 +12,7 @@ import pytest
 
 from flashstack import cuda as fc
 from flashstack.cuda import tracker
-from flashstack.cuda.fake import FakeBackend
+from tests.fakes.cuda_driver import FakeBackend
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,10 +53,10 @@ def test_leak_check_raises_for_a_leak_and_passes_clean(fake: FakeBackend) -> Non
 
 def test_fixture_fails_a_leaking_test(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
-        "from flashstack.cuda.pytest_plugin import cuda_leak_check  # noqa\n")
+        "from tests.fakes.cuda_leak_check import cuda_leak_check  # noqa\n")
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent("""
         from flashstack import cuda as fc
-        from flashstack.cuda.fake import FakeBackend
+        from tests.fakes.cuda_driver import FakeBackend
         fc.set_backend(FakeBackend())
         KEEP = []
         def test_leaks(cuda_leak_check):
@@ -76,7 +76,7 @@ def test_fixture_fails_a_leaking_test(tmp_path: Path) -> None:
 def test_interpreter_exit_with_live_resources_is_clean() -> None:
     script = textwrap.dedent("""
         from flashstack import cuda as fc
-        from flashstack.cuda.fake import FakeBackend
+        from tests.fakes.cuda_driver import FakeBackend
         class Loud(FakeBackend):
             def _destroy(self, h, op):
                 print("DESTROYED", op, flush=True)
