@@ -13,8 +13,8 @@ kernels that sit between the projections of a decoder layer fold in at little co
 - `silu`: the input is a fused gate/up output [1, 2K] and the product is taken with
   silu(gate) * up, computed chunk by chunk as the weight streams.
 - `residual`: the output is added into the residual stream in place (each program owns its rows), or
-  written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum, staged in
-  peer-visible memory for the all-reduce).
+  written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum, staged where
+  the all-reduce reads it).
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
 

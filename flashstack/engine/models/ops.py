@@ -187,8 +187,8 @@ class Batch1Ops(TritonOps):
         On one GPU the GEMV adds into the residual in place. A row-parallel projection (tensor
         parallelism) holds a slice of the input features, so each rank's GEMV gives a partial sum:
         the driver's also carries the residual (and the bias), so the all-reduce of the partials is
-        the new residual, with no separate add. The partials go straight into peer-visible memory
-        where the all-reduce reads them."""
+        the new residual, with no separate add. The partials go straight into the buffer the
+        all-reduce pushes from."""
         from flashstack.engine.kernels.triton_gemv import gemv_triton
 
         pdl, tp = self.kernels.pdl, proj.tp

@@ -58,7 +58,7 @@ class TensorParallel:
         shape = (*x.shape[:-1], weight.shape[0])
         if self.fast is not None and self.fast.fits_shape(shape, x.dtype):
             staged = self.fast.stage(shape)
-            torch.matmul(x, weight.t(), out=staged)  # straight into peer-visible memory: no copy
+            torch.matmul(x, weight.t(), out=staged)  # straight into the push's input: no copy
             return self.fast.reduce(staged)
         y = torch.nn.functional.linear(x, weight)
         dist.all_reduce(y, group=self.group)
@@ -97,7 +97,7 @@ class TensorParallel:
         if self.fast is None or not self.fast.fits_shape(shape, x.dtype):
             return self.gather_to_driver(product(x, weight, gemv, pdl=pdl))
         staged = self.fast.stage(shape)
-        product(x, weight, gemv, out=staged, pdl=pdl)  # straight into peer-visible memory
+        product(x, weight, gemv, out=staged, pdl=pdl)  # straight into the push's input
         logits = self.fast.gather(staged)  # every rank takes part in the barrier
         return logits if self.is_driver else None
 
