@@ -611,6 +611,23 @@ class Compressor:
             raise RuntimeError("the local summarizer could not be loaded; see the log of flashstack.gateway.summarize")
         return self._planner
 
+    async def embed_texts(self, texts: list[str]) -> tuple[Any, list[int]]:
+        """Unit vectors and word-piece counts for `texts` (POST /v1/embeddings, model minilm), on the
+        compression thread, once the model is loaded. A text over the model's 256 word pieces is
+        refused (a 400 naming it), never embedded cut short."""
+        from flashstack.gateway.embed import MAX_TOKENS
+
+        if not await asyncio.to_thread(self._wait_embedder):
+            raise GatewayError(ErrorKind.OVERLOADED, "the embedding model could not be loaded; see the gateway log")
+        embedder = self._planner.embedder
+        assert embedder is not None
+        counts = await self._run(embedder.token_counts, texts)
+        for i, n in enumerate(counts):
+            if n > MAX_TOKENS:
+                raise invalid_request(f"input[{i}] is {n} word pieces; minilm reads at most {MAX_TOKENS}: "
+                                      "split the text", "input")
+        return await self._run(embedder.embed, texts), counts
+
     # ---- one request -------------------------------------------------------------------------
 
     def mode_for(self, req: ChatRequest, cfg: ModelConfig, options: Options,

@@ -226,6 +226,15 @@ class Embedder:
                 out[i] = v
         return out
 
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Word pieces per text, [CLS] and [SEP] included, untruncated (callers refuse what is over
+        MAX_TOKENS rather than embed a silently cut text). Same thread as `embed`: it toggles truncation."""
+        self._tok.no_truncation()
+        try:
+            return [len(e.ids) for e in self._tok.encode_batch(list(texts))]
+        finally:
+            self._tok.enable_truncation(MAX_TOKENS)
+
     def encode(self, texts: Sequence[str], budget: Budget | None = None) -> np.ndarray:
         """Run the model on `texts` (no cache), in length-sorted batches so padding stays small."""
         encodings = self._tok.encode_batch(list(texts))

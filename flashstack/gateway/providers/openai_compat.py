@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from flashstack.config import ModelConfig, UpstreamLimits
-from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, GatewayError
+from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, Exchange, GatewayError
 from flashstack.gateway.providers import shape
 from flashstack.gateway.providers.base import Health, probe_health
 from flashstack.gateway.providers.http import event_json, make_client, open_stream, post_json, sse_events
@@ -62,6 +63,17 @@ class OpenAICompatProvider:
             request.exchange), self.upstream)
         keep = request.wire == t.WIRE  # the client gets the upstream's body whole
         return self.upstream.translate(lambda b: t.response_from_json(b, keep), reply, "a chat completion")
+
+    async def forward(self, path: str, body: dict[str, Any], exchange: Exchange | None = None) -> Any:
+        """POST an OpenAI-wire body as sent (embeddings, legacy completions); the upstream's JSON reply."""
+        return await post_json(self.client, path, body, t.upstream_error, None, exchange)
+
+    async def forward_stream(self, path: str, body: dict[str, Any], exchange: Exchange | None = None
+                             ) -> AsyncIterator[bytes]:
+        """The same, streamed: the upstream's SSE events as they came (data lines; [DONE] included)."""
+        async with open_stream(self.client, path, body, t.upstream_error, None, exchange) as resp:
+            async for _, data in sse_events(resp, self.upstream):
+                yield b"data: " + data + b"\n\n"
 
     async def list_models(self) -> list[str]:
         return shape.model_ids(await self.client.get_json("/models", timeout=2.0), self.upstream, "data", "id")
