@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from flashstack.config import Config
-from flashstack.gateway import chat, count_tokens, embeddings, responses, spend
+from flashstack.gateway import chat, completions, count_tokens, embeddings, responses, spend
 from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.spend import SpendStore
 from flashstack.gateway.telemetry import Tracing
@@ -91,6 +91,10 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request) -> Response:
         return await embeddings.handle(request, request.app.state.router, request.app.state.compressor, limits)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.handle(request, request.app.state.router, limits)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> Response:

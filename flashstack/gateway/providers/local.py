@@ -55,7 +55,21 @@ class LocalProvider:
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         engine = await self.engine()
-        prompt = _prompt_ids(engine, request)
+        async for ev in self._generate(engine, _prompt_ids(engine, request), request):
+            yield ev
+
+    async def stream_prompt(self, prompt: str | list[int], request: ChatRequest) -> AsyncIterator[Event]:
+        """A raw prompt (text or token ids), no chat template: legacy `/v1/completions`; `request`
+        carries the sampling fields."""
+        engine = await self.engine()
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise invalid_request(f"local model {request.model!r} has no tokenizer; send the prompt as token ids")
+            prompt = engine.tokenizer.encode(prompt)
+        async for ev in self._generate(engine, prompt, request):
+            yield ev
+
+    async def _generate(self, engine: Any, prompt: list[int], request: ChatRequest) -> AsyncIterator[Event]:
         params = _sampling_params(request, self.cfg)
         rid = "msg_" + uuid.uuid4().hex[:24]
         started = False

@@ -1,0 +1,220 @@
+"""Legacy `POST /v1/completions` (a raw prompt, no chat template): passed to an OpenAI-compatible
+upstream as sent, or run on the local engine.
+
+Like embeddings, a completion goes to the model's first deployment that can serve it (OpenAI-
+compatible or local), outside the chat router's retries, fallbacks and breakers.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from flashstack.gateway import chat
+from flashstack.gateway.auth import may_use
+from flashstack.gateway.core import (
+    ChatRequest,
+    Error,
+    ErrorKind,
+    Event,
+    Finish,
+    GatewayError,
+    StopReason,
+    TextDelta,
+    Usage,
+    invalid_request,
+)
+from flashstack.gateway.providers.local import LocalProvider
+from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
+from flashstack.gateway.router import Deployment, Router
+from flashstack.gateway.sessions import hooks as session_hooks
+from flashstack.gateway.streaming import EventStream, pulled
+from flashstack.gateway.translate.openai import FINISH_REASON, error_json
+
+DEFAULT_MAX_TOKENS = 16  # the API's default for completions
+# Fields the local engine honours; refused ones change what comes back, dropped ones only how.
+_LOCAL_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream", "seed",
+                           "stream_options", "n"})
+_LOCAL_REFUSED = {"echo": "the prompt is not echoed", "logprobs": "no log-probabilities",
+                  "suffix": "no insertion", "best_of": "one completion only", "logit_bias": "tokens cannot be biased"}
+_HARMLESS: dict[str, tuple[Any, ...]] = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},)}
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    seed: int | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+async def handle(request: Request, router: Router, limits: chat.Limits) -> Response:
+    try:
+        caller = await session_hooks.authenticate(request)
+        body = await chat.read_json(request, limits.max_body_bytes)
+        req = _parse(body)
+        if not may_use(caller, req.model):
+            raise GatewayError(ErrorKind.PERMISSION, f"this API key may not use model {req.model!r}", param="model")
+        dep = _deployment(router, req.model)
+        if isinstance(dep.provider, OpenAICompatProvider):
+            return await _forward(dep, req, body)
+        return await _local(dep, req, body)
+    except GatewayError as e:
+        return chat.error_response(chat.OPENAI, e)
+
+
+def _parse(body: Any) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object")
+    try:
+        return CompletionRequest.model_validate(body)
+    except ValidationError as e:
+        raise chat._validation_error(e) from None
+
+
+def _deployment(router: Router, model: str) -> Deployment:
+    for dep in router.deployments(model):  # 404 for an unknown model
+        if isinstance(dep.provider, OpenAICompatProvider | LocalProvider):
+            return dep
+    raise invalid_request(f"model {model!r} is served over a chat-only API; /v1/completions needs an "
+                          "OpenAI-compatible or local model (or send it to /v1/chat/completions)", "model")
+
+
+# ---- an OpenAI-compatible upstream: the body as sent -----------------------------------------
+
+
+async def _forward(dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
+    provider: OpenAICompatProvider = dep.provider  # type: ignore[assignment]
+    sent = {**body, "model": dep.cfg.model}
+    if not req.stream:
+        reply = await provider.forward("/completions", sent)
+        if isinstance(reply, dict) and "model" in reply:
+            reply["model"] = req.model
+        return chat.json_response(reply)
+    chunks = provider.forward_stream("/completions", sent)
+    first = await anext(chunks)  # an upstream's refusal is a status, before any byte goes out
+    return EventStream(_renamed(first, chunks, req.model), media_type="text/event-stream",
+                       headers={"cache-control": "no-cache"})
+
+
+async def _renamed(first: bytes, chunks: AsyncIterator[bytes], model: str) -> AsyncIterator[bytes]:
+    """The upstream's events, `model` renamed to the one the client asked for."""
+    async def all_chunks() -> AsyncIterator[bytes]:
+        yield first
+        async for c in chunks:
+            yield c
+
+    async for line in all_chunks():
+        data = line[len(b"data: "):].strip()
+        if data != b"[DONE]":
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                yield line
+                continue
+            if isinstance(chunk, dict) and "model" in chunk:
+                chunk["model"] = model
+                line = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield line
+
+
+# ---- the local engine ------------------------------------------------------------------------
+
+
+async def _local(dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
+    prompt = _one_prompt(req)
+    for name, why in _LOCAL_REFUSED.items():
+        value = body.get(name)
+        if value is not None and value not in _HARMLESS.get(name, ()):
+            raise invalid_request(f"{name} cannot be served by local model {req.model!r} ({why}); remove it", name)
+    if (req.n or 1) > 1:
+        raise invalid_request(f"local model {req.model!r} returns one completion per request; leave n out", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    creq = ChatRequest(model=req.model, messages=[], max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
+                       temperature=req.temperature, top_p=req.top_p, stop=stop, seed=req.seed)
+    dropped = sorted(k for k in body if k not in _LOCAL_FIELDS and k not in _LOCAL_REFUSED)
+    headers = {"x-flashstack-dropped": ",".join(dropped)} if dropped else {}
+    provider: LocalProvider = dep.provider  # type: ignore[assignment]
+    events = provider.stream_prompt(prompt, creq)
+    encoder = _Encoder(req.model, bool((req.stream_options or {}).get("include_usage")))
+    if req.stream:
+        first = await anext(events)  # the engine's refusal (a prompt too long) is a 400, not a stream
+        return EventStream(encoder.sse(_chain(first, events)), media_type="text/event-stream",
+                           headers={"cache-control": "no-cache", **headers})
+    text, finish = [], None
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            text.append(ev.text)
+        elif isinstance(ev, Finish):
+            finish = ev
+    assert finish is not None
+    return chat.json_response(encoder.body("".join(text), finish, finish.usage), headers=headers or None)
+
+
+def _one_prompt(req: CompletionRequest) -> str | list[int]:
+    p = req.prompt
+    if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+        return p  # type: ignore[return-value]
+    if isinstance(p, list) and len(p) == 1:
+        return p[0]  # type: ignore[return-value]
+    raise invalid_request(f"local model {req.model!r} takes one prompt per request (a string or token ids)",
+                          "prompt")
+
+
+async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    yield first
+    async for ev in rest:
+        yield ev
+
+
+class _Encoder:
+    """`text_completion` bodies and chunks."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.model, self.include_usage = model, include_usage
+        self.id, self.created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+
+    def body(self, text: str, finish: Finish | None, usage: Usage | None) -> dict[str, Any]:
+        reason = None if finish is None else _finish_reason(finish.stop_reason)
+        out: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
+                               "model": self.model,
+                               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}]}
+        if usage is not None:
+            out["usage"] = {"prompt_tokens": usage.input_tokens, "completion_tokens": usage.output_tokens,
+                            "total_tokens": usage.input_tokens + usage.output_tokens}
+        return out
+
+    async def sse(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+        async for ev in pulled(events):
+            if isinstance(ev, TextDelta):
+                yield _sse(self.body(ev.text, None, None))
+            elif isinstance(ev, Finish):
+                yield _sse(self.body("", ev, None))
+                if self.include_usage:
+                    yield _sse({**self.body("", None, ev.usage), "choices": []})
+                yield b"data: [DONE]\n\n"
+            elif isinstance(ev, Error):
+                yield _sse(error_json(ev.error))
+
+
+def _finish_reason(stop: StopReason) -> str:
+    reason = FINISH_REASON[stop]
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
