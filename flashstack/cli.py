@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     eserve.add_argument("--device", default="auto")
     eserve.add_argument("--dtype", default="auto")
     eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
+    eserve.add_argument("--served-model-name", nargs="+", default=[], help="name(s) clients use; the first is reported (default: the file's name)")
+    eserve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
+    eserve.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests get to finish (default 30)")
     eserve.set_defaults(func=_engine_serve)
     return p
 
@@ -225,13 +228,17 @@ def _models(args: argparse.Namespace) -> None:
 
 def _engine_serve(args: argparse.Namespace) -> None:
     from flashstack.engine.gguf import GGUFError
+    from flashstack.engine.lifecycle import ServeOptions
     from flashstack.engine.server import serve
 
     extra = {k: v for k, v in {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs}.items() if v}
     if args.tp > 1:
         extra["tensor_parallel_size"] = args.tp
     try:
-        serve(str(args.model), host=args.host, port=args.port, device=args.device, dtype=args.dtype, **extra)
+        options = ServeOptions(
+            served_model_names=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout
+        )
+        serve(str(args.model), host=args.host, port=args.port, options=options, device=args.device, dtype=args.dtype, **extra)
     except GGUFError as e:  # a bad .gguf is the user's input, not a crash: say what is wrong
         raise ConfigError(str(e)) from None
 

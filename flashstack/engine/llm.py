@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -259,6 +260,7 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None or self.scheduler.abort(request_id) is None:
             return False
+        state.seq.finished_time = time.monotonic()
         self._aborted.append(state.delta())
         return True
 
@@ -291,6 +293,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not batch:
                 return deltas
+            _mark_scheduled(batch)
             if self.config.async_scheduling:
                 pending = self.runner.launch(batch)
             if pending is None:
@@ -315,9 +318,12 @@ class LLMEngine:
             batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_new_tokens[i] for i in keep])
             sampled = [sampled[i] for i in keep]
         self.scheduler.postprocess(batch, sampled)
+        now = time.monotonic()
         for seq, token_id in zip(batch.seqs, sampled):
             if token_id is None:
                 continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             state = self.requests[seq.request_id]
             stop = state.update_text()
             if stop is not None:
@@ -326,6 +332,8 @@ class LLMEngine:
                     seq.finish_reason = "stop"
                 else:
                     self.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                seq.finished_time = now
             deltas.append(state.delta())
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
@@ -340,6 +348,13 @@ class LLMEngine:
         """Current output of a live request."""
         state = self.requests.get(request_id)
         return state.output() if state else None
+
+
+def _mark_scheduled(batch: ScheduledBatch) -> None:
+    now = time.monotonic()
+    for seq in batch.seqs:
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
 
 
 def model_name(model: str | Path) -> str:

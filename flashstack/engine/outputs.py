@@ -8,6 +8,42 @@ from flashstack.engine.sequence import Sequence
 from flashstack.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+@dataclass(slots=True, frozen=True)
+class RequestTimes:
+    """A request's timeline in `time.monotonic()` seconds; None for a stage it never reached."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> RequestTimes:
+        """The timeline recorded on `seq` so far."""
+        return cls(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first scheduled step."""
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Arrival to first generated token."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to the end."""
+        return None if self.finished is None else self.finished - self.arrival
+
+    def time_per_output_token(self, num_output_tokens: int) -> float | None:
+        """Mean gap between output tokens after the first (None with fewer than two)."""
+        if self.first_token is None or self.finished is None or num_output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (num_output_tokens - 1)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """A finished (or aborted) request: all generated token ids and text."""
@@ -21,6 +57,7 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:
@@ -42,6 +79,8 @@ class StreamDelta:
         None  # per new token: {token_id: logprob}, top-N included
     )
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    times: RequestTimes | None = None  # set on the last delta only
 
     @property
     def finished(self) -> bool:
@@ -113,6 +152,8 @@ class RequestState:
             num_output,
             logprobs,
             seq.stop_reason,
+            seq.num_cached_tokens,
+            RequestTimes.of(seq) if done else None,
         )
 
     def output(self) -> RequestOutput:
@@ -128,4 +169,5 @@ class RequestState:
             seq.stop_reason,
             seq.logprobs if seq.params.logprobs is not None else None,
             seq.num_cached_tokens,
+            RequestTimes.of(seq),
         )

@@ -39,6 +39,9 @@ class Sequence:
         "params",
         "priority",
         "arrival_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "finished_time",
         "finish_reason",
         "generator",
         "logprobs",
@@ -64,7 +67,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.priority = priority
+        # Request timeline (time.monotonic()), for TTFT / TPOT / queue-time metrics.
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -11,10 +12,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from flashstack.engine.lifecycle import Drain, DrainingServer, EdgeMiddleware, ServeOptions
 from flashstack.engine.llm import AsyncLLM
+from flashstack.engine.metrics import ServerMetrics
 from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
 
@@ -51,7 +54,7 @@ class _Sampling(BaseModel):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -96,6 +99,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=128)
 
 
 class ChatMessage(BaseModel):
@@ -115,6 +119,35 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with chat messages, rendered by the model's template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 def _error_body(
@@ -164,12 +197,13 @@ def _message_text(m: ChatMessage) -> dict[str, Any]:
 class _Handler:
     """Request handling shared by both endpoints; routes stay thin."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics) -> None:
+        self.engine, self.model_names, self.metrics = engine, model_names, metrics
+        self.model_name = model_names[0]  # the name responses report, as vLLM does
 
     def check_model(self, name: str) -> None:
         """404 for a model this server does not serve."""
-        if name not in (self.model_name, self.engine.engine.config.model):
+        if name not in (*self.model_names, self.engine.engine.config.model):
             raise APIError(
                 404,
                 f"model {name!r} is not served here; use {self.model_name!r}",
@@ -198,9 +232,40 @@ class _Handler:
             first = await gen.__anext__()
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from exc
+        if first.finished:
+            self.metrics.observe_finished(first)
         yield first
         async for d in gen:
+            if d.finished:
+                self.metrics.observe_finished(d)
             yield d
+
+    async def run_choices(
+        self, prompt: str | list[int], params: SamplingParams, n: int, best_of: int | None = None
+    ) -> list[tuple[str, list[StreamDelta]]]:
+        """`n` completions of one prompt (the best `n` of `best_of` by cumulative logprob).
+
+        The first sequence runs alone until its first token: by then its prompt's full blocks
+        are in the prefix cache, so the others attach to them instead of prefilling again.
+        """
+        total = max(n, best_of or n)
+        if total == 1:
+            return [await self.run(prompt, params)]
+        if best_of is not None and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)  # the ranking needs each token's logprob
+        each = [_choice_params(params, i) for i in range(total)]
+        gen = self.stream(prompt, each[0])
+        first = await gen.__anext__()
+        tasks = [asyncio.ensure_future(_collect(first, gen))]
+        tasks += [asyncio.ensure_future(self.run(prompt, p)) for p in each[1:]]
+        try:
+            results = list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # a no-op for finished ones; stops the rest when one failed or the client left
+                t.cancel()
+        if best_of is not None:
+            results = sorted(results, key=lambda r: -_cumulative_logprob(r[1]))[:n]
+        return results
 
     def chat_logprobs(self, deltas: list[StreamDelta], top: int) -> dict[str, Any] | None:
         """OpenAI chat `logprobs.content` for the deltas' tokens."""
@@ -242,6 +307,27 @@ class _Handler:
         }
 
 
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    # A seeded request's choices must differ from each other yet repeat across calls.
+    return params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+
+
+async def _collect(first: StreamDelta, gen: AsyncIterator[StreamDelta]) -> tuple[str, list[StreamDelta]]:
+    deltas = [first, *[d async for d in gen]]
+    return "".join(d.text for d in deltas), deltas
+
+
+def _cumulative_logprob(deltas: list[StreamDelta]) -> float:
+    return sum(lp[t] for d in deltas for t, lp in zip(d.token_ids, d.logprobs or []))
+
+
+def _check_choices(n: int, best_of: int | None, stream: bool) -> None:
+    if best_of is not None and best_of < n:
+        raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if stream and (n > 1 or (best_of or 1) > 1):
+        raise APIError(400, "streaming supports n = 1 and best_of = 1 only; drop stream or n", param="n")
+
+
 def _chat_prompt(h: _Handler, req: ChatRequest) -> list[int]:
     tok = h.engine.tokenizer
     if tok is None:
@@ -260,8 +346,7 @@ def _chat_prompt(h: _Handler, req: ChatRequest) -> list[int]:
 
 async def _chat(h: _Handler, req: ChatRequest) -> Any:
     h.check_model(req.model)
-    if req.n != 1:
-        raise APIError(400, "n > 1 is not supported", param="n")
+    _check_choices(req.n, None, req.stream)
     top = req.top_logprobs or 0
     params = req.sampling_params(
         req.max_completion_tokens or req.max_tokens, top if req.logprobs else None
@@ -274,19 +359,22 @@ async def _chat(h: _Handler, req: ChatRequest) -> Any:
         return await _stream_response(
             _chat_chunks(h, prompt, params, base, include_usage, top, req.logprobs)
         )
-    text, deltas = await h.run(prompt, params)
-    last = deltas[-1]
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "finish_reason": _finish(last.finish_reason),
-        "logprobs": h.chat_logprobs(deltas, top) if req.logprobs else None,
-    }
+    results = await h.run_choices(prompt, params, req.n)
+    choices = []
+    for i, (text, deltas) in enumerate(results):
+        choice = {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": _finish(deltas[-1].finish_reason),
+            "logprobs": h.chat_logprobs(deltas, top) if req.logprobs else None,
+        }
+        choices.append(choice)
+    completion_tokens = sum(deltas[-1].completion_tokens for _, deltas in results)
     return {
         **base,
         "object": "chat.completion",
-        "choices": [choice],
-        "usage": _usage(last.prompt_tokens, last.completion_tokens),
+        "choices": choices,
+        "usage": _usage(results[0][1][-1].prompt_tokens, completion_tokens),
     }
 
 
@@ -356,8 +444,7 @@ def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 async def _completions(h: _Handler, req: CompletionRequest) -> Any:
     h.check_model(req.model)
-    if req.n != 1:
-        raise APIError(400, "n > 1 is not supported", param="n")
+    _check_choices(req.n, req.best_of, req.stream)
     prompts = _completion_prompts(req)
     params = req.sampling_params(req.max_tokens, req.logprobs)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": h.model_name}
@@ -368,11 +455,16 @@ async def _completions(h: _Handler, req: CompletionRequest) -> Any:
         return await _stream_response(
             _completion_chunks(h, prompts[0], params, base, include_usage, req)
         )
-    results = await asyncio.gather(*(h.run(p, params) for p in prompts))
+    per_prompt = await asyncio.gather(
+        *(h.run_choices(p, params, req.n, req.best_of) for p in prompts)
+    )
     choices, prompt_tokens, completion_tokens = [], 0, 0
-    for i, ((text, deltas), p) in enumerate(zip(results, prompts)):
+    # vLLM's order: prompt by prompt, each prompt's n choices together.
+    numbered = [(r, p) for rs, p in zip(per_prompt, prompts) for r in rs]
+    for i, ((text, deltas), p) in enumerate(numbered):
         last = deltas[-1]
-        prompt_tokens += last.prompt_tokens
+        if i % req.n == 0:  # a prompt's choices share it: count it once
+            prompt_tokens += last.prompt_tokens
         completion_tokens += last.completion_tokens
         echo = (p if isinstance(p, str) else h.engine.tokenizer.decode(p)) if req.echo else ""
         choices.append(
@@ -444,11 +536,50 @@ async def _stream_response(chunks: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
-def build_app(engine: AsyncLLM, model_name: str | None = None) -> FastAPI:
+def _tokenizer(h: _Handler, model: str | None):
+    if model is not None:
+        h.check_model(model)
+    if h.engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; send and read token ids instead")
+    return h.engine.tokenizer
+
+
+def _tokenize(h: _Handler, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    tok = _tokenizer(h, req.model)
+    if isinstance(req, TokenizeChatRequest):
+        try:
+            messages = [_message_text(m) for m in req.messages]
+            ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+        except APIError:
+            raise
+        except Exception as exc:  # the model's own template may raise (raise_exception)
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    max_len = h.engine.engine.config.max_model_len
+    return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
+
+
+def _detokenize(h: _Handler, req: DetokenizeRequest) -> dict[str, str]:
+    tok = _tokenizer(h, req.model)
+    bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
+    if bad:
+        raise APIError(400, f"token ids out of the vocabulary (0..{tok.vocab_size - 1}): {bad[:5]}", param="tokens")
+    return {"prompt": tok.decode(req.tokens)}
+
+
+def build_app(
+    engine: AsyncLLM, model_name: str | None = None, options: ServeOptions | None = None
+) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name` (default: dir name)."""
+    options = options or ServeOptions()
+    names = options.served_model_names or [model_name or engine.model_name]
     app = FastAPI(title="flashstack engine")
-    h = _Handler(engine, model_name or engine.model_name)
+    h = _Handler(engine, names, ServerMetrics(engine.engine, names[0]))
     app.state.handler = h
+    app.state.drain = drain = Drain(options.drain_timeout_s)
+    app.add_middleware(EdgeMiddleware, drain=drain, api_key=options.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -467,14 +598,27 @@ def build_app(engine: AsyncLLM, model_name: str | None = None) -> FastAPI:
             "object": "list",
             "data": [
                 {
-                    "id": h.model_name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "flashstack",
                     "max_model_len": engine.engine.config.max_model_len,
                 }
+                for name in h.model_names
             ],
         }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(h.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
+        return _tokenize(h, req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        return _detokenize(h, req)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -496,10 +640,17 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     model_name: str | None = None,
+    options: ServeOptions | None = None,
     **engine_kwargs: Any,
 ) -> None:
-    """Load the model and serve it until interrupted (`flashstack engine serve --model PATH`)."""
+    """Load the model and serve it until stopped (`flashstack engine serve --model PATH`).
+
+    SIGTERM drains: new requests get 503 while running ones finish, then the process exits.
+    """
     import uvicorn
 
+    options = options or ServeOptions()
     engine = AsyncLLM(model_path, **engine_kwargs)
-    uvicorn.run(build_app(engine, model_name), host=host, port=port, log_level="info")
+    app = build_app(engine, model_name, options)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info")
+    DrainingServer(config, app.state.drain).run()

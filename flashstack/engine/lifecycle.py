@@ -1,0 +1,115 @@
+"""The engine server's edge: API-key check, graceful drain on SIGTERM, and the uvicorn server that drains."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from pydantic import BaseModel, Field
+
+# Open to anyone, as in vLLM: probes and scrapers carry no API key.
+_PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ServeOptions(BaseModel):
+    """`flashstack engine serve` switches that belong to the HTTP server, not the engine."""
+
+    served_model_names: list[str] = Field(default_factory=list)  # first one is reported; empty: the file's name
+    api_key: str | None = None  # None: no key required
+    drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM: how long running requests may take to finish
+
+
+class Drain:
+    """Counts requests in flight; once draining, new ones are refused and shutdown waits for the rest."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.in_flight = 0
+        self.started_at: float | None = None
+
+    @property
+    def draining(self) -> bool:
+        """True after SIGTERM."""
+        return self.started_at is not None
+
+    def start(self) -> None:
+        """Refuse new requests from now on."""
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+
+    def finished(self) -> bool:
+        """True once draining and nothing is left running (or the timeout passed)."""
+        if self.started_at is None:
+            return False
+        return self.in_flight == 0 or time.monotonic() - self.started_at > self.timeout_s
+
+
+def _error(status: int, message: str, type_: str, code: str) -> tuple[int, bytes]:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return status, json.dumps(body).encode()
+
+
+class EdgeMiddleware:
+    """ASGI middleware (pure, so streamed responses pass untouched): 401 without the key, 503 while draining."""
+
+    def __init__(self, app: Any, drain: Drain, api_key: str | None) -> None:
+        self.app, self.drain, self.api_key = app, drain, api_key
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        refusal = self._refusal(path, dict(scope["headers"]))
+        if refusal is not None:
+            return await _send_json(send, *refusal)
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[int, bytes] | None:
+        if self.drain.draining and path != "/metrics":
+            return _error(503, "the server is shutting down; retry on another replica", "service_unavailable", "shutting_down")
+        if self.api_key is None or path in _PUBLIC_PATHS:
+            return None
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        token = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            return _error(
+                401,
+                "Incorrect or missing API key: send it as 'Authorization: Bearer <key>' (the server's --api-key)",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
+        return None
+
+
+async def _send_json(send: Any, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains (503 to new requests) before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.drain.draining:
+            self.drain.start()  # on_tick ends the main loop once the running requests are done
+            return
+        super().handle_exit(sig, frame)  # SIGINT, or a second SIGTERM: uvicorn's own shutdown
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.finished():
+            self.should_exit = True
+        return await super().on_tick(counter)

