@@ -36,6 +36,9 @@ class ModelConfig(BaseModel):
     timeout: float = 600.0
     connect_timeout: float = 5.0
     supports_images: bool = True
+    # provider openai only: the upstream serves POST /v1/responses itself (OpenAI does); a Responses
+    # client's request goes to it whole instead of through chat completions.
+    responses_api: bool = False
     context_window: int | None = None
     max_output_tokens: int | None = None
     # Sampling for requests that set none (the local engine; OpenAI's default of temperature 1 makes

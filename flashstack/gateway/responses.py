@@ -69,7 +69,7 @@ async def _serve(request: Request, router: Router, limits: chat.Limits, trace: R
         parsed = _parse(body, limits.max_json_depth)
         store = response_store(request)
         history = await _history(store, caller, parsed.previous_response_id)
-        req = t.to_canonical(parsed, body, history)
+        req = t.to_canonical(parsed, body, history, passes_through(router, parsed.model))
         validation.check_tool_arguments(req, limits.max_json_depth)
         opts = _options(parsed, body)
         record.request(req)
@@ -112,6 +112,12 @@ async def _serve(request: Request, router: Router, limits: chat.Limits, trace: R
     except Exception:
         log.exception("unexpected error serving a responses request")
         return chat.error_response(chat.OPENAI, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log"))
+
+
+def passes_through(router: Router, model: str) -> bool:
+    """Every deployment of `model` serves the Responses API itself: the request goes to it whole."""
+    deps = router.groups.get(model) or []
+    return bool(deps) and all(d.cfg.responses_api and d.cfg.provider == "openai" for d in deps)
 
 
 def _parse(body: Any, max_depth: int) -> w.ResponsesRequest:

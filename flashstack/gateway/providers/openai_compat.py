@@ -6,13 +6,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from flashstack.config import ModelConfig, UpstreamLimits
-from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, Exchange, GatewayError
+from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, Exchange, Finish, GatewayError
 from flashstack.gateway.providers import shape
 from flashstack.gateway.providers.base import Health, probe_health
 from flashstack.gateway.providers.http import event_json, make_client, open_stream, post_json, sse_events
 from flashstack.gateway.providers.upstream import Upstream
 from flashstack.gateway.redact import Redactor
 from flashstack.gateway.translate import openai as t
+from flashstack.gateway.translate import responses_upstream as rt
 from flashstack.gateway.translate.fields import headers_for
 from flashstack.gateway.translate.raw import tap_for
 
@@ -27,7 +28,14 @@ class OpenAICompatProvider:
         headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.client = make_client(cfg, headers, self.upstream)
 
+    def _passes_responses(self, request: ChatRequest) -> bool:
+        return request.wire == rt.WIRE and self.cfg.responses_api
+
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        if self._passes_responses(request):
+            async for ev in self._responses_stream(request):
+                yield ev
+            return
         body = t.request_json(request, self.cfg.model)
         body["stream"] = True
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}  # for accounting
@@ -54,6 +62,10 @@ class OpenAICompatProvider:
             yield ev
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
+        if self._passes_responses(request):
+            reply = await post_json(self.client, "/responses", rt.request_json(request, self.cfg.model, False),
+                                    t.upstream_error, headers_for(request, t.WIRE), request.exchange)
+            return self.upstream.translate(rt.response_from_json, reply, "a response")
         body = t.request_json(request, self.cfg.model)
         if request.wire != t.WIRE:  # an OpenAI client's body keeps its own stream fields, as sent
             body["stream"] = False
@@ -63,6 +75,18 @@ class OpenAICompatProvider:
             request.exchange), self.upstream)
         keep = request.wire == t.WIRE  # the client gets the upstream's body whole
         return self.upstream.translate(lambda b: t.response_from_json(b, keep), reply, "a chat completion")
+
+    async def _responses_stream(self, request: ChatRequest) -> AsyncIterator[Event]:
+        """A Responses client's request to an upstream that serves the Responses API: whole, both ways."""
+        decoder, up, finished = rt.EventDecoder(), self.upstream, False
+        async with open_stream(self.client, "/responses", rt.request_json(request, self.cfg.model, True),
+                               t.upstream_error, headers_for(request, t.WIRE), request.exchange) as resp:
+            async for name, data in sse_events(resp, up):
+                for ev in up.decode(decoder.feed, name, event_json(data, up, "an event"), what="an event"):
+                    finished = finished or isinstance(ev, Finish)
+                    yield ev
+        if not finished:
+            raise GatewayError(ErrorKind.UPSTREAM, f"upstream {up.name} ended the stream early (no response.completed)")
 
     async def forward(self, path: str, body: dict[str, Any], exchange: Exchange | None = None) -> Any:
         """POST an OpenAI-wire body as sent (embeddings, legacy completions); the upstream's JSON reply."""

@@ -85,14 +85,15 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("function_call", R, "deprecated; send tool_choice", "auto"),
     F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
 )
-# The Responses API has no same-wire upstream here: every request goes through the canonical types,
-# so `cross` is its fate on the way to any upstream (an Anthropic, chat-completions or local model).
+# `same`: to a model whose every deployment serves the Responses API itself (`responses_api: true`);
+# `cross`: through the canonical types to any other (an Anthropic, chat-completions or local model).
 RESPONSES_REQUEST: tuple[Field, ...] = (
-    F("model", M, "model (renamed to the deployment's)"),
+    F("model", M, "model (renamed to the deployment's)", same=M, same_note="renamed to the deployment's model"),
     F("input", M, "messages (message, function_call, function_call_output and reasoning items; "
       "other item types refused)", "hi"),
     F("instructions", M, "system", "Be brief."),
-    F("tools", M, "tools (function tools; hosted tools such as web_search are refused by name)",
+    F("tools", M, "tools (function tools; a namespace's functions as <namespace>__<name>, their calls "
+      "returned with `namespace`; hosted tools such as web_search are refused by name)",
       [{"type": "function", "name": "get_weather", "parameters": WEATHER}]),
     F("tool_choice", M, "tool_choice (required → any; a hosted tool refused)", "auto"),
     F("parallel_tool_calls", M, "tool_choice.disable_parallel_tool_use / parallel_tool_calls", False),
@@ -106,9 +107,10 @@ RESPONSES_REQUEST: tuple[Field, ...] = (
     F("stream", M, "stream (the full Responses event sequence, numbered)", False),
     F("user", M, "metadata.user_id / user", "user-1234"),
     F("metadata", G, "kept on the stored response and echoed back; never sent upstream", {"tag": "a"}),
-    F("store", G, "the gateway's response store (fs_responses): GET/DELETE /v1/responses/{id}", False),
+    F("store", G, "the gateway's response store (fs_responses): GET/DELETE /v1/responses/{id}", False,
+      same_note="and kept by the gateway too"),
     F("previous_response_id", G, "the stored response's input and output are prepended (the caller's own "
-      "responses only)"),
+      "responses only)", same=G, same_note="expanded into `input` (the upstream does not know the gateway's ids)"),
     F("include", G, "reasoning.encrypted_content honoured; message.output_text.logprobs refused; others "
       "dropped, named include=<value>", ["reasoning.encrypted_content"]),
     F("prompt_cache_key", D, "a prompt-caching hint", "k1"),
@@ -122,7 +124,7 @@ RESPONSES_REQUEST: tuple[Field, ...] = (
     F("background", R, "background responses need OpenAI's queue", True, harmless=(False,)),
     F("conversation", R, "OpenAI's conversations; use previous_response_id or /v1/sessions", "conv_1"),
     F("prompt", R, "reusable prompts live in OpenAI's dashboard", {"id": "pmpt_1"}),
-    F("compression", G, "flashstack's context compression"),
+    F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
 )
 RESPONSES_BY_NAME = {f.name: f for f in RESPONSES_REQUEST}
 
@@ -443,8 +445,22 @@ Text is a `message` item with one `output_text` part, a tool call a `function_ca
 `reasoning` item (its summary the thinking text; its signature, or Anthropic's redacted thinking, in
 `encrypted_content`, which comes back unchanged in a later input). `usage.input_tokens` counts cached
 tokens too (`input_tokens_details.cached_tokens`); `output_tokens_details.reasoning_tokens` is the
-upstream's count. An upstream's own response fields that the canonical response does not carry
-(logprobs, annotations, `system_fingerprint`) do not reach a Responses client.
+upstream's count. Translated, an upstream's own response fields that the canonical response does
+not carry (logprobs, annotations, `system_fingerprint`) do not reach a Responses client; from a
+Responses upstream (`responses_api: true`) the body and every event arrive as the upstream sent
+them, the model renamed (hosted tools, unknown item types and fields included).
+
+## `POST /v1/embeddings` and `POST /v1/completions`
+
+| model | embeddings | legacy completions |
+| --- | --- | --- |
+| OpenAI-compatible upstream | body passed as sent (model renamed), reply as it came | the same, streamed or not |
+| `minilm` (in process) | `input` text(s) of at most 256 word pieces (longer: 400); `encoding_format` float or base64; `dimensions` other than 384 refused; other fields named in `x-flashstack-dropped` | — |
+| local engine | — | one raw prompt (text or token ids), no chat template: `max_tokens` (default 16), `temperature`, `top_p`, `stop`, `seed`, `stream`, `stream_options`; `echo`, `logprobs`, `suffix`, `best_of` > 1, `logit_bias`, `n` > 1 refused; other fields named in `x-flashstack-dropped` |
+| Anthropic upstream | 400 | 400 (chat only) |
+
+Both go to the model's first deployment that can serve them, outside the chat router's retries,
+fallbacks and breakers, and are not counted in the request log.
 """
 
 
@@ -473,8 +489,8 @@ def render_markdown() -> str:
         _table("Anthropic request: system, content blocks and tools", ANTHROPIC_PARTS, a2a, a2o),
         _table("OpenAI chat completion response (and chunks)", OPENAI_RESPONSE, up_o, up_a),
         _table("Anthropic Message response (and stream events)", ANTHROPIC_RESPONSE, up_a2, up_o2),
-        _table("OpenAI Responses request (`POST /v1/responses`)", RESPONSES_REQUEST, "(no same-wire upstream)",
-               "→ any upstream, through the canonical types"),
+        _table("OpenAI Responses request (`POST /v1/responses`)", RESPONSES_REQUEST,
+               "→ a Responses upstream (`responses_api: true`)", "→ any other upstream, through the canonical types"),
         _RESPONSES_OUT,
         _table("Request headers", HEADERS, "same wire", "other wire"),
         "## Response headers\n\nPassed back to the client from the upstream that answered, its errors "

@@ -27,9 +27,11 @@ from flashstack.gateway.core import (
     Message,
     Opaque,
     Part,
+    Raw,
     Reasoning,
     RedactedThinking,
     ResponseFormat,
+    SAME_RAW,
     Start,
     StopReason,
     Text,
@@ -55,6 +57,7 @@ ENCRYPTED = "reasoning.encrypted_content"
 # Anthropic's redacted thinking travels in a reasoning item's encrypted_content, marked, so that it
 # comes back as redacted thinking (a signature alone comes back as the thinking's signature).
 _REDACTED = "fs-redacted:"
+_ENDS = ("response.completed", "response.incomplete")
 _EFFORT = {"minimal": "minimal", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 
 __all__ = ["WIRE", "Options", "to_canonical", "response_json", "error_json", "StreamEncoder"]
@@ -92,11 +95,16 @@ def input_items(req: w.ResponsesRequest) -> list[dict[str, Any]]:
     return req.input
 
 
-def to_canonical(req: w.ResponsesRequest, body: dict[str, Any], history: list[dict[str, Any]]) -> ChatRequest:
+def to_canonical(req: w.ResponsesRequest, body: dict[str, Any], history: list[dict[str, Any]],
+                 passthrough: bool = False) -> ChatRequest:
     """The canonical request for a Responses request whose earlier items (previous_response_id) are
-    `history`; fields with no counterpart are refused or noted as dropped (fields.py)."""
+    `history`; fields with no counterpart are refused or noted as dropped (fields.py).
+
+    `passthrough`: every deployment of the model serves the Responses API, which gets the body whole
+    (`extra`); what the canonical types cannot hold (hosted tools, other item types) is kept verbatim.
+    """
     system = [Text(req.instructions)] if req.instructions else []
-    messages = _messages(history + input_items(req), system, len(history))
+    messages = _messages(history + input_items(req), system, len(history), passthrough)
     if not messages:
         raise invalid_request("input must contain at least one message or item", "input")
     creq = ChatRequest(
@@ -106,8 +114,8 @@ def to_canonical(req: w.ResponsesRequest, body: dict[str, Any], history: list[di
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
-        tools=[tool for i, t in enumerate(req.tools or []) for tool in _tools(t, i)],
-        tool_choice=_tool_choice(req.tool_choice, req.parallel_tool_calls),
+        tools=[tool for i, t in enumerate(req.tools or []) for tool in _tools(t, i, passthrough)],
+        tool_choice=_lenient(lambda: _tool_choice(req.tool_choice, req.parallel_tool_calls), passthrough, None),
         response_format=_format(req.text),
         stream=bool(req.stream),
         metadata={"user_id": req.user} if req.user else {},
@@ -115,8 +123,26 @@ def to_canonical(req: w.ResponsesRequest, body: dict[str, Any], history: list[di
         wire=WIRE,
     )
     creq.extensions = {k: body[k] for k in fields.GATEWAY_FIELDS if k in body}
-    _check_fields(creq, body)
+    if passthrough:
+        creq.extra = {k: v for k, v in body.items() if k not in _NOT_PASSED and k not in creq.extensions}
+        if history:  # the upstream does not know the gateway's ids: it gets the items themselves
+            creq.extra["input"] = history + input_items(req)
+    else:
+        _check_fields(creq, body)
     return creq
+
+
+_NOT_PASSED = frozenset({"model", "previous_response_id"})  # renamed; expanded into `input`
+
+
+def _lenient(build: Any, passthrough: bool, kept: Any) -> Any:
+    """`build()`; on a refusal, `kept` instead when the body passes through whole anyway."""
+    try:
+        return build()
+    except GatewayError:
+        if not passthrough:
+            raise
+        return kept
 
 
 def _check_fields(req: ChatRequest, body: dict[str, Any]) -> None:
@@ -141,7 +167,7 @@ def _check_fields(req: ChatRequest, body: dict[str, Any]) -> None:
             req.exchange.dropped.add(f"include={value}")
 
 
-def _messages(items: list[dict[str, Any]], system: list[Text], own_from: int) -> list[Message]:
+def _messages(items: list[dict[str, Any]], system: list[Text], own_from: int, passthrough: bool) -> list[Message]:
     out: list[Message] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
@@ -149,7 +175,7 @@ def _messages(items: list[dict[str, Any]], system: list[Text], own_from: int) ->
         param = f"input[{i - own_from}]" if i >= own_from else "previous_response_id"
         kind = item.get("type", "message")
         if kind == "message":
-            _message(item, param, out, system)
+            _message(item, param, out, system, passthrough)
         elif kind == "function_call":
             name = _str(item, "name", param)
             if isinstance(item.get("namespace"), str):
@@ -160,6 +186,8 @@ def _messages(items: list[dict[str, Any]], system: list[Text], own_from: int) ->
             _append(out, "user", _call_output(item, param))
         elif kind == "reasoning":
             _append(out, "assistant", _reasoning_part(item))
+        elif passthrough:
+            _append(out, "assistant", Opaque(WIRE, item))
         else:
             raise invalid_request(f"{param}: input items of type {kind!r} cannot be served by this gateway "
                                   "(messages, function_call, function_call_output and reasoning can); remove it",
@@ -182,14 +210,15 @@ def _str(item: dict[str, Any], key: str, param: str) -> str:
     return value
 
 
-def _message(item: dict[str, Any], param: str, out: list[Message], system: list[Text]) -> None:
+def _message(item: dict[str, Any], param: str, out: list[Message], system: list[Text], passthrough: bool) -> None:
     role, content = item.get("role"), item.get("content")
     if role not in ("user", "assistant", "system", "developer"):
         raise invalid_request(f"{param}.role must be user, assistant, system or developer", f"{param}.role")
     if isinstance(content, str):
         parts: list[Part] = [Text(content)]
     elif isinstance(content, list):
-        parts = [_part(p, f"{param}.content[{j}]") for j, p in enumerate(content)]
+        parts = [_lenient(lambda: _part(p, f"{param}.content[{j}]"), passthrough, Opaque(WIRE, p))
+                 for j, p in enumerate(content)]
     else:
         raise invalid_request(f"{param}.content must be a string or a list of parts", f"{param}.content")
     if role in ("system", "developer"):
@@ -260,7 +289,9 @@ def _reasoning_part(item: dict[str, Any]) -> Part:
 NAMESPACE_SEP = "__"
 
 
-def _tools(t: dict[str, Any], i: int) -> list[Tool]:
+def _tools(t: dict[str, Any], i: int, passthrough: bool = False) -> list[Tool]:
+    if passthrough and t.get("type") not in ("function", "namespace"):  # a hosted tool: the upstream runs it
+        return [Tool(str(t.get("name") or t.get("type")), None, {}, extra={"type": t.get("type")})]
     if t.get("type") != "namespace":
         return [_tool(t, i)]
     ns = t.get("name")
@@ -381,7 +412,11 @@ def _finished(body: dict[str, Any], stop: StopReason) -> dict[str, Any]:
 
 
 def response_json(resp: ChatResponse, model: str, opts: Options) -> dict[str, Any]:
-    """The non-stream `response` object for a canonical response."""
+    """The non-stream `response` object for a canonical response (a Responses upstream's own, renamed)."""
+    if resp.raw is not None and resp.raw.wire == WIRE:
+        body = resp.raw.items[0][1]
+        body["model"] = model
+        return body
     output: list[dict[str, Any]] = []
     for p in resp.content:
         if isinstance(p, Text):
@@ -453,7 +488,10 @@ class StreamEncoder:
         self._closing: list[bytes] = []
 
     def encode(self, ev: Event) -> Iterator[bytes]:
-        if isinstance(ev, Start):
+        raw = ev.raw if not isinstance(ev, Error) else None
+        if raw is not None and (raw is SAME_RAW or raw.wire == WIRE):
+            yield from self._raw(raw)
+        elif isinstance(ev, Start):
             head = self._response("in_progress", None)
             yield self._event("response.created", response=head)
             yield self._event("response.in_progress", response=head)
@@ -482,6 +520,10 @@ class StreamEncoder:
 
     def finish(self, ev: Finish) -> dict[str, Any]:
         """The final response object (what a store keeps); the same on every call."""
+        if self.final is None and ev.raw is not None and ev.raw.wire == WIRE:  # the upstream's own
+            ends = [d["response"] for _, d in ev.raw.items if d.get("type") in _ENDS and "response" in d]
+            if ends:
+                self.final = {**ends[-1], "model": self.model}
         if self.final is None:  # blocks still open close first: the object holds them whole
             self._closing = [b for index in list(self.open) for b in self._close(index)]
             self.final = _finished(self._response("completed", ev.usage), ev.stop_reason)
@@ -493,6 +535,18 @@ class StreamEncoder:
         yield self._event("error", code=err.code or error_json(err)["error"]["type"], message=err.message,
                           param=err.param)
         yield self._event("response.failed", response=body)
+
+    def _raw(self, raw: Raw) -> Iterator[bytes]:
+        """A Responses upstream's events as they came, the model renamed; numbering goes on from theirs."""
+        for name, data in raw.items:
+            resp = data.get("response")
+            if isinstance(resp, dict):
+                resp["model"] = self.model
+                self.id = resp.get("id", self.id)
+            if isinstance(data.get("sequence_number"), int):
+                self.seq = data["sequence_number"] + 1
+            kind = name or str(data.get("type", ""))
+            yield b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
     def _response(self, status: str, usage: Usage | None) -> dict[str, Any]:
         return envelope(self.opts, self.id, self.model, self.created, status, list(self.output), usage)
