@@ -60,9 +60,17 @@ def _parser() -> argparse.ArgumentParser:
     eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
     eserve.add_argument("--served-model-name", nargs="+", default=[], help="name(s) clients use; the first is reported (default: the file's name)")
     eserve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
-    eserve.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds running requests get to finish (default 30)")
+    eserve.add_argument("--drain-timeout", type=_seconds, default=30.0, help="on SIGTERM, seconds running requests get to finish (default 30)")
     eserve.set_defaults(func=_engine_serve)
     return p
+
+
+def _seconds(value: str) -> float:
+    """argparse type: a duration in seconds, at least 0."""
+    seconds = float(value)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give seconds, 0 or more")
+    return seconds
 
 
 def _add_keys_parser(sub: argparse._SubParsersAction) -> None:

@@ -267,6 +267,42 @@ class _Handler:
             results = sorted(results, key=lambda r: -_cumulative_logprob(r[1]))[:n]
         return results
 
+    async def stream_choices(
+        self, prompt: str | list[int], params: SamplingParams, n: int
+    ) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """`n` choices' deltas as they come, each with its choice index; prompt blocks shared as in
+        `run_choices`."""
+        each = [_choice_params(params, i) for i in range(n)]
+        gen = self.stream(prompt, each[0])
+        first = await gen.__anext__()  # raises APIError before any byte is sent
+        yield 0, first
+        if n == 1:
+            async for d in gen:
+                yield 0, d
+            return
+        queue: asyncio.Queue[tuple[int, StreamDelta] | Exception] = asyncio.Queue()
+
+        async def pump(i: int, deltas: AsyncIterator[StreamDelta]) -> None:
+            try:
+                async for d in deltas:
+                    queue.put_nowait((i, d))
+            except Exception as exc:  # handed to the reader, which raises it
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.ensure_future(pump(0, gen))]
+        tasks += [asyncio.ensure_future(pump(i, self.stream(prompt, each[i]))) for i in range(1, n)]
+        try:
+            done = int(first.finished)
+            while done < n:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                done += int(item[1].finished)
+                yield item
+        finally:
+            for t in tasks:  # the client left or one choice failed: abort the rest
+                t.cancel()
+
     def chat_logprobs(self, deltas: list[StreamDelta], top: int) -> dict[str, Any] | None:
         """OpenAI chat `logprobs.content` for the deltas' tokens."""
         content = []
@@ -321,11 +357,14 @@ def _cumulative_logprob(deltas: list[StreamDelta]) -> float:
     return sum(lp[t] for d in deltas for t, lp in zip(d.token_ids, d.logprobs or []))
 
 
-def _check_choices(n: int, best_of: int | None, stream: bool) -> None:
+def _check_choices(n: int, best_of: int | None, stream: bool, stream_n: bool = False) -> None:
     if best_of is not None and best_of < n:
         raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
-    if stream and (n > 1 or (best_of or 1) > 1):
-        raise APIError(400, "streaming supports n = 1 and best_of = 1 only; drop stream or n", param="n")
+    if stream and best_of is not None and best_of != n:
+        # As vLLM: the best choices are only known at the end, so there is nothing to stream.
+        raise APIError(400, "best_of cannot be streamed; drop stream or best_of", param="best_of")
+    if stream and n > 1 and not stream_n:
+        raise APIError(400, "streaming chat supports n = 1 only; drop stream or n", param="n")
 
 
 def _chat_prompt(h: _Handler, req: ChatRequest) -> list[int]:
@@ -444,7 +483,7 @@ def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 async def _completions(h: _Handler, req: CompletionRequest) -> Any:
     h.check_model(req.model)
-    _check_choices(req.n, req.best_of, req.stream)
+    _check_choices(req.n, req.best_of, req.stream, stream_n=True)
     prompts = _completion_prompts(req)
     params = req.sampling_params(req.max_tokens, req.logprobs)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": h.model_name}
@@ -494,16 +533,16 @@ async def _completion_chunks(
     req: CompletionRequest,
 ) -> AsyncIterator[str]:
     chunk = {**base, "object": "text_completion"}
-    last: StreamDelta | None = None
-    async for d in h.stream(prompt, params):
-        last = d
+    last: dict[int, StreamDelta] = {}
+    async for i, d in h.stream_choices(prompt, params, req.n):
+        last[i] = d
         if d.text or d.finished:
             yield _sse(
                 {
                     **chunk,
                     "choices": [
                         {
-                            "index": 0,
+                            "index": i,
                             "text": d.text,
                             "finish_reason": _finish(d.finish_reason),
                             "logprobs": h.completion_logprobs([d], req.logprobs)
@@ -513,10 +552,10 @@ async def _completion_chunks(
                     ],
                 }
             )
-    if include_usage and last is not None:
-        yield _sse(
-            {**chunk, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)}
-        )
+    if include_usage and last:
+        completion_tokens = sum(d.completion_tokens for d in last.values())
+        usage = _usage(last[0].prompt_tokens, completion_tokens)
+        yield _sse({**chunk, "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
 
 

@@ -119,6 +119,33 @@ def test_completions_n_and_best_of(client) -> None:
         client.completions.create(model=NAME, prompt="x", n=0, max_tokens=2)
 
 
+def test_streamed_n_choices(client) -> None:
+    kw = dict(model=NAME, prompt="The sky is", n=2, max_tokens=4, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    finals = {}
+    for c in chunks[:-1]:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finals[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}  # same seeds, same choices
+    assert finals == {0: "length", 1: "length"} and chunks[-1].usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(**kw, best_of=3, stream=True)
+
+
+def test_engine_records_each_request_timeline(tiny_llm) -> None:
+    from flashstack.engine.sampling import SamplingParams
+
+    out = tiny_llm.generate(["a b c"], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    t = out.times
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+    assert t.e2e_latency >= t.time_to_first_token >= t.queue_time >= 0
+    assert t.time_per_output_token(3) == pytest.approx((t.finished - t.first_token) / 2)
+
+
 def test_tokenize_detokenize_round_trip(smol) -> None:
     text = "Hello there, general Kenobi!"
     t = _post(smol, "/tokenize", {"model": NAME, "prompt": text, "return_token_strs": True}).json()
