@@ -1,7 +1,10 @@
 """Codex CLI as a real client: `codex exec` speaks only the Responses API (wire_api = "responses").
-Through the gateway, in front of a recording chat-completions upstream that first asks for a shell
-command and then answers with what it printed, Codex runs the command (read-only sandbox), sends
-its output back, prints the answer and exits 0.
+
+(a) Straight at a recording Responses fake, then through the gateway in front of the same fake
+(`responses_api: true`): both exit 0, and the fake receives the same request bodies apart from
+per-run ids. (b) Through the gateway in front of a recording chat-completions upstream that first
+asks for a shell command and then answers with what it printed: Codex runs the command (read-only
+sandbox), sends its output back, prints the answer and exits 0.
 
 Codex is installed once with npm (pinned) into ~/.cache/flashstack/codex; without npm, or without
 the registry on the first run, the test is skipped. It runs with its own CODEX_HOME under the
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -24,6 +28,7 @@ from fastapi.responses import Response
 
 from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from tests.fakes import responses_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
 
@@ -100,10 +105,43 @@ def test_codex_exec_runs_a_tool_through_the_gateway(codex, tmp_path):
     assert tool["role"] == "tool" and tool["tool_call_id"] == "call_codex1" and marker in tool["content"]
 
 
-def _run(codex: Path, gateway_url: str, home: Path, cwd: Path) -> subprocess.CompletedProcess:
+# Per run: Codex's session and turn ids, its turn's start time, and the fake's call ids (a digest of
+# the prompt, which names the run's home directory).
+PER_RUN = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|call_[0-9a-f]{24}|"
+                     rb"\\?\"turn_started_at_unix_ms\\?\":\d+")
+
+
+def _bodies(fake: FakeServer, home: Path) -> list[bytes]:
+    """Each /v1/responses body with its per-run ids, timestamps and home directory masked."""
+    return [PER_RUN.sub(b"<id>", orjson.dumps(r.body, option=orjson.OPT_SORT_KEYS).replace(str(home).encode(),
+                                                                                           b"<home>"))
+            for r in fake.requests if r.path == "/v1/responses"]
+
+
+def test_codex_sends_through_the_gateway_what_it_sends_directly(codex, tmp_path):
+    model = "gpt-5-upstream"  # the same name on both paths: Codex writes it into its requests
+    work = tmp_path / "work"
+    work.mkdir()
+    with FakeServer(responses_upstream.create_app()) as fake:
+        direct = _run(codex, fake.url, tmp_path / "home-direct", work, model)
+        assert direct.returncode == 0, direct.stderr[-2000:]
+        sent_direct = _bodies(fake, tmp_path / "home-direct")
+        fake.requests.clear()
+        config = Config(state_dir=tmp_path / "state", router=ROUTING, models=[
+            ModelConfig(name=model, provider="openai", model=model, api_base=fake.url + "/v1", api_key="sk-up",
+                        responses_api=True)])
+        with FakeServer(create_app(config), lifespan="on") as gateway:
+            through = _run(codex, gateway.url, tmp_path / "home-gateway", work, model)
+        sent_through = _bodies(fake, tmp_path / "home-gateway")
+    assert through.returncode == 0, through.stderr[-2000:]
+    assert "tool said:" in through.stdout  # a tool call and its output went round
+    assert len(sent_direct) >= 2 and sent_through == sent_direct
+
+
+def _run(codex: Path, gateway_url: str, home: Path, cwd: Path, model: str = "coder") -> subprocess.CompletedProcess:
     home.mkdir()
     # Codex offers OpenAI's hosted web_search unless told not to; the gateway refuses it by name.
-    (home / "config.toml").write_text(f"""model = "coder"
+    (home / "config.toml").write_text(f"""model = "{model}"
 model_provider = "flashstack"
 web_search = "disabled"
 
