@@ -1,4 +1,4 @@
-"""The engine server's edge: API-key check, graceful drain on SIGTERM, and the uvicorn server that drains."""
+"""The engine server's edge: the API-key check, and draining on SIGTERM."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ _PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 class ServeOptions(BaseModel):
     """`flashstack engine serve` switches that belong to the HTTP server, not the engine."""
 
-    served_model_names: list[str] = Field(default_factory=list)  # first one is reported; empty: the file's name
+    # The first is the name responses report; empty: the model file's or directory's name.
+    served_model_names: list[str] = Field(default_factory=list)
     api_key: str | None = None  # None: no key required
-    drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM: how long running requests may take to finish
+    drain_timeout_s: float = Field(30.0, ge=0)  # after SIGTERM, how long running requests may take
 
 
 class Drain:
-    """Counts requests in flight; once draining, new ones are refused and shutdown waits for the rest."""
+    """Requests in flight; once draining, new ones are refused and shutdown awaits the rest."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -55,7 +56,7 @@ def _error(status: int, message: str, type_: str, code: str) -> tuple[int, bytes
 
 
 class EdgeMiddleware:
-    """ASGI middleware (pure, so streamed responses pass untouched): 401 without the key, 503 while draining."""
+    """401 without the key, 503 while draining; pure ASGI, so streamed responses pass untouched."""
 
     def __init__(self, app: Any, drain: Drain, api_key: str | None) -> None:
         self.app, self.drain, self.api_key = app, drain, api_key
@@ -75,7 +76,8 @@ class EdgeMiddleware:
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple[int, bytes] | None:
         if self.drain.draining and path != "/metrics":
-            return _error(503, "the server is shutting down; retry on another replica", "service_unavailable", "shutting_down")
+            message = "the server is shutting down; retry on another replica"
+            return _error(503, message, "service_unavailable", "shutting_down")
         if self.api_key is None or path in _PUBLIC_PATHS:
             return None
         auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -83,7 +85,8 @@ class EdgeMiddleware:
         if not hmac.compare_digest(token.encode(), self.api_key.encode()):
             return _error(
                 401,
-                "Incorrect or missing API key: send it as 'Authorization: Bearer <key>' (the server's --api-key)",
+                "incorrect or missing API key: send the server's --api-key as "
+                "'Authorization: Bearer <key>'",
                 "invalid_request_error",
                 "invalid_api_key",
             )

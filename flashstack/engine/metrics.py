@@ -1,4 +1,4 @@
-"""The engine server's `/metrics`: Prometheus text with vLLM's metric names, so vLLM dashboards work."""
+"""The engine server's `/metrics`: Prometheus text under vLLM's names, so its dashboards work."""
 
 from __future__ import annotations
 
@@ -12,13 +12,22 @@ from flashstack.engine.llm import LLMEngine
 from flashstack.engine.outputs import StreamDelta
 
 # vLLM's own buckets, so a histogram here lines up with one scraped from vLLM.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+)  # fmt: skip
 
 
 class _EngineState(Collector):
-    """Gauges and cumulative counters read from the engine at scrape time (nothing to keep in sync)."""
+    """Gauges and counters read from the engine at scrape time: nothing to keep in sync."""
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -26,18 +35,19 @@ class _EngineState(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         sched, blocks = self.engine.scheduler, self.engine.block_manager
         labels = [self.model_name]
-        # len() of a list the engine thread mutates is atomic under the GIL: a scrape never blocks a step.
-        yield self._gauge("vllm:num_requests_running", "Requests in the running batch.", len(sched.running))
-        waiting = len(sched.waiting) + len(sched.swapped)
-        yield self._gauge("vllm:num_requests_waiting", "Requests waiting (or swapped out) to run.", waiting)
+        # len() of a list the engine thread mutates is atomic under the GIL: no lock, no stall.
+        running, waiting = len(sched.running), len(sched.waiting) + len(sched.swapped)
         usage = blocks.num_used_blocks / blocks.num_blocks
-        yield self._gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", usage)
-        yield self._gauge("vllm:gpu_cache_usage_perc", "vLLM v0's name for vllm:kv_cache_usage_perc.", usage)
+        yield self._gauge("vllm:num_requests_running", "Requests in the running batch.", running)
+        yield self._gauge("vllm:num_requests_waiting", "Requests waiting or swapped out.", waiting)
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV blocks in use (0 to 1).", usage)
+        yield self._gauge("vllm:gpu_cache_usage_perc", "vLLM v0's vllm:kv_cache_usage_perc.", usage)
         # The block manager counts full blocks; vLLM counts tokens.
         bs = blocks.block_size
+        queries, hits = blocks.num_prefix_queries * bs, blocks.num_prefix_hits * bs
         for name, doc, value in (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", blocks.num_prefix_queries * bs),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", blocks.num_prefix_hits * bs),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
             ("vllm:num_preemptions", "Preemptions since start.", sched.num_preemptions),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -59,17 +69,29 @@ class ServerMetrics:
         self.model_name = model_name
         labels = ["model_name"]
 
+        reg = self.registry
+
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg).labels(model_name)
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        self.tpot = hist("vllm:time_per_output_token_seconds", "Mean time per output token after the first.", _TPOT_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
-        self.queue = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled step.", _LATENCY_BUCKETS)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=self.registry).labels(model_name)
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds", "Mean gap between output tokens.", _TPOT_BUCKETS
+        )
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to end.", _LATENCY_BUCKETS)
+        self.queue = hist(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduled step.", _LATENCY_BUCKETS
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of ended requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.success = Counter(
-            "vllm:request_success", "Requests ended, by finish reason.", [*labels, "finished_reason"], registry=self.registry
+            "vllm:request_success",
+            "Requests ended, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
         )
 
     def observe_finished(self, delta: StreamDelta) -> None:

@@ -20,7 +20,9 @@ class RequestTimes:
     @classmethod
     def of(cls, seq: Sequence) -> RequestTimes:
         """The timeline recorded on `seq` so far."""
-        return cls(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
+        return cls(
+            seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time
+        )
 
     @property
     def queue_time(self) -> float | None:

@@ -252,7 +252,7 @@ class _Handler:
         if total == 1:
             return [await self.run(prompt, params)]
         if best_of is not None and params.logprobs is None:
-            params = dataclasses.replace(params, logprobs=0)  # the ranking needs each token's logprob
+            params = dataclasses.replace(params, logprobs=0)  # ranking needs each token's logprob
         each = [_choice_params(params, i) for i in range(total)]
         gen = self.stream(prompt, each[0])
         first = await gen.__anext__()
@@ -261,7 +261,7 @@ class _Handler:
         try:
             results = list(await asyncio.gather(*tasks))
         finally:
-            for t in tasks:  # a no-op for finished ones; stops the rest when one failed or the client left
+            for t in tasks:  # stops the rest when one failed or the client left
                 t.cancel()
         if best_of is not None:
             results = sorted(results, key=lambda r: -_cumulative_logprob(r[1]))[:n]
@@ -345,10 +345,14 @@ class _Handler:
 
 def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
     # A seeded request's choices must differ from each other yet repeat across calls.
-    return params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + i)
 
 
-async def _collect(first: StreamDelta, gen: AsyncIterator[StreamDelta]) -> tuple[str, list[StreamDelta]]:
+async def _collect(
+    first: StreamDelta, gen: AsyncIterator[StreamDelta]
+) -> tuple[str, list[StreamDelta]]:
     deltas = [first, *[d async for d in gen]]
     return "".join(d.text for d in deltas), deltas
 
@@ -588,14 +592,18 @@ def _tokenize(h: _Handler, req: TokenizeCompletionRequest | TokenizeChatRequest)
     if isinstance(req, TokenizeChatRequest):
         try:
             messages = [_message_text(m) for m in req.messages]
-            ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+            ids = tok.encode_chat(
+                messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools
+            )
         except APIError:
             raise
         except Exception as exc:  # the model's own template may raise (raise_exception)
             raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    strs = None
+    if req.return_token_strs:
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
     max_len = h.engine.engine.config.max_model_len
     return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
 
@@ -604,7 +612,8 @@ def _detokenize(h: _Handler, req: DetokenizeRequest) -> dict[str, str]:
     tok = _tokenizer(h, req.model)
     bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
     if bad:
-        raise APIError(400, f"token ids out of the vocabulary (0..{tok.vocab_size - 1}): {bad[:5]}", param="tokens")
+        message = f"token ids out of the vocabulary (0..{tok.vocab_size - 1}): {bad[:5]}"
+        raise APIError(400, message, param="tokens")
     return {"prompt": tok.decode(req.tokens)}
 
 

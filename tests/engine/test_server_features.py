@@ -1,5 +1,5 @@
 """`flashstack engine serve` as a vLLM user runs it: n and best_of, /tokenize, --served-model-name,
---api-key, /metrics with vLLM's names, and a SIGTERM that drains. A real subprocess, the official SDK."""
+--api-key, /metrics with vLLM's names, a SIGTERM that drains; a real subprocess, the openai SDK."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def client(smol: Served) -> openai.OpenAI:
 
 
 def _post(smol: Served, path: str, body: dict) -> httpx.Response:
-    return httpx.post(smol.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(smol.url + path, json=body, headers=auth, timeout=30)
 
 
 def _metric(url: str, name: str) -> float:
@@ -90,7 +91,8 @@ MESSAGES = [
 
 def test_n_choices_share_the_prompt_blocks(client, smol) -> None:
     hits = _metric(smol.url, "vllm:prefix_cache_hits_total")
-    r = client.chat.completions.create(model=NAME, messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=7)
+    kw = dict(model=NAME, messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=7)
+    r = client.chat.completions.create(**kw)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert all(c.message.content for c in r.choices) and r.model == NAME
     prompt_len = _post(smol, "/tokenize", {"model": NAME, "messages": MESSAGES}).json()["count"]
@@ -98,7 +100,7 @@ def test_n_choices_share_the_prompt_blocks(client, smol) -> None:
     # Choices 2 and 3 attach to choice 1's full prompt blocks instead of prefilling them again.
     shared = (prompt_len - 1) // 16 * 16
     assert shared >= 16 and _metric(smol.url, "vllm:prefix_cache_hits_total") - hits >= 2 * shared
-    again = client.chat.completions.create(model=NAME, messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=7)
+    again = client.chat.completions.create(**kw)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
@@ -120,9 +122,11 @@ def test_completions_n_and_best_of(client) -> None:
 
 
 def test_streamed_n_choices(client) -> None:
-    kw = dict(model=NAME, prompt="The sky is", n=2, max_tokens=4, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    kw = dict(model=NAME, prompt="The sky is", n=2, max_tokens=4, temperature=1.0, seed=3)
+    kw["extra_body"] = {"ignore_eos": True}
     whole = client.completions.create(**kw)
-    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    usage = {"include_usage": True}
+    chunks = list(client.completions.create(**kw, stream=True, stream_options=usage))
     texts = {0: "", 1: ""}
     finals = {}
     for c in chunks[:-1]:
@@ -177,7 +181,7 @@ def test_served_model_names(client) -> None:
 
 def test_bad_input(client) -> None:
     r = client.completions.create(
-        model=NAME, prompt="Hi", max_tokens=2, extra_body={"no_such_field": 1, "guided_whatever": {}}
+        model=NAME, prompt="Hi", max_tokens=2, extra_body={"no_such_field": 1, "vendor_x": {}}
     )
     assert r.usage.completion_tokens <= 2  # unknown fields are ignored, as vLLM does
     with pytest.raises(openai.BadRequestError) as e:
@@ -186,13 +190,21 @@ def test_bad_input(client) -> None:
 
 
 def test_metrics_move(client, smol) -> None:
-    before = {n: _metric(smol.url, n) for n in (
-        "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-        "vllm:time_per_output_token_seconds_count", "vllm:generation_tokens_total",
+    names = (
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:generation_tokens_total",
         "vllm:prefix_cache_queries_total",
-    )}
-    client.completions.create(model=NAME, prompt="Once upon a time, in a land far away, there lived an old king who had three daughters and a very large garden full of apple trees,", max_tokens=5,
-                              extra_body={"ignore_eos": True})
+    )
+    before = {n: _metric(smol.url, n) for n in names}
+    prompt = (
+        "Once upon a time, in a land far away, there lived an old king who had three daughters "
+        "and a very large garden full of apple trees,"
+    )  # longer than one 16-token block, so the prefix cache is queried
+    client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     after = {n: _metric(smol.url, n) for n in before}
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
     for n in before:
@@ -205,9 +217,10 @@ def test_metrics_move(client, smol) -> None:
 def test_sigterm_drains(tiny_model_dir) -> None:
     served = Served(tiny_model_dir)
     try:
-        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        url = served.url + "/v1"
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
         stream = client.completions.create(
-            model="tiny-random", prompt="def main():", max_tokens=300, stream=True,
+            model="tiny-random", prompt="def main():", max_tokens=150, stream=True,
             extra_body={"ignore_eos": True},
         )
         first = next(iter(stream))
