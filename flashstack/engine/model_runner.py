@@ -236,6 +236,15 @@ class ModelRunner:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
         return seq.generator
 
+    @staticmethod
+    def _matcher(seq: Sequence):
+        """The sequence's grammar walker, made on its first sample (its params carry the guide)."""
+        if seq.params.guide is None:
+            return None
+        if seq.matcher is None:
+            seq.matcher = seq.params.guide.matcher()
+        return seq.matcher
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run the batch; a sampled token per sequence whose prefill is complete, else None."""
@@ -265,6 +274,7 @@ class ModelRunner:
             [s.params for s in seqs],
             lambda i: (seqs[i].prompt_token_ids, seqs[i].output_token_ids),
             [self._generator(s) for s in seqs],
+            [self._matcher(s) for s in seqs],
         )
         for i, seq, token_id, lp in zip(sample_seqs, seqs, result.token_ids, result.logprobs):
             sampled[i] = token_id

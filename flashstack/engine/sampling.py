@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (flashstack.engine.guided.Guide): the output follows its grammar.
+    guide: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -207,7 +210,8 @@ def top_logprobs(raw_logits: torch.Tensor, token_id: int, n: int) -> dict[int, f
 def needs_host(p: SamplingParams) -> bool:
     """True when sampling a row needs the host between steps: its penalties read the token
     history, its logprobs read the step's logits back. Such rows cannot be sampled a step ahead."""
-    return _has_penalties(p) or p.logprobs is not None
+    # A guided row's next mask depends on the token just drawn.
+    return _has_penalties(p) or p.logprobs is not None or p.guide is not None
 
 
 def sample_on_device(
@@ -256,6 +260,7 @@ def sample(
     params: list[SamplingParams],
     history: Callable[[int], tuple[list[int], list[int]]],
     generators: list[torch.Generator | None],
+    matchers: list[Any] | None = None,
 ) -> SampleResult:
     """Pick one token per row of `logits` [batch, vocab] under each row's own parameters.
 
@@ -263,8 +268,17 @@ def sample(
     penalties, since copying every sequence's tokens each step costs milliseconds at batch 256.
     Every row is handled in one batched pass (penalties aside) and the host reads the tokens once:
     a per-row loop with a host read per row costs a device sync per sequence per step.
+    `matchers[i]` (flashstack.engine.guided), where not None, masks row i to its grammar and
+    takes the token drawn.
     """
-    token_ids = sample_on_device(logits, params, history, generators).tolist()
+    guided = matchers is not None and any(m is not None for m in matchers)
+    if guided:
+        from flashstack.engine.guided import advance, apply_masks
+
+        masked = apply_masks(logits, matchers)
+    token_ids = sample_on_device(masked if guided else logits, params, history, generators).tolist()
+    if guided:
+        advance(matchers, token_ids)
     logprobs = [  # of the model's own logits: penalties work on a copy
         top_logprobs(logits[i], token_ids[i], p.logprobs) if p.logprobs is not None else None
         for i, p in enumerate(params)

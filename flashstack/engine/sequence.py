@@ -47,6 +47,7 @@ class Sequence:
         "logprobs",
         "num_preemptions",
         "stop_reason",
+        "matcher",
     )
 
     def __init__(
@@ -77,6 +78,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict[int, float]] = []
         self.num_preemptions = 0
+        self.matcher = None  # a guided request's grammar state (flashstack.engine.guided)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -20,6 +20,8 @@ from flashstack.engine.llm import AsyncLLM
 from flashstack.engine.metrics import ServerMetrics
 from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
+from flashstack.engine.guided import GrammarCompiler, GrammarError, Guide, GuideSpec
+from flashstack.engine.server_tools import RequestError, ToolPlan, guide_spec, plan_tools
 
 
 class APIError(Exception):
@@ -70,6 +72,11 @@ class _Sampling(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
+    # Structured output (flashstack.engine.server_tools): OpenAI's response_format, vLLM's guided_*.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams for this request."""
@@ -119,6 +126,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -200,6 +208,23 @@ class _Handler:
     def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics) -> None:
         self.engine, self.model_names, self.metrics = engine, model_names, metrics
         self.model_name = model_names[0]  # the name responses report, as vLLM does
+
+    async def guide(self, spec: GuideSpec | None) -> Guide | None:
+        """The compiled grammar of a request (off the event loop); 400 naming what failed."""
+        if spec is None:
+            return None
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "structured output needs the model's tokenizer", param="response_format")
+        if self._grammars is None:
+            vocab = self.engine.engine.model.args.vocab_size
+            self._grammars = await asyncio.to_thread(GrammarCompiler, tok, vocab)
+        try:
+            return await asyncio.to_thread(self._grammars.compile, spec)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=spec.describe()) from exc
+
+    _grammars: GrammarCompiler | None = None
 
     def check_model(self, name: str) -> None:
         """404 for a model this server does not serve."""
@@ -371,7 +396,28 @@ def _check_choices(n: int, best_of: int | None, stream: bool, stream_n: bool = F
         raise APIError(400, "streaming chat supports n = 1 only; drop stream or n", param="n")
 
 
-def _chat_prompt(h: _Handler, req: ChatRequest) -> list[int]:
+def _structured(req: _Sampling, plan: ToolPlan | None = None) -> GuideSpec | None:
+    """The request's grammar: a forced tool call's, or the response_format / guided_* one."""
+    try:
+        spec = guide_spec(req.response_format, req.guided_json, req.guided_regex, req.guided_choice)
+    except (RequestError, ValueError) as exc:
+        raise APIError(400, str(exc), param=getattr(exc, "param", "guided_json")) from exc
+    forced = plan.guide() if plan is not None else None
+    if forced is not None and spec is not None:
+        raise APIError(400, f"tool_choice={plan.mode!r} already constrains the output; drop "
+                       f"{spec.describe()}", param="tool_choice")
+    return forced or spec
+
+
+def _tool_plan(h: _Handler, req: ChatRequest) -> ToolPlan:
+    tok = h.engine.tokenizer
+    try:
+        return plan_tools(req.tools, req.tool_choice, tok.chat_template if tok else None)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def _chat_prompt(h: _Handler, req: ChatRequest, plan: ToolPlan) -> list[int]:
     tok = h.engine.tokenizer
     if tok is None:
         raise APIError(
@@ -380,7 +426,8 @@ def _chat_prompt(h: _Handler, req: ChatRequest) -> list[int]:
             "with token ids",
         )
     try:
-        return tok.encode_chat([_message_text(m) for m in req.messages], tools=req.tools)
+        messages, tools = plan.prompt([_message_text(m) for m in req.messages], tok.chat_template)
+        return tok.encode_chat(messages, tools=tools)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
     except Exception as exc:  # jinja errors from the model's own template (raise_exception)
@@ -394,21 +441,25 @@ async def _chat(h: _Handler, req: ChatRequest) -> Any:
     params = req.sampling_params(
         req.max_completion_tokens or req.max_tokens, top if req.logprobs else None
     )
-    prompt = _chat_prompt(h, req)
+    plan = _tool_plan(h, req)
+    prompt = _chat_prompt(h, req, plan)
+    params.guide = await h.guide(_structured(req, plan))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "created": created, "model": h.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _stream_response(
-            _chat_chunks(h, prompt, params, base, include_usage, top, req.logprobs)
+            _chat_chunks(h, prompt, params, base, include_usage, top, req.logprobs, plan)
         )
     results = await h.run_choices(prompt, params, req.n)
     choices = []
     for i, (text, deltas) in enumerate(results):
+        message, called = plan.message(text)
         choice = {
             "index": i,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": _finish(deltas[-1].finish_reason),
+            "message": message,
+            "finish_reason": "tool_calls" if called and deltas[-1].finish_reason == "stop"
+            else _finish(deltas[-1].finish_reason),
             "logprobs": h.chat_logprobs(deltas, top) if req.logprobs else None,
         }
         choices.append(choice)
@@ -429,8 +480,10 @@ async def _chat_chunks(
     include_usage: bool,
     top: int,
     logprobs: bool,
+    plan: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     chunk = {**base, "object": "chat.completion.chunk"}
+    tools = plan.stream() if plan is not None else None
     gen = h.stream(prompt, params)
     first = await gen.__anext__()  # raises APIError before any byte is sent
     yield _sse(
@@ -455,15 +508,19 @@ async def _chat_chunks(
 
     async for d in all_deltas():
         last = d
-        if d.text or d.finished or (logprobs and d.token_ids):
+        delta = tools.feed(d.text, d.finished) if tools else ({"content": d.text} if d.text else {})
+        finish = _finish(d.finish_reason)
+        if tools and tools.called and finish == "stop":
+            finish = "tool_calls"
+        if delta or d.finished or (logprobs and d.token_ids):
             yield _sse(
                 {
                     **chunk,
                     "choices": [
                         {
                             "index": 0,
-                            "delta": {"content": d.text} if d.text else {},
-                            "finish_reason": _finish(d.finish_reason),
+                            "delta": delta,
+                            "finish_reason": finish,
                             "logprobs": h.chat_logprobs([d], top) if logprobs else None,
                         }
                     ],
@@ -490,6 +547,7 @@ async def _completions(h: _Handler, req: CompletionRequest) -> Any:
     _check_choices(req.n, req.best_of, req.stream, stream_n=True)
     prompts = _completion_prompts(req)
     params = req.sampling_params(req.max_tokens, req.logprobs)
+    params.guide = await h.guide(_structured(req))
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": h.model_name}
     if req.stream:
         if len(prompts) != 1:
