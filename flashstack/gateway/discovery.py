@@ -10,6 +10,7 @@ from flashstack.config import ModelConfig
 
 ANTHROPIC_MODELS = ("claude-sonnet-4-5", "claude-opus-4-1", "claude-haiku-4-5")
 OPENAI_DEFAULT_MODELS = ("gpt-4o", "gpt-4o-mini")
+OPENAI_API = "https://api.openai.com/v1"
 
 
 def discover_models(env: dict[str, str] | None = None, probe_timeout: float = 1.0) -> list[ModelConfig]:
@@ -34,9 +35,11 @@ def _openai(env: dict[str, str], timeout: float) -> list[ModelConfig]:
     key, base = env.get("OPENAI_API_KEY"), env.get("OPENAI_BASE_URL")
     if not key and not base:
         return []
-    base = (base or "https://api.openai.com/v1").rstrip("/")
+    base = (base or OPENAI_API).rstrip("/")
     names = _list_openai_models(base, key, timeout) or list(OPENAI_DEFAULT_MODELS)
-    return [ModelConfig(name=m, provider="openai", model=m, api_base=base, api_key=key) for m in names]
+    responses = base == OPENAI_API  # OpenAI itself serves the Responses API: those requests pass through whole
+    return [ModelConfig(name=m, provider="openai", model=m, api_base=base, api_key=key, responses_api=responses)
+            for m in names]
 
 
 def _list_openai_models(base: str, key: str | None, timeout: float) -> list[str]:
