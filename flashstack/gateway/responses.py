@@ -100,6 +100,7 @@ async def _serve(request: Request, router: Router, limits: chat.Limits, trace: R
                 validation.check_output(req.response_format, resp.text())
             await turn.complete(resp)
             out = t.response_json(resp, parsed.model, opts)
+            req.exchange.dropped.update(t.unrendered(resp))
             await saver.save(out)  # kept before the client sees it
             headers = {**fields.response_headers(req), **trace.headers()}
             return overhead.stamp(clock, squeezed.stamp(chat.json_response(out, headers=headers)))

@@ -432,6 +432,13 @@ def response_json(resp: ChatResponse, model: str, opts: Options) -> dict[str, An
     return _finished(body, resp.stop_reason)
 
 
+def unrendered(resp: ChatResponse) -> set[str]:
+    """The blocks of a translated reply no output item holds (another wire's verbatim blocks), by name."""
+    if resp.raw is not None and resp.raw.wire == WIRE:
+        return set()
+    return {f"output[].type={p.type}" for p in resp.content if isinstance(p, Opaque)}
+
+
 def _output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 

@@ -173,3 +173,18 @@ def test_malformed_requests_get_openai_errors(gateway, keys, upstream):
         assert r.status_code in (400, 404), r.text
         assert r.json()["error"]["param"].startswith(param), r.text
     assert upstream["openai"].requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_namespaced_tool_is_called_back_with_its_namespace(client, upstream, stream):
+    agents = {"type": "namespace", "name": "agents", "description": "sub-agents",
+              "tools": [{"type": "function", "name": "spawn", "parameters": WEATHER}]}
+    r = _create(client, stream, model="claude", input="go", tools=[agents, *TOOLS])
+    assert upstream["anthropic"].requests[-1].body["tools"][0]["name"] == "agents__spawn"
+    (call,) = [o.model_dump() for o in r.output if o.type == "function_call"]
+    assert (call["namespace"], call["name"]) == ("agents", "spawn")
+    nxt = client.responses.create(model="claude", tools=[agents], input=[
+        {"role": "user", "content": "go"}, {k: call[k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "spawned"}])
+    assert nxt.output_text == "tool said: spawned"
+    assert upstream["anthropic"].requests[-1].body["messages"][1]["content"][0]["name"] == "agents__spawn"
