@@ -106,30 +106,33 @@ async def _forward(dep: Deployment, req: CompletionRequest, body: dict[str, Any]
             reply["model"] = req.model
         return chat.json_response(reply)
     chunks = provider.forward_stream("/completions", sent)
-    first = await anext(chunks)  # an upstream's refusal is a status, before any byte goes out
+    first = await anext(chunks, b"")  # an upstream's refusal is a status, before any byte goes out
     return EventStream(_renamed(first, chunks, req.model), media_type="text/event-stream",
                        headers={"cache-control": "no-cache"})
 
 
 async def _renamed(first: bytes, chunks: AsyncIterator[bytes], model: str) -> AsyncIterator[bytes]:
     """The upstream's events, `model` renamed to the one the client asked for."""
-    async def all_chunks() -> AsyncIterator[bytes]:
-        yield first
-        async for c in chunks:
-            yield c
+    try:
+        yield _renamed_line(first, model)
+        async for line in chunks:
+            yield _renamed_line(line, model)
+    except GatewayError as e:  # after the first byte: the failure goes out as the stream's last event
+        yield _sse(error_json(e))
 
-    async for line in all_chunks():
-        data = line[len(b"data: "):].strip()
-        if data != b"[DONE]":
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                yield line
-                continue
-            if isinstance(chunk, dict) and "model" in chunk:
-                chunk["model"] = model
-                line = b"data: " + orjson.dumps(chunk) + b"\n\n"
-        yield line
+
+def _renamed_line(line: bytes, model: str) -> bytes:
+    data = line[len(b"data: "):].strip()
+    if data == b"[DONE]":
+        return line
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return line
+    if isinstance(chunk, dict) and "model" in chunk:
+        chunk["model"] = model
+        return _sse(chunk)
+    return line
 
 
 # ---- the local engine ------------------------------------------------------------------------
