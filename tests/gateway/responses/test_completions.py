@@ -23,6 +23,10 @@ def completions_upstream() -> FastAPI:
     async def complete(request: Request) -> Response:
         body = await request.json()
         app.state.bodies.append(body)
+        if body["prompt"] == "limit":
+            return Response(orjson.dumps({"error": {"message": "Rate limit reached.", "type": "requests",
+                                                    "code": "rate_limit_exceeded"}}), 429,
+                            media_type="application/json")
         head = {"id": "cmpl-up", "object": "text_completion", "created": 1, "model": body["model"],
                 "system_fingerprint": "fp_up"}
         choice = {"index": 0, "logprobs": None}
@@ -70,3 +74,10 @@ def test_an_unknown_model_is_a_404(setup):
     _, client = setup
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_refusal_reaches_the_client_as_its_status(setup, stream):
+    _, client = setup
+    with pytest.raises(openai.RateLimitError, match="Rate limit reached"):
+        client.completions.create(model="instruct", prompt="limit", stream=stream)
