@@ -142,10 +142,12 @@ _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "
 
 def _with_id(item: dict[str, Any]) -> dict[str, Any]:
     """An input item as `input_items` lists it: with an id (the API gives every stored item one)."""
-    if "id" in item:
-        return item
     kind = item.get("type", "message")
-    return {"id": t.new_id(_ID_PREFIX.get(kind, "item")), "type": kind, **item}
+    out = {"id": t.new_id(_ID_PREFIX.get(kind, "item")), "type": kind, **item}
+    if kind == "message" and isinstance(item.get("content"), str):  # listed as parts, as the API lists it
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    return out
 
 
 async def _history(store: ResponseStore, caller: Caller, previous: str | None) -> list[dict[str, Any]]:

@@ -54,7 +54,8 @@ def test_get_input_items_and_delete(client, upstream):
     got = client.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text and got.usage == r.usage
     items = client.responses.input_items.list(r.id, order="asc")
-    assert [i.content[0].text if not isinstance(i.content, str) else i.content for i in items.data] in (["a", "b"],)
+    assert [(i.role, i.content[0].type, i.content[0].text) for i in items.data] == [
+        ("user", "input_text", "a"), ("user", "input_text", "b")]
     assert all(i.id for i in items.data)
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
