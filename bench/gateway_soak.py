@@ -105,7 +105,11 @@ class Processes:
     upstreams: subprocess.Popen
     gateway: subprocess.Popen
     url: str
-    upstream_ports: list[int]
+    upstream_names: dict[int, str]  # port → which fake
+
+    @property
+    def upstream_ports(self) -> list[int]:
+        return list(self.upstream_names)
 
     def stop(self) -> None:
         self.gateway.terminate()
@@ -140,8 +144,8 @@ def start(workdir: Path) -> Processes:
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    ports = [int(u.rsplit(":", 1)[1]) for u in urls.values()]
-    return Processes(upstreams, gateway, url, ports)
+    names = {int(u.rsplit(":", 1)[1]): name for name, u in urls.items()}
+    return Processes(upstreams, gateway, url, names)
 
 
 # ---- outcomes -------------------------------------------------------------------------------------
@@ -592,6 +596,15 @@ def _sample(proc: psutil.Process, start: float) -> Sample:
                   sum(proc.cpu_times()[:2]))
 
 
+def _descriptors(proc: psutil.Process, upstreams: dict[int, str]) -> collections.Counter:
+    """What the gateway's descriptors are: files by path, TCP connections by peer and state."""
+    held = collections.Counter(f.path for f in proc.open_files())
+    for c in proc.net_connections("tcp"):
+        peer = upstreams.get(c.raddr.port, "client") if c.raddr else "listening"
+        held[f"tcp {peer} {c.status}"] += 1
+    return held
+
+
 async def _sampler(proc: psutil.Process, every: float, samples: list[Sample], start: float,
                    stop: asyncio.Event) -> None:
     while not stop.is_set():
@@ -615,6 +628,7 @@ async def drive(procs: Processes, minutes: float, rate: float, every: float, onl
         await _scheduled(warm, rate, scheduled)  # imports, pools and caches filled before the baseline
         await asyncio.sleep(DRAIN_SECONDS)
         base = _sample(proc, time.monotonic())
+        base_held = _descriptors(proc, procs.upstream_names)
         samples: list[Sample] = []
         stop = asyncio.Event()
         start = time.monotonic()
@@ -627,11 +641,14 @@ async def drive(procs: Processes, minutes: float, rate: float, every: float, onl
         await sampler
         await asyncio.sleep(DRAIN_SECONDS)
         end = _sample(proc, start)
+        end_held = _descriptors(proc, procs.upstream_names)
         after = await client.post("/v1/chat/completions", json=_openai_body("gpt", "after", False),
                                   headers=soak.openai_headers())
     upstream_cpu = sum(psutil.Process(procs.upstreams.pid).cpu_times()[:2])
     result = report(soak.tally, samples, base, end, loaded, minutes, rate, after.status_code)
     result["upstreams_cpu_s"] = round(upstream_cpu, 1)
+    result["fds"]["added_after"] = dict(end_held - base_held)  # what the idle gateway holds that it did not
+    result["fds"]["gone_after"] = dict(base_held - end_held)
     return {"scheduled": {n: SCHEDULE[n][0] for n in scheduled}, "lanes": {n: v[0] for n, v in lanes.items()}, **result}
 
 
