@@ -8,6 +8,7 @@ into its own virtualenv (.bench/litellm-venv), never into the project's.
     .venv/bin/python bench/gateway_overhead.py            # full run, ≤ 10 min
     .venv/bin/python bench/gateway_overhead.py --quick    # ≤ 2 min
     .venv/bin/python bench/gateway_overhead.py --only flashstack --json out.json
+    .venv/bin/python bench/gateway_overhead.py --upstream llamacpp   # a real upstream (`make peers`)
     .venv/bin/python bench/gateway_overhead.py --quick --only flashstack --traces  # and with OpenTelemetry on
     .venv/bin/python bench/gateway_overhead.py --quick --only flashstack --no-log  # and without the request log
 
@@ -199,6 +200,18 @@ def start_collector() -> Collector:
     return Collector()
 
 
+def start_llamacpp(port: int) -> Proc:
+    """llama.cpp's server (`make peers`) on the SmolLM2 GGUF, one thread, on the load core."""
+    from flashstack.engine.bundled import smollm2_path
+
+    python, gguf = ROOT / ".peers/llamacpp/bin/python", smollm2_path()
+    if not python.exists() or gguf is None:
+        sys.exit("--upstream llamacpp needs `make peers` (llama.cpp) and `make install` (the SmolLM2 GGUF)")
+    argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
+            "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1"]
+    return spawn("llamacpp", argv, LOAD_CORE)
+
+
 def ensure_litellm() -> Path:
     """LiteLLM's proxy in its own venv; a constraint that no torch can satisfy keeps CUDA wheels out."""
     exe = LITELLM_VENV / "bin" / "litellm"
@@ -245,10 +258,11 @@ def start_litellm(port: int, mock: int) -> Proc:
 SYSTEM, PROMPT = "You are terse.", "Say hello in twenty words."
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "sk-mock"}
 OPENAI_HEADERS = {"authorization": "Bearer sk-mock"}
+SAMPLING: dict[str, Any] = {}  # --upstream llamacpp: greedy, so direct and gateway generate the same tokens
 
 
 def openai_request(port: int, path: str, model: str, stream: bool) -> Target:
-    body: dict[str, Any] = {"model": model, "max_tokens": 64,
+    body: dict[str, Any] = {"model": model, "max_tokens": 64, **SAMPLING,
                             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -256,7 +270,7 @@ def openai_request(port: int, path: str, model: str, stream: bool) -> Target:
 
 
 def anthropic_request(port: int, path: str, model: str, stream: bool) -> Target:
-    body: dict[str, Any] = {"model": model, "max_tokens": 64, "system": SYSTEM,
+    body: dict[str, Any] = {"model": model, "max_tokens": 64, "system": SYSTEM, **SAMPLING,
                             "messages": [{"role": "user", "content": PROMPT}]}
     if stream:
         body["stream"] = True
@@ -375,6 +389,21 @@ def measure(name: str, gw: Proc, port: int, mock: int, plan: Plan, chunks: int) 
     return out
 
 
+def measure_real_upstream(name: str, gw: Proc, port: int, upstream: int, n: int) -> dict:
+    """In front of a real model server: sequential only (llama.cpp's server answers one request at a
+    time), the upstream's own time per request beside what the gateway adds to it."""
+    seq: dict[str, Any] = {}
+    for sc in (OPENAI, TRANSLATED):
+        for stream in (False, True):
+            key = f"{sc.name}_{'stream' if stream else 'nonstream'}"
+            seq[key] = side_by_side(gw, port, upstream, sc, stream, 1, n)
+            _progress(name, key, seq[key])
+    headline = {key: {"upstream_p50_ms": r["direct"]["p50_ms"], "upstream_p99_ms": r["direct"]["p99_ms"],
+                      "added_p50_ms": r["added"]["p50_ms"], "added_p99_ms": r["added"]["p99_ms"]}
+                for key, r in seq.items()}
+    return {"sequential": seq, "headline": headline}
+
+
 def soak(gw: Proc, port: int, n: int) -> dict:
     """RSS after `n` requests and after `n` more: a leak shows as growth in the second half."""
     target = OPENAI.via_gateway(port, False)
@@ -431,6 +460,8 @@ def main() -> None:
     p.add_argument("--server", choices=["uvicorn", "uvicorn-unlimited", "granian"], default="uvicorn",
                    help="flashstack's ASGI server (granian: `pip install granian` first; uvicorn-unlimited: "
                         "without the server limits' protocol class; both comparisons only)")
+    p.add_argument("--upstream", choices=["mock", "llamacpp"], default="mock",
+                   help="llamacpp: llama.cpp's server on the SmolLM2 GGUF instead of the mock (sequential only)")
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument("--no-log", action="store_true",
                    help="also measure flashstack without its request log (flashstack+nolog), side by side")
@@ -443,14 +474,19 @@ def main() -> None:
     os.sched_setaffinity(0, {LOAD_CORE})
     t0 = time.perf_counter()
     mock_port = free_port()
-    mock = start_mock(mock_port, args.chunks, args.gap_ms)
+    if args.upstream == "llamacpp":
+        SAMPLING["temperature"] = 0
+        mock = start_llamacpp(mock_port)
+    else:
+        mock = start_mock(mock_port, args.chunks, args.gap_ms)
     collector = start_collector() if args.traces else None
-    result: dict[str, Any] = {"bench": "gateway_overhead", "quick": args.quick, "chunks": args.chunks,
+    result: dict[str, Any] = {"bench": "gateway_overhead", "upstream": args.upstream, "quick": args.quick,
+                              "chunks": args.chunks,
                               "gap_ms": args.gap_ms, "flashstack_server": args.server,
                               "machine_before": machine_load(),
                               "pinning": {"gateway": GATEWAY_CORE, "mock_and_load": LOAD_CORE}}
     try:
-        wait_until_serving(mock, OPENAI.direct(mock_port, False), 10)
+        wait_until_serving(mock, OPENAI.direct(mock_port, False), 60 if args.upstream == "llamacpp" else 10)
         names = list(args.only or ["flashstack", "litellm"])
         if args.traces:
             names.insert(names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+traces")
@@ -469,7 +505,10 @@ def main() -> None:
             try:
                 wait_until_serving(gw, OPENAI.via_gateway(port, False), 120)
                 plan = plans(args.quick)[name.split("+")[0]]
-                result[name] = measure(name, gw, port, mock_port, plan, args.chunks)
+                if args.upstream == "llamacpp":
+                    result[name] = measure_real_upstream(name, gw, port, mock_port, 10 if args.quick else 40)
+                else:
+                    result[name] = measure(name, gw, port, mock_port, plan, args.chunks)
             finally:
                 gw.stop()
     finally:
@@ -479,12 +518,12 @@ def main() -> None:
             collector.stop()
     result["machine_after"] = machine_load()
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    if "flashstack" in result and "litellm" in result:
+    if "flashstack" in result and "litellm" in result and args.upstream == "mock":
         f, l = result["flashstack"]["headline"], result["litellm"]["headline"]
         result["ratio_litellm_over_flashstack"] = {
             k: round(l[k] / f[k], 1) for k in ("nonstream_seq_added_p50_ms", "stream_seq_added_ttft_p50_ms",
                                                "cpu_ms_per_request_nonstream") if f[k] > 0}
-    if "flashstack" in result and "flashstack+traces" in result:
+    if "flashstack" in result and "flashstack+traces" in result and args.upstream == "mock":
         f, t = result["flashstack"]["headline"], result["flashstack+traces"]["headline"]
         result["traces_added"] = {k: round(t[k] - f[k], 3) for k in f if isinstance(f[k], int | float)}
     if "flashstack" in result and "flashstack+nolog" in result:
