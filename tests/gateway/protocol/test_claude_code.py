@@ -3,7 +3,7 @@ gateway in front of the same fake. Both exit 0, and the fake receives the same r
 (apart from per-run ids), anthropic-beta included: nothing Claude Code sends is lost on the way.
 
 Claude Code is installed once with npm (pinned) into ~/.cache/flashstack/claude-code; without npm,
-or without the registry on the first run, the test is skipped.
+or without the registry on the first run, the test fails (a real client is what it tests).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ def claude() -> Path:
     binary = CACHE / "node_modules" / ".bin" / "claude"
     if not binary.exists():
         if shutil.which("npm") is None:
-            pytest.skip("npm is not installed: Claude Code cannot be installed")
+            pytest.fail("npm is not installed: Claude Code cannot be installed (apt-get install npm)")
         CACHE.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE),
                                f"@anthropic-ai/claude-code@{VERSION}"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0 or not binary.exists():
-            pytest.skip(f"npm could not install Claude Code {VERSION}: {done.stderr[-300:]}")
+            pytest.fail(f"npm could not install Claude Code {VERSION}: {done.stderr[-300:]}")
     return binary
 
 

@@ -7,7 +7,7 @@ asks for a shell command and then answers with what it printed: Codex runs the c
 sandbox), sends its output back, prints the answer and exits 0.
 
 Codex is installed once with npm (pinned) into ~/.cache/flashstack/codex; without npm, or without
-the registry on the first run, the test is skipped. It runs with its own CODEX_HOME under the
+the registry on the first run, the test fails. It runs with its own CODEX_HOME under the
 test's temporary directory.
 """
 
@@ -41,12 +41,12 @@ def codex() -> Path:
     binary = CACHE / "node_modules" / ".bin" / "codex"
     if not binary.exists():
         if shutil.which("npm") is None:
-            pytest.skip("npm is not installed: Codex CLI cannot be installed")
+            pytest.fail("npm is not installed: Codex CLI cannot be installed (apt-get install npm)")
         CACHE.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE),
                                f"@openai/codex@{VERSION}"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0 or not binary.exists():
-            pytest.skip(f"npm could not install Codex CLI {VERSION}: {done.stderr[-300:]}")
+            pytest.fail(f"npm could not install Codex CLI {VERSION}: {done.stderr[-300:]}")
     return binary
 
 
