@@ -266,4 +266,6 @@ def error_response(wire: WireFormat, err: GatewayError, headers: dict[str, str] 
     headers = dict(headers or {})
     if err.retry_after:
         headers["retry-after"] = str(max(1, round(err.retry_after)))
+    if err.status == 413:  # the rest of the body is unread: a client must not reuse this connection
+        headers["connection"] = "close"
     return json_response(wire.error_json(err), err.status, headers or None)

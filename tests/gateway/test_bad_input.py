@@ -83,6 +83,7 @@ def test_oversize_body_is_refused_in_both_formats(gw):
     big = "x" * (2 * 1024 * 1024)
     r = gw.post(OPENAI_PATH, json={"model": "gpt", "messages": [{"role": "user", "content": big}]})
     _assert_openai_error(r, 413, "limit")
+    assert r.headers["connection"] == "close"  # the unread rest of the body ends the connection
     r = gw.post(ANTHROPIC_PATH, json={**OK_ANTHROPIC, "messages": [{"role": "user", "content": big}]})
     _assert_anthropic_error(r, 413, "limit")
     assert r.json()["error"]["type"] == "request_too_large"
