@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -214,6 +214,19 @@ def parse(wire: WireFormat, body: Any, max_depth: int = DEFAULT_JSON_DEPTH) -> C
     req = wire.to_canonical(parsed, body)  # the body too: what the canonical types do not model passes as sent
     validation.check_tool_arguments(req, max_depth)
     return req
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_object(model: type[M], body: Any) -> M:
+    """`body` as the wire model `model`; a 400 naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
 
 
 def _validation_error(e: ValidationError) -> GatewayError:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -78,12 +78,7 @@ async def handle(request: Request, router: Router, limits: chat.Limits) -> Respo
 
 
 def _parse(body: Any) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise invalid_request("request body must be a JSON object")
-    try:
-        return CompletionRequest.model_validate(body)
-    except ValidationError as e:
-        raise chat._validation_error(e) from None
+    return chat.parse_object(CompletionRequest, body)
 
 
 def _deployment(router: Router, model: str) -> Deployment:

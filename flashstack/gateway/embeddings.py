@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -61,12 +61,7 @@ async def handle(request: Request, router: Router, compressor: Compressor, limit
 
 
 def _parse(body: Any) -> EmbeddingsRequest:
-    if not isinstance(body, dict):
-        raise invalid_request("request body must be a JSON object")
-    try:
-        return EmbeddingsRequest.model_validate(body)
-    except ValidationError as e:
-        raise chat._validation_error(e) from None
+    return chat.parse_object(EmbeddingsRequest, body)
 
 
 async def _forward(router: Router, model: str, body: dict[str, Any]) -> Response:

@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -122,13 +121,9 @@ def passes_through(router: Router, model: str) -> bool:
 
 
 def _parse(body: Any, max_depth: int) -> w.ResponsesRequest:
-    if not isinstance(body, dict):
-        raise invalid_request("request body must be a JSON object")
-    validation.check_depth(body, max_depth)
-    try:
-        return w.ResponsesRequest.model_validate(body)
-    except ValidationError as e:
-        raise chat._validation_error(e) from None
+    if isinstance(body, dict):
+        validation.check_depth(body, max_depth)
+    return chat.parse_object(w.ResponsesRequest, body)
 
 
 def _options(parsed: w.ResponsesRequest, body: dict[str, Any]) -> t.Options:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,27 +18,18 @@ import pytest
 
 from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from tests.npm_cli import npm_binary
 from tests.fakes import anthropic_upstream, openai_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
 
 VERSION = "2.1.332"
-CACHE = Path.home() / ".cache" / "flashstack" / "claude-code" / VERSION
 PER_RUN_ID = re.compile(rb"[0-9a-f]{64}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|toolu_[0-9A-Za-z]+|msg_[0-9A-Za-z]+")
 
 
 @pytest.fixture(scope="module")
 def claude() -> Path:
-    binary = CACHE / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        if shutil.which("npm") is None:
-            pytest.fail("npm is not installed: Claude Code cannot be installed (apt-get install npm)")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE),
-                               f"@anthropic-ai/claude-code@{VERSION}"], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0 or not binary.exists():
-            pytest.fail(f"npm could not install Claude Code {VERSION}: {done.stderr[-300:]}")
-    return binary
+    return npm_binary("@anthropic-ai/claude-code", VERSION, "claude", "claude-code")
 
 
 def _run(claude: Path, base_url: str, home: Path, cwd: Path) -> subprocess.CompletedProcess:

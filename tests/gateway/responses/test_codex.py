@@ -17,7 +17,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -28,26 +27,17 @@ from fastapi.responses import Response
 
 from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from tests.npm_cli import npm_binary
 from tests.fakes import responses_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
 
 VERSION = "0.171.0"
-CACHE = Path.home() / ".cache" / "flashstack" / "codex" / VERSION
 
 
 @pytest.fixture(scope="module")
 def codex() -> Path:
-    binary = CACHE / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        if shutil.which("npm") is None:
-            pytest.fail("npm is not installed: Codex CLI cannot be installed (apt-get install npm)")
-        CACHE.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(CACHE),
-                               f"@openai/codex@{VERSION}"], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0 or not binary.exists():
-            pytest.fail(f"npm could not install Codex CLI {VERSION}: {done.stderr[-300:]}")
-    return binary
+    return npm_binary("@openai/codex", VERSION, "codex", "codex")
 
 
 def shell_upstream() -> FastAPI:
