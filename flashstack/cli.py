@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     eserve.add_argument("--max-num-seqs", type=int, default=None)
     eserve.add_argument("--device", default="auto")
     eserve.add_argument("--dtype", default="auto")
+    eserve.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence, prompt + output (default: the model's)")
+    eserve.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory the engine may take (default 0.9)")
     eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
     eserve.add_argument("--served-model-name", nargs="+", default=[], help="name(s) clients use; the first is reported (default: the file's name)")
     eserve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
@@ -239,7 +241,11 @@ def _engine_serve(args: argparse.Namespace) -> None:
     from flashstack.engine.lifecycle import ServeOptions
     from flashstack.engine.server import serve
 
-    extra = {k: v for k, v in {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs}.items() if v}
+    extra = {
+        "block_size": args.block_size, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
+    extra = {k: v for k, v in extra.items() if v}
     if args.tp > 1:
         extra["tensor_parallel_size"] = args.tp
     try:
