@@ -116,6 +116,8 @@ class Message:
     parts: list[Part]
     extra: Extra = field(default_factory=dict)  # e.g. OpenAI `name`
     plain: bool = True  # the content arrived as one bare string (as ToolResult.plain says)
+    # The wire its extras are in, for a message from a session's history (None: the request's own).
+    wire: str | None = None
 
 
 @dataclass(slots=True)

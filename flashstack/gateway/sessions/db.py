@@ -48,6 +48,7 @@ messages = sa.Table(
     sa.Column("stop_reason", sa.Text),
     sa.Column("usage", sa.Text),  # JSON
     sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("wire_fields", sa.Text),  # JSON: the message's wire, its own extras, list content (codec.py)
 )
 
 idempotency = sa.Table(
@@ -172,6 +173,9 @@ MIGRATIONS: list[list[str]] = [
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at BIGINT NOT NULL, input_items TEXT NOT NULL,
             history TEXT NOT NULL, response TEXT NOT NULL)""",
         "CREATE INDEX fs_responses_owner ON fs_responses (owner, created_at)",
+    ],
+    [  # 5: what a message's wire gave it beyond its parts, so that history replays as sent
+        "ALTER TABLE fs_messages ADD COLUMN wire_fields TEXT",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from flashstack.gateway.tls import client_identity
 from flashstack.gateway.auth import ANONYMOUS, Auth, Caller
 from flashstack.gateway.core import ChatRequest, invalid_request
+from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.turns import Idempotency, Sessions, Turn
 
 SESSION_HEADER = "x-session-id"
@@ -40,8 +41,9 @@ async def begin_turn(request: Request, req: ChatRequest, caller: Caller, body: A
     if not isinstance(session_id, str):
         raise invalid_request("metadata.session_id must be a string", "metadata.session_id")
     idem = Idempotency.of(request.headers, request.url.path + "\0" + session_id, body)
-    turn = await sessions.open_turn(caller, session_id, list(req.messages), idem)
-    req.messages = turn.history + req.messages
+    turn = await sessions.open_turn(caller, session_id, list(req.messages), idem, req.wire)
+    # Stored from the other wire, a message's wire-only fields cannot go: named in x-flashstack-dropped.
+    req.messages = codec.for_wire(turn.history, req.wire, req.exchange.dropped) + req.messages
     if not req.system:
         req.system = turn.system()
     await turn.admit(auth, req)  # after the history is known: it is part of what the request costs

@@ -226,10 +226,10 @@ class SessionStore:
                          session_id, max_bytes)
                 return [], []
             rows = (await conn.execute(
-                sa.select(messages.c.id, messages.c.role, messages.c.content)
+                sa.select(messages.c.id, messages.c.role, messages.c.content, messages.c.wire_fields)
                 .where(completed, messages.c.seq >= first_seq).order_by(messages.c.seq)
             )).all()
-        history = [Message(r.role, codec.parts_from_json(orjson.loads(r.content))) for r in rows]
+        history = [codec.message_from_row(r.role, r.content, r.wire_fields) for r in rows]
         ids = [r.id for r in rows]
         if first_seq > 0:
             history, ids = _from_user_turn(history, ids)
@@ -330,12 +330,14 @@ class SessionStore:
         idem: tuple[str, str, str] | None = None,
         vectors: dict[int, bytes] | None = None,
         history_ids: list[str] | None = None,
+        wire: str | None = None,
     ) -> list[dict[str, Any]]:
         """Append a whole turn and release the lease, in one transaction; returns the rows.
 
         Completed: the inputs and the reply. Failed (`failure` set, `reply` None): the inputs only,
         marked incomplete with the error, so the user's words are kept but never replayed as history.
-        `vectors` are message embeddings by position in history + inputs (with `history_ids`).
+        `vectors` are message embeddings by position in history + inputs (with `history_ids`);
+        `wire` is the one the client spoke (what the messages' extras are in).
         """
         turn_id, created = new_id("turn"), now_ms()
         async with self.db.write() as conn:
@@ -344,7 +346,7 @@ class SessionStore:
             )).scalar()
             if seq is None:
                 raise LeaseLost(session_id)
-            rows = _turn_rows(session_id, turn_id, seq, created, inputs, reply, failure)
+            rows = _turn_rows(session_id, turn_id, seq, created, inputs, reply, failure, wire)
             await conn.execute(messages.insert(), rows)
             if not await _release(conn, session_id, token, len(rows)):
                 raise LeaseLost(session_id)
@@ -384,17 +386,17 @@ async def _release(conn: AsyncConnection, session_id: str, token: str, appended:
 
 def _turn_rows(
     session_id: str, turn_id: str, seq: int, created: int, inputs: list[Message],
-    reply: ChatResponse | None, failure: Failure | None,
+    reply: ChatResponse | None, failure: Failure | None, wire: str | None = None,
 ) -> list[dict[str, Any]]:
     status = "completed" if failure is None else "incomplete"
     error = orjson.dumps({"type": failure.type, "message": failure.message}).decode() if failure else None
     rows = [
-        _row(session_id, turn_id, seq + i, created, m.role, codec.parts_json(m.parts), status, error)
-        for i, m in enumerate(inputs)
+        _row(session_id, turn_id, seq + i, created, m, status, error, wire) for i, m in enumerate(inputs)
     ]
     if reply is not None and failure is None:
-        content = codec.parts_json(reply.content)
-        row = _row(session_id, turn_id, seq + len(rows), created, "assistant", content, status, None)
+        # Replayed as its client got it: Anthropic's content is a list of blocks, OpenAI's a string.
+        answer = Message("assistant", reply.content, plain=wire != codec.ANTHROPIC)
+        row = _row(session_id, turn_id, seq + len(rows), created, answer, status, None, wire)
         row.update(
             model=reply.model, stop_reason=reply.stop_reason.value,
             usage=orjson.dumps(codec.usage_json(reply.usage)).decode(),
@@ -404,13 +406,14 @@ def _turn_rows(
 
 
 def _row(
-    session_id: str, turn_id: str, seq: int, created: int, role: str, content: list[Any],
-    status: str, error: str | None,
+    session_id: str, turn_id: str, seq: int, created: int, m: Message, status: str, error: str | None,
+    wire: str | None,
 ) -> dict[str, Any]:
     return {
-        "id": new_id("msg"), "session_id": session_id, "seq": seq, "turn_id": turn_id, "role": role,
-        "content": orjson.dumps(content).decode(), "status": status, "error": error,
+        "id": new_id("msg"), "session_id": session_id, "seq": seq, "turn_id": turn_id, "role": m.role,
+        "content": orjson.dumps(codec.parts_json(m.parts)).decode(), "status": status, "error": error,
         "model": None, "stop_reason": None, "usage": None, "created_at": created,
+        "wire_fields": codec.message_fields_json(m, wire),
     }
 
 

@@ -124,17 +124,19 @@ class Sessions:
         await self.store.db.close()
 
     async def open_turn(
-        self, caller: Caller, session_id: str, inputs: list[Message], idem: Idempotency | None = None
+        self, caller: Caller, session_id: str, inputs: list[Message], idem: Idempotency | None = None,
+        wire: str | None = None,
     ) -> Turn:
         """Lock the session (in this process, then across replicas) and load its history: the newest
-        whole turns within store.max_history_bytes. 413 first if an input is over max_message_bytes."""
+        whole turns within store.max_history_bytes. 413 first if an input is over max_message_bytes.
+        `wire`: the one the client speaks (None: the gateway's own request), stored with the turn."""
         check_message_sizes(inputs, self.config.max_message_bytes)
         lock_key = f"{caller.owner}\0{session_id}"
         try:
             await asyncio.wait_for(self._locks.acquire(lock_key), self.config.lock_timeout)
         except TimeoutError:
             raise session_busy(session_id, self.config.lock_timeout) from None
-        turn = Turn(self, caller, session_id, inputs, idem, lock_key=lock_key)
+        turn = Turn(self, caller, session_id, inputs, idem, lock_key=lock_key, wire=wire)
         try:
             turn.session = await self.store.acquire(
                 caller.owner, session_id, turn.token, self.config.lease_ttl, self.config.lock_timeout
@@ -182,6 +184,7 @@ class Turn:
     inputs: list[Message] = field(default_factory=list)
     idem: Idempotency | None = None
     lock_key: str | None = None
+    wire: str | None = None  # the client's, which its messages' extras are in
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     session: dict[str, Any] = field(default_factory=dict)
     history: list[Message] = field(default_factory=list)
@@ -253,7 +256,7 @@ class Turn:
             self.rows = await self.sessions.store.commit_turn(
                 self.session_id, self.token, self.inputs, resp,  # type: ignore[arg-type]
                 idem=(self.caller.owner, self.idem.key, self.idem.fingerprint) if self.idem else None,
-                vectors=self.vectors, history_ids=self.history_ids,
+                vectors=self.vectors, history_ids=self.history_ids, wire=self.wire,
             )
         finally:
             await self._finish()
@@ -267,7 +270,7 @@ class Turn:
         try:
             failure = _failure(error)
             self.rows = await self.sessions.store.commit_turn(
-                self.session_id, self.token, self.inputs, None, failure  # type: ignore[arg-type]
+                self.session_id, self.token, self.inputs, None, failure, wire=self.wire  # type: ignore[arg-type]
             )
         except Exception:
             log.exception("could not record the failed turn of session %s", self.session_id)

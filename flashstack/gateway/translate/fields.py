@@ -427,9 +427,15 @@ Fates: **passed** (as sent), **mapped** (to its counterpart), **refused** (400),
 response tables, **dropped** means the other wire has no place for the field (a response's head,
 where a header could name it, goes out before a stream's end).
 
-Sessions store the canonical parts of each turn (text, images, tool calls and results, thinking with
-its signature, and verbatim blocks of types the gateway does not model); a history replayed from a
-session does not carry `cache_control` markers or other per-block extras.
+Sessions store every field of each message as its wire gave it: the parts (text, images, tool calls
+and results, thinking with its signature, redacted thinking, verbatim blocks of types the gateway does
+not model such as documents) with their `cache_control` and every other key, the message's own keys,
+and whether its content was a string or a list. A history replayed from a session reaches the
+upstream as the client sent it, and a stored reply as the client received it (Anthropic: a list of
+blocks; OpenAI: a string). A session used from both wires sends a message's wire-only fields (OpenAI's
+`name`, an image's `detail`, any unknown key; `cache_control` towards OpenAI) to its own wire only:
+to the other they are dropped and named in `x-flashstack-dropped` (`messages[].name`,
+`messages[].content[].image_url.detail`, …).
 """
 
 
