@@ -1,14 +1,4 @@
-"""What hostile requests cost a gateway with compression: time, CPU and RSS of the gateway process.
-
-A `flashstack` gateway (uvicorn, its own process, imported from `--tree`) in front of the tests' fake
-OpenAI upstream, a model with a 1,500-token window, a fresh model cache (so the ONNX export is part
-of the first load). Requests, in order: one refused for its max_tokens with a 160 KB prompt; an
-ordinary over-window conversation (twice: the first may start the model's load); 300 never-seen
-300-word messages (0.7 MB). `--tree` runs an older checkout (e.g. `git archive <commit> flashstack`)
-against the same requests, for a side-by-side.
-
-    .venv/bin/python bench/compress_hostile.py [--tree .] [--port 18750]
-"""
+"""What hostile requests cost a compressing gateway: docs/benchmarks.md, "Compression: hostile"."""
 
 from __future__ import annotations
 

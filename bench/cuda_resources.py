@@ -1,7 +1,4 @@
-"""flashstack.cuda resource benchmark (GPU): leak-free cycles, SAXPY + graph, pinned H2D, torch.
-
-Prints one JSON object; `--json PATH` also writes it to PATH.
-"""
+"""flashstack.cuda resource cycles, SAXPY, pinned H2D: docs/benchmarks.md, "CUDA resources"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Launch configurations of the split-KV decode kernel, swept over the engine's decode workloads.
-
-    PYTHONPATH=. python3 bench/engine_attention.py --json out.json
-
-Each workload is one layer's decode attention as a step of a benchmark runs it (one CUDA graph,
-the grid sized as the engine's captured graphs size it); each configuration is (fewest tokens a
-split reads, tokens per tile, warps, pipeline stages). Reports KV bytes read per second against the 4.26 TB/s copy bandwidth.
-"""
+"""Split-KV decode kernel launch sweep: docs/benchmarks.md, "Decode attention launch"."""
 
 from __future__ import annotations
 

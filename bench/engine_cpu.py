@@ -1,8 +1,4 @@
-"""Engine CPU benchmark: block allocate+free cost; tokens/s vs transformers in the same run.
-
-Usage: .venv/bin/python bench/engine_cpu.py [--batch 16] [--prompt-len 32] [--max-tokens 64]
-Prints one JSON object.
-"""
+"""Block cost and tokens/s vs transformers on CPU: docs/benchmarks.md, "Engine on CPU"."""
 
 from __future__ import annotations
 

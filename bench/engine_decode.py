@@ -1,11 +1,4 @@
-"""Decode step time of the Llama-3-8B shape (bf16, random weights) vs its memory-bandwidth floor,
-transformers `generate` in the same run, plus greedy-token agreement with transformers.
-
-    PYTHONPATH=. python3 bench/engine_decode.py --json out.json
-
-Prints one JSON object. The floor is the bytes a step must read (every weight but the embedding
-table, which is only indexed, plus the KV cache of every sequence) over the copy bandwidth.
-"""
+"""Llama-3-8B decode step vs its floor and transformers: docs/benchmarks.md, "Decode step"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Batch-1 GEMV over the Llama-3-8B projection shapes: cuBLAS (torch.nn.functional.linear) against a
-plain Triton GEMV, each timed inside a CUDA graph (launch gaps included, as in a decode graph).
-
-    PYTHONPATH=. python3 bench/engine_gemv.py --json gemv.json
-
-The question it answers: can our own GEMV read the weights as fast as cuBLAS (or faster on the
-q/k/v and o shapes, where cuBLAS reaches only ~3.2 TB/s and adds a split-K reduce kernel)? Only
-then is fusing RMSNorm, SiLU-and-mul and the residual add into GEMV prologues and epilogues worth
-building. The kernel is the engine's (flashstack/engine/kernels/triton_gemv.py, tested in
-tests/engine/kernels/test_triton_gemv.py), swept over launch configurations here, and so is its
-fused form as the decoder runs it at batch 1 (RMSNorm, SiLU-and-mul, residual add folded in)
-against cuBLAS plus the separate kernel the fusion removes.
-"""
+"""Batch-1 GEMV per 8B projection, Triton vs cuBLAS: docs/benchmarks.md, "Batch-1 GEMV"."""
 
 from __future__ import annotations
 

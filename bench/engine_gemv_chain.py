@@ -1,19 +1,4 @@
-"""Launch configurations of the batch-1 GEMVs, chosen in the decoder's own chain.
-
-One GPU, Llama-3-8B shape bf16, random weights: 32 layers of the batch-1 path's four GEMVs (q/k/v
-with the RMSNorm, o adding the residual, gate/up with the RMSNorm, down with SiLU-and-mul adding
-the residual) in one CUDA graph, attention and all-reduces left out. `--world 2` uses one
-tensor-parallel rank's slices (half the heads and the intermediate size; o and down write a
-partial sum next to the residual, as for the all-reduce). Each projection's (rows per program,
-K chunk, warps) is then swept in turn, the others held, and the chain timed: a GEMV's speed in
-the step depends on its neighbours (programmatic dependent launch overlaps each with the next), so
-the chain, not the GEMV alone, decides.
-
-Reports the chain's time with the engine's configurations (`gemv_config`) and with the best found,
-against the weight-read floor at 4.26 TB/s.
-
-    PYTHONPATH=. python bench/engine_gemv_chain.py --world 1,2 --out result.json
-"""
+"""Batch-1 GEMV launch configurations in the 32-layer chain: docs/benchmarks.md, "GEMV chain"."""
 
 from __future__ import annotations
 

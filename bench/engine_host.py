@@ -1,16 +1,4 @@
-"""The engine's host time per decode step, by part, at a large batch: what the GPU waits for.
-
-A GPU step at batch 256 of a small model takes a few milliseconds; everything the host does between
-two steps (scheduling, packing inputs, sampling bookkeeping, stream deltas) is added to it, since
-a step's tokens are read back before the next is scheduled. This runs the engine on the CPU with a
-one-layer random model (so the model's own time is small and reported separately) and times each
-host part with wall clocks around the engine's own methods.
-
-    .venv/bin/python bench/engine_host.py --batch 256 --prompt 1000 --decode 400
-
-Prints JSON: milliseconds per step for each part, averaged over `--steps` decode steps taken after
-`--decode` warm-up steps (so contexts are prompt + decode tokens long).
-"""
+"""The engine's host time per decode step, by part: docs/benchmarks.md, "Host time per step"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Long context on the Llama-3-8B shape: 32K-token prefill against the compute floor, and the paged
-decode-attention kernel's KV-read bandwidth at 32K across batch sizes and block sizes.
-
-    PYTHONPATH=. python3 bench/engine_long.py --json out.json
-
-The block-size sweep is the measurement behind the KV layout: each block is one contiguous region
-per layer, so a kernel reading a sequence's context streams whole 128-byte segments whatever the
-block size; the sweep shows what the block size still costs (table lookups, partial tiles).
-"""
+"""32K decode attention bandwidth, block sizes, 32K prefill: docs/benchmarks.md, "Long context"."""
 
 from __future__ import annotations
 

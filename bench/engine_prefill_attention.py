@@ -1,15 +1,4 @@
-"""Prefill attention of one layer over the paged KV cache: the engine's Triton paged-prefill kernel
-against torch's fused attention (scaled_dot_product_attention), Llama-3-8B heads, bf16.
-
-    PYTHONPATH=. python3 bench/engine_prefill_attention.py --json out.json
-    PYTHONPATH=. python3 bench/engine_prefill_attention.py --tiny      # CPU smoke test, interpreter
-
-The question it answers (the GPU issue asks for it): for a chunk of a long prompt, with the earlier
-chunks already in the paged cache, is our kernel or torch's fused attention the faster way? torch's
-kernel needs the context as one contiguous tensor, so it is timed twice: with the gather out of the
-paged blocks that the engine would have to pay, and without it (its lower bound, as if the KV cache
-were contiguous). Each chunk is causal within itself and sees every earlier token.
-"""
+"""Paged prefill attention, Triton vs torch SDPA: docs/benchmarks.md, "Prefill attention"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""nano-vllm's throughput workload on the Qwen3-0.6B shape (bf16, random weights): 256 sequences,
-input and output lengths uniform in 100–1024 (seed 0), ignore_eos; transformers in the same run.
-
-    PYTHONPATH=. python3 bench/engine_throughput.py --json out.json
-
-The roofline: every decode step must read the weights once plus the KV cache of every live
-sequence, and the prefill must do 2 × params × prompt tokens FLOPs; the floor is the sum of those
-reads over the copy bandwidth plus the prefill FLOPs over the bf16 matmul rate.
-"""
+"""nano-vllm's throughput workload vs its roofline: docs/benchmarks.md, "Throughput"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""Tensor parallelism: decode-step time on 2 GPUs vs 1, and greedy agreement, Llama-3-8B shape bf16.
-
-Random weights are written on the fly as safetensors in a temp dir (no download). The vocabulary
-head is planted (lm_head row j = embedding row perm(j), embeddings of std 1): greedy then has a wide
-logit margin, so agreement measures the two engines, not bf16 rounding on near-uniform logits; the
-decoder weights (std 0.01) still move the hidden state, and every matmul has the real shape.
-
-    PYTHONPATH=. python bench/engine_tp.py --tp 2 --out result.json
-Prints one JSON object.
-"""
+"""Decode step on 2 GPUs vs 1 and greedy agreement: docs/benchmarks.md, "Tensor parallelism"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""The trained default model (SmolLM2-135M-Instruct, GGUF): bf16 agreement with transformers and
-the batch-1 decode step against its memory-bandwidth floor.
-
-    PYTHONPATH=. python3 bench/engine_trained.py [--gguf PATH] [--prompts 16] [--tokens 64]
-
-Agreement is teacher-forced: transformers' fp32 greedy continuation of each chat prompt is the
-reference; at every position the engine (bf16) and transformers' own bf16 each pick their argmax
-given the reference prefix. Compared per position, one near-tie does not turn every later position
-into a miss. Prints one JSON object.
-"""
+"""SmolLM2 GGUF: agreement with transformers, batch-1 step: docs/benchmarks.md, "Trained model"."""
 
 from __future__ import annotations
 

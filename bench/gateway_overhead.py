@@ -1,19 +1,4 @@
-"""Gateway overhead: flashstack and LiteLLM's proxy, side by side in one run, in front of one mock.
-
-The gateway under test is pinned to core 0; the mock upstream and this load generator to core 1.
-Every number is "through the gateway minus direct to the mock", with the same client, the same
-requests and the same load, measured right after each other. LiteLLM is installed by this script
-into its own virtualenv (.bench/litellm-venv), never into the project's.
-
-    .venv/bin/python bench/gateway_overhead.py            # full run, ≤ 10 min
-    .venv/bin/python bench/gateway_overhead.py --quick    # ≤ 2 min
-    .venv/bin/python bench/gateway_overhead.py --only flashstack --json out.json
-    .venv/bin/python bench/gateway_overhead.py --upstream llamacpp   # a real upstream (`make peers`)
-    .venv/bin/python bench/gateway_overhead.py --quick --only flashstack --traces  # and with OpenTelemetry on
-    .venv/bin/python bench/gateway_overhead.py --quick --only flashstack --no-log  # and without the request log
-
-Prints one JSON object.
-"""
+"""Latency and CPU a gateway adds, flashstack vs LiteLLM: docs/benchmarks.md, "Gateway overhead"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,4 @@
-"""Soak: `flashstack serve` under mixed traffic, hostile clients and a hostile upstream; RSS and fds sampled.
-
-The gateway runs as `python -m flashstack.cli serve --config …` (the CLI's own server construction and
-its default server limits), with a master key and SQLite in a temporary directory, in front of three
-fakes in a separate process: tests/fakes' OpenAI and Anthropic upstreams and tests/fakes/hostile_upstream.py.
-For --minutes this script sends, at a light rate for a shared 2-core machine:
-
-- normal requests on both wires, streamed and not, same-wire and cross-wire, session turns
-  (X-Session-Id), through an API key created over /v1/keys; each must be a 200 with the right text;
-- requests to the hostile upstream (credential echoes, floods past the caps, giant lines, `{}` and
-  wrong shapes, in-stream errors): never a 500, never a credential or an upstream address;
-- clients that misbehave: bad keys, oversized headers, slowloris headers, idle connections before
-  and after a request, never-ending bodies (slow and fast), streams aborted after the first chunk.
-
-Slow clients run in lanes of fixed concurrency; the rest are scheduled at --rate per second. Every
---sample seconds the gateway's RSS and open descriptors are read with psutil. At the end the load
-stops, the connections drain, and one JSON object is printed: outcomes, error rate and latency of the
-normal requests, RSS and fd statistics with their trend (first vs last window), and a verdict.
-
-    .venv/bin/python bench/gateway_soak.py --minutes 30
-    .venv/bin/python bench/gateway_soak.py --minutes 2 --json /tmp/soak.json
-"""
+"""`flashstack serve` under mixed and hostile traffic, RSS and fds: docs/benchmarks.md, "Soak"."""
 
 from __future__ import annotations
 

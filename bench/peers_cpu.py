@@ -1,16 +1,4 @@
-"""llama.cpp vs our engine on the CPU, side by side in one run: the same SmolLM2-135M-Instruct GGUF,
-each behind its own OpenAI-compatible server, tokens/s at 1 and at 16 concurrent requests.
-
-Each server runs alone (the other is stopped) with both cores: llama.cpp with --n_threads 2, the
-engine with torch's default of one thread per core. Requests are greedy with the same prompts, so
-both generate nearly the same tokens; tokens/s is completion tokens (as each server counts them)
-over wall time. llama.cpp needs `make peers`.
-
-    .venv/bin/python bench/peers_cpu.py            # ≈ 3 min on 2 cores
-    .venv/bin/python bench/peers_cpu.py --quick    # ≈ 1 min
-
-Prints one JSON object.
-"""
+"""llama.cpp vs the engine on one GGUF: docs/benchmarks.md, "llama.cpp vs the engine on CPU"."""
 
 from __future__ import annotations
 

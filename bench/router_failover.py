@@ -1,13 +1,4 @@
-"""Added latency of a failover (first deployment refuses the connection) and of a breaker-open skip.
-
-One run, interleaved rounds, p50/p99 in ms, printed as JSON:
-
-    direct        model → a healthy deployment (the baseline)
-    failover      model → a deployment whose port refuses connections, then its fallback (healthy)
-    breaker_skip  the same refusing deployment with its breaker open: skipped without a connect
-
-Usage: PYTHONPATH=. python bench/router_failover.py [--requests 300] [--json out.json]
-"""
+"""Added latency of a failover and a breaker-open skip: docs/benchmarks.md, "Router failover"."""
 
 from __future__ import annotations
 

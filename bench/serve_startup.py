@@ -1,8 +1,4 @@
-"""Seconds from `flashstack serve` (no config file, a new user's environment) to readiness and to the
-first answer of the embedded default model; prints JSON.
-
-    .venv/bin/python bench/serve_startup.py --runs 3
-"""
+"""Seconds from `flashstack serve` to ready and first answer: docs/benchmarks.md, "Start-up"."""
 
 from __future__ import annotations
 

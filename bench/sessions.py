@@ -1,15 +1,4 @@
-"""What sessions, keys and limits cost per request, side by side in one run; prints JSON.
-
-    python bench/sessions.py [--requests 300] [--concurrency 8]
-
-Against one gateway (uvicorn in a thread) in front of the fake OpenAI upstream, per store
-(SQLite file, PostgreSQL on 127.0.0.1:5432 when it runs):
-1. `/v1/chat/completions` without a key (auth off), with a key (one indexed lookup), and with a
-   key that has an rpm limit (in-process limiter, then Redis when it runs).
-2. A session turn: `POST /v1/sessions/{id}/messages` (lease, history read, one commit), with
-   `concurrency` sessions at once, and with every request on one session (fully serialized).
-Latencies are client-side milliseconds (p50, p99); throughput is requests per second.
-"""
+"""Sessions, keys and limits, cost per request: docs/benchmarks.md, "Sessions, keys and limits"."""
 
 from __future__ import annotations
 

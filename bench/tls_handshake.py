@@ -1,13 +1,4 @@
-"""What hot rotation costs per new mTLS connection: uvicorn's own SSL context vs flashstack's ServerTLS.
-
-Three servers in one run, same certificate, client CA and tiny ASGI app: `uvicorn` (ssl_certfile /
-ssl_ca_certs, no rotation possible), `servertls` (flashstack's listening context whose SNI
-callback picks the current certificate), and `servertls_rotating` (the same while a thread installs
-a new certificate every 100 ms). Each connection is a full TLS 1.3 mTLS handshake, one GET and
-close, from `--threads` client threads.
-
-    .venv/bin/python bench/tls_handshake.py [--connections 400] [--threads 4]
-"""
+"""mTLS handshakes with and without hot rotation: docs/benchmarks.md, "TLS handshakes"."""
 
 from __future__ import annotations
 

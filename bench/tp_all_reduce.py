@@ -1,19 +1,4 @@
-"""The tensor-parallel batch-1 all-reduce, alone and inside the decoder's GEMV chain, 2 ranks.
-
-Per rank, Llama-3-8B shape bf16 with random weights, one token: each layer runs the batch-1 path's
-GEMVs (q/k/v with the norm, o writing its partial into the peer-visible buffer, all-reduce, gate/up
-with the norm, down with SiLU into the buffer, all-reduce), 32 layers in one CUDA graph, attention
-left out. The all-reduce is our push (kernels/triton_collectives.py; the engine's, with
-EngineConfig.kernels' values and warps per program), NCCL, or none (each rank keeps its partial: the
-GEMVs' floor). Also
-64 all-reduces in a row of 8 KB (batch 1) and 256 KB (batch 32), each fed by a copy.
-
-Reports per-layer time, per-all-reduce cost (chain minus the no-all-reduce chain), the roofline
-of the chain's weight bytes at 4.26 TB/s and the fraction achieved, for rank 0.
-
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-        PYTHONPATH=. python bench/tp_all_reduce.py --out result.json
-"""
+"""Tensor-parallel batch-1 all-reduce in the GEMV chain: docs/benchmarks.md, "TP all-reduce"."""
 
 from __future__ import annotations
 

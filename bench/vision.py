@@ -1,13 +1,4 @@
-"""Image payload costs, side by side in one run; prints JSON.
-
-    python bench/vision.py [--json out.json] [--quick]
-
-1. base64 decode GB/s (decoded bytes / time): stdlib vs pybase64, and, with CUDA, the Triton
-   kernel with transfers included (pageable, and through pinned staging buffers).
-2. The gateway's image path (`vision.normalize`: decode base64 + validate + resize + re-encode +
-   base64) for a 12-MP JPEG: an image that needs no resize, one that does, and a batch of 16 that
-   do, on the CPU (Pillow) and, with CUDA, on the GPU (nvJPEG); plus decode alone.
-"""
+"""Base64 decode and the image path, CPU vs GPU: docs/benchmarks.md, "Vision"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""JSON library cost on the gateway's own payloads: orjson vs the standard library, µs per call.
-
-    .venv/bin/python bench/gateway/json_compare.py [--n 20000]
-
-The gateway parses every request body and every upstream event, and serializes every response and
-every event it forwards. The payloads are what the hot path sees: an OpenAI chat request (a system
-prompt, a 4-turn conversation, one tool), a chat completion, and a single-token stream chunk.
-Prints JSON; pinned to one core when the machine has more than one.
-"""
+"""orjson vs json on the gateway's payloads: docs/benchmarks.md, "JSON library"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""CPU the server limits add per request: uvicorn's httptools protocol with and without them.
-
-One process, one core, no sockets: each protocol class gets keep-alive requests through a fake
-transport on a uvloop loop and answers them from a minimal ASGI app, so the difference is the
-protocol's own work. Rounds alternate the classes. Also times BrowserGuard.check (auth off) per call.
-
-    .venv/bin/python bench/gateway/server_limits_overhead.py [--requests 20000] [--rounds 5]
-
-Prints one JSON object.
-"""
+"""CPU the server limits add per request: docs/benchmarks.md, "Server limits"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""CPU per request of the wire edges, a baseline tree beside the working tree, in one run.
-
-The edges of a chat request, in process and without sockets: validate the client's body, translate it
-to canonical types, render the upstream's body (orjson), decode the upstream's reply (a JSON body,
-or the mock's stream of 20 content events) and render what the client gets. Everything else a
-request costs (HTTP, routing, sessions) is the same in both trees; bench/gateway_overhead.py measures
-that end to end.
-
-    .venv/bin/python bench/gateway/translate_cost.py --baseline d72ff7d^    # a git rev
-
-Prints one JSON object: microseconds per request (median of 7 rounds) for each path and tree.
-"""
+"""CPU per request of the wire edges, two trees: docs/benchmarks.md, "Wire edges"."""
 
 from __future__ import annotations
 
