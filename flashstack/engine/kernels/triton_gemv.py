@@ -24,10 +24,7 @@ more bytes in flight per program without spending registers on them. Same chunks
 bits either way. It pays where a program's share is long: the down projection (14336-wide rows)
 with three stages took the 8B batch-1 decode step from 4.14 to 4.06 ms on the H200.
 
-Measured on the H200 (`bench/engine_gemv.py`, each weight read from memory as in a decode step),
-fused against cuBLAS plus the kernel the fusion removes: q/k/v + norm 17.3 → 14.3 µs, o + residual
-13.6 → 9.8 µs, gate/up + norm 57.7 → 55.4 µs, down + SiLU + residual 33.9 → 31.3 µs; lm_head
-plain 247 → 235 µs. In the 8B decode step at batch 1: 4.81 → 4.25 ms (docs/benchmarks.md).
+Against cuBLAS on the H200: docs/benchmarks.md, "Batch-1 GEMV", "GEMV chain" and "Decode step".
 """
 
 from __future__ import annotations
