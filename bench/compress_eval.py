@@ -1,15 +1,4 @@
-"""Fact retention of compression vs truncation at the same token budget, on synthetic conversations.
-
-Each conversation is deterministic (seeded), mixes five topics, plants facts (names, numbers,
-decisions, code) in its older part, and ends with a user turn asking about one of them. A fact is
-retained when its answer string still appears in the compressed context (a kept message or a summary).
-Compression is measured with each summarizer of --summarizers: extractive (sentences of the cluster)
-and local (SmolLM2-135M-Instruct on the in-process engine, greedy), on the same plans.
-Also: DBSCAN's clusters vs the true topics (adjusted Rand index) for several eps values.
-
-    .venv/bin/python bench/compress_eval.py [--conversations 40] [--messages 120] [--ratio 4]
-        [--summarizers extractive,local] [--max-plan-seconds 600]
-"""
+"""Fact retention, summarizers, eps, token counts: docs/benchmarks.md, "Compression: retention"."""
 
 from __future__ import annotations
 

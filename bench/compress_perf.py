@@ -1,9 +1,4 @@
-"""Embedding and compression-pipeline speed on CPU: torch fp32 vs onnxruntime fp32 vs int8, side by side.
-
-Each backend runs in its own process with the same thread count; the parent prints one JSON object.
-
-    .venv/bin/python bench/compress_perf.py [--threads 2] [--repeat 20]
-"""
+"""Embedding and compression-pipeline speed on CPU: docs/benchmarks.md, "Compression: speed"."""
 
 from __future__ import annotations
 
