@@ -414,11 +414,9 @@ def _cross_json(req: ChatRequest, upstream_model: str, default_max_tokens: int |
         "max_tokens": req.max_tokens or default_max_tokens or DEFAULT_MAX_TOKENS,
         "messages": _messages_json([m for m in req.messages if m.role != "system"], same=False, req=req),
     }
-    system = "\n\n".join(t.text for t in [*req.system, *late])
     if any(t.extra.get("name") for t in [*req.system, *late]):
         req.exchange.dropped.add("messages[].name")
-    if req.response_format is not None:
-        system = (system + "\n\n" if system else "") + _json_instruction(req.response_format)
+    system = _cross_system(req, [*req.system, *late])
     if system:
         body["system"] = system
     if req.stop:
@@ -441,6 +439,26 @@ def _cross_json(req: ChatRequest, upstream_model: str, default_max_tokens: int |
     if req.stream:
         body["stream"] = True
     return body
+
+
+def _cross_system(req: ChatRequest, texts: list[Text]) -> str | list[dict[str, Any]]:
+    """The system prompt: one string, or text blocks where a system message came as parts (each
+    part a block, its cache_control kept: Anthropic's own marker)."""
+    from flashstack.gateway.translate.openai import system_parts
+
+    parts = [system_parts(t) for t in texts]
+    instruction = _json_instruction(req.response_format) if req.response_format is not None else ""
+    if all(p is None for p in parts):
+        return "\n\n".join(t for t in [*(t.text for t in texts), instruction] if t)
+    blocks: list[dict[str, Any]] = []
+    for t, listed in zip(texts, parts):
+        for part in listed if listed is not None else [Text(t.text)]:
+            req.exchange.dropped.update(f"messages[].content[].{k}" for k in part.extra)
+            if part.text:
+                blocks.append(_cached({"type": "text", "text": part.text}, part.cache_control))
+    if instruction:
+        blocks.append({"type": "text", "text": instruction})
+    return blocks
 
 
 def _apply_reasoning(body: dict[str, Any], req: ChatRequest) -> None:

@@ -143,6 +143,10 @@ OPENAI_PARTS: tuple[Field, ...] = (
     F("messages[].role=developer", M, "system", {"messages": [{"role": "developer", "content": "Be brief."}, HI]}),
     F("messages[].role=system", M, "system (one after the first turn joins it too)",
       {"messages": [HI, {"role": "system", "content": "Be brief."}]}),
+    F("messages[role=system].content[]", M, "a system text block each (cache_control kept)", {"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                          {"type": "text", "text": "Cite.", "cache_control": {"type": "ephemeral"}}]},
+        HI]}),
     F("messages[].name", D, "no participant names on the Messages API",
       {"messages": [{"role": "user", "content": "hi", "name": "ada"}]}),
     F("messages[].content[].type=text", M, "text block", _o({"type": "text", "text": "hi"})),

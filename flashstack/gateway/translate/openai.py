@@ -154,6 +154,16 @@ def _system_text(m: w.SystemMessage, raw: dict[str, Any]) -> Text:
     return Text(_text_of(m.content), extra=extra)
 
 
+def system_parts(t: Text) -> list[Text] | None:
+    """The content parts of a system or developer message as sent in a list, one Text each (None:
+    it came as one string); what a wire of system blocks (Anthropic's) takes them as."""
+    content = t.extra.get("content")
+    if not isinstance(content, list):
+        return None
+    return [Text(str(p.get("text", "")), p.get("cache_control"), _extra(p, _TEXT_PART_KEYS))
+            for p in content if isinstance(p, dict)]
+
+
 def _text_of(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content

@@ -88,7 +88,8 @@ def test_openai_request_to_anthropic_maps_what_has_a_counterpart(clients, answer
         model="claude", messages=samples.openai_messages(), reasoning_effort="low", user="user-9",
         max_completion_tokens=2048, parallel_tool_calls=False, tools=[samples.WEATHER_TOOL], seed=3)
     sent = answered["anthropic"].requests[-1].body
-    assert sent["system"] == "Be terse.\n\nAnswer in JSON.\n\nNow be verbose."  # developer and system messages
+    # Developer and system messages, wherever they stood; the ones sent as parts make it blocks.
+    assert sent["system"] == [{"type": "text", "text": t} for t in ("Be terse.", "Answer in JSON.", "Now be verbose.")]
     assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1024} and sent["max_tokens"] == 2048
     assert sent["metadata"] == {"user_id": "user-9"}
     assert sent["tool_choice"] == {"type": "auto", "disable_parallel_tool_use": True}
@@ -101,6 +102,35 @@ def test_openai_request_to_anthropic_maps_what_has_a_counterpart(clients, answer
     assert completion.usage.prompt_tokens_details.cached_tokens == 1000
     assert completion.choices[0].message.tool_calls[0].function.name == "get_time"
     assert completion.choices[0].finish_reason == "tool_calls"
+
+
+SYSTEM_PARTS = {"role": "developer", "content": [
+    {"type": "text", "text": "Be terse."}, {"type": "text", "text": "Cite.", "cache_control": samples.CACHE}]}
+LATE_PARTS = {"role": "system", "content": [{"type": "text", "text": "Now be verbose."}]}
+
+
+def test_openai_system_parts_pass_whole_to_an_openai_upstream(clients, answered):
+    messages = [SYSTEM_PARTS, {"role": "user", "content": "hi"}, LATE_PARTS]
+    clients["gateway"][0].chat.completions.create(model="oai", messages=copy.deepcopy(messages))
+    assert answered["openai"].requests[-1].body["messages"] == messages
+
+
+def test_openai_system_parts_to_anthropic_are_system_blocks(clients, answered):
+    messages = [SYSTEM_PARTS, {"role": "user", "content": "hi"}, LATE_PARTS]
+    raw = clients["gateway"][0].chat.completions.with_raw_response.create(
+        model="claude", messages=copy.deepcopy(messages), response_format={"type": "json_object"})
+    system = answered["anthropic"].requests[-1].body["system"]
+    assert system[:3] == [{"type": "text", "text": "Be terse."},
+                          {"type": "text", "text": "Cite.", "cache_control": samples.CACHE},
+                          {"type": "text", "text": "Now be verbose."}]
+    assert len(system) == 4 and system[3]["text"].startswith("Reply with one JSON object")  # response_format
+    assert not _request_fields_dropped(raw.headers)
+
+
+def _request_fields_dropped(headers) -> set[str]:
+    """The request's fields named in x-flashstack-dropped (the response's are named `response.…`)."""
+    names = set(filter(None, headers.get("x-flashstack-dropped", "").split(",")))
+    return {n for n in names if not n.startswith("response.")}
 
 
 def test_anthropic_stream_to_an_openai_client(clients, answered):
