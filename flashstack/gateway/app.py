@@ -112,7 +112,8 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
     async def get_model(model_id: str, request: Request) -> Response:
         caller = await session_hooks.authenticate(request)
         router: Router = request.app.state.router
-        if model_id not in router.groups or not may_use(caller, model_id):
+        listed = model_id in router.groups or model_id == embeddings.MINILM
+        if not listed or not may_use(caller, model_id):
             err = GatewayError(ErrorKind.NOT_FOUND, f"model {model_id!r} does not exist", param="model",
                                code="model_not_found")
             return chat.error_response(_wire_of(request), err)
@@ -289,20 +290,25 @@ def _wire_of(request: Request) -> chat.WireFormat:
 
 def model_json(name: str, router: Router) -> dict[str, object]:
     """One model, readable by both SDKs: OpenAI's Model and Anthropic's ModelInfo fields."""
-    cfg = router.config_of(name)
+    if name == embeddings.MINILM and name not in router.groups:  # in process, not configured
+        owner, display = "flashstack", embeddings.MINILM_DESCRIPTION
+    else:
+        cfg = router.config_of(name)
+        owner, display = cfg.provider, cfg.description or name
     return {
         "id": name,
         "object": "model",
         "created": _STARTED,
-        "owned_by": cfg.provider,
+        "owned_by": owner,
         "type": "model",
-        "display_name": cfg.description or name,
+        "display_name": display,
         "created_at": datetime.fromtimestamp(_STARTED, UTC).isoformat().replace("+00:00", "Z"),
     }
 
 
 def models_json(router: Router, caller: Caller = ANONYMOUS) -> dict[str, object]:
-    data = [model_json(name, router) for name in router.model_names() if may_use(caller, name)]
+    names = [*router.model_names(), *([embeddings.MINILM] if embeddings.MINILM not in router.groups else [])]
+    data = [model_json(name, router) for name in names if may_use(caller, name)]
     return {
         "object": "list",
         "data": data,

@@ -1,8 +1,9 @@
 """Legacy `POST /v1/completions` (a raw prompt, no chat template): passed to an OpenAI-compatible
 upstream as sent, or run on the local engine.
 
-Like embeddings, a completion goes to the model's first deployment that can serve it (OpenAI-
-compatible or local), outside the chat router's retries, fallbacks and breakers.
+A completion is logged, traced and counted against the key as a chat request is (accounting.py),
+and goes through the router's retries, fallbacks and breakers to the deployments that can serve it
+(OpenAI-compatible or local); a stream may move to another deployment until its first event.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flashstack.gateway import chat
-from flashstack.gateway.auth import may_use
+from flashstack.gateway import accounting, chat
+from flashstack.gateway.accounting import Accounting, usage_of
 from flashstack.gateway.core import (
     ChatRequest,
     Error,
-    ErrorKind,
     Event,
     Finish,
     GatewayError,
@@ -33,8 +33,7 @@ from flashstack.gateway.core import (
 )
 from flashstack.gateway.providers.local import LocalProvider
 from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
-from flashstack.gateway.router import Deployment, Router
-from flashstack.gateway.sessions import hooks as session_hooks
+from flashstack.gateway.router import Deployment, Router, RouteTrace
 from flashstack.gateway.streaming import EventStream, pulled
 from flashstack.gateway.translate.openai import FINISH_REASON, error_json
 
@@ -62,28 +61,42 @@ class CompletionRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
 
 
+OPERATION = "text_completion"  # the GenAI operation name
+
+
 async def handle(request: Request, router: Router, limits: chat.Limits) -> Response:
-    try:
-        caller = await session_hooks.authenticate(request)
-        body = await chat.read_json(request, limits.max_body_bytes)
-        req = _parse(body)
-        if not may_use(caller, req.model):
-            raise GatewayError(ErrorKind.PERMISSION, f"this API key may not use model {req.model!r}", param="model")
-        dep = _deployment(router, req.model)
+    return await accounting.serve(request, OPERATION, lambda acct: _serve(acct, router, limits))
+
+
+async def _serve(acct: Accounting, router: Router, limits: chat.Limits) -> Response:
+    await acct.authenticate()
+    body = await chat.read_json(acct.request, limits.max_body_bytes)
+    req = _parse(body)
+    _deployment(router, req.model)  # 404 for an unknown model, 400 for a chat-only one
+    creq = await acct.admit(req.model, req.prompt, req.max_tokens or DEFAULT_MAX_TOKENS, bool(req.stream))
+
+    async def send(dep: Deployment) -> Response:
         if isinstance(dep.provider, OpenAICompatProvider):
-            return await _forward(dep, req, body)
-        return await _local(dep, req, body)
-    except GatewayError as e:
-        return chat.error_response(chat.OPENAI, e)
+            return await _forward(acct, dep, req, body)
+        return await _local(acct, dep, req, body)
+
+    response = await router.call(creq, acct.trace, OPERATION, _serves, send)
+    if not isinstance(response, EventStream):
+        await acct.finish(acct.trace.usage)
+    return response
 
 
 def _parse(body: Any) -> CompletionRequest:
     return chat.parse_object(CompletionRequest, body)
 
 
+def _serves(dep: Deployment) -> bool:
+    return isinstance(dep.provider, OpenAICompatProvider | LocalProvider)
+
+
 def _deployment(router: Router, model: str) -> Deployment:
     for dep in router.deployments(model):  # 404 for an unknown model
-        if isinstance(dep.provider, OpenAICompatProvider | LocalProvider):
+        if _serves(dep):
             return dep
     raise invalid_request(f"model {model!r} is served over a chat-only API; /v1/completions needs an "
                           "OpenAI-compatible or local model (or send it to /v1/chat/completions)", "model")
@@ -92,48 +105,69 @@ def _deployment(router: Router, model: str) -> Deployment:
 # ---- an OpenAI-compatible upstream: the body as sent -----------------------------------------
 
 
-async def _forward(dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
+async def _forward(acct: Accounting, dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
     provider: OpenAICompatProvider = dep.provider  # type: ignore[assignment]
     sent = {**body, "model": dep.cfg.model}
     if not req.stream:
         reply = await provider.forward("/completions", sent)
+        acct.trace.usage = usage_of(reply)
         if isinstance(reply, dict) and "model" in reply:
             reply["model"] = req.model
         return chat.json_response(reply)
+    asked = bool((req.stream_options or {}).get("include_usage"))
+    # Usage is asked for whatever the client asked: it is what the key is charged by.
+    sent["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
     chunks = provider.forward_stream("/completions", sent)
     first = await anext(chunks, b"")  # an upstream's refusal is a status, before any byte goes out
-    return EventStream(_renamed(first, chunks, req.model), media_type="text/event-stream",
-                       headers={"cache-control": "no-cache"})
+    relay = _Relay(req.model, asked, acct.trace)
+    return EventStream(acct.settled(relay.lines(first, chunks), lambda: relay.usage),
+                       media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
-async def _renamed(first: bytes, chunks: AsyncIterator[bytes], model: str) -> AsyncIterator[bytes]:
-    """The upstream's events, `model` renamed to the one the client asked for."""
-    try:
-        yield _renamed_line(first, model)
-        async for line in chunks:
-            yield _renamed_line(line, model)
-    except GatewayError as e:  # after the first byte: the failure goes out as the stream's last event
-        yield _sse(error_json(e))
+class _Relay:
+    """The upstream's events, `model` renamed to the one the client asked for, and usage kept
+    (and taken out, when the client did not ask for it)."""
 
+    def __init__(self, model: str, include_usage: bool, trace: RouteTrace) -> None:
+        self.model, self.include_usage, self.trace = model, include_usage, trace
+        self.usage: Usage | None = None
 
-def _renamed_line(line: bytes, model: str) -> bytes:
-    data = line[len(b"data: "):].strip()
-    if data == b"[DONE]":
-        return line
-    try:
-        chunk = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return line
-    if isinstance(chunk, dict) and "model" in chunk:
-        chunk["model"] = model
+    async def lines(self, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            if (out := self._line(first)) is not None:
+                yield out
+            async for line in chunks:
+                if (out := self._line(line)) is not None:
+                    yield out
+        except GatewayError as e:  # after the first byte: the failure goes out as the stream's last event
+            self.trace.error = e.message
+            yield _sse(error_json(e))
+
+    def _line(self, line: bytes) -> bytes | None:
+        data = line[len(b"data: "):].strip()
+        if data == b"[DONE]":
+            return line
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return line
+        if not isinstance(chunk, dict):
+            return line
+        if chunk.get("usage"):
+            self.usage = usage_of(chunk)
+        if not self.include_usage:
+            if chunk.get("usage") and not chunk.get("choices"):
+                return None  # the usage-only chunk the gateway asked for
+            chunk.pop("usage", None)
+        if "model" in chunk:
+            chunk["model"] = self.model
         return _sse(chunk)
-    return line
 
 
 # ---- the local engine ------------------------------------------------------------------------
 
 
-async def _local(dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
+async def _local(acct: Accounting, dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
     prompt = _one_prompt(req)
     for name, why in _LOCAL_REFUSED.items():
         value = body.get(name)
@@ -151,8 +185,8 @@ async def _local(dep: Deployment, req: CompletionRequest, body: dict[str, Any]) 
     encoder = _Encoder(req.model, bool((req.stream_options or {}).get("include_usage")))
     if req.stream:
         first = await anext(events)  # the engine's refusal (a prompt too long) is a 400, not a stream
-        return EventStream(encoder.sse(_chain(first, events)), media_type="text/event-stream",
-                           headers={"cache-control": "no-cache", **headers})
+        return EventStream(acct.settled(encoder.sse(_chain(first, events)), lambda: encoder.usage),
+                           media_type="text/event-stream", headers={"cache-control": "no-cache", **headers})
     text, finish = [], None
     async for ev in events:
         if isinstance(ev, TextDelta):
@@ -160,6 +194,7 @@ async def _local(dep: Deployment, req: CompletionRequest, body: dict[str, Any]) 
         elif isinstance(ev, Finish):
             finish = ev
     assert finish is not None
+    acct.trace.usage = finish.usage
     return chat.json_response(encoder.body("".join(text), finish, finish.usage), headers=headers or None)
 
 
@@ -184,6 +219,7 @@ class _Encoder:
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model, self.include_usage = model, include_usage
+        self.usage: Usage | None = None  # the Finish's, once it went out
         self.id, self.created = "cmpl-" + uuid.uuid4().hex, int(time.time())
 
     def body(self, text: str, finish: Finish | None, usage: Usage | None) -> dict[str, Any]:
@@ -201,6 +237,7 @@ class _Encoder:
             if isinstance(ev, TextDelta):
                 yield _sse(self.body(ev.text, None, None))
             elif isinstance(ev, Finish):
+                self.usage = ev.usage
                 yield _sse(self.body("", ev, None))
                 if self.include_usage:
                     yield _sse({**self.body("", None, ev.usage), "choices": []})

@@ -1,8 +1,9 @@
 """`POST /v1/embeddings`: passed to an OpenAI-compatible upstream as sent, or served by `minilm`,
 the all-MiniLM-L6-v2 (int8 ONNX) the gateway ships for context compression.
 
-Passing through goes to the model's first OpenAI-compatible deployment; embeddings do not take part
-in the chat router's retries, fallbacks and breakers.
+Either way the request is logged, traced and counted against the key as a chat request is
+(accounting.py); passing through goes through the router's retries, fallbacks and breakers, to the
+model's OpenAI-compatible deployments.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flashstack.gateway import chat
-from flashstack.gateway.auth import may_use
+from flashstack.gateway import accounting, chat
+from flashstack.gateway.accounting import Accounting, usage_of
 from flashstack.gateway.compress import Compressor
-from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
+from flashstack.gateway.core import ErrorKind, GatewayError, Usage, invalid_request
 from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
-from flashstack.gateway.router import Router
-from flashstack.gateway.sessions import hooks as session_hooks
+from flashstack.gateway.router import Deployment, Router, RouteTrace
 
 MINILM = "minilm"
 MINILM_DIMENSIONS = 384
+MINILM_DESCRIPTION = "all-MiniLM-L6-v2 (int8 ONNX, in process): 384-dimensional text embeddings"
 _MINILM_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions"})
 MAX_INPUTS = 2048  # what api.openai.com takes in one request
 
@@ -38,41 +39,56 @@ class EmbeddingsRequest(BaseModel):
     user: str | None = None
 
 
+OPERATION = "embeddings"  # the GenAI operation name
+
+
 async def handle(request: Request, router: Router, compressor: Compressor, limits: chat.Limits) -> Response:
     """One embeddings request; every failure is an OpenAI error body."""
-    try:
-        caller = await session_hooks.authenticate(request)
-        body = await chat.read_json(request, limits.max_body_bytes)
-        req = _parse(body)
-        if not may_use(caller, req.model):
-            raise GatewayError(ErrorKind.PERMISSION, f"this API key may not use model {req.model!r}", param="model")
-        if req.model in router.groups:
-            return await _forward(router, req.model, body)
-        if req.model == MINILM:
-            # What minilm has no use for (user, a newer field) is named, not silently ignored.
-            dropped = sorted(k for k in body if k not in _MINILM_FIELDS)
-            headers = {"x-flashstack-dropped": ",".join(dropped)} if dropped else None
-            return chat.json_response(await _minilm(compressor, req), headers=headers)
-        known = ", ".join([*router.model_names(), MINILM])
-        raise GatewayError(ErrorKind.NOT_FOUND, f"model {req.model!r} does not exist; available models: {known}",
-                           param="model", code="model_not_found")
-    except GatewayError as e:
-        return chat.error_response(chat.OPENAI, e)
+    return await accounting.serve(request, OPERATION, lambda acct: _serve(acct, router, compressor, limits))
+
+
+async def _serve(acct: Accounting, router: Router, compressor: Compressor, limits: chat.Limits) -> Response:
+    await acct.authenticate()
+    body = await chat.read_json(acct.request, limits.max_body_bytes)
+    req = _parse(body)
+    if req.model in router.groups:
+        if not any(_serves(d) for d in router.deployments(req.model)):
+            raise invalid_request(f"model {req.model!r} has no OpenAI-compatible deployment, and only those serve "
+                                  f"embeddings; use {MINILM!r} or an OpenAI-compatible embedding model", "model")
+        creq = await acct.admit(req.model, req.input, 1)
+        trace = acct.trace
+        reply = await router.call(creq, trace, OPERATION, _serves, lambda dep: _forward(dep, body, trace))
+        if isinstance(reply, dict) and "model" in reply:
+            reply["model"] = req.model
+        await acct.finish(trace.usage)
+        return chat.json_response(reply)
+    if req.model == MINILM:
+        await acct.admit(MINILM, req.input, 1)
+        acct.trace.served_by = MINILM  # in process: no deployment, no router
+        out = await _minilm(compressor, req)
+        await acct.finish(Usage(input_tokens=out["usage"]["prompt_tokens"]))
+        # What minilm has no use for (user, a newer field) is named, not silently ignored.
+        dropped = sorted(k for k in body if k not in _MINILM_FIELDS)
+        headers = {"x-flashstack-dropped": ",".join(dropped)} if dropped else None
+        return chat.json_response(out, headers=headers)
+    known = ", ".join([*router.model_names(), MINILM])
+    raise GatewayError(ErrorKind.NOT_FOUND, f"model {req.model!r} does not exist; available models: {known}",
+                       param="model", code="model_not_found")
 
 
 def _parse(body: Any) -> EmbeddingsRequest:
     return chat.parse_object(EmbeddingsRequest, body)
 
 
-async def _forward(router: Router, model: str, body: dict[str, Any]) -> Response:
-    for dep in router.deployments(model):
-        if isinstance(dep.provider, OpenAICompatProvider):
-            reply = await dep.provider.forward("/embeddings", {**body, "model": dep.cfg.model})
-            if isinstance(reply, dict) and "model" in reply:
-                reply["model"] = model
-            return chat.json_response(reply)
-    raise invalid_request(f"model {model!r} has no OpenAI-compatible deployment, and only those serve embeddings; "
-                          f"use {MINILM!r} or an OpenAI-compatible embedding model", "model")
+def _serves(dep: Deployment) -> bool:
+    return isinstance(dep.provider, OpenAICompatProvider)
+
+
+async def _forward(dep: Deployment, body: dict[str, Any], trace: RouteTrace) -> Any:
+    provider: OpenAICompatProvider = dep.provider  # type: ignore[assignment]
+    reply = await provider.forward("/embeddings", {**body, "model": dep.cfg.model})
+    trace.usage = usage_of(reply)
+    return reply
 
 
 async def _minilm(compressor: Compressor, req: EmbeddingsRequest) -> dict[str, Any]:

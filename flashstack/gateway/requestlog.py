@@ -29,7 +29,7 @@ PRUNE_EVERY = 3600.0  # seconds between deletions of rows past spend.retention_d
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One chat request as the log keeps it; filled in as the request goes, ended once."""
+    """One request (chat, embeddings, legacy completion) as the log keeps it; filled in as it goes, ended once."""
 
     trace: RouteTrace
     wire: str
@@ -49,11 +49,12 @@ class RequestRecord:
     charged: Any = None  # the request's budget hold (auth.Reservation.budget): its settled cost wins
     ended: bool = False
 
-    def request(self, req: ChatRequest, session_id: str | None = None) -> None:
+    def request(self, req: ChatRequest, session_id: str | None = None, operation: str = "chat") -> None:
         self.model, self.stream, self.session_id = req.model, req.stream, session_id
         if self.trace.span is not None:
-            self.trace.span.update_name(f"chat {req.model}")  # type: ignore[attr-defined]
-            self.trace.span.set_attributes(telemetry.request_attributes(req))  # type: ignore[attr-defined]
+            self.trace.span.update_name(f"{operation} {req.model}")  # type: ignore[attr-defined]
+            attrs = {**telemetry.request_attributes(req), "gen_ai.operation.name": operation}
+            self.trace.span.set_attributes(attrs)  # type: ignore[attr-defined]
 
     @property
     def usage(self) -> Usage:

@@ -183,6 +183,17 @@ class Router:
         """The whole response, from the first deployment (or fallback) that gives one."""
         return await self._route(request, trace or RouteTrace(), self._complete_on)
 
+    async def call(self, request: ChatRequest, trace: RouteTrace, operation: str,
+                   serves: Callable[[Deployment], bool], send: Callable[[Deployment], Awaitable[T]]) -> T:
+        """`send` to a deployment of `request.model` (or of a fallback) that `serves` the `operation`
+        (embeddings, legacy completions), with a chat request's retries, breakers and attempt spans;
+        `send` sets `trace.usage` when the reply tells it."""
+
+        async def attempt(dep: Deployment, req: ChatRequest, tr: RouteTrace) -> T:
+            return await self._call_on(dep, req, tr, lambda d: send(d), operation)
+
+        return await self._route(request, trace, attempt, serves)
+
     async def readiness(self) -> dict[str, list[dict[str, object]]]:
         """Per model, per deployment: breaker state, in-flight count, last health probe."""
         deps = self.all_deployments()
@@ -219,14 +230,15 @@ class Router:
     # ---- routing -----------------------------------------------------------------------------
 
     async def _route(self, request: ChatRequest, trace: RouteTrace,
-                     attempt: Callable[[Deployment, ChatRequest, RouteTrace], Awaitable[T]]) -> T:
+                     attempt: Callable[[Deployment, ChatRequest, RouteTrace], Awaitable[T]],
+                     serves: Callable[[Deployment], bool] | None = None) -> T:
         self.start()
         t0 = time.perf_counter()
         model, chain, hops = request.model, self._fallbacks(request.model), 0
         visited = {model}
         while True:
             try:
-                result = await self._try_group(model, request, trace, attempt, first=hops == 0)
+                result = await self._try_group(model, request, trace, attempt, serves)
             except GatewayError as e:
                 reason = _fallback_reason(e)
                 if reason is None:
@@ -234,7 +246,7 @@ class Router:
                     raise
                 if reason != "error":  # a special chain replaces the ordinary one for what is left
                     chain = self._special_fallbacks(model, reason)
-                nxt = next((m for m in chain if m not in visited and m in self.groups), None)
+                nxt = next((m for m in chain if m not in visited and self._serving(m, serves)), None)
                 if nxt is None or hops >= self.cfg.max_fallbacks:
                     self._finish(request, trace, t0, f"error_{e.status}")
                     raise
@@ -254,9 +266,15 @@ class Router:
         _log("routed", trace, model=request.model, outcome=outcome, deployment=trace.served_by,
              attempts=len(trace.attempts), ms=round((time.perf_counter() - t0) * 1000, 2))
 
+    def _serving(self, name: str, serves: Callable[[Deployment], bool] | None) -> list[Deployment]:
+        """The deployments of `name` that can take the request (all of them for a chat)."""
+        return [d for d in self.groups.get(name, []) if serves is None or serves(d)]
+
     async def _try_group(self, name: str, request: ChatRequest, trace: RouteTrace,
-                         attempt: Callable[[Deployment, ChatRequest, RouteTrace], Awaitable[T]], first: bool) -> T:
-        group = self.deployments(name)
+                         attempt: Callable[[Deployment, ChatRequest, RouteTrace], Awaitable[T]],
+                         serves: Callable[[Deployment], bool] | None = None) -> T:
+        self.deployments(name)  # 404 for an unknown model
+        group = self._serving(name, serves)
         self._check_window(name, group, request)
         failed: dict[str, int] = {}  # deployment id → failures on this request
         skip: set[str] = set()  # told to come back later than we are willing to wait
@@ -349,12 +367,17 @@ class Router:
     # ---- one attempt on one deployment -------------------------------------------------------
 
     async def _complete_on(self, dep: Deployment, request: ChatRequest, trace: RouteTrace) -> ChatResponse:
+        return await self._call_on(dep, request, trace, lambda d: d.provider.complete(request))
+
+    async def _call_on(self, dep: Deployment, request: ChatRequest, trace: RouteTrace,
+                       send: Callable[[Deployment], Awaitable[T]], operation: str = "chat") -> T:
+        """One attempt whose reply comes whole: a chat response, or an operation's (its usage in `trace`)."""
         t0 = time.perf_counter()
-        span = _attempt_span(dep, request, trace)
+        span = _attempt_span(dep, request, trace, operation)
         await self._enter(dep)
         try:
-            with telemetry.sending(span):
-                resp = await dep.provider.complete(request)
+            with telemetry.sending(span, trace.tracing):
+                resp = await send(dep)
         except BaseException as e:
             if isinstance(e, GatewayError):
                 e = self._sanitized(e)
@@ -365,8 +388,11 @@ class Router:
             raise
         finally:
             await self._leave(dep)
-        trace.usage = resp.usage
-        telemetry.end_attempt(span, None, resp.usage, resp.model, resp.stop_reason)
+        if isinstance(resp, ChatResponse):
+            trace.usage = resp.usage
+            telemetry.end_attempt(span, None, resp.usage, resp.model, resp.stop_reason)
+        else:
+            telemetry.end_attempt(span, None, trace.usage)
         await self._served(dep, trace, t0, time.perf_counter() - t0)
         return resp
 
@@ -377,7 +403,7 @@ class Router:
         events = dep.provider.stream(request)
         head: list[Event] = []
         try:
-            with telemetry.sending(span):  # the upstream request goes out at the first event
+            with telemetry.sending(span, trace.tracing):  # the upstream request goes out at the first event
                 head = await self._first_token(dep, events)
         except BaseException as e:
             with suppress(Exception):
@@ -522,11 +548,11 @@ class Router:
             _log("breaker_half_open", RouteTrace(), deployment=dep.id, reason="health probe passed")
 
 
-def _attempt_span(dep: Deployment, request: ChatRequest, trace: RouteTrace) -> object:
+def _attempt_span(dep: Deployment, request: ChatRequest, trace: RouteTrace, operation: str = "chat") -> object:
     """The attempt's span under the request's, when the request is traced."""
     if trace.tracing is None or trace.span is None:
         return None
-    return trace.tracing.attempt_span(trace.span, dep.id, dep.cfg, request, len(trace.attempts) + 1)
+    return trace.tracing.attempt_span(trace.span, dep.id, dep.cfg, request, len(trace.attempts) + 1, operation)
 
 
 class _StreamUsage:

@@ -1,4 +1,5 @@
-"""OpenTelemetry traces: a server span per chat request, a client span per upstream attempt.
+"""OpenTelemetry traces: a server span per request, a client span per upstream attempt, and for the
+local engine its queue, prefill and decode under the attempt.
 
 Off by default (`telemetry.enabled`, or the standard OTEL_EXPORTER_OTLP_*ENDPOINT variables); off,
 nothing here imports the SDK and a request pays one `is None` test. Attributes follow the
@@ -9,17 +10,24 @@ upstream in the `traceparent` of its HTTP request (providers/http.py asks `outgo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from flashstack.config import ModelConfig, TelemetryConfig
 from flashstack.gateway.core import ChatRequest, GatewayError, Usage
 
-# The attempt span whose HTTP request is being sent. A context variable, not an argument, because
-# the request goes out several calls below the router, inside the provider, within this one task.
+# The attempt span whose HTTP request is being sent (and its tracer). A context variable, not an
+# argument, because the request goes out several calls below the router, inside the provider,
+# within this one task.
 _ATTEMPT: ContextVar[Any] = ContextVar("flashstack_attempt_span", default=None)
+_TRACER: ContextVar[Any] = ContextVar("flashstack_attempt_tracer", default=None)
+# The local engine's stages, each the span of one stretch of its per-request timeline (RequestTimes).
+ENGINE_STAGES = (("queue", "arrival", "first_scheduled"), ("prefill", "first_scheduled", "first_token"),
+                 ("decode", "first_token", "finished"))
 _PROVIDER_NAMES = {"anthropic": "anthropic", "openai": "openai"}  # GenAI well-known provider names
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -74,18 +82,19 @@ class Tracing:
             attributes={"gen_ai.operation.name": "chat", "http.request.method": method, "url.path": path},
         )
 
-    def attempt_span(self, parent: Any, dep_id: str, cfg: ModelConfig, req: ChatRequest, n: int) -> Any:
+    def attempt_span(self, parent: Any, dep_id: str, cfg: ModelConfig, req: ChatRequest, n: int,
+                     operation: str = "chat") -> Any:
         """The client span of one attempt on one deployment (retries and fallbacks are siblings)."""
         attrs = request_attributes(req)
         attrs.update({
-            "gen_ai.operation.name": "chat",
+            "gen_ai.operation.name": operation,
             "gen_ai.provider.name": _PROVIDER_NAMES.get(cfg.provider, cfg.provider),
             "gen_ai.request.model": cfg.model,  # what this upstream was asked for
             "flashstack.deployment": dep_id,
             "flashstack.model": cfg.name,
             "flashstack.attempt": n,
         })
-        return self.tracer.start_span(f"chat {cfg.model}", context=self._trace.set_span_in_context(parent),
+        return self.tracer.start_span(f"{operation} {cfg.model}", context=self._trace.set_span_in_context(parent),
                                       kind=self._trace.SpanKind.CLIENT, attributes=attrs)
 
     def shutdown(self) -> None:
@@ -157,16 +166,50 @@ def end_request(span: Any, status: int, attributes: dict[str, Any]) -> None:
 
 
 @contextmanager
-def sending(span: Any) -> Iterator[None]:
-    """Within the block, HTTP requests to upstreams carry `span`'s context."""
+def sending(span: Any, tracing: Tracing | None = None) -> Iterator[None]:
+    """Within the block, HTTP requests to upstreams carry `span`'s context (and the local engine's
+    stages become its children, made by `tracing`)."""
     if span is None:
         yield
         return
     token = _ATTEMPT.set(span)
+    tracer = _TRACER.set(tracing.tracer if tracing is not None else None)
     try:
         yield
     finally:
+        _TRACER.reset(tracer)
         _ATTEMPT.reset(token)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTrace:
+    """Where the local engine's stage spans go: the attempt being sent when its request began."""
+
+    attempt: Any
+    tracer: Any
+
+    @classmethod
+    def current(cls) -> EngineTrace | None:
+        span, tracer = _ATTEMPT.get(), _TRACER.get()
+        return None if span is None or tracer is None else cls(span, tracer)
+
+    def stages(self, times: Any, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+        """`queue`, `prefill` and `decode` under the attempt, timed by the engine's own timestamps
+        (`times`: RequestTimes, time.monotonic() seconds); a stage it never reached has none."""
+        from opentelemetry import trace
+
+        to_unix_ns = time.time_ns() - time.monotonic_ns()  # one offset: the stages keep their order
+        context = trace.set_span_in_context(self.attempt)
+        attributes = {"queue": {}, "prefill": {"gen_ai.usage.input_tokens": prompt_tokens,
+                                               "gen_ai.usage.cache_read.input_tokens": cached_tokens},
+                      "decode": {"gen_ai.usage.output_tokens": output_tokens}}
+        for name, begin, end in ENGINE_STAGES:
+            t0, t1 = getattr(times, begin), getattr(times, end)
+            if t0 is None or t1 is None:
+                continue
+            span = self.tracer.start_span(name, context=context, kind=trace.SpanKind.INTERNAL,
+                                          start_time=int(t0 * 1e9) + to_unix_ns, attributes=attributes[name])
+            span.end(end_time=int(t1 * 1e9) + to_unix_ns)
 
 
 def outgoing_headers(headers: dict[str, str] | None) -> dict[str, str] | None:

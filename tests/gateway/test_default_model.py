@@ -68,7 +68,7 @@ def test_banner_and_models_name_the_trained_default(gateway) -> None:
     url, banner = gateway
     assert SMOLLM2_NAME in banner and "tiny-random" not in banner
     ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
-    assert ids == [SMOLLM2_NAME]
+    assert ids == [SMOLLM2_NAME, "minilm"]
 
 
 def test_openai_sdk_gets_paris(gateway) -> None:

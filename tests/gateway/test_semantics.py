@@ -87,13 +87,14 @@ def test_anthropic_stream_usage_is_cumulative_not_summed(anthropic_client):
 
 def test_models_endpoint_reads_in_both_sdks(openai_client, anthropic_client):
     ids = [m.id for m in openai_client.models.list()]
-    assert ids == ["claude", "gpt", "llama", "textonly"]
+    assert ids == ["claude", "gpt", "llama", "textonly", "minilm"]  # minilm: the in-process embedding model
     page = anthropic_client.models.list()
     assert [m.id for m in page.data] == ids
     assert openai_client.models.retrieve("gpt").owned_by == "openai"
     with pytest.raises(openai.NotFoundError):
         openai_client.models.retrieve("nope")
     assert anthropic_client.models.retrieve("claude").display_name == "claude"
+    assert openai_client.models.retrieve("minilm").owned_by == "flashstack"
 
 
 def test_health_endpoints(gateway):

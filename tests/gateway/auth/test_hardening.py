@@ -72,7 +72,7 @@ def test_a_key_sees_only_its_models(gw):
     assert hidden.status_code == missing.status_code == 404
     assert hidden.json()["error"]["message"] == "model 'claude' does not exist"  # as if it did not exist
     everything = httpx.get(gw.url + "/v1/models", headers=auth_headers(MASTER_KEY)).json()
-    assert {m["id"] for m in everything["data"]} == {"gpt", "claude"}
+    assert {m["id"] for m in everything["data"]} == {"gpt", "claude", "minilm"}
 
 
 def test_readiness_detail_is_for_the_master_key(gw):

@@ -77,13 +77,52 @@ def create_app(input_tokens: int = 1000, cache_read: int = 0, cache_write: int =
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
+    async def embeddings(request: Request) -> Response:
+        body = await request.json()
+        request.app.state.headers.append(dict(request.headers))
+        n = request.app.state.usage["input"]
+        texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        return JSONResponse({"object": "list", "model": body["model"], "usage": {"prompt_tokens": n, "total_tokens": n},
+                             "data": [{"object": "embedding", "index": i, "embedding": [0.5, -0.5]}
+                                      for i in range(len(texts))]})
+
+    async def completions(request: Request) -> Response:
+        """Legacy completions; streamed, the usage chunk only when asked for (as api.openai.com does)."""
+        body = await request.json()
+        request.app.state.headers.append(dict(request.headers))
+        request.app.state.bodies.append(body)
+        u = request.app.state.usage
+        out = body.get("max_tokens") or 16
+        usage = {"prompt_tokens": u["input"] + u["cache_read"], "completion_tokens": out,
+                 "total_tokens": u["input"] + u["cache_read"] + out,
+                 "prompt_tokens_details": {"cached_tokens": u["cache_read"]}}
+        base = {"id": "cmpl-" + uuid.uuid4().hex[:20], "object": "text_completion", "created": 1,
+                "model": body["model"]}
+        if not body.get("stream"):
+            return JSONResponse({**base, "usage": usage, "choices": [
+                {"index": 0, "text": "metered", "logprobs": None, "finish_reason": "length"}]})
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            extra = {"usage": None} if with_usage else {}
+            yield _sse(None, {**base, **extra, "choices": [{"index": 0, "text": "metered", "logprobs": None,
+                                                            "finish_reason": "length"}]})
+            if with_usage:
+                yield _sse(None, {**base, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [], "has_more": False})
 
     app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"]),
                             Route("/v1/chat/completions", chat, methods=["POST"]),
+                            Route("/v1/embeddings", embeddings, methods=["POST"]),
+                            Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/models", models)])
     app.state.usage = {"input": input_tokens, "cache_read": cache_read, "cache_write": cache_write}
     app.state.delay = delay
     app.state.headers = []
+    app.state.bodies = []  # legacy completions' bodies, as received
     return app

@@ -67,18 +67,6 @@ def _config(store: ScratchStore, tmp, upstream: FakeServer, redis_url: str | Non
     )
 
 
-STORES = [pytest.param("sqlite", id="sqlite"), pytest.param("postgres", id="postgres", marks=pytest.mark.postgres)]
-
-
-@pytest.fixture(params=STORES)
-def store(request, tmp_path):
-    if request.param == "postgres" and not pg_available():
-        pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
-    s = ScratchStore(request.param, tmp_path)
-    yield s
-    s.drop()
-
-
 @pytest.fixture
 def upstream():
     server = FakeServer(metered_upstream.create_app(input_tokens=1000, cache_read=100, cache_write=50)).start()
