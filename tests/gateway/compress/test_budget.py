@@ -16,8 +16,8 @@ import pytest
 from flashstack.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.app import create_app
 from flashstack.gateway.compress import Compressor
+from flashstack.gateway.compress.budget import Budget, BudgetExceeded
 from flashstack.gateway.core import ChatRequest, Message, Text
-from flashstack.gateway.embed import Budget, BudgetExceeded
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY
 

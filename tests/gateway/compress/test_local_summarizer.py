@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 
 from flashstack.config import CompressionConfig, Config, ConfigError, ModelConfig
-from flashstack.gateway.app import create_app
 from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
+from flashstack.gateway.app import create_app
 from flashstack.gateway.compress import SUMMARY_HEADER, Compressor
+from flashstack.gateway.compress.budget import Budget
 from flashstack.gateway.core import ChatRequest, Message, Text
-from flashstack.gateway.embed import Budget
 from flashstack.gateway.router import Router
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY

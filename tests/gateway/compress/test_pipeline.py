@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from flashstack.gateway import tokens
-from flashstack.gateway.compress import SUMMARY_HEADER, request_options, unit_spans
+from flashstack.gateway.compress import SUMMARY_HEADER, request_options
+from flashstack.gateway.compress.units import unit_spans
 from flashstack.gateway.core import ChatRequest, GatewayError, Message, Text, ToolCall, ToolResult
 
 from .conftest import long_conversation, model

