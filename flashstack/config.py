@@ -41,6 +41,9 @@ class ModelConfig(BaseModel):
     responses_api: bool = False
     context_window: int | None = None
     max_output_tokens: int | None = None
+    # A model directory or GGUF file with this upstream model's own tokenizer and chat template (the
+    # GGUF llama.cpp serves): the gateway counts with it where the upstream reports no usage.
+    tokenizer: str | None = None
     # Sampling for requests that set none (the local engine; OpenAI's default of temperature 1 makes
     # a small model ramble, so the embedded SmolLM2 takes its model card's 0.2 / 0.9).
     default_temperature: float | None = Field(None, ge=0)

@@ -205,6 +205,12 @@ class Usage:
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
     reasoning_tokens: int = 0
+    # Set when the gateway counted these itself (the upstream reported none): the counter's name,
+    # which a client reads in the usage object's ESTIMATE_FIELD.
+    estimated: str | None = None
+
+
+ESTIMATE_FIELD = "flashstack_estimate"
 
 
 @dataclass(slots=True)

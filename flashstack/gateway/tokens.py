@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -75,10 +76,16 @@ class Counter:
         return math.ceil(n * self.scale) if self.scale != 1.0 else n
 
 
+def tokenizer_path(cfg: ModelConfig) -> str | None:
+    """Where `cfg`'s model's own tokenizer is: its `tokenizer` setting, else a local model's own files."""
+    return cfg.tokenizer or (cfg.model if cfg.provider == "local" else None)
+
+
 def counter_for(cfg: ModelConfig) -> Counter:
     """The best token counter available offline for `cfg`'s model."""
-    if cfg.provider == "local":
-        local = _local_counter(cfg.model)
+    path = tokenizer_path(cfg)
+    if path is not None:
+        local = _local_counter(path)
         if local is not None:
             return local
     cl100k = _cl100k()
@@ -114,15 +121,23 @@ def _cl100k() -> Callable[[str], int] | None:
 
 
 @functools.cache
-def _local_counter(model_dir: str) -> Counter | None:
+def model_tokenizer(path: str) -> Any:
+    """The engine's Tokenizer for a model directory or GGUF file; None when it has none (logged)."""
     try:
         from flashstack.engine.tokenizer import Tokenizer
 
-        tok = Tokenizer(model_dir)
+        return Tokenizer(path)
     except Exception as e:  # no tokenizer.json (yet): fall back, the window check still works
-        log.info("no engine tokenizer for %s (%s); counting with cl100k_base", model_dir, e)
+        log.info("no engine tokenizer for %s (%s); counting with cl100k_base", path, e)
         return None
-    return Counter("engine", lambda text: len(tok.encode(text, add_special_tokens=False)), exact=True)
+
+
+@functools.cache
+def _local_counter(path: str) -> Counter | None:
+    tok = model_tokenizer(path)
+    if tok is None:
+        return None
+    return Counter("tokenizer", lambda text: len(tok.encode(text, add_special_tokens=False)), exact=True)
 
 
 # ---- what a request is made of -------------------------------------------------------------
@@ -153,6 +168,12 @@ def image_count(msg: Message) -> int:
 
 def message_tokens(counter: Counter, msg: Message) -> int:
     return counter.tokens(message_text(msg)) + PER_IMAGE * image_count(msg) + PER_MESSAGE
+
+
+def prompt_tokens(counter: Counter, req: ChatRequest) -> int:
+    """What `req`'s prompt costs by `counter`, with the per-message and per-request overheads."""
+    fixed = counter.tokens(fixed_text(req)) + PER_REQUEST
+    return fixed + sum(message_tokens(counter, m) for m in req.messages)
 
 
 def fixed_text(req: ChatRequest) -> str:

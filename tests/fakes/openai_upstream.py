@@ -185,8 +185,11 @@ async def stream(reply: Reply, completion_id: str, model: str, include_usage: bo
     yield b"data: [DONE]\n\n"
 
 
-def create_app(*, api_key: str | None = None, models: Sequence[str] = MODELS) -> FastAPI:
-    """A fresh fake; `api_key` set → only that bearer key is accepted (else any non-empty one)."""
+def create_app(*, api_key: str | None = None, models: Sequence[str] = MODELS, stream_usage: bool = True) -> FastAPI:
+    """A fresh fake; `api_key` set → only that bearer key is accepted (else any non-empty one).
+
+    `stream_usage` False: streams carry no usage whatever stream_options asks, as llama.cpp's server.
+    """
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     init_state(app)
 
@@ -211,7 +214,7 @@ def create_app(*, api_key: str | None = None, models: Sequence[str] = MODELS) ->
                 return error_response(500, index)
             return JSONResponse(complete(reply, completion_id, body["model"]),
                                 headers={"x-request-id": request_id(index)})
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = stream_usage and bool((body.get("stream_options") or {}).get("include_usage"))
         return EventStream(stream(reply, completion_id, body["model"], include_usage),
                            "text/event-stream; charset=utf-8", {"x-request-id": request_id(index)},
                            index, app.state.cancelled)

@@ -183,7 +183,8 @@ def _finish(delta: Any) -> Finish:
     return Finish(StopReason.END_TURN, usage)
 
 
-def _openai_tools(request: ChatRequest) -> list[dict[str, Any]]:
+def openai_tools(request: ChatRequest) -> list[dict[str, Any]]:
+    """The request's tools as a chat template takes them (OpenAI's function shape)."""
     return [
         {"type": "function", "function": {"name": t.name, "description": t.description or "",
                                           "parameters": t.parameters or {"type": "object"}}}
@@ -206,7 +207,7 @@ def _tool_plan(engine: Any, request: ChatRequest) -> Any:
 
     template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     try:
-        return plan_tools(_openai_tools(request), _openai_tool_choice(request), template)
+        return plan_tools(openai_tools(request), _openai_tool_choice(request), template)
     except RequestError as e:
         raise invalid_request(str(e), e.param) from None
 

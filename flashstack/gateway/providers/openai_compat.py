@@ -11,6 +11,7 @@ from flashstack.gateway.providers import shape
 from flashstack.gateway.providers.base import Health, probe_health
 from flashstack.gateway.providers.http import event_json, make_client, open_stream, post_json, sse_events
 from flashstack.gateway.providers.upstream import Upstream
+from flashstack.gateway.providers.usage import AnswerText, counted_finish
 from flashstack.gateway.redact import Redactor
 from flashstack.gateway.translate import openai as t
 from flashstack.gateway.translate import responses_upstream as rt
@@ -40,7 +41,8 @@ class OpenAICompatProvider:
         body["stream"] = True
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}  # for accounting
         decoder = t.ChunkDecoder(tap_for(request.wire, t.WIRE))
-        done = chosen = False
+        done = chosen = reported = False
+        answer = AnswerText()  # counted if no chunk carries usage (llama.cpp's server sends none)
         up = self.upstream
         headers = headers_for(request, t.WIRE)
         async with open_stream(self.client, "/chat/completions", body, t.upstream_error, headers,
@@ -51,7 +53,9 @@ class OpenAICompatProvider:
                     break
                 chunk = event_json(data, up, "a chunk")
                 chosen = chosen or bool(chunk.get("choices"))
+                reported = reported or bool(chunk.get("usage"))
                 for ev in up.decode(decoder.feed, chunk, what="a chunk"):
+                    answer.feed(ev)
                     yield ev
         if not done and decoder.finish_reason is None:  # closed mid-answer: never pass it off as complete
             raise GatewayError(ErrorKind.UPSTREAM, f"upstream {up.name} ended the stream early (no finish_reason, "
@@ -59,6 +63,8 @@ class OpenAICompatProvider:
         if not chosen:  # chunks without choices, then [DONE]: not an empty answer, no answer at all
             raise up.shape_error("a stream", "no chunk had choices")
         for ev in decoder.finish():
+            if isinstance(ev, Finish) and not reported:
+                ev = await counted_finish(ev, self.cfg, request, answer)
             yield ev
 
     async def complete(self, request: ChatRequest) -> ChatResponse:

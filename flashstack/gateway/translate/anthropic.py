@@ -12,6 +12,7 @@ from flashstack.gateway.core import (
     BlockStop,
     ChatRequest,
     ChatResponse,
+    ESTIMATE_FIELD,
     Error,
     ErrorKind,
     Event,
@@ -238,12 +239,15 @@ def message_id() -> str:
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "input_tokens": u.input_tokens,
         "output_tokens": u.output_tokens,
         "cache_creation_input_tokens": u.cache_creation_input_tokens,
         "cache_read_input_tokens": u.cache_read_input_tokens,
     }
+    if u.estimated:  # the gateway's count, not the upstream's (providers/usage.py)
+        body[ESTIMATE_FIELD] = u.estimated
+    return body
 
 
 def _block_json(p: Part) -> dict[str, Any]:

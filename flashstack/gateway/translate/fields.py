@@ -485,6 +485,20 @@ def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ESTIMATED_USAGE = """## Usage the gateway counts
+
+An upstream stream that ends without usage (llama.cpp's server sends none, whatever
+`stream_options` asks) is counted by the gateway: the prompt with the model's own tokenizer and chat
+template where the gateway has them (a `local` model, or a deployment's `tokenizer:` naming the GGUF
+or model directory its upstream serves), the answer as its text re-encoded; otherwise with the
+gateway's token counter (cl100k_base, or bytes / 3.6 without it). The usage the client gets (OpenAI's
+usage chunk, when it asked with `stream_options.include_usage`; Anthropic's `message_delta` usage)
+then carries `"flashstack_estimate": "<counter>"`: `tokenizer` (the model's own), `cl100k_base`,
+`claude-estimate` or `estimate`. Without that field the counts are the upstream's. Spend, budgets
+and tpm limits are charged the same counts.
+"""
+
+
 def render_markdown() -> str:
     """docs/protocols.md."""
     o2o, o2a = "OpenAI client → OpenAI-compatible upstream", "OpenAI client → Anthropic upstream"
@@ -507,6 +521,7 @@ def render_markdown() -> str:
         "included: " + ", ".join(f"`{h}`" for h in RESPONSE_HEADERS) + ", and every `x-ratelimit-*` and "
         "`anthropic-ratelimit-*` header. The upstream's `x-request-id` arrives as `x-upstream-request-id`: "
         "`x-request-id` is the gateway's own (its routing trace).\n",
+        _ESTIMATED_USAGE,
         "## `POST /v1/messages/count_tokens`\n\nForwarded to Anthropic upstreams (body as sent, model "
         "renamed); counted with the model's own tokenizer for local models (`provider: local`); "
         "otherwise a 400 saying that counting is not available for that model.\n",

@@ -13,6 +13,7 @@ from flashstack.gateway.core import (
     BlockStop,
     ChatRequest,
     ChatResponse,
+    ESTIMATE_FIELD,
     Error,
     ErrorKind,
     Event,
@@ -271,6 +272,8 @@ def usage_json(u: Usage) -> dict[str, Any]:
         body["prompt_tokens_details"] = {"cached_tokens": u.cache_read_input_tokens}
     if u.reasoning_tokens:
         body["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}
+    if u.estimated:  # the gateway's count, not the upstream's (providers/usage.py)
+        body[ESTIMATE_FIELD] = u.estimated
     return body
 
 
@@ -339,6 +342,8 @@ class StreamEncoder:
         if raw is not None and (raw is SAME_RAW or raw.wire == WIRE):
             yield from self._raw(raw)
             if isinstance(ev, Finish):
+                if self.include_usage and ev.usage.estimated:  # the upstream sent no usage chunk
+                    yield _sse(self._envelope([], usage=usage_json(ev.usage)))
                 yield b"data: [DONE]\n\n"
         elif isinstance(ev, Start):
             yield self._chunk({"role": "assistant", "content": ""})
@@ -369,6 +374,8 @@ class StreamEncoder:
                     continue  # the usage chunk only the gateway asked for
             if "model" in chunk:
                 chunk["model"] = self.model
+            # A chunk the gateway adds (a usage it counted) carries the upstream's id, as the others.
+            self.id, self.created = chunk.get("id", self.id), chunk.get("created", self.created)
             yield _sse(chunk)
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
