@@ -265,6 +265,10 @@ def _add_session_routes(app: FastAPI, limits: chat.Limits) -> None:
     async def list_keys(request: Request) -> Response:
         return await sessions_api.list_keys(request)
 
+    @app.post("/v1/keys/{key_id}")
+    async def update_key(key_id: str, request: Request) -> Response:
+        return await sessions_api.update_key(request, key_id, limits)
+
     @app.delete("/v1/keys/{key_id}")
     async def revoke_key(key_id: str, request: Request) -> Response:
         return await sessions_api.revoke_key(request, key_id)

@@ -395,6 +395,10 @@ def key_json(row: Any) -> dict[str, Any]:
     }
 
 
+# What POST /v1/keys/{id} may change (a key's id, secret and creation time never change).
+UPDATABLE = ("name", "models", "rpm", "tpm", "expires_at", "budget_day_usd", "budget_month_usd")
+
+
 def _int_or_none(v: float | None) -> int | None:
     return None if v is None else int(v)
 
@@ -443,6 +447,30 @@ class KeyStore:
             row = (await conn.execute(api_keys.select().where(api_keys.c.id == key_id))).mappings().first()
         if row is None:
             raise GatewayError(ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id")
+        return key_json(row)
+
+    async def update(self, key_id: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """Change a key's name, models, limits, expiry or budgets (a field set to null: no limit);
+        its secret and what it spent stay. 404 for an unknown key, 400 for a revoked one."""
+        unknown = sorted(set(changes) - set(UPDATABLE))
+        if unknown:
+            raise invalid_request(f"{unknown[0]} cannot be changed; send any of {', '.join(UPDATABLE)}", unknown[0])
+        if not changes:
+            raise invalid_request(f"nothing to change: send any of {', '.join(UPDATABLE)}")
+        row = await self.get(key_id)
+        if row is None:
+            raise GatewayError(ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id")
+        if row["revoked_at"] is not None:
+            raise invalid_request(f"API key {key_id} was revoked and cannot be changed; create a new one", "key_id")
+        check_key_fields(changes.get("name", row["name"]), changes.get("models"), changes.get("rpm"),
+                         changes.get("tpm"), changes.get("expires_at"))
+        check_budgets(changes.get("budget_day_usd"), changes.get("budget_month_usd"))
+        values = dict(changes)
+        if "models" in values:
+            values["models"] = None if values["models"] is None else orjson.dumps(values["models"]).decode()
+        async with self.db.write() as conn:
+            await conn.execute(api_keys.update().where(api_keys.c.id == key_id).values(**values))
+            row = (await conn.execute(api_keys.select().where(api_keys.c.id == key_id))).mappings().first()
         return key_json(row)
 
     async def get(self, key_id: str) -> Any:

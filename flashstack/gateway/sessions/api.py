@@ -76,6 +76,18 @@ class CreateKey(_Body):
     budget_month_usd: float | None = Field(None, gt=0)  # USD per UTC month
 
 
+class UpdateKey(_Body):
+    """The fields of a key that may change; KeyStore.update checks the values (null: no limit)."""
+
+    name: str | None = None
+    models: list[str] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    expires_at: float | None = None
+    budget_day_usd: float | None = None
+    budget_month_usd: float | None = None
+
+
 Handler = Callable[..., Awaitable[Response]]
 
 
@@ -284,6 +296,15 @@ async def list_keys(request: Request) -> Response:
         "object": "list", "data": data, "has_more": False,
         "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
     })
+
+
+@endpoint
+async def update_key(request: Request, key_id: str, limits: chat.Limits) -> Response:
+    """Change a key's limits or budgets: the fields sent change, null clears one."""
+    _, auth = _service(request)
+    auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
+    _, body = await _parse(request, UpdateKey, limits.max_body_bytes)
+    return chat.json_response(await auth.keys.update(key_id, body))
 
 
 @endpoint

@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from flashstack.config import Config
 from flashstack.gateway import chat
-from flashstack.gateway.auth import KeyStore, check_key_fields
+from flashstack.gateway.auth import UPDATABLE, KeyStore, check_key_fields
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.router import Router
@@ -209,6 +209,14 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
                                     time.time() + expires_in if expires_in else None,
                                     body.get("budget_day_usd"), body.get("budget_month_usd"))
         return chat.json_response(created)
+
+    @app.post("/ui/api/keys/{key_id}")
+    async def key_update(key_id: str, request: Request) -> Response:
+        console.session(request, change=True)
+        body = await chat.read_json(request, 64 * 1024)
+        if not isinstance(body, dict):
+            raise invalid_request(f"send a JSON object with any of: {', '.join(UPDATABLE)}")
+        return chat.json_response(await request.app.state.auth.keys.update(key_id, body))
 
     @app.delete("/ui/api/keys/{key_id}")
     async def key_revoke(key_id: str, request: Request) -> Response:

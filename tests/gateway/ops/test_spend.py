@@ -148,6 +148,54 @@ def test_over_budget_is_a_429_naming_the_budget_and_its_reset(upstream, tmp_path
     assert store.query("SELECT COUNT(*) FROM fs_requests WHERE status = 429") == [(2,)]
 
 
+LEDGERS = [pytest.param(None, id="local"), pytest.param(REDIS_URL, id="redis", marks=pytest.mark.redis)]
+
+
+@pytest.mark.parametrize("redis_url", LEDGERS)
+def test_a_keys_budget_and_limits_change_at_once(store, upstream, tmp_path, redis_url):
+    if redis_url and not redis_available():
+        pytest.skip("Redis is not running on 127.0.0.1:6379")
+    gw = start_gateway(_config(store, tmp_path, upstream, redis_url))
+    try:
+        key = create_key(gw.url, name="capped", budget_day_usd=0.001)
+        update = f"{gw.url}/v1/keys/{key['id']}"
+        assert _chat(gw.url, key["key"], "sonnet").status_code == 200  # alone in flight: over, once
+        assert _chat(gw.url, key["key"], "sonnet").status_code == 429
+        raised = httpx.post(update, json={"budget_day_usd": 1.0, "budget_month_usd": 20},
+                            headers=auth_headers(MASTER_KEY))
+        assert raised.status_code == 200, raised.text
+        changed = raised.json()
+        assert (changed["budget_day_usd"], changed["budget_month_usd"], changed["name"]) == (1.0, 20, "capped")
+        assert "key" not in changed  # the secret is never shown again
+        assert _chat(gw.url, key["key"], "sonnet").status_code == 200  # the raised budget counts at once
+        limited = httpx.post(update, json={"budget_day_usd": None, "rpm": 1}, headers=auth_headers(MASTER_KEY))
+        assert limited.json()["budget_day_usd"] is None and limited.json()["rpm"] == 1
+        assert _chat(gw.url, key["key"], "sonnet").status_code == 200
+        assert _chat(gw.url, key["key"], "sonnet").status_code == 429  # the new rpm
+        report = _spend(gw.url, key["id"])
+        assert report["budgets"]["month"]["limit_usd"] == 20 and report["budgets"]["day"]["limit_usd"] is None
+        assert report["budgets"]["day"]["spent_usd"] > 0.001  # what it spent before the change stays
+
+        for body, param in [({"budget_day_usd": -1}, "budget_day_usd"), ({"rpm": "5"}, "rpm"),
+                            ({"name": None}, "name"), ({"models": "sonnet"}, "models"), ({"key_hash": "x"}, "key_hash"),
+                            ({}, None)]:
+            r = httpx.post(update, json=body, headers=auth_headers(MASTER_KEY))
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        anthropic_caller = httpx.post(update, json={"rpm": 0},
+                                      headers={**auth_headers(MASTER_KEY), "anthropic-version": "2023-06-01"})
+        assert anthropic_caller.status_code == 400 and anthropic_caller.json()["type"] == "error"
+        assert httpx.post(update, json={"rpm": 5}, headers=auth_headers(key["key"])).status_code == 403
+        assert httpx.post(update, json={"rpm": 5}).status_code == 401
+        assert httpx.post(f"{gw.url}/v1/keys/key_nope", json={"rpm": 5},
+                          headers=auth_headers(MASTER_KEY)).status_code == 404
+        assert httpx.delete(update, headers=auth_headers(MASTER_KEY)).status_code == 200
+        revoked = httpx.post(update, json={"rpm": 5}, headers=auth_headers(MASTER_KEY))
+        assert revoked.status_code == 400 and "revoked" in revoked.json()["error"]["message"]
+        assert store.query("SELECT rpm FROM fs_api_keys WHERE id = ?", key["id"]) == [(1,)]
+    finally:
+        gw.stop()
+
+
 @pytest.mark.postgres
 @pytest.mark.redis
 def test_two_replicas_racing_the_last_cents_never_put_more_than_one_request_over(tmp_path):

@@ -102,6 +102,12 @@ def test_sign_in_is_the_master_keys_and_changes_need_the_csrf_token(upstream, tm
         assert c.post("/ui/api/keys", json={"name": ""}, headers={"x-csrf-token": csrf}).status_code == 400
         made = c.post("/ui/api/keys", json={"name": "x", "budget_month_usd": 10}, headers={"x-csrf-token": csrf})
         assert made.status_code == 200 and made.json()["key"].startswith("fsk_")
+        budget = f"/ui/api/keys/{made.json()['id']}"
+        assert c.post(budget, json={"budget_month_usd": 20}).status_code == 403  # no CSRF token
+        changed = c.post(budget, json={"budget_month_usd": 20}, headers={"x-csrf-token": csrf})
+        assert changed.status_code == 200 and changed.json()["budget_month_usd"] == 20
+        refused = c.post(budget, json={"budget_month_usd": "lots"}, headers={"x-csrf-token": csrf})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "budget_month_usd"
         tampered = c.cookies.get("fs_console").replace(".", "9.", 1)
         assert httpx.get(gw.url + "/ui/api/requests", cookies={"fs_console": tampered}).status_code == 401
         page = c.get("/ui")
@@ -164,6 +170,9 @@ def test_console_in_a_browser(upstream, tmp_path):
             key_id = row.locator("td").first.inner_text()
             page.reload()
             expect(row.locator("td:nth-child(7)")).not_to_have_text("$0.0000")  # its spend shows
+            page.once("dialog", lambda d: d.accept("7 / 50"))  # the budget changed: per day / per month
+            row.locator("button[data-budget]").click()
+            expect(row.locator("td:nth-child(6)")).to_have_text("$7.0000 / $50.0000")
             page.screenshot(path=shots / "keys.png")
             page.once("dialog", lambda d: d.accept())
             row.locator("button[data-revoke]").click()

@@ -154,12 +154,26 @@ async function keys(view) {
     { title: "Budget day / month", render: (k) => `${fmt.usd(k.budget_day_usd)} / ${fmt.usd(k.budget_month_usd)}` },
     { title: "Spent this month", render: (k) => fmt.usd(k.spent_month_usd), num: true },
     { title: "Status", render: (k) => (k.revoked_at ? badge("revoked", "bad") : badge("active", "ok")) },
-    { title: "", render: (k) => (k.revoked_at ? "" : el("button", { class: "danger", type: "button", "data-revoke": k.id, onclick: async () => {
-      if (!confirm(`Revoke ${k.id} (${k.name})? Requests with it will get 401.`)) return;
-      await api(`/ui/api/keys/${encodeURIComponent(k.id)}`, { method: "DELETE" });
-      await keys(view);
-    } }, "Revoke")) },
+    { title: "", render: (k) => (k.revoked_at ? "" : [el("button", { type: "button", "data-budget": k.id, onclick: () => editBudget(view, k, out) }, "Budget"),
+      el("button", { class: "danger", type: "button", "data-revoke": k.id, onclick: async () => {
+        if (!confirm(`Revoke ${k.id} (${k.name})? Requests with it will get 401.`)) return;
+        await api(`/ui/api/keys/${encodeURIComponent(k.id)}`, { method: "DELETE" });
+        await keys(view);
+      } }, "Revoke")]) },
   ], data.data));
+}
+
+// "day / month" in USD; an empty side is no limit for that period.
+async function editBudget(view, k, out) {
+  const now = `${k.budget_day_usd ?? ""} / ${k.budget_month_usd ?? ""}`;
+  const answer = prompt(`Budget of ${k.id} (${k.name}) in USD, "per day / per month" (leave a side empty for no limit):`, now);
+  if (answer === null) return;
+  const [day, month] = answer.split("/").map((v) => v.trim());
+  const usd = (v) => (!v ? null : Number.isFinite(Number(v)) ? Number(v) : v); // not a number: the gateway's 400 says so
+  try {
+    await api(`/ui/api/keys/${encodeURIComponent(k.id)}`, { method: "POST", body: JSON.stringify({ budget_day_usd: usd(day), budget_month_usd: usd(month ?? "") }) });
+    await keys(view);
+  } catch (e) { out.replaceChildren(el("p", { class: "error" }, e.message)); }
 }
 
 async function spend(view) {
