@@ -136,7 +136,7 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
         report = await request.app.state.router.readiness()
         ready = all(any(d["ok"] for d in deps) for deps in report.values()) if report else False
         body: dict[str, object] = {"models": report}
-        tls = getattr(request.app.state, "tls", None)  # gateway/tls.py ServerTLS, set by `serve`
+        tls = getattr(request.app.state, "tls", None)  # gateway/tls/ ServerTLS, set by `serve`
         if tls is not None:  # a renewal failing is a warning; only an expired certificate is unready
             body["tls"] = tls_report = tls.status()
             ready = ready and tls_report["status"] != "expired"

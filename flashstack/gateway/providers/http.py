@@ -45,7 +45,7 @@ class Client:
         base, query, headers = _split_base(cfg, headers)
         timeout = httpx.Timeout(cfg.timeout, connect=cfg.connect_timeout)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30)
-        verify = upstream_ssl_context(cfg) or True  # upstream mTLS / private CA (gateway/tls.py)
+        verify = upstream_ssl_context(cfg) or True  # upstream mTLS / private CA (gateway/tls/)
         self._direct = AiohttpTransport() if base.startswith("http://") else None
         self.http = httpx.AsyncClient(base_url=base, headers=headers, params=query, timeout=timeout,
                                       limits=limits, http2=True, verify=verify, transport=self._direct)

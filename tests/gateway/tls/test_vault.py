@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from flashstack.config import TLSConfig, VaultConfig
-from flashstack.gateway.pki import VaultError, VaultIssuer
 from flashstack.gateway.tls import ServerTLS, TLSError
+from flashstack.gateway.tls.pki import VaultError, VaultIssuer
 from tests.gateway.tls.certs import peer_serial
 from tests.gateway.tls.conftest import CLIENT_NAME, TLSGateway
 from tests.gateway.tls.openbao import CLIENT_ROLE, ROOT_TOKEN, SERVER_ROLE, BaoServer
