@@ -166,6 +166,50 @@ def bench_torch_stream(n: int = 1 << 20) -> dict[str, object]:
     return {"n": n, "exact": bool(torch.equal(got, want)), "torch_memory_intact": bool(x.sum() > 0)}
 
 
+def _per_call_us(fn: Callable[[], object], n: int) -> float:
+    import torch
+
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+def bench_staging(n: int = 2000, values: int = 300) -> dict[str, object]:
+    """Host time per engine staging call: a step's inputs up (`values` int64s) and its sampled
+    tokens down, through HostStaging's pool vs torch's pinned tensors; interleaved, best of 3."""
+    import torch
+
+    from flashstack.cuda import torch_interop as ti
+
+    staging = ti.HostStaging(fc.shared_device(torch.cuda.current_device()))
+    host_values = list(range(values))
+    tokens = torch.arange(8, device="cuda")
+
+    def torch_up() -> object:
+        return torch.tensor(host_values, dtype=torch.int64, pin_memory=True).to("cuda", non_blocking=True)
+
+    def torch_down() -> object:
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        ready.synchronize()
+        return host.tolist()
+
+    calls = {"up_ours": lambda: staging.to_device(host_values, torch.int64), "up_torch": torch_up,
+             "down_ours": lambda: staging.to_host(tokens).wait(), "down_torch": torch_down}
+    best = {name: min(_per_call_us(fn, n) for _ in range(3)) for name, fn in calls.items()}
+    out: dict[str, object] = {name + "_us": round(us, 2) for name, us in best.items()}
+    out.update(values=values, pool=dict(staging.pool.stats))
+    return out
+
+
 def bench_variant(dev: fc.Device) -> dict[str, object]:
     """select_variant on this device: builds keyed by compute capability."""
     builds = {(9, 0): "sm_90", (8, 0): "sm_80", None: "generic"}
@@ -184,6 +228,7 @@ def main() -> None:
     sections = [("variant", lambda: bench_variant(dev)),
                 ("saxpy_graph", lambda: bench_saxpy_graph(dev)),
                 ("torch_stream", bench_torch_stream),
+                ("staging", bench_staging),
                 ("h2d", lambda: bench_h2d(dev)),
                 ("cycles", lambda: bench_cycles(dev, opts.cycles))]
     for name, fn in sections:

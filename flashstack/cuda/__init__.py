@@ -20,7 +20,7 @@ from flashstack.cuda.backend import (
     set_backend,
     use_backend,
 )
-from flashstack.cuda.device import Device, DeviceProperties, device_count
+from flashstack.cuda.device import Device, DeviceProperties, device_count, shared_device
 from flashstack.cuda.graph import Graph, GraphBuilder, GraphExec
 from flashstack.cuda.memory import (
     ArrayView,
@@ -38,5 +38,5 @@ __all__ = [
     "Device", "DeviceBuffer", "DeviceProperties", "Event", "Graph", "GraphBuilder", "GraphExec", "Kernel",
     "Module", "PinnedBuffer", "PinnedLease", "PinnedPool", "Resource", "ResourceClosedError",
     "ResourceInUseError", "Stream", "copy_async", "cuda_available", "device_count", "elapsed_ms",
-    "get_backend", "select_variant", "set_backend", "tracker", "use_backend",
+    "get_backend", "select_variant", "set_backend", "shared_device", "tracker", "use_backend",
 ]

@@ -1,8 +1,8 @@
 """The real backend: cuda.core objects for what it does well, cuda.bindings.driver for the rest.
 
-cuda.core gives streams, events, stream-ordered buffers, NVRTC, module loading and kernel
-launch. It lacks save/restore of the caller's context, raw-pointer async copies and
-stream-capture graphs over arbitrary work, which are made here with the driver API.
+cuda.core gives streams, events, stream-ordered buffers, NVRTC and kernel launch. It lacks
+save/restore of the caller's context, raw-pointer async copies, stream-capture graphs over
+arbitrary work and an explicit module unload, which are made here with the driver API.
 """
 
 from __future__ import annotations
@@ -44,7 +44,16 @@ def _cugraph(graph: Any) -> Any:
     return graph.handle if isinstance(graph, cc.graph.GraphDefinition) else graph
 
 
-_LOAD = {"cubin": "from_cubin", "ptx": "from_ptx", "fatbin": "from_fatbin"}
+_KINDS = ("cubin", "ptx", "fatbin")
+
+
+class _Library:
+    """A loaded CUlibrary and the image it was loaded from (kept for the library's life)."""
+
+    __slots__ = ("image", "library")
+
+    def __init__(self, library: Any, image: bytes) -> None:
+        self.library, self.image = library, image
 
 
 class CoreBackend:
@@ -189,16 +198,22 @@ class CoreBackend:
             prog.close()
 
     def module_load(self, image: bytes, kind: str) -> Any:
-        if kind not in _LOAD:
-            raise ValueError(f"unknown module kind {kind!r}; use one of {sorted(_LOAD)}")
-        return getattr(cc.ObjectCode, _LOAD[kind])(image)
+        # cuda.core's ObjectCode has no close(): its library goes only when the last kernel made
+        # from it is collected. Loaded here, cuLibraryUnload can run when Module.close() says so.
+        if kind not in _KINDS:
+            raise ValueError(f"unknown module kind {kind!r}; use one of {sorted(_KINDS)}")
+        if kind == "ptx" and not image.endswith(b"\0"):
+            image += b"\0"  # the driver reads PTX as a NUL-terminated string
+        library = _check(driver.cuLibraryLoadData(image, [], [], 0, [], [], 0))
+        return _Library(library, image)
 
     def module_unload(self, module: Any) -> None:
-        # cuda.core unloads the library when its last reference (ours, and the kernels') goes
-        pass
+        _check(driver.cuLibraryUnload(module.library))
 
     def kernel_get(self, module: Any, name: str) -> Any:
-        return module.get_kernel(name)
+        kernel = _check(driver.cuLibraryGetKernel(module.library, name.encode()))
+        # a kernel handle borrowed by cuda.core for launch; it does not hold the library loaded
+        return cc.Kernel.from_handle(int(kernel))
 
     def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
                args: Sequence[object], stream: Any, shared_mem: int) -> None:

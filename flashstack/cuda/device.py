@@ -112,3 +112,18 @@ class Device:
 def device_count() -> int:
     """Number of devices the driver exposes."""
     return get_backend().device_count()
+
+
+_shared: dict[tuple[int, int], Device] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_device(ordinal: int = 0) -> Device:
+    """The process's Device for `ordinal` on the active backend, so that properties asked on a hot
+    path (capability, SM count) are read from the driver once."""
+    backend = get_backend()
+    key = (id(backend), ordinal)  # the Device held here keeps its backend (and so the id) alive
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = Device(ordinal, backend)
+        return _shared[key]

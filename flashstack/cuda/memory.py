@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -112,19 +113,30 @@ class PinnedBuffer(Resource):
         weakref.finalize(arr, self._unpin)
         return arr
 
+    def used_on(self, stream: Stream) -> None:
+        """Note that work queued on `stream` (a copy torch issued, say) reads or writes this memory;
+        copy_async notes its own. A lease goes back to its pool ordered behind that work."""
+        self._check_open()
+        self._state["last_stream"] = stream
+
     def __dlpack_device__(self) -> tuple[int, int]:
         return (_KDL_CUDA_HOST, 0)
 
 
 class PinnedPool(Resource):
-    """Reuses pinned blocks by power-of-two size class, so steady state never frees (or syncs)."""
+    """Reuses pinned blocks by power-of-two size class, so steady state never frees (or syncs).
+
+    A block goes back with an event recorded on the stream that last copied it; `acquire` hands
+    out only a block whose event has completed and allocates another while none has, so it never
+    blocks the host behind queued copies.
+    """
 
     kind = "pinned_pool"
 
     def __init__(self, device: Device | None = None, min_block: int = 4096) -> None:
         self.device, self.min_block = device or Device(0), min_block
         self._lock = threading.Lock()
-        self._free: dict[int, list[tuple[Any, int, Event | None]]] = defaultdict(list)
+        self._free: dict[int, list[_Block]] = defaultdict(list)
         self.stats = {"hits": 0, "misses": 0, "bytes_held": 0}
         super().__init__(self.device.releaser(_drain, self.device.backend, self._free, self._lock),
                          keep=self.device)
@@ -136,24 +148,42 @@ class PinnedPool(Resource):
         return size
 
     def acquire(self, nbytes: int) -> PinnedLease:
-        """A pinned block of at least `nbytes`; close the lease to return it to the pool."""
+        """A pinned block of at least `nbytes` that no queued copy still uses; close the lease to
+        return it to the pool."""
         self._check_open()
         size = self._size_class(nbytes)
         with self._lock:
-            block = self._free[size].pop() if self._free[size] else None
+            block = self._take_idle(size)
             self.stats["hits" if block else "misses"] += 1
         if block is None:
             with self.device:
                 h, ptr = self.device.backend.host_alloc(size)
             with self._lock:
                 self.stats["bytes_held"] += size
-            block = (h, ptr, None)
-        _wait_ready(block[2])
-        return PinnedLease(self, block[0], block[1], size, nbytes)
+            block = _Block(h, ptr, size)
+        return PinnedLease(self, block, nbytes)
 
-    def _give_back(self, size: int, h: Any, ptr: int, ready: Event | None) -> None:
+    def _take_idle(self, size: int) -> _Block | None:
+        # Oldest first: the block returned longest ago is the likeliest to have finished its copy.
+        free = self._free[size]
+        for i, block in enumerate(free):
+            if block.last_copy is None or block.last_copy.query():
+                return free.pop(i)
+        return None
+
+    def _give_back(self, block: _Block) -> None:
         with self._lock:
-            self._free[size].append((h, ptr, ready))
+            self._free[block.size].append(block)
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    """One pooled allocation; `last_copy` completes when the last copy that used it has."""
+
+    h: Any
+    ptr: int
+    size: int
+    last_copy: Event | None = None
 
 
 class PinnedLease(PinnedBuffer):
@@ -161,42 +191,36 @@ class PinnedLease(PinnedBuffer):
 
     kind = "pinned_lease"
 
-    def __init__(self, pool: PinnedPool, h: Any, ptr: int, size: int, nbytes: int) -> None:
+    def __init__(self, pool: PinnedPool, block: _Block, nbytes: int) -> None:
         self.device, self.nbytes, self.pool = pool.device, nbytes, pool
-        self._h, self._ptr, self.capacity = h, ptr, size
+        self._h, self._ptr, self.capacity = block.h, block.ptr, block.size
         self._state = {}
         pool._pin()  # pool.close() raises while leases are out
-        Resource.__init__(self, _return_lease(pool, h, ptr, size, self._state), keep=pool)
+        Resource.__init__(self, _return_lease(pool, block, self._state), keep=pool)
 
 
-def _return_lease(pool: PinnedPool, h: Any, ptr: int, size: int,
-                  state: dict[str, Any]) -> Any:
+def _return_lease(pool: PinnedPool, block: _Block, state: dict[str, Any]) -> Any:
     def release() -> None:
-        ready = None
         last: Stream | None = state.get("last_stream")
         if last is not None and not last.closed:
-            # a copy may still be reading this block: the next user waits for this event
-            ready = last.record()
-        pool._give_back(size, h, ptr, ready)
+            # a copy may still be reading or writing this block: acquire skips it until it is done
+            block.last_copy = block.last_copy or Event(pool.device)
+            block.last_copy.record(last)
+        pool._give_back(block)
         pool._unpin()
 
     return release
 
 
-def _wait_ready(ready: Event | None) -> None:
-    if ready is not None:
-        ready.synchronize()
-        ready.close()
-
-
-def _drain(backend: Any, free: dict[int, list[tuple[Any, int, Event | None]]],
-           lock: threading.Lock) -> None:
+def _drain(backend: Any, free: dict[int, list[_Block]], lock: threading.Lock) -> None:
     with lock:
         blocks = [b for bucket in free.values() for b in bucket]
         free.clear()
-    for h, _, ready in blocks:
-        _wait_ready(ready)
-        backend.host_free(h)
+    for block in blocks:
+        if block.last_copy is not None:
+            block.last_copy.synchronize()
+            block.last_copy.close()
+        backend.host_free(block.h)
 
 
 def _free_on(backend: Any, h: Any, stream: Stream | None) -> None:
@@ -224,7 +248,7 @@ def copy_async(dst: Buffer, src: Buffer, stream: Stream, nbytes: int | None = No
         if buf.closed:
             raise ResourceClosedError(f"copy_async: this {buf.kind} is closed")
         if isinstance(buf, PinnedBuffer):
-            buf._state["last_stream"] = stream
+            buf.used_on(stream)
     if stream._capture is not None:
         stream._capture.keep(dst, src)
     with stream.device:

@@ -131,6 +131,29 @@ def test_variant_and_compile_for_device(dev: fc.Device) -> None:
         assert mod.kernel("saxpy").name == "saxpy"
 
 
+# 64 MiB of module globals: the driver allocates them when the module loads into the context.
+BIG_GLOBALS = r"""
+__device__ char big[64 << 20];
+extern "C" __global__ void touch(char* out) { out[threadIdx.x] = big[threadIdx.x << 20]; }
+"""
+
+
+def test_module_close_unloads_it_while_a_kernel_still_references_it(dev: fc.Device) -> None:
+    with fc.Stream(dev) as s, fc.DeviceBuffer(64, dev, s) as out:
+        s.synchronize()
+        before = dev.free_memory
+        mod = fc.Module.compile(BIG_GLOBALS, dev)
+        kernel = mod.kernel("touch")
+        kernel.launch(1, 32, [out], s)
+        s.synchronize()
+        loaded = dev.free_memory
+        assert before - loaded >= 60 << 20  # the driver holds the module's globals
+        mod.close()  # `kernel` (and cuda.core's kernel object) are still alive
+        assert dev.free_memory - loaded >= 60 << 20  # unloaded: the globals are back
+        with pytest.raises(fc.ResourceClosedError):
+            kernel.launch(1, 32, [out], s)
+
+
 def test_torch_interop_kernel_on_current_stream() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -223,13 +223,14 @@ def test_kernel_holds_module_and_fails_cleanly_after_close(fake: FakeBackend) ->
     gc.collect()
     assert fake.ops("module_unload") == []  # the kernel keeps its module loaded
     k.module.close()
+    assert fake.ops("module_unload") == ["module_unload"]  # close() unloads, kernels or not
     with pytest.raises(fc.ResourceClosedError):
         k.launch(1, 1, [], s)
     s.close()
     assert fake.violations == []
 
 
-def test_pinned_pool_reuses_blocks_and_waits_for_last_copy(fake: FakeBackend) -> None:
+def test_pinned_pool_reuses_blocks_after_their_last_copy(fake: FakeBackend) -> None:
     s = fc.Stream()
     dev_buf = fc.DeviceBuffer(4096, stream=s)
     with fc.PinnedPool() as pool:
@@ -239,10 +240,51 @@ def test_pinned_pool_reuses_blocks_and_waits_for_last_copy(fake: FakeBackend) ->
         with pool.acquire(3000) as again:
             assert again.ptr == lease._ptr  # same 4 KiB block, no new host_alloc
         assert fake.ops("host_alloc") == ["host_alloc"] and pool.stats["hits"] == 1
-        assert fake.ops("event_record")  # reuse waited on an event recorded at release
+        assert fake.ops("event_record")  # the release recorded the copy's end on its stream
     assert fake.ops("host_free") == ["host_free"]
     dev_buf.close(), s.close()
     assert fake.violations == [] and fc.tracker.live() == {}
+
+
+def test_pinned_pool_never_hands_out_a_block_a_copy_still_uses(fake: FakeBackend) -> None:
+    s = fc.Stream()
+    dev_buf = fc.DeviceBuffer(4096, stream=s)
+    with fc.PinnedPool() as pool:
+        with pool.acquire(100) as first:
+            fc.copy_async(dev_buf, first, s, nbytes=100)
+        fake.work_pending = True  # the copy out of `first` has not run yet
+        with pool.acquire(100) as second:
+            assert second.ptr != first._ptr  # a new block instead of waiting for the copy
+        assert pool.stats == {"hits": 0, "misses": 2, "bytes_held": 8192}
+        fake.work_pending = False
+        with pool.acquire(100) as third:
+            assert third.ptr == first._ptr  # oldest idle block first
+        assert fake.ops("event_synchronize") == []  # the host never waited
+    assert fake.ops("host_free") == ["host_free", "host_free"]
+    dev_buf.close(), s.close()
+    assert fake.violations == [] and fc.tracker.live() == {}
+
+
+def test_used_on_orders_a_lease_behind_work_the_pool_did_not_queue(fake: FakeBackend) -> None:
+    s = fc.Stream()
+    with fc.PinnedPool() as pool:
+        lease = pool.acquire(64)
+        lease.used_on(s)  # e.g. a copy torch queued on `s`
+        lease.close()
+        fake.work_pending = True
+        with pool.acquire(64) as other:
+            assert other.ptr != lease._ptr
+    s.close()
+    assert fake.violations == [] and fc.tracker.live() == {}
+
+
+def test_shared_device_reads_properties_once_per_backend(fake: FakeBackend) -> None:
+    dev = fc.shared_device(0)
+    assert fc.shared_device(0) is dev and dev.compute_capability == (9, 0) and dev.sm_count == 132
+    assert fake.ops("device_properties") == ["device_properties"]
+    with fc.use_backend(FakeBackend(cc=(8, 0))):
+        assert fc.shared_device(0).compute_capability == (8, 0)
+    assert fc.shared_device(0) is dev
 
 
 def test_pool_close_with_lease_out_raises(fake: FakeBackend) -> None:

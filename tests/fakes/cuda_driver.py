@@ -54,6 +54,7 @@ class FakeBackend:
         # name -> python function(backend, *args) run when a kernel of that name launches
         self.kernels: dict[str, Any] = {}
         self.peers: set[tuple[int, int]] = set()  # (device, peer) pairs with access enabled
+        self.work_pending = False  # True: recorded events report their work as not yet done
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _call(self, op: str, what: object = "") -> None:
@@ -100,6 +101,7 @@ class FakeBackend:
         return self.devices
 
     def device_properties(self, ordinal: int) -> dict[str, Any]:
+        self._call("device_properties", ordinal)
         return {"name": f"Fake GPU {ordinal}", "compute_capability": self.cc,
                 "total_memory": 80 << 30, "sm_count": 132, "l2_cache_size": 50 << 20}
 
@@ -178,11 +180,12 @@ class FakeBackend:
             event.data["t"] = float(self._serial)
 
     def event_synchronize(self, event: FakeHandle) -> None:
+        self._call("event_synchronize", event)
         self._use(event, "event_synchronize")
 
     def event_query(self, event: FakeHandle) -> bool:
         self._use(event, "event_query")
-        return True
+        return not (self.work_pending and event.data["t"] is not None)
 
     def event_elapsed_ms(self, start: FakeHandle, end: FakeHandle) -> float:
         self._use(start, "event_elapsed")
