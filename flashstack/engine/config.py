@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from flashstack.cuda.torch_interop import device_for
+
 TP_ALL_REDUCES = ("push", "nccl")
 DEFAULT_TP_TIMEOUT_S = 300.0
 
@@ -58,7 +60,7 @@ class KernelOptions:
         features (PDL, TMA) off before compute capability 9.0."""
         if device.type != "cuda":
             return replace(self, triton_gemv=False, pdl=False, decode_qkv=False, decode_tma=False)
-        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+        hopper = device_for(device).compute_capability >= (9, 0)
         return replace(self, pdl=self.pdl and hopper, decode_tma=self.decode_tma and hopper)
 
     def describe(self) -> str:

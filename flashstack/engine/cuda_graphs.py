@@ -3,10 +3,10 @@
 A captured graph replays the whole forward pass (and the logits) with one launch, so the CPU cost of
 a step no longer depends on the model's depth. A step's inputs travel as one packed int64 tensor
 (ids, positions, slots, context lengths, block-table rows: `bucket * (4 + width)` values): one
-asynchronous copy from pinned host memory, and under tensor parallelism one broadcast to the other
-ranks. Each bucket's graph reads the packed buffer in its own layout and converts the two int32
-inputs of the attention kernels itself. Padded rows write nothing (slot -1) and read one harmless
-slot (context length 1).
+asynchronous copy from a pooled pinned block (engine/staging.py), and under tensor parallelism one
+broadcast to the other ranks. Each bucket's graph reads the packed buffer in its own layout and
+converts the two int32 inputs of the attention kernels itself. Padded rows write nothing (slot -1)
+and read one harmless slot (context length 1).
 
 A bucket has one graph per grid bound its attention backend asks for (`decode_grid_bounds`: the
 Triton backend gives bucket 1 a short-context launch too, kernels/triton_attention.plan_decode), as a
@@ -24,6 +24,7 @@ import torch
 
 from flashstack.engine.kernels.attention import AttentionMetadata
 from flashstack.engine.models.ops import Ops
+from flashstack.engine.staging import to_device
 from flashstack.engine.step import ShareInputs, StepHook
 
 MAX_GRAPH_BATCH = 512
@@ -192,8 +193,7 @@ class DecodeGraphs:
             values += row
             values += [0] * (width - len(row))
         values += [0] * (width * pad)
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self.packed[: host.numel()].copy_(host, non_blocking=True)
+        to_device(values, torch.int64, self.device, out=self.packed)
         return bs
 
     def replay_received(self, key: int) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from flashstack.cuda import cuda_available
 from flashstack.engine.gguf import is_gguf, open_gguf
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
@@ -41,9 +42,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' means CUDA when available, else CPU."""
+    """'auto' means CUDA when a device is usable through flashstack.cuda (which the engine's CUDA
+    path stands on) and torch is a CUDA build, else CPU."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if cuda_available() and torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,11 +14,15 @@ from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.models.ops import select_ops
-from flashstack.engine.sampling import needs_host, sample, sample_on_device, to_device
+from flashstack.engine.sampling import needs_host, sample, sample_on_device
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
+from flashstack.engine.staging import to_device, to_host
 from flashstack.engine.step import ShareInputs, StepBroadcast, StepInputs
 from flashstack.engine.swap import SwapSpace
+
+if TYPE_CHECKING:
+    from flashstack.cuda.torch_interop import HostCopy
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -32,14 +37,11 @@ class PendingStep:
 
     batch: ScheduledBatch
     tokens: torch.Tensor  # [len(batch.seqs)] int64 on the device: the next step's input ids
-    host: torch.Tensor  # where the tokens land on the host (pinned on CUDA)
-    ready: torch.cuda.Event | None  # recorded after the copy to `host`; None on the CPU
+    host: HostCopy | None  # the tokens' copy into pinned host memory; None on the CPU
 
     def wait(self) -> list[int]:
         """The sampled tokens, once the device has produced them."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
+        return self.host.wait() if self.host is not None else self.tokens.tolist()
 
 
 class ModelRunner:
@@ -178,13 +180,7 @@ class ModelRunner:
         seqs = batch.seqs
         tokens = sample_on_device(logits, [s.params for s in seqs], lambda i: ([], []),
                                   [self._generator(s) for s in seqs])
-        if self.device.type != "cuda":
-            return PendingStep(batch, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return PendingStep(batch, tokens, host, ready)
+        return PendingStep(batch, tokens, to_host(tokens))
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from flashstack.engine.staging import to_device
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -91,14 +93,6 @@ def apply_penalties(
 
 def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor, through pinned memory and an asynchronous copy: a plain
-    torch.tensor(..., device="cuda") waits for the whole stream, which would stall the host behind
-    the very step it wants to queue work after."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -198,8 +198,9 @@ class _CopyStream:
 
     def __init__(self, device: torch.device) -> None:
         from flashstack import cuda as fc
+        from flashstack.cuda.torch_interop import device_for
 
-        self.device = fc.Device(device.index or 0)
+        self.device = device_for(device)
         self.stream = fc.Stream(self.device)
         self.compute_ready = fc.Event(self.device)
         self.copies_done = fc.Event(self.device)
@@ -208,14 +209,16 @@ class _CopyStream:
         self.buffers: list[Any] = []
 
     def pinned_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor over page-locked memory, allocated once for the engine's life."""
+        """A host tensor over page-locked memory, allocated once for the engine's life: one
+        PinnedBuffer, not a pool block, whose power-of-two sizes could double a large swap space."""
         from flashstack import cuda as fc
+        from flashstack.cuda.torch_interop import host_tensor
 
         numel = torch.Size(shape).numel()
         buf = fc.PinnedBuffer(max(numel * torch.empty((), dtype=dtype).element_size(), 1),
                               self.device)
         self.buffers.append(buf)  # the numpy view keeps it alive too, and open while it lives
-        return torch.from_numpy(buf.numpy()).view(dtype)[:numel].view(shape)
+        return host_tensor(buf, dtype, shape)
 
     @contextmanager
     def ordered(self) -> Iterator[None]:

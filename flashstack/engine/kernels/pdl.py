@@ -17,11 +17,11 @@ drains is the first suspect.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from flashstack.cuda.torch_interop import device_for
 
 
 @triton.jit
@@ -37,9 +37,4 @@ def pdl_applies(device: torch.device, wanted: bool = True) -> bool:
     """PDL for kernels on `device`: when `wanted` (EngineConfig.kernels.pdl), on Hopper and later,
     with compiled (not interpreted) Triton."""
     return (wanted and device.type == "cuda" and not triton.knobs.runtime.interpret
-            and _capability(device.index) >= (9, 0))
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+            and device_for(device).compute_capability >= (9, 0))

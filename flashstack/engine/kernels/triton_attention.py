@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.config import KernelOptions
 from flashstack.engine.kernels.attention import (
     AttentionMetadata,
@@ -326,7 +327,7 @@ def tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
     contiguous 16-bit cache whose blocks hold whole tiles and a power-of-two head size."""
     dim = kv_cache.shape[-1]
     return (kv_cache.is_cuda and kv_cache.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
+            and device_for(kv_cache.device).compute_capability >= (9, 0)
             and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
             and kv_cache.shape[2] % block_n == 0 and dim & (dim - 1) == 0)
 
@@ -356,7 +357,7 @@ def _table_span(max_context_len: int, num_splits: int, block_n: int, min_split: 
 
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return device_for(device).sm_count
     return 4  # the interpreter: a few splits, small enough to run the merge on CPU
 
 

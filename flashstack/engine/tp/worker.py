@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flashstack.cuda import device_count
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
@@ -86,10 +87,9 @@ def launch(config: EngineConfig, device: torch.device) -> WorkerGroup:
     """Spawn ranks 1..N-1 and join the group as rank 0."""
     world = config.tensor_parallel_size
     disable_multicast()  # before spawning: children inherit the environment
-    if device.type == "cuda" and torch.cuda.device_count() < world:
+    if device.type == "cuda" and device_count() < world:
         raise ValueError(
-            f"tensor_parallel_size={world} needs {world} GPUs; this process sees "
-            f"{torch.cuda.device_count()}"
+            f"tensor_parallel_size={world} needs {world} GPUs; this process sees {device_count()}"
         )
     store = master_store(world, config.kernels.tp_timeout_s)
     mailbox = Mailbox.create(world - 1, StepChannel.header_width(config.max_num_seqs))
