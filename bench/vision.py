@@ -23,7 +23,9 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashstack.gateway import vision, vision_gpu
+from flashstack.gateway.vision import gpu as vision_gpu
+from flashstack.gateway.vision import pipeline, scaling
+from flashstack.gateway.vision.payload import ImagePayload
 
 MB = 1024 * 1024
 
@@ -106,15 +108,15 @@ def photo_jpeg(width: int = 4000, height: int = 3000, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def _payloads(text: str, n: int) -> list[vision.ImagePayload]:
-    return [vision.ImagePayload(media_type="image/jpeg", data=text) for _ in range(n)]
+def _payloads(text: str, n: int) -> list[ImagePayload]:
+    return [ImagePayload(media_type="image/jpeg", data=text) for _ in range(n)]
 
 
 def bench_pipeline(cuda: bool, batch: int, runs_budget: float) -> dict[str, Any]:
     jpeg = photo_jpeg()
     text = base64.b64encode(jpeg).decode("ascii")
-    no_resize = vision.Target(None, 64 * MB)
-    anthropic = vision.Target(1568, 5 * MB)
+    no_resize = scaling.Target(None, 64 * MB)
+    anthropic = scaling.Target(1568, 5 * MB)
     cpu, gpu = vision_config("off"), vision_config("auto")
     out: dict[str, Any] = {
         "jpeg_bytes": len(jpeg),
@@ -124,25 +126,25 @@ def bench_pipeline(cuda: bool, batch: int, runs_budget: float) -> dict[str, Any]
     }
 
     out["no_resize_ms_per_image"] = 1e3 * timeit(
-        lambda: vision.normalize(_payloads(text, 1), no_resize, cpu), runs_budget
+        lambda: pipeline.normalize(_payloads(text, 1), no_resize, cpu), runs_budget
     )
     out["no_resize_batch_ms_per_image"] = (
         1e3
-        * timeit(lambda: vision.normalize(_payloads(text, batch), no_resize, cpu), runs_budget)
+        * timeit(lambda: pipeline.normalize(_payloads(text, batch), no_resize, cpu), runs_budget)
         / batch
     )
     out["cpu_resize_one_ms"] = 1e3 * timeit(
-        lambda: vision.normalize(_payloads(text, 1), anthropic, cpu), runs_budget
+        lambda: pipeline.normalize(_payloads(text, 1), anthropic, cpu), runs_budget
     )
     out["cpu_resize_batch_ms"] = 1e3 * timeit(
-        lambda: vision.normalize(_payloads(text, batch), anthropic, cpu), runs_budget
+        lambda: pipeline.normalize(_payloads(text, batch), anthropic, cpu), runs_budget
     )
 
     threads = os.cpu_count() or 1
     with ThreadPoolExecutor(threads) as pool:  # not what the gateway does per request; for scale
         out["cpu_resize_batch_threadpool_ms"] = 1e3 * timeit(
             lambda: list(
-                pool.map(lambda p: vision.normalize([p], anthropic, cpu), _payloads(text, batch))
+                pool.map(lambda p: pipeline.normalize([p], anthropic, cpu), _payloads(text, batch))
             ),
             runs_budget,
         )
@@ -170,7 +172,7 @@ def _gpu_pipeline(
         torch.cuda.synchronize()
 
     payloads = _payloads(text, batch)
-    vision.normalize(payloads, target, gpu)
+    pipeline.normalize(payloads, target, gpu)
     sent = base64.b64decode(payloads[0].data)
     with Image.open(io.BytesIO(sent)) as im:
         size = im.size
@@ -185,9 +187,9 @@ def _gpu_pipeline(
         "nvjpeg_progressive_jpeg": nvjpeg_progressive,
         "nvjpeg_decode_batch_ms": 1e3 * timeit(nvjpeg_decode, budget),
         "gpu_resize_one_ms": 1e3
-        * timeit(lambda: vision.normalize(_payloads(text, 1), target, gpu), budget),
+        * timeit(lambda: pipeline.normalize(_payloads(text, 1), target, gpu), budget),
         "gpu_resize_batch_ms": 1e3
-        * timeit(lambda: vision.normalize(_payloads(text, batch), target, gpu), budget),
+        * timeit(lambda: pipeline.normalize(_payloads(text, batch), target, gpu), budget),
         "gpu_output_size": f"{size[0]}x{size[1]}",
         "gpu_output_bytes": len(sent),
         "device": torch.cuda.get_device_name(),

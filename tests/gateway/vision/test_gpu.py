@@ -12,8 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashstack.gateway import vision, vision_gpu
 from flashstack.gateway.core import GatewayError
+from flashstack.gateway.vision import gpu as vision_gpu
+from flashstack.gateway.vision import pipeline, scaling
+from flashstack.gateway.vision.payload import ImagePayload
 from tests.gateway.vision.images import encode, picture, size_of
 
 pytestmark = [
@@ -52,13 +54,13 @@ def test_batch_mixes_gpu_and_cpu_fallbacks():
     baseline = encode(picture(640, 480), "image/jpeg")
     progressive = encode(picture(640, 480), "image/jpeg", progressive=True)
     payloads = [
-        vision.ImagePayload(media_type="image/jpeg", data=base64.b64encode(r).decode())
+        ImagePayload(media_type="image/jpeg", data=base64.b64encode(r).decode())
         for r in (baseline, baseline, progressive, b"\xff\xd8\xff" + b"\0" * 100 + b"\xff\xd9")
     ]
     with pytest.raises(
         GatewayError, match="cannot be read"
     ):  # the broken one is refused before any GPU work
-        vision.normalize(payloads, vision.Target(320, 1 << 30), CFG)
+        pipeline.normalize(payloads, scaling.Target(320, 1 << 30), CFG)
     payloads = payloads[:3]
-    vision.normalize(payloads, vision.Target(320, 1 << 30), CFG)
+    pipeline.normalize(payloads, scaling.Target(320, 1 << 30), CFG)
     assert [size_of(base64.b64decode(p.data)) for p in payloads] == [(320, 240)] * 3

@@ -9,7 +9,7 @@ import pytest
 
 from flashstack.config import ImageURLConfig
 from flashstack.gateway.core import GatewayError
-from flashstack.gateway.vision_fetch import fetch_image, host_allowed, is_public
+from flashstack.gateway.vision.fetch import fetch_image, host_allowed, is_public
 from tests.gateway.vision.conftest import MAX_IMAGE_BYTES
 from tests.gateway.vision.images import image_bytes
 from tests.gateway.vision.upstream_view import chat_request_count

@@ -1,4 +1,4 @@
-"""vision.py's pieces on their own: sniffing, completeness, header checks, targets, the torch base64 oracle."""
+"""The vision pieces on their own: sniffing, completeness, header checks, targets, the base64 oracle."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import os
 import pytest
 
 from flashstack.config import ImageTargetLimits, ModelConfig, VisionConfig
-from flashstack.gateway import vision, vision_gpu
-from flashstack.gateway.core import GatewayError
+from flashstack.gateway.core import ErrorKind, GatewayError
+from flashstack.gateway.vision import checks, pipeline, scaling
+from flashstack.gateway.vision import gpu as vision_gpu
+from flashstack.gateway.vision.payload import ImagePayload
 from tests.gateway.vision.images import (
     FORMATS,
     b64,
@@ -24,25 +26,25 @@ from tests.gateway.vision.images import (
 @pytest.mark.parametrize("media_type", list(FORMATS))
 def test_sniff_and_complete(media_type):
     raw = image_bytes(media_type)
-    assert vision.sniff(raw) == media_type
-    assert vision.is_complete(raw, media_type)
-    assert not vision.is_complete(raw[: len(raw) * 2 // 3], media_type)
+    assert checks.sniff(raw) == media_type
+    assert checks.is_complete(raw, media_type)
+    assert not checks.is_complete(raw[: len(raw) * 2 // 3], media_type)
 
 
 def test_inspect_reads_the_header_only():
-    info = vision.inspect(png_bomb(9000, 7000), "image/png", VisionConfig(max_pixels=10**9), None)
+    info = checks.inspect(png_bomb(9000, 7000), "image/png", VisionConfig(max_pixels=10**9), None)
     # A full decode would fail: there is no pixel data behind the header.
     assert (info.width, info.height) == (9000, 7000)
     with pytest.raises(GatewayError, match="9000×7000"):
-        vision.inspect(png_bomb(9000, 7000), "image/png", VisionConfig(max_pixels=10**6), "p")
+        checks.inspect(png_bomb(9000, 7000), "image/png", VisionConfig(max_pixels=10**6), "p")
 
 
 def test_progressive_jpeg_is_flagged_for_the_cpu():
     raw = encode(picture(64, 48), "image/jpeg", progressive=True)
-    info = vision.inspect(raw, "image/jpeg", VisionConfig(), None)
-    assert info.progressive and not vision._gpu_decodable(info)
-    assert vision._gpu_decodable(
-        vision.inspect(image_bytes("image/jpeg"), "image/jpeg", VisionConfig(), None)
+    info = checks.inspect(raw, "image/jpeg", VisionConfig(), None)
+    assert info.progressive and not pipeline._gpu_decodable(info)
+    assert pipeline._gpu_decodable(
+        checks.inspect(image_bytes("image/jpeg"), "image/jpeg", VisionConfig(), None)
     )
 
 
@@ -50,31 +52,31 @@ def test_target_is_the_strictest_of_the_deployments():
     cfg = VisionConfig(model_targets={"tiny": ImageTargetLimits(max_long_edge=100)})
     claude = ModelConfig(name="c", provider="anthropic", model="m")
     llama = ModelConfig(name="l", provider="ollama", model="m")
-    assert vision.target_for([llama], cfg) == vision.Target(None, cfg.max_image_bytes)
-    assert vision.target_for([llama, claude], cfg) == vision.Target(1568, 5 * 1024 * 1024)
+    assert scaling.target_for([llama], cfg) == scaling.Target(None, cfg.max_image_bytes)
+    assert scaling.target_for([llama, claude], cfg) == scaling.Target(1568, 5 * 1024 * 1024)
     tiny = ModelConfig(name="tiny", provider="anthropic", model="m")
-    assert vision.target_for([tiny], cfg).max_long_edge == 100
+    assert scaling.target_for([tiny], cfg).max_long_edge == 100
 
 
 def test_untouched_image_keeps_its_exact_text():
     text = b64(image_bytes("image/png"))
-    payload = vision.ImagePayload(media_type="image/png", data=text)
-    vision.normalize([payload], vision.Target(None, 10**9), VisionConfig())
+    payload = ImagePayload(media_type="image/png", data=text)
+    pipeline.normalize([payload], scaling.Target(None, 10**9), VisionConfig())
     assert payload.data is text  # the same object: nothing was re-encoded or copied
 
 
 def test_resize_keeps_the_aspect_ratio_and_format():
     raw = image_bytes("image/jpeg", 3000, 1000)
-    payload = vision.ImagePayload(media_type="image/jpeg", data=b64(raw))
-    vision.normalize([payload], vision.Target(1568, 10**9), VisionConfig(gpu="off"))
+    payload = ImagePayload(media_type="image/jpeg", data=b64(raw))
+    pipeline.normalize([payload], scaling.Target(1568, 10**9), VisionConfig(gpu="off"))
     sent = base64.b64decode(payload.data)
-    assert vision.sniff(sent) == "image/jpeg" and size_of(sent) == (1568, 523)
+    assert checks.sniff(sent) == "image/jpeg" and size_of(sent) == (1568, 523)
 
 
 def test_scaled_size():
-    assert vision.scaled_size(4000, 3000, 1568) == (1568, 1176)
-    assert vision.scaled_size(100, 50, 1568) == (100, 50)
-    assert vision.scaled_size(10, 20000, 8000) == (4, 8000)
+    assert scaling.scaled_size(4000, 3000, 1568) == (1568, 1176)
+    assert scaling.scaled_size(100, 50, 1568) == (100, 50)
+    assert scaling.scaled_size(10, 20000, 8000) == (4, 8000)
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 3, 4, 5, 1000, 4099])
@@ -110,24 +112,24 @@ def test_large_payloads_and_all_resizing_run_off_the_event_loop(monkeypatch):
 
     seen: list[tuple[str, bool]] = []
     for name in ("check", "resize"):
-        real = getattr(vision, name)
+        real = getattr(pipeline, name)
 
         def spy(*a, _name=name, _real=real):
             seen.append((_name, threading.current_thread() is threading.main_thread()))
             return _real(*a)
 
-        monkeypatch.setattr(vision, name, spy)
+        monkeypatch.setattr(pipeline, name, spy)
     text = b64(image_bytes("image/png", 300, 300))
     claude = [ModelConfig(name="c", provider="anthropic", model="m")]
     for offload, configs in ((False, []), (True, []), (False, claude)):
         req = ChatRequest(
-            "m", [Message("user", [vision.ImagePayload(media_type="image/png", data=text)])]
+            "m", [Message("user", [ImagePayload(media_type="image/png", data=text)])]
         )
         cfg = VisionConfig(
             offload_bytes=len(text) - 1 if offload else len(text),
             model_targets={"c": ImageTargetLimits(max_long_edge=100)},
         )
-        asyncio.run(vision.prepare(req, configs, cfg))
+        asyncio.run(pipeline.prepare(req, configs, cfg))
     # small, fits: checked inline; large: checked in a thread; small but too big: resized in a thread
     assert seen == [("check", True), ("check", False), ("check", True), ("resize", False)]
 
@@ -146,15 +148,15 @@ def test_target_configs_include_the_fallback_groups():
     class Router:
         def deployments(self, name):
             if name not in groups:
-                raise GatewayError(vision.ErrorKind.NOT_FOUND, name)
+                raise GatewayError(ErrorKind.NOT_FOUND, name)
             return groups[name]
 
-    configs = vision.target_configs(Router(), "local")
+    configs = pipeline.target_configs(Router(), "local")
     assert [c.name for c in configs] == ["local", "claude"]
-    assert vision.target_for(configs, VisionConfig()).max_long_edge == 1568
+    assert scaling.target_for(configs, VisionConfig()).max_long_edge == 1568
 
 
 def test_broken_header_says_so():
     raw = b"\xff\xd8\xff" + b"\0" * 100 + b"\xff\xd9"  # JPEG magic and end marker, nothing between
     with pytest.raises(GatewayError, match="cannot be read as image/jpeg: its header is broken"):
-        vision.inspect(raw, "image/jpeg", VisionConfig(), "p")
+        checks.inspect(raw, "image/jpeg", VisionConfig(), "p")
