@@ -18,6 +18,22 @@ QWEN3_0_6B: dict[str, Any] = dict(
     tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
 )
 
+LLAMA3_2_1B: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
+    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+)
+# SmolLM2-135M(-Instruct)'s shape: the trained default model, as random weights (same kernels and bytes).
+SMOLLM2_135M: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+)
+
 
 def random_hf_model(shape: dict[str, Any], device: str = "cuda", seed: int = 0):
     """A transformers model of `shape` with random bf16 weights, initialised on `device` from `seed`

@@ -163,10 +163,11 @@ def stage_bucket(graphs, bucket: int, context: int) -> None:
     graphs.stage([0] * bucket, [context - 1] * bucket, [-1] * bucket, [blocks] * bucket, [context] * bucket)
 
 
-def graph_replay_ms(graphs, bucket: int, context: int, iters: int = 50) -> float:
-    """Replay one bucket's captured decode graph back to back; CUDA-event time per replay."""
+def graph_replay_ms(graphs, bucket: int, context: int, iters: int = 50, key: int | None = None) -> float:
+    """Replay one bucket's captured decode graph back to back (`key`: that graph; by default the
+    bucket's graph for every context); CUDA-event time per replay."""
     stage_bucket(graphs, bucket, context)
-    g = graphs.graphs[graphs.keys[bucket, graphs.max_model_len]]  # the bucket's graph for every context
+    g = graphs.graphs[graphs.keys[bucket, graphs.max_model_len] if key is None else key]
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()

@@ -1,0 +1,259 @@
+"""Small models' batch-1 decode step, kernel by kernel and host part by part: docs/benchmarks.md,
+"engine small-model profile (#30)"."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._shapes import LLAMA3_2_1B, LLAMA3_8B, QWEN3_0_6B, SMOLLM2_135M, random_hf_model, save_checkpoint  # noqa: E402
+from bench.engine_decode import COPY_BW, graph_replay_ms, prompts, stage_bucket  # noqa: E402
+from bench.engine_host import Clock  # noqa: E402
+
+# The 8B shape is there to check that what helps the small models costs the big one nothing.
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama3.2-1b": LLAMA3_2_1B, "smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B}
+DEFAULT_MODELS = "qwen3-0.6b,llama3.2-1b,smollm2-135m"
+KINDS = (("gemv", "_gemv_kernel"), ("attention", "_decode_kernel"), ("merge", "_merge_splits"),
+         ("argmax", "argmax"), ("embedding", "embed"), ("norm", "rmsnorm"))
+
+
+def kind_of(kernel: str) -> str:
+    return next((kind for kind, part in KINDS if part in kernel), "other")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the weights: each parameter once (a tied head reads the
+    embedding table), an untied embedding table not at all (it is only indexed)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        emb = model.get_input_embeddings().weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def kv_bytes(shape: dict[str, Any], context: int) -> int:
+    return context * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+
+
+def traced_kernels(run, iters: int) -> list[dict[str, Any]]:
+    """The device kernels `run` launches over `iters` calls, in time order: name, start, duration (µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels.sort(key=lambda e: e["ts"])
+    return [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))} for e in kernels]
+
+
+def busy_us(kernels: list[dict[str, Any]]) -> float:
+    """Time some kernel runs (the union of their intervals: PDL overlaps neighbours)."""
+    busy, end = 0.0, float("-inf")
+    for k in kernels:
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def graph_profile(graphs, context: int, layers: int, iters: int = 20) -> dict[str, Any]:
+    """One batch-1 replay's kernels: by kind, the gaps between them, one layer in order."""
+    stage_bucket(graphs, 1, context)
+    graph = graphs.graphs[graphs.key_for(1, context)]
+    kernels = traced_kernels(graph.replay, iters)
+    per = len(kernels) // iters
+    replays = [kernels[i * per:(i + 1) * per] for i in range(iters)]
+    spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in replays]
+    busy = [busy_us(r) for r in replays]
+    summed = [sum(k["dur"] for k in r) for r in replays]
+    kinds: dict[str, dict[str, float]] = {}
+    for r in replays:
+        for k in r:
+            entry = kinds.setdefault(kind_of(k["name"]), {"count": 0.0, "us": 0.0})
+            entry["count"] += 1 / iters
+            entry["us"] += k["dur"] / iters
+    mid = replays[iters // 2]
+    gemvs = [i for i, k in enumerate(mid) if kind_of(k["name"]) == "gemv"]
+    # Layer 1 (the second): from its first GEMV (q/k/v) to the next layer's first.
+    start, stop = gemvs[4], gemvs[8] if len(gemvs) > 8 else len(mid)
+    layer = [{"kind": kind_of(k["name"]), "us": round(k["dur"], 2),
+              "gap_before_us": round(k["ts"] - (mid[i - 1]["ts"] + mid[i - 1]["dur"]), 2)}
+             for i, k in ((i, mid[i]) for i in range(start, stop))]
+    return {
+        "kernels_per_replay": per, "kernels_per_layer": round(per / layers, 2),
+        "span_us": round(statistics.median(spans), 1), "busy_us": round(statistics.median(busy), 1),
+        "kernel_sum_us": round(statistics.median(summed), 1),
+        "idle_between_kernels_us": round(statistics.median(s - b for s, b in zip(spans, busy)), 1),
+        "by_kind": {k: {"count": round(v["count"], 1), "us": round(v["us"], 1)} for k, v in kinds.items()},
+        "layer_1": layer,
+    }
+
+
+def replay_us(graphs, context: int, iters: int = 200) -> float:
+    """One replay of the batch-1 graph a `context`-token step takes (the short-context one here)."""
+    return graph_replay_ms(graphs, 1, context, iters, key=graphs.key_for(1, context)) * 1000
+
+
+def decode_steps(llm, prompt: list[int], new_tokens: int, between=None) -> tuple[float, int]:
+    """(µs per decode step, steps) through the engine's step loop, prefill excluded; `between`
+    (a context manager factory) wraps the decode steps."""
+    import contextlib
+
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+    torch.cuda.synchronize()
+    with (between or contextlib.nullcontext)():
+        t, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+    return elapsed / steps * 1e6, steps
+
+
+def host_parts(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
+    """µs per decode step of each host part (wall clocks around the engine's methods)."""
+    from flashstack.engine import model_runner, outputs
+
+    engine = llm.engine
+    clock = Clock()
+    saved = [(engine.scheduler, "schedule"), (engine.scheduler, "lookahead"), (engine.runner, "launch"),
+             (engine, "_apply"), (engine.runner.graphs, "run"), (engine.runner.graphs, "stage"),
+             (model_runner, "sample_on_device"), (model_runner.PendingStep, "wait"),
+             (outputs.RequestState, "update_text")]
+    originals = [(owner, name, owner.__dict__.get(name, None)) for owner, name in saved]
+    for owner, name in saved:
+        clock.wrap(owner, name, name)
+    try:
+        step, steps = decode_steps(llm, prompt, new_tokens)
+        clock.total.clear()
+        step, steps = decode_steps(llm, prompt, new_tokens)
+    finally:
+        for owner, name, original in originals:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+    us = {k: round(v / steps * 1e6, 1) for k, v in clock.total.items()}
+    us["step (instrumented)"] = round(step, 1)
+    us["host, not waiting"] = round(step - us.get("wait", 0.0), 1)
+    return us
+
+
+def step_gpu(llm, prompt: list[int], new_tokens: int, graph_kernels: int) -> dict[str, Any]:
+    """Kernels of 20 engine steps: those outside the graph, and the device's idle time per step."""
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+    steps = 20
+    t = time.perf_counter()
+    kernels = traced_kernels(engine.step, steps)
+    wall = (time.perf_counter() - t) / (steps + 1) * 1e6
+    engine.abort_all()
+    while engine.has_unfinished_requests():
+        engine.step()
+    outside: dict[str, float] = {}
+    names = [k["name"] for k in kernels]
+    for name in names:
+        outside[name[:60]] = outside.get(name[:60], 0) + 1 / steps
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    return {
+        "kernels_per_step": round(len(kernels) / steps, 1),
+        "outside_graph_per_step": round(len(kernels) / steps - graph_kernels, 1),
+        "most_frequent": dict(sorted(outside.items(), key=lambda kv: -kv[1])[:12]),
+        "device_idle_per_step_us": round((span - busy_us(kernels)) / steps, 1),
+        "wall_per_step_us (profiled)": round(wall, 1),
+    }
+
+
+def checkpoint(name: str, shape: dict[str, Any], root: Path) -> tuple[Path, int]:
+    """The model written as a random bf16 checkpoint, and the bytes a decode step reads of it."""
+    hf = random_hf_model(shape, "cuda")
+    wbytes = weight_bytes(hf)
+    path = save_checkpoint(hf, root / name)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return path, wbytes
+
+
+def measure(path: Path, wbytes: int, shape: dict[str, Any], args, kernels: dict[str, Any]) -> dict[str, Any]:
+    from flashstack.engine import LLM
+
+    context = args.prompt_len + args.new_tokens // 2
+    floor = (wbytes + kv_bytes(shape, context)) / COPY_BW * 1e6
+    out: dict[str, Any] = {"weight_bytes": wbytes, "floor_us": round(floor, 1), "kernels": kernels}
+    llm = LLM(str(path), block_size=256, max_num_seqs=1, dtype="bfloat16", gpu_memory_utilization=0.5,
+              max_model_len=4096, show_progress=False, device="cuda", kernels=kernels)
+    prompt = prompts(1, args.prompt_len, seed=1)[0]
+    steps = [decode_steps(llm, prompt, args.new_tokens)[0] for _ in range(3)]
+    out["step_us"] = round(min(steps), 1)
+    out["fraction_of_floor"] = round(floor / min(steps), 3)
+    graphs = llm.engine.runner.graphs
+    out["replay_us"] = round(min(replay_us(graphs, context) for _ in range(3)), 1)
+    if args.profile:
+        out["graph"] = graph_profile(graphs, context, shape["num_hidden_layers"])
+        out["step_gpu"] = step_gpu(llm, prompt, args.new_tokens, out["graph"]["kernels_per_replay"])
+        out["host_us"] = host_parts(llm, prompt, args.new_tokens)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated kernel options to run: default, nopdl (kernels.pdl=False), "
+                         "sepqkv (kernels.decode_qkv=False)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="step and replay times only")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    variants = {"default": {}, "nopdl": {"pdl": False}, "sepqkv": {"decode_qkv": False}}
+    root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "prompt_len": args.prompt_len,
+                              "new_tokens": args.new_tokens, "copy_bw_tb_s": COPY_BW / 1e12}
+    for name in args.models.split(","):
+        path, wbytes = checkpoint(name, SHAPES[name], root)
+        for variant in args.variants.split(","):
+            key = name if variant == "default" else f"{name}_{variant}"
+            result[key] = measure(path, wbytes, SHAPES[name], args, variants[variant])
+            text = json.dumps(result, indent=1)
+            if args.json:
+                args.json.write_text(text)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
