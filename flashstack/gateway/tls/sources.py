@@ -9,15 +9,21 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from flashstack.config import VaultConfig
 from flashstack.gateway.tls.certs import CertBundle, TLSError, load_cert_files
 
-if TYPE_CHECKING:
-    from flashstack.gateway.tls.server import ServerTLS
-
 log = logging.getLogger("flashstack.tls")
+
+
+class Served(Protocol):
+    """What a source keeps current: the server TLS (server.py), serving the newest bundle."""
+
+    @property
+    def bundle(self) -> CertBundle: ...
+
+    def install(self, bundle: CertBundle) -> None: ...
 
 
 class CertSource(Protocol):
@@ -29,7 +35,7 @@ class CertSource(Protocol):
 
     def initial(self) -> CertBundle: ...
 
-    def run(self, tls: ServerTLS, stop: threading.Event) -> None: ...
+    def run(self, tls: Served, stop: threading.Event) -> None: ...
 
 
 class FileCertSource:
@@ -59,7 +65,7 @@ class FileCertSource:
             self._seen = None  # load_cert_files says which file is missing
         return load_cert_files(self.cert_file, self.key_file)
 
-    def run(self, tls: ServerTLS, stop: threading.Event) -> None:
+    def run(self, tls: Served, stop: threading.Event) -> None:
         while not stop.wait(self.interval):
             try:
                 stamp = self._stamp()
@@ -115,11 +121,11 @@ class VaultCertSource:
                 time.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")
 
-    def run(self, tls: ServerTLS, stop: threading.Event) -> None:
+    def run(self, tls: Served, stop: threading.Event) -> None:
         while not stop.wait(max(0.0, tls.bundle.renew_time(self.renew_at) - time.time())):
             self._renew(tls, stop)
 
-    def _renew(self, tls: ServerTLS, stop: threading.Event) -> None:
+    def _renew(self, tls: Served, stop: threading.Event) -> None:
         from flashstack.gateway.tls.pki import VaultError
 
         while not stop.is_set():
