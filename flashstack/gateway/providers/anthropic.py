@@ -66,7 +66,7 @@ class AnthropicProvider:
                                headers_for(request, t.WIRE), request.exchange)
 
     async def list_models(self) -> list[str]:
-        return shape.model_ids(await self.client.get_json("/v1/models", timeout=2.0), self.upstream, "data", "id")
+        return shape.model_ids(await self.client.get_json("/v1/models"), self.upstream, "data", "id")
 
     async def health(self) -> Health:
         return await probe_health(self.list_models)

@@ -62,8 +62,12 @@ class Client:
         async with self._send("POST", path, body, None, headers) as response:
             yield response
 
-    async def get_json(self, path: str, timeout: float) -> Any:
-        """GET `path` and its JSON body (bounded by max_body_bytes); every failure a GatewayError."""
+    async def get_json(self, path: str, timeout: float | None = None) -> Any:
+        """GET `path` and its JSON body (bounded by max_body_bytes); every failure a GatewayError.
+
+        Without `timeout`, the deployment's own timeouts: a health probe is bounded by its caller
+        (router.health_check_timeout), never by a tighter cap of its own here.
+        """
         try:
             async with self._send("GET", path, None, timeout) as response:
                 if response.status >= 400:

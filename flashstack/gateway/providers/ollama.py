@@ -70,7 +70,7 @@ class OllamaProvider:
         return await collect(_events_of(up, line))
 
     async def list_models(self) -> list[str]:
-        return shape.model_ids(await self.client.get_json("/api/tags", timeout=2.0), self.upstream, "models", "name")
+        return shape.model_ids(await self.client.get_json("/api/tags"), self.upstream, "models", "name")
 
     async def health(self) -> Health:
         return await probe_health(self.list_models)

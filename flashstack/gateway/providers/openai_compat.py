@@ -106,7 +106,7 @@ class OpenAICompatProvider:
                 yield b"data: " + data + b"\n\n"
 
     async def list_models(self) -> list[str]:
-        return shape.model_ids(await self.client.get_json("/models", timeout=2.0), self.upstream, "data", "id")
+        return shape.model_ids(await self.client.get_json("/models"), self.upstream, "data", "id")
 
     async def health(self) -> Health:
         return await probe_health(self.list_models)

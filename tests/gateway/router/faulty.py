@@ -57,6 +57,7 @@ class FaultyUpstream:
         self.chunks, self.interval, self.first_byte_delay = chunks, interval, first_byte_delay
         self.fault = Fault()
         self.health = "ok"  # ok | fail | hang: how GET /v1/models (the health probe) answers
+        self.health_delay = 0.0  # seconds before it answers (a server busy with a generation)
         self.log: list[Served] = []
         self.health_probes = 0
         self._lock = threading.Lock()
@@ -160,6 +161,7 @@ class FaultyUpstream:
             self.health_probes += 1
             if self.health == "hang":
                 await asyncio.sleep(3600)
+            await asyncio.sleep(self.health_delay)
             if self.health == "ok":
                 await _respond(writer, 200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
             else:

@@ -159,6 +159,15 @@ def test_a_hanging_probe_blocks_neither_requests_nor_readiness(ups):
         assert m["ok"] is False and "timed out" in m["detail"]
 
 
+def test_a_probe_may_take_as_long_as_health_check_timeout(ups):
+    """llama-cpp-python answers its model list only after the generation it is running: busy for
+    longer than the gateway's own default of 2 s, it is healthy while health_check_timeout allows."""
+    ups["a"].health_delay = 2.5
+    with gateway([deployment("m", ups["a"])], health_check_interval=0, health_check_timeout=5.0) as gw:
+        m = httpx.get(gw.url + "/health/readiness", timeout=10).json()["models"]["m"][0]
+    assert m["ok"] and m["latency_ms"] >= 2500, m
+
+
 # ---- observability ----------------------------------------------------------------------------
 
 
