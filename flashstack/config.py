@@ -55,7 +55,7 @@ class ModelConfig(BaseModel):
     context_window_fallbacks: list[str] = Field(default_factory=list)
     content_policy_fallbacks: list[str] = Field(default_factory=list)
     ttft_timeout: float | None = None  # overrides router.ttft_timeout for this deployment
-    # Upstream mTLS (gateway/tls.py): our client certificate, and the CA that signs the upstream's.
+    # Upstream mTLS (gateway/tls/): our client certificate, and the CA that signs the upstream's.
     tls_client_cert: Path | None = None  # PEM certificate (chain) presented to the upstream
     tls_client_key: Path | None = None  # its PEM private key
     tls_ca_bundle: Path | None = None  # verify the upstream against this CA instead of the system store
@@ -77,7 +77,7 @@ class ModelConfig(BaseModel):
                 "credentials in api_base, not both")
 
 
-# ---- TLS (gateway/tls.py, gateway/pki.py) ---------------------------------------------------
+# ---- TLS (gateway/tls/) -------------------------------------------------------------------
 
 
 class VaultConfig(BaseModel):
@@ -210,7 +210,7 @@ class RouterConfig(BaseModel):
     upstream_limits: UpstreamLimits = Field(default_factory=UpstreamLimits)  # caps on what upstreams send
 
 
-# ---- vision (gateway/vision.py) -------------------------------------------------------------
+# ---- vision (gateway/vision/) ---------------------------------------------------------------
 
 
 class ImageTargetLimits(BaseModel):
@@ -349,7 +349,7 @@ class UIConfig(BaseModel):
     secure_cookie: bool | None = None  # None: Secure when the request came over https
 
 
-# ---- context compression (gateway/compress.py) ---------------------------------------------
+# ---- context compression (gateway/compress/) ----------------------------------------------
 
 CompressionMode = Literal["auto", "off", "truncate"]
 

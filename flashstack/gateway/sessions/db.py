@@ -103,7 +103,7 @@ message_vectors = sa.Table(
     "fs_message_vectors", meta,
     sa.Column("message_id", sa.Text, primary_key=True),
     sa.Column("session_id", sa.Text, nullable=False),
-    sa.Column("vectors", sa.LargeBinary, nullable=False),  # compress.pack_vectors
+    sa.Column("vectors", sa.LargeBinary, nullable=False),  # compress.memory.pack_vectors
 )
 
 summaries = sa.Table(
