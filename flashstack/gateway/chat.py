@@ -64,7 +64,7 @@ OPENAI = WireFormat(
     openai_t.to_canonical,
     openai_t.response_json,
     openai_t.error_json,
-    lambda req: openai_t.StreamEncoder(req.model, req.include_usage),
+    lambda req: openai_t.StreamEncoder(req.model, req.include_usage, req.exchange.dropped),
     None,
 )
 ANTHROPIC = WireFormat(
@@ -73,7 +73,7 @@ ANTHROPIC = WireFormat(
     anthropic_t.to_canonical,
     anthropic_t.response_json,
     anthropic_t.error_json,
-    lambda req: anthropic_t.StreamEncoder(req.model),
+    lambda req: anthropic_t.StreamEncoder(req.model, req.exchange.dropped),
     anthropic_t.PING,
 )
 

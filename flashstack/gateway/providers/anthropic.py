@@ -39,7 +39,7 @@ class AnthropicProvider:
         return body
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
-        decoder = t.EventDecoder(tap_for(request.wire, t.WIRE))
+        decoder = t.EventDecoder(tap_for(request.wire, t.WIRE), request.exchange.dropped)
         body = self._body(request, stream=True)
         up = self.upstream
         headers = headers_for(request, t.WIRE)
@@ -55,7 +55,8 @@ class AnthropicProvider:
             self.client, "/v1/messages", body, t.upstream_error, headers_for(request, t.WIRE), request.exchange),
             self.upstream)
         keep = request.wire == t.WIRE  # the client gets the upstream's body whole
-        return self.upstream.translate(lambda b: t.response_from_json(b, keep), reply, "a message")
+        return self.upstream.translate(lambda b: t.response_from_json(b, keep, request.exchange.dropped), reply,
+                                       "a message")
 
     async def count_tokens(self, request: ChatRequest) -> dict:
         """The upstream's own count for an Anthropic client's count_tokens body (model renamed)."""

@@ -40,7 +40,7 @@ class OpenAICompatProvider:
         body = t.request_json(request, self.cfg.model)
         body["stream"] = True
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}  # for accounting
-        decoder = t.ChunkDecoder(tap_for(request.wire, t.WIRE))
+        decoder = t.ChunkDecoder(tap_for(request.wire, t.WIRE), request.exchange.dropped)
         done = chosen = reported = False
         answer = AnswerText()  # counted if no chunk carries usage (llama.cpp's server sends none)
         up = self.upstream
@@ -80,7 +80,8 @@ class OpenAICompatProvider:
             self.client, "/chat/completions", body, t.upstream_error, headers_for(request, t.WIRE),
             request.exchange), self.upstream)
         keep = request.wire == t.WIRE  # the client gets the upstream's body whole
-        return self.upstream.translate(lambda b: t.response_from_json(b, keep), reply, "a chat completion")
+        return self.upstream.translate(lambda b: t.response_from_json(b, keep, request.exchange.dropped), reply,
+                                       "a chat completion")
 
     async def _responses_stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         """A Responses client's request to an upstream that serves the Responses API: whole, both ways."""

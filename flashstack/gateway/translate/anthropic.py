@@ -301,8 +301,9 @@ class StreamEncoder:
     (pings included), message_start's model renamed.
     """
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, dropped: set[str] | None = None) -> None:
         self.model = model
+        self.dropped = dropped  # the exchange's: named again, complete, on a translated stream's message_delta
         self.id = message_id()
         self._index: dict[int, int] = {}  # canonical block index → wire index (dense, in order)
         self._open: set[int] = set()
@@ -369,7 +370,10 @@ class StreamEncoder:
         usage = usage_json(ev.usage)
         usage["input_tokens"] = ev.usage.input_tokens or self._input_tokens
         delta = {"stop_reason": ev.stop_reason.value, "stop_sequence": ev.stop_sequence}
-        yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+        body = {"type": "message_delta", "delta": delta, "usage": usage}
+        if self.dropped:
+            body[fields.DROPPED_FIELD] = ",".join(sorted(self.dropped))
+        yield _event("message_delta", body)
         yield _event("message_stop", {"type": "message_stop"})
 
 
@@ -637,8 +641,11 @@ def _stop_reason(value: str | None) -> StopReason:
         return StopReason.END_TURN
 
 
-def response_from_json(body: dict[str, Any], keep_raw: bool = False) -> ChatResponse:
-    """The canonical response for a Messages API response body (kept whole with `keep_raw`)."""
+def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: set[str] | None = None) -> ChatResponse:
+    """The canonical response for a Messages API response body (kept whole with `keep_raw`;
+    otherwise what the other wire cannot carry is named in `dropped`)."""
+    if not keep_raw and dropped is not None:
+        dropped.update(fields.dropped_response_fields(WIRE, body))
     content: list[Part] = []
     for b in body.get("content") or []:
         kind = b.get("type")
@@ -673,11 +680,28 @@ def upstream_error(status: int, body: Any, retry_after: float | None = None) -> 
     return error_for_status(status, str(body)[:500] or f"upstream returned HTTP {status}", retry_after)
 
 
+def _as_response(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A stream event shaped as the part of a Message response it carries."""
+    kind = data.get("type", name)
+    if kind == "message_start":
+        return data.get("message") or {}
+    if kind == "content_block_start":
+        return {"content": [data.get("content_block")]}
+    delta = data.get("delta") or {}
+    if kind == "content_block_delta" and delta.get("type") == "citations_delta":
+        return {"content": [{"type": "text", "citations": [delta.get("citation")]}]}
+    if kind == "message_delta":
+        rest = {k: v for k, v in data.items() if k not in ("type", "delta")}
+        return {**rest, **{k: v for k, v in delta.items() if k != "stop_reason"}}
+    return {}
+
+
 class EventDecoder:
     """Turns Messages API stream events into canonical events (kept whole for `tap`)."""
 
-    def __init__(self, tap: RawTap | None = None) -> None:
+    def __init__(self, tap: RawTap | None = None, dropped: set[str] | None = None) -> None:
         self.tap = tap
+        self.dropped = dropped if tap is None else None  # translated: what the other wire cannot carry
         self.usage = Usage()
         self.stop_reason: StopReason = StopReason.END_TURN
         self.stop_sequence: str | None = None
@@ -685,6 +709,8 @@ class EventDecoder:
     def feed(self, name: str, data: dict[str, Any]) -> Iterator[Event]:
         tap = self.tap
         if tap is None:
+            if self.dropped is not None:
+                self.dropped.update(fields.dropped_response_fields(WIRE, _as_response(name, data)))
             yield from self._events(name, data)
             return
         tap.add(name, data)

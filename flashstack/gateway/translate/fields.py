@@ -9,6 +9,7 @@ the code and the tests cannot drift apart.
 from __future__ import annotations
 
 import enum
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ class Field:
     harmless: tuple[Any, ...] = ()  # values that ask for nothing: treated as absent across wires
     same: Fate = Fate.PASSED
     same_note: str = ""
+    named: bool = True  # response rows: False for a dropped field that carries nothing (not named)
 
 
 F, P, M, R, D, G = Field, Fate.PASSED, Fate.MAPPED, Fate.REFUSED, Fate.DROPPED, Fate.GATEWAY
@@ -265,43 +267,47 @@ ANTHROPIC_PARTS: tuple[Field, ...] = (
 OPENAI_RESPONSE: tuple[Field, ...] = (
     F("id", M, "id (msg_…)"),
     F("model", M, "model", same=M, same_note="renamed to the model the client asked for"),
-    F("created", D, "Messages responses carry no timestamp"),
+    F("created", D, "Messages responses carry no timestamp", named=False),
+    F("obfuscation", D, "stream padding", named=False),
     F("choices[0].message.content", M, "text block"),
     F("choices[0].message.tool_calls[]", M, "tool_use blocks"),
     F("choices[0].message.reasoning_content", M, "thinking block (no signature)"),
-    F("choices[0].message.refusal", D, "stop_reason refusal when finish_reason is content_filter"),
-    F("choices[0].message.annotations", D, "no counterpart"),
-    F("choices[0].logprobs", D, "cannot be asked for across wires"),
+    F("choices[0].message.refusal", D, "stop_reason refusal when finish_reason is content_filter", "No."),
+    F("choices[0].message.annotations", D, "no counterpart",
+      [{"type": "url_citation", "url_citation": {"url": "https://example.com", "title": "a"}}]),
+    F("choices[0].logprobs", D, "cannot be asked for across wires",
+      {"content": [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": []}]}),
     F("choices[0].finish_reason", M, "stop_reason (stop → end_turn, length → max_tokens, "
       "tool_calls → tool_use, content_filter → refusal)"),
-    F("choices[1:]", D, "n > 1 is refused across wires"),
+    F("choices[1:]", D, "n > 1 is refused across wires", [{"index": 1, "message": {"content": "b"}}]),
     F("usage.prompt_tokens", M, "usage.input_tokens (less cached tokens)"),
     F("usage.completion_tokens", M, "usage.output_tokens"),
     F("usage.prompt_tokens_details.cached_tokens", M, "usage.cache_read_input_tokens"),
-    F("usage.completion_tokens_details", D, "no counterpart"),
-    F("system_fingerprint", D, "no counterpart"),
-    F("service_tier", D, "no counterpart"),
+    F("usage.completion_tokens_details", D, "no counterpart", {"reasoning_tokens": 3}),
+    F("system_fingerprint", D, "no counterpart", "fp_1"),
+    F("service_tier", D, "no counterpart", "default"),
 )
 ANTHROPIC_RESPONSE: tuple[Field, ...] = (
     F("id", M, "id (chatcmpl-…)"),
     F("model", M, "model", same=M, same_note="renamed to the model the client asked for"),
     F("content[].type=text", M, "message.content"),
     F("content[].type=thinking", M, "message.reasoning_content (the signature is not sent)"),
-    F("content[].type=redacted_thinking", D, "readable by Claude only"),
+    F("content[].type=redacted_thinking", D, "readable by Claude only", {"data": "EmwK"}),
     F("content[].type=tool_use", M, "message.tool_calls[]"),
-    F("content[].citations", D, "no counterpart"),
+    F("content[].citations", D, "no counterpart", CITATION),
     F("stop_reason", M, "finish_reason"),
-    F("stop_sequence", D, "finish_reason stop"),
+    F("stop_sequence", D, "finish_reason stop", "END"),
     F("usage.input_tokens", M, "usage.prompt_tokens (plus cache reads and writes)"),
     F("usage.output_tokens", M, "usage.completion_tokens"),
     F("usage.cache_read_input_tokens", M, "usage.prompt_tokens_details.cached_tokens"),
     F("usage.cache_creation_input_tokens", M, "counted in usage.prompt_tokens"),
-    F("usage.cache_creation", D, "no counterpart"),
-    F("usage.server_tool_use", D, "no counterpart"),
-    F("usage.service_tier", D, "no counterpart"),
-    F("container", D, "no counterpart"),
-    F("context_management", D, "no counterpart"),
+    F("usage.cache_creation", D, "no counterpart", {"ephemeral_5m_input_tokens": 50}),
+    F("usage.server_tool_use", D, "no counterpart", {"web_search_requests": 1}),
+    F("usage.service_tier", D, "no counterpart", "standard"),
+    F("container", D, "no counterpart", {"id": "container_1", "expires_at": "2026-12-01T00:00:00Z"}),
+    F("context_management", D, "no counterpart", {"applied_edits": [{"type": "clear_tool_uses_20250919"}]}),
 )
+RESPONSE_TABLES = {"openai": OPENAI_RESPONSE, "anthropic": ANTHROPIC_RESPONSE}
 
 # ---- headers --------------------------------------------------------------------------------------
 
@@ -366,6 +372,78 @@ def headers_for(req: ChatRequest, wire: str) -> dict[str, str] | None:
     return out or None
 
 
+# ---- response fields the client's wire has no place for --------------------------------------------
+
+RESPONSE_PREFIX = "response."  # a response field in x-flashstack-dropped, apart from the request's
+DROPPED_FIELD = "flashstack_dropped"  # a translated stream's final event: every name, as the header's
+_STRUCTURE = {"openai": frozenset({"object"}), "anthropic": frozenset({"type", "role"})}
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "reasoning_content", "reasoning", "refusal",
+                           "annotations", "function_call"})
+_BLOCK_TYPES = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
+_KNOWN_TOP = {wire: _STRUCTURE[wire] | {f.name.split(".")[0].split("[")[0] for f in rows}
+              for wire, rows in RESPONSE_TABLES.items()}
+_PATH = re.compile(r"\[[^\]]*\]|[^.\[]+")
+
+
+def dropped_response_fields(wire: str, body: dict[str, Any]) -> set[str]:
+    """What of an upstream's response of `wire` (or of one stream event, shaped as a response) a
+    client of the other wire cannot receive: its table's dropped rows that carry something, and
+    fields newer than the table, each as `response.<name>`."""
+    names = {f.name for f in RESPONSE_TABLES[wire] if f.cross is D and f.named and _carries(_at(body, f.name))}
+    names.update(k for k, v in body.items() if k not in _KNOWN_TOP[wire] and _carries([v]))
+    if wire == "openai":
+        message = (_at(body, "choices[0].message") or [{}])[0]
+        if isinstance(message, dict):
+            names.update(f"choices[0].message.{k}" for k, v in message.items()
+                         if k not in _MESSAGE_KEYS and _carries([v]))
+    else:
+        names.update(f"content[].type={b.get('type')}" for b in _at(body, "content[]")
+                     if isinstance(b, dict) and b.get("type") not in _BLOCK_TYPES)
+    return {RESPONSE_PREFIX + n for n in names}
+
+
+def _at(node: Any, path: str) -> list[Any]:
+    """The values at a table row's path: `a.b`, `a[0]`, `a[1:]` (each item after), `a[]` (each
+    item), `a[].type=x` (the items of that type)."""
+    values = [node]
+    for step in _PATH.findall(path):
+        found: list[Any] = []
+        for v in values:
+            if step.startswith("["):
+                if isinstance(v, list):
+                    found += _items(v, step[1:-1])
+            elif "=" in step:
+                key, _, want = step.partition("=")
+                found += [v] if isinstance(v, dict) and v.get(key) == want else []
+            elif isinstance(v, dict) and step in v:
+                found.append(v[step])
+        values = found
+    return values
+
+
+def _items(items: list[Any], index: str) -> list[Any]:
+    """`[]` every item, `[1:]` those from the second, `[0]` the first (if any)."""
+    if not index:
+        return items
+    if index.endswith(":"):
+        return items[int(index[:-1]):]
+    return items[int(index):int(index) + 1]
+
+
+def _carries(values: list[Any]) -> bool:
+    """Some value says something: not null, empty, false, zero, nor only such values inside."""
+    for v in values:
+        if isinstance(v, dict):
+            if _carries(list(v.values())):
+                return True
+        elif isinstance(v, list):
+            if _carries(v):
+                return True
+        elif v not in (None, False, 0, ""):
+            return True
+    return False
+
+
 # ---- what the translators ask ----------------------------------------------------------------------
 
 _BY_NAME = {
@@ -427,9 +505,18 @@ a 400 naming it; one that is only an optimisation is dropped and named in the re
 `x-flashstack-dropped` (comma-separated). A field newer than this table is dropped and named too.
 
 Fates: **passed** (as sent), **mapped** (to its counterpart), **refused** (400), **dropped**
-(named in `x-flashstack-dropped`), **gateway** (the gateway's own; never sent upstream). In the
-response tables, **dropped** means the other wire has no place for the field (a response's head,
-where a header could name it, goes out before a stream's end).
+(named in `x-flashstack-dropped`), **gateway** (the gateway's own; never sent upstream).
+
+In the response tables, **dropped** means the client's wire has no place for the field: it is named
+`response.<field>` in `x-flashstack-dropped` whenever the upstream's response carried it (a value
+other than null, empty, false or zero), and so is a field newer than the table (`response.<key>`,
+`response.choices[0].message.<key>`, `response.content[].type=<type>`). A stream's headers go out
+with its first content event, so they name what the upstream had sent by then (OpenAI's
+`system_fingerprint` and `service_tier` ride on every chunk; Anthropic's `message_start` carries the
+usage and the container). What comes later (later tokens' logprobs, the final usage, citations) is
+named in the stream's final event: across wires it carries `"flashstack_dropped": "<the header's
+comma-separated list, complete>"`, on the chunk with the `finish_reason` (OpenAI) or on
+`message_delta` (Anthropic); both SDKs keep it (`chunk.model_extra`, `event.model_extra`).
 
 Sessions store every field of each message as its wire gave it: the parts (text, images, tool calls
 and results, thinking with its signature, redacted thinking, verbatim blocks of types the gateway does
@@ -456,7 +543,9 @@ Text is a `message` item with one `output_text` part, a tool call a `function_ca
 `encrypted_content`, which comes back unchanged in a later input). `usage.input_tokens` counts cached
 tokens too (`input_tokens_details.cached_tokens`); `output_tokens_details.reasoning_tokens` is the
 upstream's count. Translated, an upstream's own response fields that the canonical response does
-not carry (logprobs, annotations, `system_fingerprint`) do not reach a Responses client; from a
+not carry (logprobs, annotations, `system_fingerprint`) do not reach a Responses client, and are
+named `response.<field>` in `x-flashstack-dropped` (streamed: those sent before the first content
+event; a Responses stream has no final-event field); from a
 Responses upstream (`responses_api: true`) the body and every event arrive as the upstream sent
 them, the model renamed (hosted tools, unknown item types and fields included).
 
@@ -469,8 +558,14 @@ them, the model renamed (hosted tools, unknown item types and fields included).
 | local engine | — | one raw prompt (text or token ids), no chat template: `max_tokens` (default 16), `temperature`, `top_p`, `stop`, `seed`, `stream`, `stream_options`; `echo`, `logprobs`, `suffix`, `best_of` > 1, `logit_bias`, `n` > 1 refused; other fields named in `x-flashstack-dropped` |
 | Anthropic upstream | 400 | 400 (chat only) |
 
-Both go to the model's first deployment that can serve them, outside the chat router's retries,
-fallbacks and breakers, and are not counted in the request log.
+Both go through the router as a chat does (retries, fallbacks, breakers, one attempt span per
+try), to the model's deployments that can serve them; a stream may move to another deployment
+until its first event. They are counted as a chat is: the key's models (403), rpm, tpm and budget
+(429), a row in the request log priced from the upstream's usage (`minilm` costs 0), and a trace
+(`embeddings <model>`, `text_completion <model>`). A legacy completion streamed to an
+OpenAI-compatible upstream asks it for usage (`stream_options.include_usage`) whatever the client
+asked: it is what the key is charged by; a client that did not ask does not get the usage chunk.
+`GET /v1/models` lists `minilm` beside the configured models.
 """
 
 
@@ -479,6 +574,8 @@ def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
     for f in rows:
         same_cell = f.same.value + (f": {f.same_note}" if f.same_note else "")
         cross_cell = f.cross.value + (f": {f.to}" if f.to else "")
+        if not f.named:
+            cross_cell += " (not named: it tells the client nothing)"
         if f.harmless:
             cross_cell += " (nothing happens for " + " or ".join(f"`{orjson.dumps(v).decode()}`" for v in f.harmless) + ")"
         lines.append(f"| `{f.name}` | {same_cell} | {cross_cell} |")

@@ -330,9 +330,10 @@ class StreamEncoder:
     came, the model renamed, and the usage the gateway asked for removed unless the client asked too.
     """
 
-    def __init__(self, model: str, include_usage: bool) -> None:
+    def __init__(self, model: str, include_usage: bool, dropped: set[str] | None = None) -> None:
         self.model = model
         self.include_usage = include_usage
+        self.dropped = dropped  # the exchange's: named again, complete, on a translated stream's last chunk
         self.id = completion_id()
         self.created = int(time.time())
         self._tool_ordinal: dict[int, int] = {}
@@ -359,7 +360,7 @@ class StreamEncoder:
             k = self._tool_ordinal[ev.index]
             yield self._chunk({"tool_calls": [{"index": k, "function": {"arguments": ev.fragment}}]})
         elif isinstance(ev, Finish):
-            yield self._chunk({}, FINISH_REASON[ev.stop_reason])
+            yield self._chunk({}, FINISH_REASON[ev.stop_reason], self.dropped)
             if self.include_usage:
                 yield _sse(self._envelope([], usage=usage_json(ev.usage)))
             yield b"data: [DONE]\n\n"
@@ -378,9 +379,13 @@ class StreamEncoder:
             self.id, self.created = chunk.get("id", self.id), chunk.get("created", self.created)
             yield _sse(chunk)
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+               dropped: set[str] | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return _sse(self._envelope([choice]))
+        body = self._envelope([choice])
+        if dropped:
+            body[fields.DROPPED_FIELD] = ",".join(sorted(dropped))
+        return _sse(body)
 
     def _envelope(self, choices: list[Any], usage: Any = None) -> dict[str, Any]:
         body = {
@@ -624,8 +629,11 @@ def usage_from_json(u: dict[str, Any] | None) -> Usage:
     return Usage(max(0, prompt - cached), u.get("completion_tokens") or 0, cached, 0, reasoning)
 
 
-def response_from_json(body: dict[str, Any], keep_raw: bool = False) -> ChatResponse:
-    """The canonical response for an upstream's ChatCompletion body (kept whole with `keep_raw`)."""
+def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: set[str] | None = None) -> ChatResponse:
+    """The canonical response for an upstream's ChatCompletion body (kept whole with `keep_raw`;
+    otherwise what the other wire cannot carry is named in `dropped`)."""
+    if not keep_raw and dropped is not None:
+        dropped.update(fields.dropped_response_fields(WIRE, body))
     choice = (body.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     content: list[Part] = []
@@ -660,6 +668,12 @@ def upstream_error(status: int, body: Any, retry_after: float | None = None) -> 
     return error_for_status(status, message, retry_after)
 
 
+def _as_response(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A chunk shaped as the response it is part of (each choice's delta as its message)."""
+    choices = [{**c, "message": c.get("delta")} if isinstance(c, dict) else c for c in chunk.get("choices") or []]
+    return {**chunk, "choices": choices}
+
+
 def _call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -670,8 +684,9 @@ class ChunkDecoder:
     Only the first choice becomes canonical (n > 1 reaches only an OpenAI client, through `tap`).
     """
 
-    def __init__(self, tap: RawTap | None = None) -> None:
+    def __init__(self, tap: RawTap | None = None, dropped: set[str] | None = None) -> None:
         self.tap = tap
+        self.dropped = dropped if tap is None else None  # translated: what the other wire cannot carry
         self.started = False
         self.next_index = 0
         self.text_index: int | None = None
@@ -686,6 +701,8 @@ class ChunkDecoder:
             raise upstream_error(500, chunk)
         tap = self.tap
         if tap is None:
+            if self.dropped is not None:
+                self.dropped.update(fields.dropped_response_fields(WIRE, _as_response(chunk)))
             yield from self._events(chunk)
             return
         tap.add("", chunk)

@@ -10,7 +10,7 @@ import pytest
 from flashstack.config import Config, ModelConfig, RouterConfig
 from flashstack.gateway.app import create_app
 from tests.fakes.server import FakeServer
-from tests.gateway.protocol import canned
+from tests.gateway.protocol import canned, samples
 
 UPSTREAM_KEY = "sk-upstream-key"
 CLIENT_KEY = "sk-client-key-never-forwarded"
@@ -61,6 +61,15 @@ def upstream(canned_upstreams):
         s.requests.clear()
         s.app.state.reply = canned.Reply()
     return canned_upstreams
+
+
+@pytest.fixture
+def answered(upstream):
+    """The canned upstreams answering with responses (and streams) that carry every documented field."""
+    upstream["openai"].app.state.reply = canned.Reply(body=samples.openai_response(), events=samples.openai_events())
+    upstream["anthropic"].app.state.reply = canned.Reply(body=samples.anthropic_response(),
+                                                         events=samples.anthropic_events())
+    return upstream
 
 
 @pytest.fixture(scope="session")

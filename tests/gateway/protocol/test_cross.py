@@ -9,15 +9,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.gateway.protocol import canned, samples
-
-
-@pytest.fixture
-def answered(upstream):
-    upstream["openai"].app.state.reply = canned.Reply(body=samples.openai_response(), events=samples.openai_events())
-    upstream["anthropic"].app.state.reply = canned.Reply(body=samples.anthropic_response(),
-                                                         events=samples.anthropic_events())
-    return upstream
+from tests.gateway.protocol import samples
 
 
 def _anthropic_without_refused() -> dict:
@@ -31,7 +23,7 @@ def _anthropic_without_refused() -> dict:
 
 def test_anthropic_cache_control_and_thinking_to_an_openai_upstream_are_dropped_and_named(clients, answered):
     raw = clients["gateway"][1].messages.with_raw_response.create(model="oai", **_anthropic_without_refused())
-    dropped = set(raw.headers["x-flashstack-dropped"].split(","))
+    dropped = _request_fields_dropped(raw.headers)  # the response's: test_response_dropped.py
     assert dropped == {"system[].cache_control", "messages[].content[].cache_control", "tools[].cache_control",
                        "tools[].defer_loading", "messages[].content[].type=thinking",
                        "messages[].content[].type=redacted_thinking", "messages[].content[].citations",
@@ -94,7 +86,7 @@ def test_openai_request_to_anthropic_maps_what_has_a_counterpart(clients, answer
     assert sent["metadata"] == {"user_id": "user-9"}
     assert sent["tool_choice"] == {"type": "auto", "disable_parallel_tool_use": True}
     assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "user", "assistant", "user"]
-    assert set(raw.headers["x-flashstack-dropped"].split(",")) == {"seed", "messages[].name", "tools[].function.strict",
+    assert _request_fields_dropped(raw.headers) == {"seed", "messages[].name", "tools[].function.strict",
                                                                    "messages[].content[].image_url.detail"}
     completion = raw.parse()
     # Anthropic's cache reads and writes are part of OpenAI's prompt_tokens.

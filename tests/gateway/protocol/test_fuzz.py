@@ -4,12 +4,11 @@ the caller's error format, and always comes back (no hang)."""
 from __future__ import annotations
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashstack.gateway.translate import fields
-from tests.gateway.protocol import canned, samples
+from tests.gateway.protocol import samples
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False, allow_infinity=False)
@@ -97,14 +96,6 @@ MINIMAL_ANTHROPIC = {"max_tokens": 16, "messages": [{"role": "user", "content": 
 # Mostly near-valid requests (they reach translation and the upstreams), some from scratch.
 OPENAI = st.one_of(RANDOM_OPENAI, *[_mutated(st.builds(samples.openai_request) | st.builds(lambda: dict(MINIMAL_OPENAI)))] * 3)
 ANTHROPIC = st.one_of(RANDOM_ANTHROPIC, *[_mutated(st.builds(_anthropic_full) | st.builds(lambda: dict(MINIMAL_ANTHROPIC)))] * 3)
-
-
-@pytest.fixture
-def answered(upstream):
-    upstream["openai"].app.state.reply = canned.Reply(body=samples.openai_response(), events=samples.openai_events())
-    upstream["anthropic"].app.state.reply = canned.Reply(body=samples.anthropic_response(),
-                                                         events=samples.anthropic_events())
-    return upstream
 
 
 def _check(r: httpx.Response, anthropic_format: bool) -> None:
