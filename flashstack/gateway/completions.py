@@ -3,7 +3,8 @@ upstream as sent, or run on the local engine.
 
 A completion is logged, traced and counted against the key as a chat request is (accounting.py),
 and goes through the router's retries, fallbacks and breakers to the deployments that can serve it
-(OpenAI-compatible or local); a stream may move to another deployment until its first event.
+(OpenAI-compatible or local); a stream may move to another deployment until its first event, and
+its attempt lasts until its last.
 """
 
 from __future__ import annotations
@@ -74,16 +75,41 @@ async def _serve(acct: Accounting, router: Router, limits: chat.Limits) -> Respo
     req = _parse(body)
     _deployment(router, req.model)  # 404 for an unknown model, 400 for a chat-only one
     creq = await acct.admit(req.model, req.prompt, req.max_tokens or DEFAULT_MAX_TOKENS, bool(req.stream))
-
-    async def send(dep: Deployment) -> Response:
-        if isinstance(dep.provider, OpenAICompatProvider):
-            return await _forward(acct, dep, req, body)
-        return await _local(acct, dep, req, body)
-
-    response = await router.call(creq, acct.trace, OPERATION, _serves, send)
-    if not isinstance(response, EventStream):
+    headers: dict[str, str] = {"cache-control": "no-cache"} if req.stream else {}  # the serving one adds its own
+    if not req.stream:
+        reply = await router.call(creq, acct.trace, OPERATION, _serves,
+                                  lambda dep: _whole(acct.trace, dep, req, body, headers))
         await acct.finish(acct.trace.usage)
-    return response
+        return chat.json_response(reply, headers=headers or None)
+    chunks = await router.open_call(creq, acct.trace, OPERATION, _serves,
+                                    lambda dep: _streamed(acct.trace, dep, req, body, headers))
+    return EventStream(acct.settled(_ended_by_error(chunks, acct.trace), lambda: acct.trace.usage),
+                       media_type="text/event-stream", headers=headers)
+
+
+async def _whole(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
+                 headers: dict[str, str]) -> Any:
+    if isinstance(dep.provider, OpenAICompatProvider):
+        return await _forward(trace, dep, req, body)
+    return await _local(trace, dep, req, body, headers)
+
+
+def _streamed(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
+              headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The SSE lines a deployment streams; the router takes the first (a failure before it moves on)."""
+    if isinstance(dep.provider, OpenAICompatProvider):
+        return _forward_stream(trace, dep, req, body)
+    return _local_stream(trace, dep, req, body, headers)
+
+
+async def _ended_by_error(chunks: AsyncIterator[bytes], trace: RouteTrace) -> AsyncIterator[bytes]:
+    """`chunks`; a failure after the first byte goes out as the stream's last event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except GatewayError as e:
+        trace.error = e.message
+        yield _sse(error_json(e))
 
 
 def _parse(body: Any) -> CompletionRequest:
@@ -105,97 +131,104 @@ def _deployment(router: Router, model: str) -> Deployment:
 # ---- an OpenAI-compatible upstream: the body as sent -----------------------------------------
 
 
-async def _forward(acct: Accounting, dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
+async def _forward(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Any:
     provider: OpenAICompatProvider = dep.provider  # type: ignore[assignment]
-    sent = {**body, "model": dep.cfg.model}
-    if not req.stream:
-        reply = await provider.forward("/completions", sent)
-        acct.trace.usage = usage_of(reply)
-        if isinstance(reply, dict) and "model" in reply:
-            reply["model"] = req.model
-        return chat.json_response(reply)
+    reply = await provider.forward("/completions", {**body, "model": dep.cfg.model})
+    trace.usage = usage_of(reply)
+    if isinstance(reply, dict) and "model" in reply:
+        reply["model"] = req.model
+    return reply
+
+
+async def _forward_stream(trace: RouteTrace, dep: Deployment, req: CompletionRequest,
+                          body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """The upstream's events, `model` renamed to the one the client asked for, and its usage kept
+    in `trace` (and taken out, when the client did not ask for it)."""
+    provider: OpenAICompatProvider = dep.provider  # type: ignore[assignment]
     asked = bool((req.stream_options or {}).get("include_usage"))
     # Usage is asked for whatever the client asked: it is what the key is charged by.
-    sent["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
-    chunks = provider.forward_stream("/completions", sent)
-    first = await anext(chunks, b"")  # an upstream's refusal is a status, before any byte goes out
-    relay = _Relay(req.model, asked, acct.trace)
-    return EventStream(acct.settled(relay.lines(first, chunks), lambda: relay.usage),
-                       media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    sent = {**body, "model": dep.cfg.model, "stream_options": {**(req.stream_options or {}), "include_usage": True}}
+    async for line in provider.forward_stream("/completions", sent):
+        if (out := _relayed(line, req.model, asked, trace)) is not None:
+            yield out
 
 
-class _Relay:
-    """The upstream's events, `model` renamed to the one the client asked for, and usage kept
-    (and taken out, when the client did not ask for it)."""
-
-    def __init__(self, model: str, include_usage: bool, trace: RouteTrace) -> None:
-        self.model, self.include_usage, self.trace = model, include_usage, trace
-        self.usage: Usage | None = None
-
-    async def lines(self, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        try:
-            if (out := self._line(first)) is not None:
-                yield out
-            async for line in chunks:
-                if (out := self._line(line)) is not None:
-                    yield out
-        except GatewayError as e:  # after the first byte: the failure goes out as the stream's last event
-            self.trace.error = e.message
-            yield _sse(error_json(e))
-
-    def _line(self, line: bytes) -> bytes | None:
-        data = line[len(b"data: "):].strip()
-        if data == b"[DONE]":
-            return line
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return line
-        if not isinstance(chunk, dict):
-            return line
-        if chunk.get("usage"):
-            self.usage = usage_of(chunk)
-        if not self.include_usage:
-            if chunk.get("usage") and not chunk.get("choices"):
-                return None  # the usage-only chunk the gateway asked for
-            chunk.pop("usage", None)
-        if "model" in chunk:
-            chunk["model"] = self.model
-        return _sse(chunk)
+def _relayed(line: bytes, model: str, include_usage: bool, trace: RouteTrace) -> bytes | None:
+    data = line[len(b"data: "):].strip()
+    if data == b"[DONE]":
+        return line
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return line
+    if not isinstance(chunk, dict):
+        return line
+    if chunk.get("usage"):
+        trace.usage = usage_of(chunk)
+    if not include_usage:
+        if chunk.get("usage") and not chunk.get("choices"):
+            return None  # the usage-only chunk the gateway asked for
+        chunk.pop("usage", None)
+    if "model" in chunk:
+        chunk["model"] = model
+    return _sse(chunk)
 
 
 # ---- the local engine ------------------------------------------------------------------------
 
 
-async def _local(acct: Accounting, dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Response:
-    prompt = _one_prompt(req)
+def _local_request(req: CompletionRequest, body: dict[str, Any], headers: dict[str, str]) -> ChatRequest:
+    """The sampling fields the engine takes (400 for a field it cannot honour; the dropped ones named)."""
     for name, why in _LOCAL_REFUSED.items():
         value = body.get(name)
         if value is not None and value not in _HARMLESS.get(name, ()):
             raise invalid_request(f"{name} cannot be served by local model {req.model!r} ({why}); remove it", name)
     if (req.n or 1) > 1:
         raise invalid_request(f"local model {req.model!r} returns one completion per request; leave n out", "n")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    creq = ChatRequest(model=req.model, messages=[], max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
-                       temperature=req.temperature, top_p=req.top_p, stop=stop, seed=req.seed)
     dropped = sorted(k for k in body if k not in _LOCAL_FIELDS and k not in _LOCAL_REFUSED)
-    headers = {"x-flashstack-dropped": ",".join(dropped)} if dropped else {}
+    if dropped:
+        headers["x-flashstack-dropped"] = ",".join(dropped)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return ChatRequest(model=req.model, messages=[], max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
+                       temperature=req.temperature, top_p=req.top_p, stop=stop, seed=req.seed)
+
+
+async def _local_events(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
+                        headers: dict[str, str]) -> AsyncIterator[Event]:
+    """The engine's events for the prompt, its usage kept in `trace` at the Finish."""
+    creq = _local_request(req, body, headers)
     provider: LocalProvider = dep.provider  # type: ignore[assignment]
-    events = provider.stream_prompt(prompt, creq)
-    encoder = _Encoder(req.model, bool((req.stream_options or {}).get("include_usage")))
-    if req.stream:
-        first = await anext(events)  # the engine's refusal (a prompt too long) is a 400, not a stream
-        return EventStream(acct.settled(encoder.sse(_chain(first, events)), lambda: encoder.usage),
-                           media_type="text/event-stream", headers={"cache-control": "no-cache", **headers})
+    async for ev in provider.stream_prompt(_one_prompt(req), creq):
+        if isinstance(ev, Finish):
+            trace.usage = ev.usage
+        yield ev
+
+
+async def _local(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
+                 headers: dict[str, str]) -> dict[str, Any]:
     text, finish = [], None
-    async for ev in events:
+    async for ev in _local_events(trace, dep, req, body, headers):
         if isinstance(ev, TextDelta):
             text.append(ev.text)
         elif isinstance(ev, Finish):
             finish = ev
     assert finish is not None
-    acct.trace.usage = finish.usage
-    return chat.json_response(encoder.body("".join(text), finish, finish.usage), headers=headers or None)
+    return _Encoder(req.model, False).body("".join(text), finish, finish.usage)
+
+
+async def _local_stream(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
+                        headers: dict[str, str]) -> AsyncIterator[bytes]:
+    events = _local_events(trace, dep, req, body, headers)
+    first = await anext(events)  # a refusal (a prompt too long) raises here: a 400, not a stream's error event
+    encoder = _Encoder(req.model, bool((req.stream_options or {}).get("include_usage")))
+    async for chunk in encoder.sse(_chain(first, events)):
+        yield chunk
+
+
+async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    yield first
+    async for ev in rest:
+        yield ev
 
 
 def _one_prompt(req: CompletionRequest) -> str | list[int]:
@@ -208,18 +241,11 @@ def _one_prompt(req: CompletionRequest) -> str | list[int]:
                           "prompt")
 
 
-async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    yield first
-    async for ev in rest:
-        yield ev
-
-
 class _Encoder:
     """`text_completion` bodies and chunks."""
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model, self.include_usage = model, include_usage
-        self.usage: Usage | None = None  # the Finish's, once it went out
         self.id, self.created = "cmpl-" + uuid.uuid4().hex, int(time.time())
 
     def body(self, text: str, finish: Finish | None, usage: Usage | None) -> dict[str, Any]:
@@ -237,7 +263,6 @@ class _Encoder:
             if isinstance(ev, TextDelta):
                 yield _sse(self.body(ev.text, None, None))
             elif isinstance(ev, Finish):
-                self.usage = ev.usage
                 yield _sse(self.body("", ev, None))
                 if self.include_usage:
                     yield _sse({**self.body("", None, ev.usage), "choices": []})

@@ -44,6 +44,7 @@ from flashstack.gateway.state import BreakerState, Snapshot, build_state
 
 log = logging.getLogger("flashstack.router")
 T = TypeVar("T")
+_NOTHING = object()  # a stream's end before its first item
 
 # Upstream error codes and phrases that mean "the prompt is too long" / "refused by a content filter".
 _CONTEXT_WINDOW_HINTS = ("context_length_exceeded", "context window", "context length", "prompt is too long",
@@ -191,6 +192,17 @@ class Router:
 
         async def attempt(dep: Deployment, req: ChatRequest, tr: RouteTrace) -> T:
             return await self._call_on(dep, req, tr, lambda d: send(d), operation)
+
+        return await self._route(request, trace, attempt, serves)
+
+    async def open_call(self, request: ChatRequest, trace: RouteTrace, operation: str,
+                        serves: Callable[[Deployment], bool],
+                        open_: Callable[[Deployment], AsyncIterator[T]]) -> AsyncIterator[T]:
+        """`call` for a stream of `open_`'s items: a failure before the first item moves to another
+        deployment, and the attempt (its span, its in-flight count) lasts until the last."""
+
+        async def attempt(dep: Deployment, req: ChatRequest, tr: RouteTrace) -> AsyncIterator[T]:
+            return await self._open_call_on(dep, req, tr, open_, operation)
 
         return await self._route(request, trace, attempt, serves)
 
@@ -379,12 +391,9 @@ class Router:
             with telemetry.sending(span, trace.tracing):
                 resp = await send(dep)
         except BaseException as e:
-            if isinstance(e, GatewayError):
-                e = self._sanitized(e)
-                await self._failed(dep, e, trace, t0)
-            telemetry.end_attempt(span, e)
-            if isinstance(e, GatewayError):
-                raise e from None
+            failure = await self._attempt_failed(dep, e, trace, t0, span)
+            if isinstance(failure, GatewayError):
+                raise failure from None
             raise
         finally:
             await self._leave(dep)
@@ -406,21 +415,54 @@ class Router:
             with telemetry.sending(span, trace.tracing):  # the upstream request goes out at the first event
                 head = await self._first_token(dep, events)
         except BaseException as e:
-            with suppress(Exception):
-                await events.aclose()  # type: ignore[attr-defined]
-            await self._leave(dep)
-            if isinstance(e, GatewayError):
-                e = self._sanitized(e)
-                await self._failed(dep, e, trace, t0)
-            telemetry.end_attempt(span, e)
-            if isinstance(e, GatewayError):
-                raise e from None
+            await self._closed(dep, events, shielded=False)
+            failure = await self._attempt_failed(dep, e, trace, t0, span)
+            if isinstance(failure, GatewayError):
+                raise failure from None
             raise
         ttft = time.perf_counter() - t0
         trace.ttft_ms = ttft * 1000
         self.metrics.ttft.labels(dep.id).observe(ttft)
         await self._served(dep, trace, t0, ttft)
         return self._relay(dep, head, events, trace, span)
+
+    async def _open_call_on(self, dep: Deployment, request: ChatRequest, trace: RouteTrace,
+                            open_: Callable[[Deployment], AsyncIterator[T]], operation: str) -> AsyncIterator[T]:
+        t0 = time.perf_counter()
+        span = _attempt_span(dep, request, trace, operation)
+        await self._enter(dep)
+        items = open_(dep)
+        try:
+            with telemetry.sending(span, trace.tracing):
+                first = await anext(items, _NOTHING)
+            if first is _NOTHING:
+                raise GatewayError(ErrorKind.UPSTREAM, f"deployment {dep.id} ended the stream before any data")
+        except BaseException as e:
+            await self._closed(dep, items, shielded=False)
+            failure = await self._attempt_failed(dep, e, trace, t0, span)
+            if isinstance(failure, GatewayError):
+                raise failure from None
+            raise
+        await self._served(dep, trace, t0, time.perf_counter() - t0)
+        return self._relay_items(dep, first, items, trace, span)  # type: ignore[arg-type]
+
+    async def _relay_items(self, dep: Deployment, first: T, items: AsyncIterator[T], trace: RouteTrace,
+                           span: object) -> AsyncIterator[T]:
+        """An operation's stream after its first item; a failure now is passive health evidence."""
+        failure: BaseException | None = None
+        try:
+            yield first
+            async for item in items:
+                yield item
+        except GatewayError as e:
+            failure = await self._broke_off(dep, e, trace)
+            raise failure from None
+        except BaseException as e:  # the client went away (cancel / aclose)
+            failure = e
+            raise
+        finally:
+            await self._closed(dep, items)
+            telemetry.end_attempt(span, failure, trace.usage)
 
     async def _first_token(self, dep: Deployment, events: AsyncIterator[Event]) -> list[Event]:
         """Events up to and including the first that carries content, within the TTFT timeout."""
@@ -451,30 +493,46 @@ class Router:
                 yield ev
             async for ev in events:
                 if isinstance(ev, Error):
-                    ev = Error(self._sanitized(ev.error))
+                    ev = Error(await self._broke_off(dep, ev.error, trace))
                     failure = ev.error
-                    if counts_against_upstream(ev.error):
-                        await self._midstream_failure(dep, ev.error, trace)
                 finished = finished or isinstance(ev, Finish)
                 usage.feed(ev)
                 yield ev
             if not finished:  # a truncated upstream: never pass half an answer off as complete
                 raise GatewayError(ErrorKind.UPSTREAM, f"deployment {dep.id} ended the stream before it finished")
         except GatewayError as e:
-            e = failure = self._sanitized(e)
-            if counts_against_upstream(e):
-                await self._midstream_failure(dep, e, trace)
-            raise e from None
+            failure = await self._broke_off(dep, e, trace)
+            raise failure from None
         except BaseException as e:  # the client went away (cancel / aclose)
             failure = e
             raise
         finally:
-            with suppress(Exception):
-                await events.aclose()  # type: ignore[attr-defined]
-            await asyncio.shield(self._leave(dep))
+            await self._closed(dep, events)
             if failure is not None:
                 trace.error = failure.message if isinstance(failure, GatewayError) else "the client went away"
             telemetry.end_attempt(span, failure, trace.usage, usage.model, usage.stop_reason)
+
+    async def _attempt_failed(self, dep: Deployment, e: BaseException, trace: RouteTrace, t0: float,
+                              span: object) -> BaseException:
+        """Record an attempt that failed before its reply (or first item); what to raise."""
+        if isinstance(e, GatewayError):
+            e = self._sanitized(e)
+            await self._failed(dep, e, trace, t0)
+        telemetry.end_attempt(span, e)
+        return e
+
+    async def _broke_off(self, dep: Deployment, e: GatewayError, trace: RouteTrace) -> GatewayError:
+        """A stream's failure after its first item: passive health evidence, not a retry."""
+        e = self._sanitized(e)
+        if counts_against_upstream(e):
+            await self._midstream_failure(dep, e, trace)
+        return e
+
+    async def _closed(self, dep: Deployment, items: AsyncIterator[object], shielded: bool = True) -> None:
+        """Close a stream's upstream iterator and leave the deployment (shielded: even if cancelled)."""
+        with suppress(Exception):
+            await items.aclose()  # type: ignore[attr-defined]
+        await (asyncio.shield(self._leave(dep)) if shielded else self._leave(dep))
 
     async def _midstream_failure(self, dep: Deployment, e: GatewayError, trace: RouteTrace) -> None:
         self.metrics.attempts.labels(dep.id, "midstream_error").inc()

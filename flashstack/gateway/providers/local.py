@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from flashstack.config import ModelConfig
+from flashstack.gateway import telemetry
 from flashstack.gateway.core import (
     BlockStop,
     ChatRequest,
@@ -95,6 +96,7 @@ class LocalProvider:
         rid = "msg_" + uuid.uuid4().hex[:24]
         started = False
         blocks = _Blocks(plan.stream() if plan is not None else None)
+        traced = telemetry.EngineTrace.current()  # now: a stream ends after the router stopped sending
         try:
             async for delta in engine.stream(prompt, params, request_id=rid):
                 if not started:
@@ -103,6 +105,9 @@ class LocalProvider:
                 for ev in blocks.feed(delta.text, delta.finished):
                     yield ev
                 if delta.finished:
+                    if traced is not None and delta.times is not None:  # before the attempt's span ends
+                        traced.stages(delta.times, delta.prompt_tokens, delta.num_cached_tokens,
+                                      delta.completion_tokens)
                     yield from_finish(delta, blocks.called)
         except ValueError as e:  # the engine refuses a request it cannot run (too long, ...)
             code = "context_length_exceeded" if "tokens" in str(e) else None

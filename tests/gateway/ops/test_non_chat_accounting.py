@@ -89,21 +89,23 @@ def test_routed_logged_and_charged_as_a_chat_is(store, upstream, tmp_path):
         key = create_key(gw.url, name="non-chat", budget_day_usd=5)
         emb = _post(gw.url, "/v1/embeddings", key["key"], model="dead", input=["a", "b"])
         done = _post(gw.url, "/v1/completions", key["key"], model="dead", prompt="Say", max_tokens=OUT)
-        streamed = _post(gw.url, "/v1/completions", key["key"], model="mini", prompt="Say", max_tokens=OUT,
+        streamed = _post(gw.url, "/v1/completions", key["key"], model="dead", prompt="Say", max_tokens=OUT,
                          stream=True)
         local = _post(gw.url, "/v1/embeddings", key["key"], model="minilm", input="a sentence to embed")
         rows = _rows(store, gw.url, key["id"])
         spend = httpx.get(f"{gw.url}/v1/keys/{key['id']}/spend", headers=auth_headers(MASTER_KEY)).json()
-    for r in (emb, done):  # the dead deployment failed, its fallback served: as a chat's route says it
+    for r in (emb, done, streamed):  # the dead deployment failed, its fallback served: as a chat's route says
         assert r.status_code == 200, r.text
         assert r.headers["x-flashstack-route"].startswith("dead#0=") and r.headers["x-flashstack-deployment"] == "mini#0"
-        assert r.headers["x-flashstack-route"].endswith(" mini#0=ok") and r.json()["model"] == "dead"
+        assert r.headers["x-flashstack-route"].endswith(" mini#0=ok")
+    assert emb.json()["model"] == done.json()["model"] == "dead"
     assert len(emb.json()["data"]) == 2 and done.json()["choices"][0]["text"] == "metered"
     # Streamed without include_usage: the gateway asked the upstream for usage (the key is charged by
     # it) and kept the usage chunk from the client.
     assert streamed.status_code == 200 and upstream.app.state.bodies[-1]["stream_options"] == {"include_usage": True}
     chunks = _sse_data(streamed.text)
     assert chunks and all("usage" not in c for c in chunks) and streamed.text.endswith("data: [DONE]\n\n")
+    assert all(c["model"] == "dead" for c in chunks)
     assert local.status_code == 200 and local.headers["x-flashstack-deployment"] == "minilm"
 
     (m_emb, d_emb, s_emb, in_emb, out_emb, c_emb, cost_emb, detail_emb), done_row, stream_row, local_row = rows
@@ -111,14 +113,14 @@ def test_routed_logged_and_charged_as_a_chat_is(store, upstream, tmp_path):
     assert cost_emb == pytest.approx(EMBED_COST)
     assert [a["result"] for a in orjson.loads(detail_emb)["route"]] == ["502", "ok"]
     assert done_row[:6] == ("dead", "mini#0", 200, INPUT, OUT, CACHED) and done_row[6] == pytest.approx(COMPLETION_COST)
-    assert stream_row[:6] == ("mini", "mini#0", 200, INPUT, OUT, CACHED)
+    assert stream_row[:6] == ("dead", "mini#0", 200, INPUT, OUT, CACHED)
     assert stream_row[6] == pytest.approx(COMPLETION_COST)
     assert local_row[:3] == ("minilm", "minilm", 200) and local_row[3] > 3 and local_row[6] == 0
     assert spend["budgets"]["day"]["spent_usd"] == pytest.approx(EMBED_COST + 2 * COMPLETION_COST)
 
     spans = tracing_exporter.get_finished_spans()
     roots = [s for s in spans if s.kind.name == "SERVER"]
-    assert [s.name for s in roots] == ["embeddings dead", "text_completion dead", "text_completion mini",
+    assert [s.name for s in roots] == ["embeddings dead", "text_completion dead", "text_completion dead",
                                        "embeddings minilm"]
     embed_root = roots[0]
     attempts = [s for s in spans if s.parent is not None and s.parent.span_id == embed_root.context.span_id]
