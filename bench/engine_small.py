@@ -236,11 +236,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--variants", default="default",
                     help="comma-separated kernel options to run: default, nopdl (kernels.pdl=False), "
-                         "sepqkv (kernels.decode_qkv=False)")
+                         "sepqkv (kernels.decode_qkv=False), attnpdl / noattnpdl (kernels.attention_pdl)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="step and replay times only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    variants = {"default": {}, "nopdl": {"pdl": False}, "sepqkv": {"decode_qkv": False}}
+    variants = {"default": {}, "nopdl": {"pdl": False}, "sepqkv": {"decode_qkv": False},
+                "attnpdl": {"attention_pdl": True}, "noattnpdl": {"attention_pdl": False}}
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "prompt_len": args.prompt_len,
                               "new_tokens": args.new_tokens, "copy_bw_tb_s": COPY_BW / 1e12}

@@ -24,6 +24,9 @@ class KernelOptions:
     pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
     decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v
     decode_tma: bool = True  # decode attention reads tiles through the TMA where it applies (Hopper+)
+    # Decode attention and its merge launched with PDL too (kernels/pdl.py): each starts while the kernel
+    # before it drains. Batch-1 step on the H200: SmolLM2-135M 612 -> 545 µs, Llama-3-8B 4.033 -> 4.001 ms.
+    attention_pdl: bool = True
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"
@@ -59,9 +62,11 @@ class KernelOptions:
         """These options as they apply on `device`: the GPU kernels off elsewhere, the Hopper
         features (PDL, TMA) off before compute capability 9.0."""
         if device.type != "cuda":
-            return replace(self, triton_gemv=False, pdl=False, decode_qkv=False, decode_tma=False)
+            return replace(self, triton_gemv=False, pdl=False, decode_qkv=False, decode_tma=False,
+                           attention_pdl=False)
         hopper = device_for(device).compute_capability >= (9, 0)
-        return replace(self, pdl=self.pdl and hopper, decode_tma=self.decode_tma and hopper)
+        return replace(self, pdl=self.pdl and hopper, decode_tma=self.decode_tma and hopper,
+                       attention_pdl=self.attention_pdl and hopper)
 
     def describe(self) -> str:
         """One line for the start-up log."""

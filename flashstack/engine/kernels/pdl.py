@@ -9,10 +9,9 @@ same. Every write and every read of a previous kernel's output must come after t
 anything older are safe before it, because a kernel releases its successor only after its own
 wait, when everything before it has finished.
 
-The batch-1 GEMVs use it (8B decode step 4.24 → 4.20 ms on the H200). The q/k/v, attention and
-merge kernels do not: launched with PDL too, the step measured slower (4.34 ms). Why is not
-established; their early-launched programs holding SM slots while the GEMV before them still
-drains is the first suspect.
+The batch-1 GEMVs use it, and so do decode attention and its merge (KernelOptions.attention_pdl):
+each of those waits first thing, yet its launch and ramp-up overlap the kernel before, which on a
+small model is most of the two kernels' cost (docs/benchmarks.md, "engine small-model profile").
 """
 
 from __future__ import annotations

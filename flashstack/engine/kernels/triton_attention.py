@@ -36,6 +36,7 @@ from flashstack.engine.kernels.attention import (
     paged_prefill_sdpa,
     sdpa_prefill_applies,
 )
+from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 
 # Programs per SM the split heuristic aims for: enough to hide memory latency, few enough that the
 # merge stays negligible.
@@ -136,12 +137,13 @@ def _decode_kernel(
     scale, eps, block_size, window, min_split, num_splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, NEW: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
-    TMA: tl.constexpr, TABLE_SPAN: tl.constexpr,
+    TMA: tl.constexpr, TABLE_SPAN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
+    ctx = tl.load(ctx_ptr + b)  # a step input, written before the forward pass: safe before the wait
+    wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
     # This sequence's own share per split (whole tiles, at least `min_split` tokens), not the
     # grid's: a graph's grid is sized for max_model_len, and a short context should still be read by
     # all its splits, not by the first few. Splits past the context have nothing to read.
@@ -259,12 +261,13 @@ def _merge_splits_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     min_split, num_splits,
-    S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
+    wait_for_previous_kernel(USE_PDL)  # the partials are the split kernel's output
     # The partials load together with the context length, not after it (one memory latency, not
     # two): every split of the grid is in bounds, and those past this sequence's context are
     # masked out once `active` is known (their slots hold stale values).
@@ -383,11 +386,12 @@ class DecodePlan:
     table_span: int  # block-table entries a TMA split holds (1 without TMA)
     num_stages: int | None = None  # None: Triton's default
     num_warps: int | None = None
+    pdl: bool = False  # launched with programmatic dependent launch (KernelOptions.attention_pdl)
 
 
 def plan_decode(batch: int, kv_cache: torch.Tensor, max_context_len: int, *, tma: bool | None = None,
                 num_splits: int | None = None, block_n: int | None = None, min_split: int | None = None,
-                num_stages: int | None = None, num_warps: int | None = None) -> DecodePlan:
+                num_stages: int | None = None, num_warps: int | None = None, pdl: bool = False) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
     Pass the engine's max_model_len when capturing a CUDA graph, so one graph serves every step.
@@ -416,7 +420,8 @@ def plan_decode(batch: int, kv_cache: torch.Tensor, max_context_len: int, *, tma
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, sm_count)
     table_span = _table_span(max_context_len, num_splits, block_n, min_split, block_size) if tma else 1
-    return DecodePlan(batch, max_context_len, block_n, min_split, num_splits, tma, table_span, num_stages, num_warps)
+    return DecodePlan(batch, max_context_len, block_n, min_split, num_splits, tma, table_span, num_stages, num_warps,
+                      pdl_applies(kv_cache.device, pdl))
 
 
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -467,7 +472,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         scale, eps, kv_cache.shape[2], sliding_window or 0, min_split, num_splits,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
         PREC=_precision(kv_cache), NEW=new is not None, QK_NORM=new is not None and new.q_norm is not None,
-        SPLIT=num_splits > 1, TMA=tma, TABLE_SPAN=table_span,
+        SPLIT=num_splits > 1, TMA=tma, TABLE_SPAN=table_span, USE_PDL=plan.pdl, launch_pdl=plan.pdl,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     if num_splits > 1:
@@ -475,6 +480,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
             part, lse, out, context_lens, *part_strides, *lse_strides, out.stride(0), out.stride(1),
             min_split, num_splits,
             S_PAD=max(2, triton.next_power_of_2(num_splits)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
+            USE_PDL=plan.pdl, launch_pdl=plan.pdl,
         )
     return out
 
@@ -564,7 +570,8 @@ def plan_step_decode(meta: AttentionMetadata, kv_cache: torch.Tensor, kernels: K
     """The decode launch of a step: for its graph's grid bound inside a CUDA graph (one graph serves
     every step), for the step's own longest context otherwise."""
     bound = meta.grid_context_len or meta.max_context_len
-    return plan_decode(meta.num_seqs, kv_cache, bound, tma=None if kernels.decode_tma else False)
+    return plan_decode(meta.num_seqs, kv_cache, bound, tma=None if kernels.decode_tma else False,
+                       pdl=kernels.attention_pdl)
 
 
 def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

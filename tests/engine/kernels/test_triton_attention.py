@@ -129,6 +129,28 @@ def test_decode_one_sequence_short_and_long_grids(device, ctx, grid_context):
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("attention_pdl", [False, True])
+def test_decode_with_the_engines_kernel_options_matches_reference(device, attention_pdl):
+    """The step's launch (plan_step_decode) takes programmatic dependent launch exactly where
+    KernelOptions.attention_pdl applies on the device (Hopper, compiled Triton), and the split and
+    merge kernels give the reference's output either way."""
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.kernels.pdl import pdl_applies
+
+    torch.manual_seed(4)
+    dtype, bs, heads, kv_heads, dim, ctx = DTYPES[0], 16, 8, 2, 64, [300]
+    cache = _cache(math.ceil(ctx[0] / bs) + 2, bs, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, bs, cache.shape[0], device)
+    meta = _meta([1], ctx, tables, bs, device)
+    kernels = KernelOptions(attention_pdl=attention_pdl).resolved(device)
+    assert kernels.attention_pdl == (attention_pdl and pdl_applies(device))
+    plan = tk.plan_step_decode(meta, cache, kernels)
+    assert plan.pdl == kernels.attention_pdl and plan.num_splits > 1  # the merge kernel runs too
+    q = torch.randn(1, heads, dim, dtype=dtype, device=device)
+    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
+    torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
+
+
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("new_tokens", [False, True])
 @pytest.mark.parametrize("block_size,block_n,splits", [(32, 16, 3), (16, 16, 1), (64, 32, None)])
