@@ -54,13 +54,14 @@ def test_staging_copies_land_and_reuse_pool_blocks() -> None:
     staging = HostStaging(fc.shared_device(0))
     for i in range(50):
         assert staging.to_device(list(range(i, i + 100)), torch.int64).tolist() == list(range(i, i + 100))
-    assert staging.pool.stats["hits"] >= 48 and staging.pool.stats["misses"] <= 2
+    assert staging.copies == 50 and staging.pool.stats["misses"] <= 2  # one or two blocks in turn
     out = torch.zeros(8, dtype=torch.int32, device="cuda")
     staging.to_device([5, 6, 7], torch.int32, out=out)
     assert out.tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
     assert staging.to_device([[1, 2], [3, 4]], torch.int32).tolist() == [[1, 2], [3, 4]]  # tables
     assert staging.to_device([], torch.int64).shape == (0,)
-    assert staging.to_host(torch.arange(10, device="cuda")).wait() == list(range(10))
+    first, second = (staging.to_host(torch.arange(i, i + 10, device="cuda")) for i in (0, 10))
+    assert second.wait() == list(range(10, 20)) and first.wait() == list(range(10))
 
 
 @pytest.mark.gpu
@@ -84,10 +85,10 @@ def test_engine_steps_stage_through_the_pinned_pool(tiny_model_dir) -> None:
 
     llm = LLM(tiny_model_dir, block_size=16, device="cuda", dtype="float32", show_progress=False)
     assert llm.engine.runner.graphs is not None
-    pool = staging(torch.device("cuda")).pool
-    before = dict(pool.stats)
+    shared = staging(torch.device("cuda"))
+    copies, blocks = shared.copies, shared.pool.stats["misses"]
     out = llm.generate(["def main():", "import os"], greedy(24))
     assert all(len(o.token_ids) == 24 for o in out)
-    # every step's inputs and sampled tokens: many uses, a handful of blocks in rotation
-    assert pool.stats["hits"] - before["hits"] >= 24
-    assert pool.stats["misses"] - before["misses"] <= 16
+    # every step's inputs and sampled tokens: many copies, a handful of blocks in rotation
+    assert shared.copies - copies >= 2 * 24
+    assert shared.pool.stats["misses"] - blocks <= 16
