@@ -416,7 +416,8 @@ def request_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
     if req.wire == WIRE:
         body = dict(req.extra)
         body["model"] = upstream_model
-        body["messages"] = [*(_system_json(t) for t in req.system), *_messages_json(req.messages, same=True)]
+        # `req`: a session's history may hold the other wire's blocks (thinking), named where dropped.
+        body["messages"] = [*(_system_json(t) for t in req.system), *_messages_json(req.messages, True, req)]
         return body
     fields.check_cross(req, WIRE)
     return _cross_json(req, upstream_model)

@@ -133,3 +133,19 @@ def test_history_of_the_other_wire_keeps_its_blocks_and_names_its_extras(gw, key
     assert first[0] == {"type": "text", "text": f"hello {marker}", "cache_control": CACHED}
     assert first[1]["type"] == "image" and "image_url" not in first[1]
     assert "name" not in replayed[0]
+
+
+def test_anthropic_history_to_the_openai_wire_names_what_it_cannot_carry(gw, key_a, upstreams):
+    sid, marker = _session(gw, key_a, "claude"), uuid.uuid4().hex[:8]
+    turn = _anthropic_turn(marker)
+    turn[0]["content"] = [b for b in turn[0]["content"] if b["type"] != "document"]  # a PDF maps to a file part
+    first = {"model": "claude", "max_tokens": 50, "messages": turn}
+    assert _post(gw, key_a, "/v1/messages", sid, first).status_code == 200
+    r = _post(gw, key_a, "/v1/chat/completions", sid,
+              {"model": "gpt", "messages": [{"role": "user", "content": f"again {marker}"}]})
+    assert r.status_code == 200, r.text
+    dropped = set(r.headers["x-flashstack-dropped"].split(","))
+    assert {"messages[].content[].cache_control", "messages[].content[].future_field",
+            "messages[].content[].type=thinking", "messages[].content[].type=redacted_thinking"} <= dropped
+    sent = json.dumps(_sent(upstreams["openai"], f"again {marker}")["messages"])
+    assert "cache_control" not in sent and "future_field" not in sent and "EqQBsig" not in sent
