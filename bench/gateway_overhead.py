@@ -262,6 +262,11 @@ def anthropic_request(port: int, path: str, model: str, stream: bool) -> Target:
     return Target.post("127.0.0.1", port, path, json.dumps(body).encode(), ANTHROPIC_HEADERS)
 
 
+def embeddings_request(port: int, model: str) -> Target:
+    body = {"model": model, "input": PROMPT, "encoding_format": "float"}
+    return Target.post("127.0.0.1", port, "/v1/embeddings", json.dumps(body).encode(), OPENAI_HEADERS)
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A client protocol, the gateway model it calls, and the upstream call that model makes."""
@@ -270,13 +275,18 @@ class Scenario:
     client: str  # "openai" | "anthropic"
     model: str  # gateway model name
     upstream: str  # protocol of the upstream behind that model
+    operation: str = "chat"  # | "embeddings" (OpenAI wire only, never streamed)
 
     def via_gateway(self, port: int, stream: bool) -> Target:
+        if self.operation == "embeddings":
+            return embeddings_request(port, self.model)
         if self.client == "openai":
             return openai_request(port, "/v1/chat/completions", self.model, stream)
         return anthropic_request(port, "/v1/messages", self.model, stream)
 
     def direct(self, mock: int, stream: bool) -> Target:
+        if self.operation == "embeddings":
+            return embeddings_request(mock, "text-embedding-3-small")
         if self.upstream == "openai":
             return openai_request(mock, "/v1/chat/completions", "gpt-4o-mini", stream)
         return anthropic_request(mock, "/v1/messages", "claude-sonnet-4-5", stream)
@@ -285,6 +295,7 @@ class Scenario:
 OPENAI = Scenario("openai", "openai", "gpt", "openai")
 ANTHROPIC = Scenario("anthropic", "anthropic", "claude", "anthropic")
 TRANSLATED = Scenario("anthropic_to_openai", "anthropic", "gpt", "openai")
+EMBEDDINGS = Scenario("embeddings", "openai", "gpt", "openai", operation="embeddings")  # passed through
 
 
 # ---- measurement -------------------------------------------------------------------------------
@@ -358,6 +369,8 @@ def measure(name: str, gw: Proc, port: int, mock: int, plan: Plan, chunks: int) 
             key = f"{sc.name}_{'stream' if stream else 'nonstream'}"
             seq[key] = side_by_side(gw, port, mock, sc, stream, 1, plan.seq_stream if stream else plan.seq)
             _progress(name, key, seq[key])
+    seq["embeddings_nonstream"] = side_by_side(gw, port, mock, EMBEDDINGS, False, 1, plan.seq)
+    _progress(name, "embeddings_nonstream", seq["embeddings_nonstream"])
     out["sequential"] = seq
     conc: dict[str, Any] = {}
     for c, n in plan.conc.items():
@@ -421,6 +434,9 @@ def headline(out: dict, chunks: int) -> dict:
         "cpu_ms_per_request_nonstream": c16["cpu_ms_per_request"],
         "cpu_ms_per_request_stream": out["concurrent"]["c16_openai_stream"]["cpu_ms_per_request"],
         "translation_added_over_same_protocol_p50_ms": round(trans - same, 3),
+        "embeddings_seq_added_p50_ms": seq["embeddings_nonstream"]["added"]["p50_ms"],
+        "embeddings_seq_added_p99_ms": seq["embeddings_nonstream"]["added"]["p99_ms"],
+        "cpu_ms_per_request_embeddings": seq["embeddings_nonstream"]["cpu_ms_per_request"],
         "rss_idle_mb": out["rss_idle_mb"], "rss_after_soak_mb": out["soak"]["rss_after_second_mb"],
         "rss_growth_second_half_mb": out["soak"]["rss_growth_second_half_mb"],
     }

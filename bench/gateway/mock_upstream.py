@@ -1,4 +1,4 @@
-"""A mock OpenAI + Anthropic upstream that is never the bottleneck: raw asyncio protocol on uvloop.
+"""A mock OpenAI + Anthropic upstream (chat, messages, embeddings) that is never the bottleneck: raw asyncio protocol on uvloop.
 
 Responses are canned bytes built once at start-up; a request is parsed only as far as its path,
 its Content-Length and whether it asks for a stream. Streams send `--chunks` content events,
@@ -29,6 +29,14 @@ def openai_body(n: int) -> bytes:
                      "logprobs": None, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
     }).encode()
+
+
+def embeddings_body(dimensions: int = 1536) -> bytes:
+    """One embedding of text-embedding-3-small's size (a ~20 KB body)."""
+    vector = [round(((i * 7919) % 2000 - 1000) / 31623, 6) for i in range(dimensions)]
+    return json.dumps({"object": "list", "model": "text-embedding-3-small",
+                       "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+                       "usage": {"prompt_tokens": 6, "total_tokens": 6}}).encode()
 
 
 def anthropic_body(n: int) -> bytes:
@@ -95,6 +103,7 @@ class Canned:
         self.openai = _json_response(openai_body(chunks))
         self.anthropic = _json_response(anthropic_body(chunks))
         self.models = _json_response(_MODELS)
+        self.embeddings = _json_response(embeddings_body())
         self.not_found = _json_response(b'{"error":{"message":"no such route","type":"not_found"}}',
                                         b"404 Not Found")
         self.openai_stream = self._stream(*openai_events(chunks))
@@ -162,6 +171,8 @@ class MockProtocol(asyncio.Protocol):
             parts = c.openai_stream if stream else [c.openai]
         elif path.endswith(b"/messages"):
             parts = c.anthropic_stream if stream else [c.anthropic]
+        elif path.endswith(b"/embeddings"):
+            parts = [c.embeddings]
         elif path.endswith(b"/models"):
             parts = [c.models]
         else:
