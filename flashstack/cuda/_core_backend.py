@@ -79,10 +79,13 @@ class CoreBackend:
     def device_properties(self, ordinal: int) -> dict[str, Any]:
         dev = cc.Device(ordinal)
         major, minor = dev.compute_capability
-        return {"name": dev.name, "compute_capability": (int(major), int(minor)),
-                "total_memory": int(_check(driver.cuDeviceTotalMem(ordinal))),
-                "sm_count": int(dev.properties.multiprocessor_count),
-                "l2_cache_size": int(dev.properties.l2_cache_size)}
+        return {
+            "name": dev.name,
+            "compute_capability": (int(major), int(minor)),
+            "total_memory": int(_check(driver.cuDeviceTotalMem(ordinal))),
+            "sm_count": int(dev.properties.multiprocessor_count),
+            "l2_cache_size": int(dev.properties.l2_cache_size),
+        }
 
     def mem_info(self, ordinal: int) -> tuple[int, int]:
         free, total = _check(driver.cuMemGetInfo())
@@ -122,8 +125,10 @@ class CoreBackend:
     def enable_peer_access(self, ordinal: int, peer: int) -> None:
         # Called with `ordinal`'s primary context current; the peer's must have been activated.
         (err,) = driver.cuCtxEnablePeerAccess(self._primary[peer], 0)
-        if err not in (driver.CUresult.CUDA_SUCCESS,
-                       driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+        if err not in (
+            driver.CUresult.CUDA_SUCCESS,
+            driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+        ):
             _check((err,))
         # Context peer access covers cuMemAlloc memory only; DeviceBuffers come from the peer's
         # stream-ordered pool, which grants access per device (cuMemPoolSetAccess).
@@ -190,7 +195,9 @@ class CoreBackend:
         return mem.__dlpack__(stream=stream)
 
     # -- modules and kernels -----------------------------------------------------------------
-    def compile(self, source: str, arch: str, options: Sequence[str], names: Sequence[str]) -> bytes:
+    def compile(
+        self, source: str, arch: str, options: Sequence[str], names: Sequence[str]
+    ) -> bytes:
         prog = cc.Program(source, "c++", cc.ProgramOptions(arch=arch, std="c++17"))
         try:
             return bytes(prog.compile("cubin", name_expressions=tuple(names)).code)
@@ -215,8 +222,15 @@ class CoreBackend:
         # a kernel handle borrowed by cuda.core for launch; it does not hold the library loaded
         return cc.Kernel.from_handle(int(kernel))
 
-    def launch(self, kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
-               args: Sequence[object], stream: Any, shared_mem: int) -> None:
+    def launch(
+        self,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[object],
+        stream: Any,
+        shared_mem: int,
+    ) -> None:
         cfg = cc.LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
         # a bare Python int is a pointer here; pass numpy scalars for int/float parameters
         conv = [np.uint64(a) if type(a) is int else a for a in args]
@@ -233,9 +247,16 @@ class CoreBackend:
     def graph_define(self) -> Any:
         return cc.graph.GraphDefinition()
 
-    def graph_add_kernel(self, graph: Any, kernel: Any, grid: tuple[int, int, int],
-                         block: tuple[int, int, int], args: Sequence[object], shared_mem: int,
-                         after: Any) -> Any:
+    def graph_add_kernel(
+        self,
+        graph: Any,
+        kernel: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[object],
+        shared_mem: int,
+        after: Any,
+    ) -> Any:
         cfg = cc.LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
         conv = [np.uint64(a) if type(a) is int else a for a in args]
         return (after if after is not None else graph).launch(cfg, kernel, *conv)

@@ -35,8 +35,11 @@ def _gc_release(kind: str, release: Release, token: int, keep: object) -> None:
     try:
         release()
     except BaseException as exc:  # a finalizer that raises is swallowed by Python anyway
-        warnings.warn(f"flashstack.cuda: releasing a garbage-collected {kind} failed: {exc!r}",
-                      CudaResourceWarning, stacklevel=2)
+        warnings.warn(
+            f"flashstack.cuda: releasing a garbage-collected {kind} failed: {exc!r}",
+            CudaResourceWarning,
+            stacklevel=2,
+        )
     finally:
         tracker.unregister(token)
 
@@ -73,7 +76,8 @@ class Resource:
             if self._pins:
                 raise ResourceInUseError(
                     f"this {self.kind} is referenced by {self._pins} live executable graph(s) or "
-                    "leases; close those first")
+                    "leases; close those first"
+                )
         detached = self._finalizer.detach()
         if detached is None:  # collected or closed on another thread between the checks
             raise ResourceClosedError(f"this {self.kind} is closed; create a new one")
@@ -105,8 +109,11 @@ class Resource:
         try:  # an exception is already propagating: do not hide it behind a close() error
             self.close()
         except CudaResourceError as err:
-            warnings.warn(f"flashstack.cuda: {self.kind} left to the garbage collector: {err}",
-                          CudaResourceWarning, stacklevel=2)
+            warnings.warn(
+                f"flashstack.cuda: {self.kind} left to the garbage collector: {err}",
+                CudaResourceWarning,
+                stacklevel=2,
+            )
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -1,10 +1,11 @@
-"""Device: properties, and `with device:` that binds its primary context and restores the caller's."""
+"""Device: properties, and `with device:` that binds its primary context, then restores the
+caller's."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from flashstack.cuda.backend import Backend, get_backend
@@ -28,7 +29,9 @@ class Device:
         self.backend = backend or get_backend()
         count = self.backend.device_count()
         if not 0 <= ordinal < count:
-            raise ValueError(f"device {ordinal} does not exist: this process sees {count} device(s)")
+            raise ValueError(
+                f"device {ordinal} does not exist: this process sees {count} device(s)"
+            )
         self.ordinal = ordinal
         self._saved = threading.local()  # each thread restores its own caller's context
         self._props: DeviceProperties | None = None
@@ -99,8 +102,10 @@ class Device:
         return release
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Device) and (other.ordinal, other.backend) == (self.ordinal,
-                                                                               self.backend)
+        return isinstance(other, Device) and (other.ordinal, other.backend) == (
+            self.ordinal,
+            self.backend,
+        )
 
     def __hash__(self) -> int:
         return hash((self.ordinal, id(self.backend)))

@@ -18,8 +18,7 @@ class Graph(Resource):
 
     def __init__(self, device: Device, handle: Any, refs: list[Resource]) -> None:
         self.device, self._h, self.refs = device, handle, refs
-        super().__init__(device.releaser(device.backend.graph_destroy, handle),
-                         keep=(device, refs))
+        super().__init__(device.releaser(device.backend.graph_destroy, handle), keep=(device, refs))
 
     @staticmethod
     @contextlib.contextmanager
@@ -90,22 +89,37 @@ class GraphBuilder:
         self._recorder = GraphCapture.__new__(GraphCapture)
         self._recorder.refs = self.refs
 
-    def launch(self, kernel: Any, grid: Any, block: Any, args: Sequence[Any],
-               shared_mem: int = 0, after: Any = None) -> Any:
+    def launch(
+        self,
+        kernel: Any,
+        grid: Any,
+        block: Any,
+        args: Sequence[Any],
+        shared_mem: int = 0,
+        after: Any = None,
+    ) -> Any:
         """Add a kernel node; returns the node for use as a later node's `after`."""
         from flashstack.cuda.module import _arg, _dim3, _owner
 
         self._recorder.keep(kernel.module, *[_owner(a) for a in args])
         with self.device:
             return self.device.backend.graph_add_kernel(
-                self._h, kernel._h, _dim3(grid), _dim3(block), [_arg(a) for a in args],
-                shared_mem, after)
+                self._h,
+                kernel._h,
+                _dim3(grid),
+                _dim3(block),
+                [_arg(a) for a in args],
+                shared_mem,
+                after,
+            )
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None, after: Any = None) -> Any:
         """Add a memcpy node between two buffers; returns the node."""
         nbytes = src.nbytes if nbytes is None else nbytes
         if nbytes > dst.nbytes or nbytes > src.nbytes:
-            raise ValueError(f"copy of {nbytes} bytes exceeds src ({src.nbytes}) or dst ({dst.nbytes})")
+            raise ValueError(
+                f"copy of {nbytes} bytes exceeds src ({src.nbytes}) or dst ({dst.nbytes})"
+            )
         self._recorder.keep(dst, src)
         with self.device:
             return self.device.backend.graph_add_memcpy(self._h, dst.ptr, src.ptr, nbytes, after)

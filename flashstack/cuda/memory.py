@@ -23,12 +23,20 @@ class ArrayView:
     def __init__(self, buffer: DeviceBuffer, dtype: Any, shape: tuple[int, ...]) -> None:
         self.buffer, self.dtype, self.shape = buffer, np.dtype(dtype), shape
         if int(np.prod(shape)) * self.dtype.itemsize > buffer.nbytes:
-            raise ValueError(f"shape {shape} of {self.dtype} exceeds the {buffer.nbytes}-byte buffer")
+            raise ValueError(
+                f"shape {shape} of {self.dtype} exceeds the {buffer.nbytes}-byte buffer"
+            )
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.buffer.ptr, False),
-                "version": 3, "strides": None, "stream": None}
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.buffer.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 class DeviceBuffer(Resource):
@@ -36,16 +44,20 @@ class DeviceBuffer(Resource):
 
     kind = "device_buffer"
 
-    def __init__(self, nbytes: int, device: Device | None = None,
-                 stream: Stream | None = None) -> None:
+    def __init__(
+        self, nbytes: int, device: Device | None = None, stream: Stream | None = None
+    ) -> None:
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         self.device, self.stream, self.nbytes = device or Device(0), stream, nbytes
         backend = self.device.backend
         with self.device:
-            self._h, self._ptr = backend.mem_alloc(self.device.ordinal, nbytes, _raw_or_none(stream))
-        super().__init__(self.device.releaser(_free_on, backend, self._h, stream),
-                         keep=(self.device, stream))
+            self._h, self._ptr = backend.mem_alloc(
+                self.device.ordinal, nbytes, _raw_or_none(stream)
+            )
+        super().__init__(
+            self.device.releaser(_free_on, backend, self._h, stream), keep=(self.device, stream)
+        )
 
     @classmethod
     def wrap(cls, ptr: int, nbytes: int, device: Device, owner: object) -> DeviceBuffer:
@@ -68,8 +80,14 @@ class DeviceBuffer(Resource):
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
-                "version": 3, "strides": None, "stream": None}
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
     def __dlpack__(self, *, stream: int | None = None, **_: Any) -> object:
         self._check_open()
@@ -138,8 +156,10 @@ class PinnedPool(Resource):
         self._lock = threading.Lock()
         self._free: dict[int, list[_Block]] = defaultdict(list)
         self.stats = {"hits": 0, "misses": 0, "bytes_held": 0}
-        super().__init__(self.device.releaser(_drain, self.device.backend, self._free, self._lock),
-                         keep=self.device)
+        super().__init__(
+            self.device.releaser(_drain, self.device.backend, self._free, self._lock),
+            keep=self.device,
+        )
 
     def _size_class(self, nbytes: int) -> int:
         size = self.min_block

@@ -29,8 +29,15 @@ class Module(Resource):
         super().__init__(self.device.releaser(backend.module_unload, self._h), keep=self.device)
 
     @classmethod
-    def compile(cls, source: str, device: Device | None = None, *, arch: str | None = None,
-                options: Sequence[str] = (), name_expressions: Sequence[str] = ()) -> Module:
+    def compile(
+        cls,
+        source: str,
+        device: Device | None = None,
+        *,
+        arch: str | None = None,
+        options: Sequence[str] = (),
+        name_expressions: Sequence[str] = (),
+    ) -> Module:
         """Compile CUDA C++ with NVRTC for the device's architecture (or `arch`) and load it."""
         device = device or Device(0)
         major, minor = device.compute_capability
@@ -61,8 +68,9 @@ class Kernel:
     def __init__(self, module: Module, handle: Any, name: str) -> None:
         self.module, self._h, self.name = module, handle, name
 
-    def launch(self, grid: Dim, block: Dim, args: Sequence[Any], stream: Stream,
-               shared_mem: int = 0) -> None:
+    def launch(
+        self, grid: Dim, block: Dim, args: Sequence[Any], stream: Stream, shared_mem: int = 0
+    ) -> None:
         """Queue one launch on `stream`; buffers pass as pointers, numpy scalars by value."""
         if self.module.closed:
             raise ResourceClosedError(f"kernel {self.name}: its module is closed")
@@ -70,8 +78,9 @@ class Kernel:
         if stream._capture is not None:
             stream._capture.keep(self.module, *[_owner(a) for a in args])
         with stream.device:
-            stream.device.backend.launch(self._h, _dim3(grid), _dim3(block), raw, stream.handle,
-                                         shared_mem)
+            stream.device.backend.launch(
+                self._h, _dim3(grid), _dim3(block), raw, stream.handle, shared_mem
+            )
 
 
 def _dim3(d: Dim) -> tuple[int, int, int]:
@@ -93,8 +102,9 @@ def _arg(arg: Any) -> Any:
     return arg
 
 
-def select_variant(variants: Mapping[tuple[int, int] | None, T],
-                   device: Device | tuple[int, int] | None = None) -> T:
+def select_variant(
+    variants: Mapping[tuple[int, int] | None, T], device: Device | tuple[int, int] | None = None
+) -> T:
     """The variant for the highest compute capability <= the device's; `None` is the fallback."""
     cc = device if isinstance(device, tuple) else (device or Device(0)).compute_capability
     fits = [k for k in variants if k is not None and tuple(k) <= tuple(cc)]
@@ -102,4 +112,6 @@ def select_variant(variants: Mapping[tuple[int, int] | None, T],
         return variants[max(fits)]
     if None in variants:
         return variants[None]
-    raise LookupError(f"no variant for compute capability {cc}; have {sorted(k for k in variants if k)}")
+    raise LookupError(
+        f"no variant for compute capability {cc}; have {sorted(k for k in variants if k)}"
+    )

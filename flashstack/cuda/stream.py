@@ -16,8 +16,9 @@ class Stream(Resource):
 
     kind = "stream"
 
-    def __init__(self, device: Device | None = None, *, nonblocking: bool = True,
-                 priority: int = 0) -> None:
+    def __init__(
+        self, device: Device | None = None, *, nonblocking: bool = True, priority: int = 0
+    ) -> None:
         self.device = device or Device(0)
         backend = self.device.backend
         with self.device:
@@ -72,8 +73,9 @@ class Event(Resource):
 
     kind = "event"
 
-    def __init__(self, device: Device | None = None, *, timing: bool = False,
-                 blocking: bool = False) -> None:
+    def __init__(
+        self, device: Device | None = None, *, timing: bool = False, blocking: bool = False
+    ) -> None:
         self.device = device or Device(0)
         backend = self.device.backend
         with self.device:

@@ -142,8 +142,9 @@ class HostStaging:
         slots.append(slot)
         return slot
 
-    def to_device(self, values: Sequence[Any], dtype: torch.dtype,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+    def to_device(
+        self, values: Sequence[Any], dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`values` (a list, or a list of equal-length lists) as a tensor on this device, copied
         asynchronously from a pinned block; into `out`'s first elements when given."""
         array = np.asarray(values, dtype=_numpy_dtype(dtype))

@@ -11,8 +11,10 @@ import pytest
 
 from flashstack import cuda as fc
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not fc.cuda_available(), reason="no CUDA driver or device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not fc.cuda_available(), reason="no CUDA driver or device"),
+]
 
 SAXPY = r"""
 extern "C" __global__ void saxpy(float a, const float* x, float* y, unsigned long long n) {
@@ -185,8 +187,11 @@ def test_torch_interop_kernel_on_current_stream() -> None:
 def test_built_graph_kernel_then_copy(dev: fc.Device) -> None:
     n = 1024
     with fc.Stream(dev) as s, fc.Module.compile(SAXPY, dev) as mod, fc.PinnedPool(dev) as pool:
-        with pool.acquire(4 * n) as h, fc.DeviceBuffer(4 * n, dev, s) as x, \
-                fc.DeviceBuffer(4 * n, dev, s) as y:
+        with (
+            pool.acquire(4 * n) as h,
+            fc.DeviceBuffer(4 * n, dev, s) as x,
+            fc.DeviceBuffer(4 * n, dev, s) as y,
+        ):
             h.numpy(np.float32)[:] = 2.0
             fc.copy_async(x, h, s), fc.copy_async(y, h, s)
             s.synchronize()

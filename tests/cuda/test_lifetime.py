@@ -13,6 +13,7 @@ import pytest
 from flashstack import cuda as fc
 from tests.fakes.cuda_driver import FakeBackend, FakeDriverError
 
+
 def test_with_device_restores_caller_context_on_exception(fake: FakeBackend) -> None:
     dev = fc.Device(0)
     fake.ctx_set_current("callers-ctx")
@@ -78,8 +79,10 @@ def test_buffer_freed_on_its_stream_before_stream_destroy_when_collected(fake: F
     assert fake.ops("stream_destroy") == []
     del buf
     gc.collect()
-    assert [op for op in fake.ops() if op in ("mem_free", "stream_destroy")] == \
-        ["mem_free", "stream_destroy"]
+    assert [op for op in fake.ops() if op in ("mem_free", "stream_destroy")] == [
+        "mem_free",
+        "stream_destroy",
+    ]
     assert fake.violations == [] and fc.tracker.live() == {}
 
 
@@ -143,7 +146,9 @@ def test_exception_inside_with_is_not_masked(fake: FakeBackend) -> None:
 
 
 def test_exec_graph_pins_what_it_references_and_destroys_first(fake: FakeBackend) -> None:
-    fake.kernels["bump"] = lambda b, p, n: b.host_view(p, 4).__setitem__(0, b.host_view(p, 4)[0] + 1)
+    fake.kernels["bump"] = lambda b, p, n: b.host_view(p, 4).__setitem__(
+        0, b.host_view(p, 4)[0] + 1
+    )
     s = fc.Stream()
     mod = fc.Module.compile('extern "C" __global__ void bump(int* p) {}')
     buf = fc.PinnedBuffer(4)
@@ -306,8 +311,12 @@ def test_numpy_view_pins_pinned_buffer(fake: FakeBackend) -> None:
 
 
 def test_copy_roundtrip_through_fake_device(fake: FakeBackend) -> None:
-    with fc.Stream() as s, fc.PinnedBuffer(64) as src, fc.PinnedBuffer(64) as dst, \
-            fc.DeviceBuffer(64, stream=s) as d:
+    with (
+        fc.Stream() as s,
+        fc.PinnedBuffer(64) as src,
+        fc.PinnedBuffer(64) as dst,
+        fc.DeviceBuffer(64, stream=s) as d,
+    ):
         src.numpy()[:] = np.arange(64, dtype=np.uint8)
         fc.copy_async(d, src, s)
         fc.copy_async(dst, d, s)
@@ -391,7 +400,8 @@ def test_module_load_from_file_checks_suffix(fake: FakeBackend, tmp_path: Path) 
 
 def test_built_graph_pins_its_nodes_resources_and_replays(fake: FakeBackend) -> None:
     fake.kernels["double"] = lambda b, p, n: b.host_view(p, 4).__setitem__(
-        0, 2 * b.host_view(p, 4)[0])
+        0, 2 * b.host_view(p, 4)[0]
+    )
     mod = fc.Module.compile('extern "C" __global__ void double(int* p) {}')
     src, dst = fc.PinnedBuffer(4), fc.PinnedBuffer(4)
     src.numpy()[0] = 3
@@ -406,8 +416,10 @@ def test_built_graph_pins_its_nodes_resources_and_replays(fake: FakeBackend) -> 
             dst.close()
         exe.launch(s)
         exe.launch(s)
-    assert dst.numpy()[0] == 12 and fake.ops("graph_add_") == ["graph_add_kernel",
-                                                               "graph_add_memcpy"]
+    assert dst.numpy()[0] == 12 and fake.ops("graph_add_") == [
+        "graph_add_kernel",
+        "graph_add_memcpy",
+    ]
     for r in (src, dst, mod):
         r.close()
     assert fake.violations == [] and fc.tracker.live() == {}

@@ -7,7 +7,6 @@ import pytest
 
 from flashstack import cuda as fc
 from flashstack.cuda import use_backend
-from tests.fakes.cuda_driver import FakeBackend
 from flashstack.cuda.peer import (
     PeerAccessError,
     can_access_peer,
@@ -15,6 +14,7 @@ from flashstack.cuda.peer import (
     enable_peer_access,
     peer_access_enabled,
 )
+from tests.fakes.cuda_driver import FakeBackend
 
 
 @pytest.fixture

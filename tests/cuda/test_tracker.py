@@ -22,8 +22,10 @@ def test_counts_by_kind_and_site(fake: FakeBackend) -> None:
     bufs = [fc.DeviceBuffer(8, stream=s) for _ in range(3)]
     assert tracker.live() == {"stream": 1, "device_buffer": 3}
     sites = tracker.live_by_site()
-    assert any(kind == "device_buffer" and "test_tracker.py" in site and n == 3
-               for (kind, site), n in sites.items())
+    assert any(
+        kind == "device_buffer" and "test_tracker.py" in site and n == 3
+        for (kind, site), n in sites.items()
+    )
     assert "3 x device_buffer" in tracker.report()
     for b in bufs:
         b.close()
@@ -53,8 +55,10 @@ def test_leak_check_raises_for_a_leak_and_passes_clean(fake: FakeBackend) -> Non
 
 def test_fixture_fails_a_leaking_test(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(
-        "from tests.fakes.cuda_leak_check import cuda_leak_check  # noqa\n")
-    (tmp_path / "test_leaky.py").write_text(textwrap.dedent("""
+        "from tests.fakes.cuda_leak_check import cuda_leak_check  # noqa\n"
+    )
+    (tmp_path / "test_leaky.py").write_text(
+        textwrap.dedent("""
         from flashstack import cuda as fc
         from tests.fakes.cuda_driver import FakeBackend
         fc.set_backend(FakeBackend())
@@ -63,10 +67,16 @@ def test_fixture_fails_a_leaking_test(tmp_path: Path) -> None:
             KEEP.append(fc.Stream())
         def test_clean(cuda_leak_check):
             fc.Stream().close()
-    """))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(tmp_path)], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PYTHONPATH": str(REPO), "PATH": ""}, timeout=60)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+        timeout=60,
+    )
     # a fixture's teardown failure is reported as an error on the leaking test
     assert "ERROR test_leaky.py::test_leaks" in out.stdout, out.stdout + out.stderr
     assert "2 passed, 1 error" in out.stdout  # test_clean passed with the fixture
@@ -87,18 +97,30 @@ def test_interpreter_exit_with_live_resources_is_clean() -> None:
         cycle = [fc.Event()]; cycle.append(cycle)
         print("EXITING", flush=True)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO), "PATH": ""}, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "EXITING"  # no driver call during interpreter teardown
     assert out.stderr == ""
 
 
 def test_import_does_not_import_torch_or_driver() -> None:
-    code = ("import sys, flashstack.cuda, flashstack.cuda.tracker; "
-            "print('torch' in sys.modules, 'cuda.core' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO), "PATH": ""}, timeout=60)
+    code = (
+        "import sys, flashstack.cuda, flashstack.cuda.tracker; "
+        "print('torch' in sys.modules, 'cuda.core' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+        timeout=60,
+    )
     assert out.stdout.strip() == "False False", out.stderr
 
 
