@@ -6,32 +6,86 @@ from pathlib import Path
 from typing import Any
 
 LLAMA3_8B: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    torch_dtype="bfloat16",
 )
 QWEN3_0_6B: dict[str, Any] = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
-    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    torch_dtype="bfloat16",
 )
 
 LLAMA3_2_1B: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
-    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192),
-    tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    tie_word_embeddings=True,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    torch_dtype="bfloat16",
 )
-# SmolLM2-135M(-Instruct)'s shape: the trained default model, as random weights (same kernels and bytes).
+# SmolLM2-135M(-Instruct)'s shape: the trained default model, as random weights (same kernels and
+# bytes).
 SMOLLM2_135M: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
-    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-    head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="bfloat16",
 )
 
 
@@ -67,7 +121,8 @@ def plant_head(model: Any, seed: int = 0) -> Any:
     vocab = emb.shape[0]
     with torch.no_grad():
         emb.copy_(torch.randn(emb.shape, generator=gen, device=emb.device, dtype=torch.float32))
-        perm = (torch.arange(vocab, device=emb.device) * 7919 + 1) % vocab  # a permutation: 7919 is prime
+        # a permutation: 7919 is prime
+        perm = (torch.arange(vocab, device=emb.device) * 7919 + 1) % vocab
         head = torch.nn.Linear(emb.shape[1], vocab, bias=False, device=emb.device, dtype=emb.dtype)
         head.weight.copy_(emb[perm])
     model.config.tie_word_embeddings = False

@@ -24,8 +24,8 @@ from flashstack.gateway.app import create_app
 
 cache = Path(sys.argv[2])
 cfg = Config(server=ServerConfig(max_body_bytes=8 * 1024 * 1024),
-             models=[ModelConfig(name="tiny", provider="openai", model="gpt-4-0613", context_window=1500,
-                                 api_base=sys.argv[3], api_key="sk-bench")],
+             models=[ModelConfig(name="tiny", provider="openai", model="gpt-4-0613",
+                                 context_window=1500, api_base=sys.argv[3], api_key="sk-bench")],
              compression=CompressionConfig(cache_dir=cache), state_dir=cache.parent)
 uvicorn.run(create_app(cfg), host="127.0.0.1", port=int(sys.argv[1]), log_level="error")
 """
@@ -36,8 +36,12 @@ class Gateway:
 
     def __init__(self, tree: Path, port: int, cache: Path, upstream: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVE, str(port), str(cache), upstream], env=env,
-                                     cwd=tempfile.gettempdir(), stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVE, str(port), str(cache), upstream],
+            env=env,
+            cwd=tempfile.gettempdir(),
+            stderr=subprocess.DEVNULL,
+        )
         self.url = f"http://127.0.0.1:{port}"
         for _ in range(300):
             try:
@@ -59,18 +63,27 @@ class Gateway:
 
     def post(self, name: str, messages: list[dict], **extra: object) -> dict[str, object]:
         cpu, start = self.cpu_s(), time.monotonic()
-        r = httpx.post(self.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, **extra},
-                       timeout=600)
-        return {"request": name, "status": r.status_code, "compression": r.headers.get("x-flashstack-compression"),
-                "fallback": r.headers.get("x-flashstack-compression-fallback"),
-                "wall_s": round(time.monotonic() - start, 2), "cpu_s": round(self.cpu_s() - cpu, 2),
-                "rss_mb": self.rss_mb()}
+        r = httpx.post(
+            self.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, **extra},
+            timeout=600,
+        )
+        return {
+            "request": name,
+            "status": r.status_code,
+            "compression": r.headers.get("x-flashstack-compression"),
+            "fallback": r.headers.get("x-flashstack-compression-fallback"),
+            "wall_s": round(time.monotonic() - start, 2),
+            "cpu_s": round(self.cpu_s() - cpu, 2),
+            "rss_mb": self.rss_mb(),
+        }
 
     def wait_for_model(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             state = httpx.get(self.url + "/health/readiness").json().get("compression")
-            if state is None or state["embedding_model"] != "loading":  # None: a tree that loads in the request
+            # None: a tree that loads in the request
+            if state is None or state["embedding_model"] != "loading":
                 return
             time.sleep(0.2)
 
@@ -80,8 +93,12 @@ class Gateway:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tree", type=Path, default=ROOT, help="source tree whose flashstack the gateway runs")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--tree", type=Path, default=ROOT, help="source tree whose flashstack the gateway runs"
+    )
     ap.add_argument("--port", type=int, default=18750)
     args = ap.parse_args()
 

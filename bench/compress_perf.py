@@ -51,7 +51,9 @@ def use_random_weights(model_dir: Path) -> None:
     if not (model_dir / "model.safetensors").is_file():
         from transformers import AutoConfig, AutoModel
 
-        AutoModel.from_config(AutoConfig.from_pretrained(str(model_dir))).save_pretrained(str(model_dir))
+        AutoModel.from_config(AutoConfig.from_pretrained(str(model_dir))).save_pretrained(
+            str(model_dir)
+        )
     embed.weights_dir = lambda: model_dir
 
 
@@ -64,7 +66,8 @@ def timed(fn, repeat: int) -> float:
 
 
 def timed_cpu(fn, repeat: int) -> tuple[float, float]:
-    """(fastest wall ms, fastest process-CPU ms, all threads) of `fn()`: CPU time ignores the neighbours."""
+    """(fastest wall ms, fastest process-CPU ms, all threads) of `fn()`: CPU time ignores the
+    neighbours."""
     fn()
     wall, cpu = [], []
     for _ in range(repeat):
@@ -90,18 +93,27 @@ def torch_encoder(threads: int):
         out = torch.empty(len(texts), 384)
         with torch.inference_mode():
             for s in range(0, len(order), 32):
-                idx = order[s:s + 32]
-                batch = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=MAX_TOKENS,
-                            return_tensors="pt")
+                idx = order[s : s + 32]
+                batch = tok(
+                    [texts[i] for i in idx],
+                    padding=True,
+                    truncation=True,
+                    max_length=MAX_TOKENS,
+                    return_tensors="pt",
+                )
                 hidden = model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).float()
-                out[idx] = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+                out[idx] = torch.nn.functional.normalize(
+                    (hidden * mask).sum(1) / mask.sum(1), dim=-1
+                )
         return out.numpy()
 
     return encode
 
 
-def backend(name: str, threads: int, repeat: int, cache_dir: Path, args: argparse.Namespace) -> dict[str, object]:
+def backend(
+    name: str, threads: int, repeat: int, cache_dir: Path, args: argparse.Namespace
+) -> dict[str, object]:
     """Measurements of one backend (run in a child process)."""
     import numpy as np
 
@@ -112,7 +124,9 @@ def backend(name: str, threads: int, repeat: int, cache_dir: Path, args: argpars
     else:
         from flashstack.gateway.compress.embed import Embedder
 
-        encode = Embedder(cache_dir, precision=name.split("-")[1], threads=threads, cache_size=0).encode
+        encode = Embedder(
+            cache_dir, precision=name.split("-")[1], threads=threads, cache_size=0
+        ).encode
     one, fifty = texts(args.texts)
     t = time.perf_counter()
     vectors = encode(fifty)  # the first call includes the allocator's warm-up: a real cold history
@@ -130,7 +144,8 @@ def backend(name: str, threads: int, repeat: int, cache_dir: Path, args: argpars
 
 
 def pipeline(threads: int, repeat: int, cache_dir: Path) -> dict[str, object]:
-    """Tokenizing, DBSCAN, and the whole pipeline on a 200-message history with cached embeddings."""
+    """Tokenizing, DBSCAN, and the whole pipeline on a 200-message history with cached
+    embeddings."""
     from compress_eval import conversation
 
     from flashstack.config import CompressionConfig, ModelConfig
@@ -143,7 +158,9 @@ def pipeline(threads: int, repeat: int, cache_dir: Path) -> dict[str, object]:
     fifty = history(50)
     out: dict[str, object] = {
         "tokens_50_messages": sum(counter.tokens(t) for t in fifty),
-        "tokenize_50_messages_ms": round(timed(lambda: [counter.count(t) for t in fifty], repeat), 1),
+        "tokenize_50_messages_ms": round(
+            timed(lambda: [counter.count(t) for t in fifty], repeat), 1
+        ),
     }
 
     async def run() -> None:
@@ -180,7 +197,10 @@ def agreement(cache_dir: Path) -> dict[str, object]:
     out = {}
     for a, b in (("ort-int8", "ort-fp32"), ("ort-int8", "torch-fp32"), ("ort-fp32", "torch-fp32")):
         cos = (vec[a] * vec[b]).sum(1)
-        out[f"cosine_{a}_vs_{b}"] = {"mean": round(float(cos.mean()), 4), "min": round(float(cos.min()), 4)}
+        out[f"cosine_{a}_vs_{b}"] = {
+            "mean": round(float(cos.mean()), 4),
+            "min": round(float(cos.min()), 4),
+        }
     return out
 
 
@@ -200,13 +220,19 @@ def main() -> None:
     p.add_argument("--cache-dir", default=str(ROOT / ".flashstack" / "models"))
     p.add_argument("--texts", help="JSON {one, fifty} written by --dump-texts (no pydantic needed)")
     p.add_argument("--dump-texts", help="write the benchmark's texts to this JSON file and exit")
-    p.add_argument("--random-weights", help="a directory with MiniLM's config.json + tokenizer.json: "
-                   "time a same-shaped model with random weights (speed only; agreement needs the real ones)")
+    p.add_argument(
+        "--random-weights",
+        help="a directory with MiniLM's config.json + tokenizer.json: "
+        "time a same-shaped model with random weights (speed only; agreement needs the "
+        "real ones)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.dump_texts:
         one, fifty = texts(None)
-        return Path(args.dump_texts).write_text(json.dumps({"one": one[0], "fifty": fifty})) and None
+        return (
+            Path(args.dump_texts).write_text(json.dumps({"one": one[0], "fifty": fifty})) and None
+        )
     if args.child:
         return child(args)
     if args.random_weights:
@@ -218,12 +244,29 @@ def main() -> None:
     import os
 
     result: dict[str, object] = {"threads": args.threads, "load_average_before": os.getloadavg()[0]}
-    extra = [a for k in ("texts", "random_weights") if getattr(args, k)
-             for a in (f"--{k.replace('_', '-')}", getattr(args, k))]
+    extra = [
+        a
+        for k in ("texts", "random_weights")
+        if getattr(args, k)
+        for a in (f"--{k.replace('_', '-')}", getattr(args, k))
+    ]
     for name in (*BACKENDS, *(() if args.texts else ("pipeline",))):
-        cmd = [sys.executable, __file__, "--child", name, "--threads", str(args.threads),
-               "--repeat", str(args.repeat), "--cache-dir", args.cache_dir, *extra]
-        result[name] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            "--threads",
+            str(args.threads),
+            "--repeat",
+            str(args.repeat),
+            "--cache-dir",
+            args.cache_dir,
+            *extra,
+        ]
+        result[name] = json.loads(
+            subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        )
     result.update(agreement(Path(args.cache_dir)))
     result["load_average_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2))

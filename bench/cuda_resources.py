@@ -32,9 +32,11 @@ def _cycle(make: Callable[[], fc.Resource], n: int, dev: fc.Device) -> dict[str,
     elapsed = time.perf_counter() - t0
     dev.synchronize()
     gc.collect()
-    return {"us_per_cycle": round(elapsed / n * 1e6, 2),
-            "free_mem_delta_bytes": dev.free_memory - free0,
-            "tracker_delta": fc.tracker.total() - live0}
+    return {
+        "us_per_cycle": round(elapsed / n * 1e6, 2),
+        "free_mem_delta_bytes": dev.free_memory - free0,
+        "tracker_delta": fc.tracker.total() - live0,
+    }
 
 
 def bench_cycles(dev: fc.Device, n: int) -> dict[str, dict[str, float]]:
@@ -73,8 +75,12 @@ def bench_saxpy_graph(dev: fc.Device, n: int = 1 << 20, replays: int = 1000) -> 
     a = np.float32(2.0)
     with fc.Stream(dev) as s, fc.PinnedPool(dev) as pool, fc.Module.compile(SAXPY, dev) as mod:
         kernel = mod.kernel("saxpy")
-        with pool.acquire(4 * n) as hx, pool.acquire(4 * n) as hy, \
-                fc.DeviceBuffer(4 * n, dev, s) as dx, fc.DeviceBuffer(4 * n, dev, s) as dy:
+        with (
+            pool.acquire(4 * n) as hx,
+            pool.acquire(4 * n) as hy,
+            fc.DeviceBuffer(4 * n, dev, s) as dx,
+            fc.DeviceBuffer(4 * n, dev, s) as dy,
+        ):
             x = hx.numpy(np.float32)
             x[:] = np.arange(n, dtype=np.float32) % 1024  # integers: every result is exact
             hy.numpy(np.float32)[:] = 1.0
@@ -101,8 +107,13 @@ def bench_saxpy_graph(dev: fc.Device, n: int = 1 << 20, replays: int = 1000) -> 
             want = np.float32(1) + np.float32(replays + 1) * a * x
             replay_exact = bool(np.array_equal(hy.numpy(np.float32), want))
             del x
-    return {"n": n, "once_exact": once_exact, "replays": replays,
-            "graph_replays_exact": replay_exact, "us_per_replay": round(ms / replays * 1e3, 3)}
+    return {
+        "n": n,
+        "once_exact": once_exact,
+        "replays": replays,
+        "graph_replays_exact": replay_exact,
+        "us_per_replay": round(ms / replays * 1e3, 3),
+    }
 
 
 def _ours_h2d(dev: fc.Device, nbytes: int, iters: int) -> float:
@@ -142,8 +153,13 @@ def bench_h2d(dev: fc.Device, nbytes: int = 256 << 20, iters: int = 20) -> dict[
     for _ in range(3):
         theirs.append(_torch_h2d(nbytes, iters))
         ours.append(_ours_h2d(dev, nbytes, iters))
-    return {"bytes": nbytes, "iters": iters, "ours_GBps": round(max(ours), 2),
-            "torch_GBps": round(max(theirs), 2), "ratio": round(max(ours) / max(theirs), 4)}
+    return {
+        "bytes": nbytes,
+        "iters": iters,
+        "ours_GBps": round(max(ours), 2),
+        "torch_GBps": round(max(theirs), 2),
+        "ratio": round(max(ours) / max(theirs), 4),
+    }
 
 
 def bench_torch_stream(n: int = 1 << 20) -> dict[str, object]:
@@ -158,8 +174,9 @@ def bench_torch_stream(n: int = 1 << 20) -> dict[str, object]:
         y = torch.ones(n, dtype=torch.float32, device="cuda")
         y.mul_(3)  # queued on torch's stream just before our kernel
         with ti.current_stream(dev) as s, ti.wrap_tensor(x) as bx, ti.wrap_tensor(y) as by:
-            mod.kernel("saxpy").launch((n + 255) // 256, 256, [np.float32(2), bx, by,
-                                                                np.uint64(n)], s)
+            mod.kernel("saxpy").launch(
+                (n + 255) // 256, 256, [np.float32(2), bx, by, np.uint64(n)], s
+            )
         y.add_(1)  # queued after it, on the same stream
         got = y.cpu()  # torch's own sync, nothing of ours
         want = (2 * (torch.arange(n, dtype=torch.float32) % 1024) + 3) + 1
@@ -192,7 +209,9 @@ def bench_staging(n: int = 2000, values: int = 300) -> dict[str, object]:
     tokens = torch.arange(8, device="cuda")
 
     def torch_up() -> object:
-        return torch.tensor(host_values, dtype=torch.int64, pin_memory=True).to("cuda", non_blocking=True)
+        return torch.tensor(host_values, dtype=torch.int64, pin_memory=True).to(
+            "cuda", non_blocking=True
+        )
 
     def torch_down() -> object:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -202,8 +221,12 @@ def bench_staging(n: int = 2000, values: int = 300) -> dict[str, object]:
         ready.synchronize()
         return host.tolist()
 
-    calls = {"up_ours": lambda: staging.to_device(host_values, torch.int64), "up_torch": torch_up,
-             "down_ours": lambda: staging.to_host(tokens).wait(), "down_torch": torch_down}
+    calls = {
+        "up_ours": lambda: staging.to_device(host_values, torch.int64),
+        "up_torch": torch_up,
+        "down_ours": lambda: staging.to_host(tokens).wait(),
+        "down_torch": torch_down,
+    }
     best = {name: min(_per_call_us(fn, n) for _ in range(3)) for name, fn in calls.items()}
     out: dict[str, object] = {name + "_us": round(us, 2) for name, us in best.items()}
     out.update(values=values, pool=dict(staging.pool.stats))
@@ -213,8 +236,10 @@ def bench_staging(n: int = 2000, values: int = 300) -> dict[str, object]:
 def bench_variant(dev: fc.Device) -> dict[str, object]:
     """select_variant on this device: builds keyed by compute capability."""
     builds = {(9, 0): "sm_90", (8, 0): "sm_80", None: "generic"}
-    return {"compute_capability": list(dev.compute_capability),
-            "picked": fc.select_variant(builds, dev)}
+    return {
+        "compute_capability": list(dev.compute_capability),
+        "picked": fc.select_variant(builds, dev),
+    }
 
 
 def main() -> None:
@@ -225,12 +250,14 @@ def main() -> None:
     opts = ap.parse_args()
     dev = fc.Device(0)
     out: dict[str, object] = {"device": dev.name, "backend": dev.backend.name}
-    sections = [("variant", lambda: bench_variant(dev)),
-                ("saxpy_graph", lambda: bench_saxpy_graph(dev)),
-                ("torch_stream", bench_torch_stream),
-                ("staging", bench_staging),
-                ("h2d", lambda: bench_h2d(dev)),
-                ("cycles", lambda: bench_cycles(dev, opts.cycles))]
+    sections = [
+        ("variant", lambda: bench_variant(dev)),
+        ("saxpy_graph", lambda: bench_saxpy_graph(dev)),
+        ("torch_stream", bench_torch_stream),
+        ("staging", bench_staging),
+        ("h2d", lambda: bench_h2d(dev)),
+        ("cycles", lambda: bench_cycles(dev, opts.cycles)),
+    ]
     for name, fn in sections:
         t0 = time.perf_counter()
         try:

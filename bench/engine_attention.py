@@ -28,22 +28,47 @@ def main() -> None:
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3")
-    ap.add_argument("--min-split", default="256", help="fewest tokens a split reads (DECODE_MIN_SPLIT)")
+    ap.add_argument(
+        "--min-split", default="256", help="fewest tokens a split reads (DECODE_MIN_SPLIT)"
+    )
     args = ap.parse_args()
-    configs = list(itertools.product(*(map(int, a.split(","))
-                                       for a in (args.min_split, args.block_n, args.warps, args.stages))))
+    configs = list(
+        itertools.product(
+            *(
+                map(int, a.split(","))
+                for a in (args.min_split, args.block_n, args.warps, args.stages)
+            )
+        )
+    )
     result: dict = {}
     for name, (batch, ctx, heads, kv_heads, grid) in WORKLOADS.items():
-        rows = {"default": decode_kernel_bandwidth(batch, ctx, 256, kv_heads, heads, grid_context=grid)}
+        rows = {
+            "default": decode_kernel_bandwidth(batch, ctx, 256, kv_heads, heads, grid_context=grid)
+        }
         for ms, bn, w, st in configs:
             key = f"m{ms}_n{bn}_w{w}_s{st}"
             try:
-                rows[key] = decode_kernel_bandwidth(batch, ctx, 256, kv_heads, heads, grid_context=grid, min_split=ms,
-                                                    block_n=bn, num_warps=w, num_stages=st)
+                rows[key] = decode_kernel_bandwidth(
+                    batch,
+                    ctx,
+                    256,
+                    kv_heads,
+                    heads,
+                    grid_context=grid,
+                    min_split=ms,
+                    block_n=bn,
+                    num_warps=w,
+                    num_stages=st,
+                )
             except Exception:
                 rows[key] = {"error": traceback.format_exc()[-300:]}
         best = max((k for k in rows if "us" in rows[k]), key=lambda k: -rows[k]["us"])
-        result[name] = {"best": best, "best_row": rows[best], "default": rows["default"], "all": rows}
+        result[name] = {
+            "best": best,
+            "best_row": rows[best],
+            "default": rows["default"],
+            "all": rows,
+        }
         print(name, "default", rows["default"], "best", best, rows[best], flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))

@@ -20,8 +20,16 @@ from bench._shapes import LLAMA3_8B, plant_head, random_hf_model, save_checkpoin
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A CPU smoke-test shape: same code path, seconds instead of minutes.
-TINY = {**LLAMA3_8B, "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+TINY = {
+    **LLAMA3_8B,
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
 
 COPY_BW = 4.26e12  # bytes/s, device-to-device copy measured on the H200 (shared/GPU.md)
 
@@ -33,11 +41,22 @@ def _sync() -> None:
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
     emb = model.get_input_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in model.parameters()) - emb.numel() * emb.element_size()
+    return (
+        sum(p.numel() * p.element_size() for p in model.parameters())
+        - emb.numel() * emb.element_size()
+    )
 
 
 def kv_bytes_read(shape: dict, batch: int, context: int) -> int:
-    return batch * context * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+    return (
+        batch
+        * context
+        * shape["num_hidden_layers"]
+        * 2
+        * shape["num_key_value_heads"]
+        * shape["head_dim"]
+        * 2
+    )
 
 
 def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -64,8 +83,10 @@ def hf_step_ms(model, batch: int, prompt_len: int, new_tokens: int) -> float:
 @torch.inference_mode()
 def hf_greedy(model, batch_prompts: list[list[int]], n: int) -> list[list[int]]:
     ids = torch.tensor(batch_prompts, device=DEVICE)
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[:, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    return out[:, ids.shape[1] :].tolist()
 
 
 def our_step_ms(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -98,14 +119,15 @@ def teacher_forced(llm, base: list[list[int]], hf_tokens: list[list[int]]) -> li
 
 
 @torch.inference_mode()
-def hf_teacher_forced(model, base: list[list[int]], hf_tokens: list[list[int]],
-                      margins: list[float] | None = None) -> list[int]:
+def hf_teacher_forced(
+    model, base: list[list[int]], hf_tokens: list[list[int]], margins: list[float] | None = None
+) -> list[int]:
     """transformers' greedy next token at every position of its continuation, in one forward pass
     over prompt + continuation (no KV cache). With `margins`, also appends each position's gap
     between its top two logits."""
     ids = torch.tensor([p + t for p, t in zip(base, hf_tokens)], device=DEVICE)
     start, n = len(base[0]) - 1, len(hf_tokens[0])
-    logits = model(ids).logits[:, start:start + n]
+    logits = model(ids).logits[:, start : start + n]
     if margins is not None:
         top2 = logits.float().topk(2, dim=-1).values
         margins.extend((top2[..., 0] - top2[..., 1]).flatten().tolist())
@@ -116,8 +138,12 @@ def fraction_equal(a: list[int], b: list[int]) -> float:
     return round(sum(x == y for x, y in zip(a, b)) / len(a), 4)
 
 
-def noise_floor(model, base: list[list[int]], hf_tokens: list[list[int]],
-                fp32_margins: list[float] | None = None) -> dict[str, list[int]]:
+def noise_floor(
+    model,
+    base: list[list[int]],
+    hf_tokens: list[list[int]],
+    fp32_margins: list[float] | None = None,
+) -> dict[str, list[int]]:
     """Teacher-forced next tokens of transformers itself, computed three other ways: bf16 in one
     forward pass, bf16 with eager attention, fp32 (its top-two logit gaps appended to
     `fp32_margins`). How often these agree with transformers' bf16 `generate` is how far bf16
@@ -138,16 +164,20 @@ def decisive_positions(hf_generate: list[int], references: dict[str, list[int]])
     """Positions where transformers' bf16 `generate` and every noise-floor variant (bf16 one pass,
     bf16 eager attention, fp32) pick the same token: those bf16 rounding demonstrably does not
     decide. Agreement there measures the engine; elsewhere it measures near-ties."""
-    return [i for i, tok in enumerate(hf_generate) if all(ref[i] == tok for ref in references.values())]
+    return [
+        i for i, tok in enumerate(hf_generate) if all(ref[i] == tok for ref in references.values())
+    ]
 
 
-def agreement_by_margin(tokens: list[int], fp32: list[int], margins: list[float]) -> dict[str, float]:
+def agreement_by_margin(
+    tokens: list[int], fp32: list[int], margins: list[float]
+) -> dict[str, float]:
     """Agreement with transformers' fp32 argmax on the positions fp32 decides most clearly: the
     top 75 / 50 / 25 % of positions by the gap between fp32's two best logits."""
     order = sorted(range(len(margins)), key=lambda i: -margins[i])
     out = {}
     for share in (75, 50, 25):
-        top = order[:max(1, len(order) * share // 100)]
+        top = order[: max(1, len(order) * share // 100)]
         out[f"top_{share}pct"] = fraction_equal([tokens[i] for i in top], [fp32[i] for i in top])
     return out
 
@@ -160,10 +190,14 @@ def stage_bucket(graphs, bucket: int, context: int) -> None:
     written) and the tables point at the first blocks: the replay reads `context` tokens of KV per
     sequence, which is all the timing needs."""
     blocks = list(range(-(-context // graphs.block_size)))
-    graphs.stage([0] * bucket, [context - 1] * bucket, [-1] * bucket, [blocks] * bucket, [context] * bucket)
+    graphs.stage(
+        [0] * bucket, [context - 1] * bucket, [-1] * bucket, [blocks] * bucket, [context] * bucket
+    )
 
 
-def graph_replay_ms(graphs, bucket: int, context: int, iters: int = 50, key: int | None = None) -> float:
+def graph_replay_ms(
+    graphs, bucket: int, context: int, iters: int = 50, key: int | None = None
+) -> float:
     """Replay one bucket's captured decode graph back to back (`key`: that graph; by default the
     bucket's graph for every context); CUDA-event time per replay."""
     stage_bucket(graphs, bucket, context)
@@ -179,12 +213,16 @@ def graph_replay_ms(graphs, bucket: int, context: int, iters: int = 50, key: int
     return start.elapsed_time(end) / iters
 
 
-def graph_kernel_profile(graphs, bucket: int, context: int, iters: int = 20, top: int = 20) -> list[dict]:
-    """Where one replay's GPU time goes: kernels of the captured graph, summed by name, per replay."""
+def graph_kernel_profile(
+    graphs, bucket: int, context: int, iters: int = 20, top: int = 20
+) -> list[dict]:
+    """Where one replay's GPU time goes: kernels of the captured graph, summed by name, per
+    replay."""
     from torch.profiler import ProfilerActivity, profile
 
     stage_bucket(graphs, bucket, context)
-    g = graphs.graphs[graphs.keys[bucket, graphs.max_model_len]]  # the bucket's graph for every context
+    # the bucket's graph for every context
+    g = graphs.graphs[graphs.keys[bucket, graphs.max_model_len]]
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -194,14 +232,27 @@ def graph_kernel_profile(graphs, bucket: int, context: int, iters: int = 20, top
     rows = [e for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows) / iters
-    out = [{"kernel": "ALL", "us_per_replay": round(total, 1), "count_per_replay": sum(e.count for e in rows) / iters}]
-    out += [{"kernel": e.key[:90], "us_per_replay": round(e.device_time_total / iters, 1),
-             "count_per_replay": e.count / iters} for e in rows[:top]]
+    out = [
+        {
+            "kernel": "ALL",
+            "us_per_replay": round(total, 1),
+            "count_per_replay": sum(e.count for e in rows) / iters,
+        }
+    ]
+    out += [
+        {
+            "kernel": e.key[:90],
+            "us_per_replay": round(e.device_time_total / iters, 1),
+            "count_per_replay": e.count / iters,
+        }
+        for e in rows[:top]
+    ]
     return out
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Fraction of positions equal up to the first divergence of each sequence (then counted as misses)."""
+    """Fraction of positions equal up to the first divergence of each sequence (then counted as
+    misses)."""
     same = total = 0
     for x, y in zip(a, b):
         total += len(x)
@@ -221,22 +272,37 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="1,32")
     ap.add_argument("--block-sizes", default="256")
     ap.add_argument("--eager", action="store_true", help="also measure without CUDA graphs")
-    ap.add_argument("--gemv", default="triton",
-                    help="batch-1 projections, comma-separated runs: triton (the default: fused Triton GEMVs "
-                         "with programmatic dependent launch), nopdl (kernels.pdl=False), cublas "
-                         "(kernels.triton_gemv=False), sepqkv (the separate q/k/v kernel before decode "
-                         "attention: kernels.decode_qkv=False), plainkv (decode attention without the "
-                         "tensor-memory accelerator: kernels.decode_tma=False)")
+    ap.add_argument(
+        "--gemv",
+        default="triton",
+        help="batch-1 projections, comma-separated runs: triton (the default: fused Triton GEMVs "
+        "with programmatic dependent launch), nopdl (kernels.pdl=False), cublas "
+        "(kernels.triton_gemv=False), sepqkv (the separate q/k/v kernel before "
+        "decode attention: kernels.decode_qkv=False), plainkv (decode attention "
+        "without the tensor-memory accelerator: kernels.decode_tma=False)",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
-    ap.add_argument("--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay")
-    ap.add_argument("--planted-head", action="store_true",
-                    help="agreement on a model with a clear-cut argmax (bench/_shapes.plant_head)")
-    ap.add_argument("--keep", type=Path, help="write the checkpoint here (for engine_long.py --checkpoint)")
+    ap.add_argument(
+        "--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay"
+    )
+    ap.add_argument(
+        "--planted-head",
+        action="store_true",
+        help="agreement on a model with a clear-cut argmax (bench/_shapes.plant_head)",
+    )
+    ap.add_argument(
+        "--keep", type=Path, help="write the checkpoint here (for engine_long.py --checkpoint)"
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    result: dict = {"shape": "llama3-8b", "dtype": "bfloat16", "prompt_len": args.prompt_len,
-                    "new_tokens": args.new_tokens, "copy_bw_tb_s": COPY_BW / 1e12,
-                    "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}
+    result: dict = {
+        "shape": "llama3-8b",
+        "dtype": "bfloat16",
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "copy_bw_tb_s": COPY_BW / 1e12,
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+    }
     shape = TINY if args.tiny else LLAMA3_8B
 
     def dump() -> None:
@@ -245,7 +311,9 @@ def main() -> None:
             args.json.write_text(text)
         print(text, flush=True)
 
-    root = args.keep or Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    root = args.keep or Path(
+        tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
     hf = random_hf_model(shape, DEVICE)
     if args.planted_head:
         plant_head(hf)
@@ -257,8 +325,10 @@ def main() -> None:
     result["checkpoint_write_s"] = round(time.perf_counter() - t, 1)
     ctx = args.prompt_len + args.new_tokens // 2
     try:
-        result["transformers"] = {str(b): round(hf_step_ms(hf, b, args.prompt_len, args.new_tokens), 3)
-                                  for b in (int(x) for x in args.hf_batches.split(",") if x)}
+        result["transformers"] = {
+            str(b): round(hf_step_ms(hf, b, args.prompt_len, args.new_tokens), 3)
+            for b in (int(x) for x in args.hf_batches.split(",") if x)
+        }
     except Exception:
         result["transformers_error"] = traceback.format_exc()[-2000:]
     agree_prompts = [[t % shape["vocab_size"] for t in p] for p in prompts(8, 64, seed=2)]
@@ -269,10 +339,14 @@ def main() -> None:
     fp32 = references["hf_fp32"]
     result["vs_hf_fp32_by_fp32_margin"] = {
         "hf_bf16_generate": agreement_by_margin(hf_flat, fp32, margins),
-        "hf_bf16_forward": agreement_by_margin(references["hf_bf16_forward"], fp32, margins)}
+        "hf_bf16_forward": agreement_by_margin(references["hf_bf16_forward"], fp32, margins),
+    }
     result["teacher_forced_noise_floor_vs_transformers_generate"] = {
-        k: fraction_equal(v, hf_flat) for k, v in references.items()}
-    result["teacher_forced_hf_bf16_vs_hf_fp32"] = fraction_equal(references["hf_bf16_forward"], references["hf_fp32"])
+        k: fraction_equal(v, hf_flat) for k, v in references.items()
+    }
+    result["teacher_forced_hf_bf16_vs_hf_fp32"] = fraction_equal(
+        references["hf_bf16_forward"], references["hf_fp32"]
+    )
     decisive = decisive_positions(hf_flat, references)
     result["decisive_positions"] = f"{len(decisive)}/{len(hf_flat)}"
     del hf
@@ -283,40 +357,78 @@ def main() -> None:
     from flashstack.engine import LLM, SamplingParams
 
     gemvs = args.gemv.split(",")
-    kernel_variants = {"triton": {}, "nopdl": {"pdl": False}, "cublas": {"triton_gemv": False},
-                       "sepqkv": {"decode_qkv": False}, "plainkv": {"decode_tma": False}}
-    runs = [(bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs]
+    kernel_variants = {
+        "triton": {},
+        "nopdl": {"pdl": False},
+        "cublas": {"triton_gemv": False},
+        "sepqkv": {"decode_qkv": False},
+        "plainkv": {"decode_tma": False},
+    }
+    runs = [
+        (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs
+    ]
     if args.eager:
         runs.append((runs[0][0], True, gemvs[0]))
     for block_size, eager, gemv in runs:
-        key = f"flashstack_bs{block_size}" + ("_eager" if eager else "") + ("" if gemv == "triton" else f"_{gemv}")
+        key = (
+            f"flashstack_bs{block_size}"
+            + ("_eager" if eager else "")
+            + ("" if gemv == "triton" else f"_{gemv}")
+        )
         try:
             t = time.perf_counter()
-            llm = LLM(str(root / "llama3-8b"), block_size=block_size, max_num_seqs=max(batches), dtype="bfloat16",
-                      enforce_eager=eager, gpu_memory_utilization=0.85, max_model_len=4096, show_progress=False,
-                      device=DEVICE, kernels=kernel_variants[gemv])
+            llm = LLM(
+                str(root / "llama3-8b"),
+                block_size=block_size,
+                max_num_seqs=max(batches),
+                dtype="bfloat16",
+                enforce_eager=eager,
+                gpu_memory_utilization=0.85,
+                max_model_len=4096,
+                show_progress=False,
+                device=DEVICE,
+                kernels=kernel_variants[gemv],
+            )
             entry: dict = {"load_s": round(time.perf_counter() - t, 1), "steps": {}}
-            ours = [o.token_ids for o in llm.generate(agree_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))]
+            ours = [
+                o.token_ids
+                for o in llm.generate(
+                    agree_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+                )
+            ]
             entry["greedy_agreement_vs_transformers"] = round(agreement(ours, hf_tokens), 4)
             forced = teacher_forced(llm, agree_prompts, hf_tokens)
             entry["teacher_forced_agreement_vs_transformers"] = fraction_equal(forced, hf_flat)
-            entry["teacher_forced_agreement_vs_transformers_fp32"] = fraction_equal(forced, references["hf_fp32"])
+            entry["teacher_forced_agreement_vs_transformers_fp32"] = fraction_equal(
+                forced, references["hf_fp32"]
+            )
             entry["vs_hf_fp32_by_fp32_margin"] = agreement_by_margin(forced, fp32, margins)
             if decisive:
                 entry["teacher_forced_agreement_on_decisive_positions"] = fraction_equal(
-                    [forced[i] for i in decisive], [hf_flat[i] for i in decisive])
+                    [forced[i] for i in decisive], [hf_flat[i] for i in decisive]
+                )
             graphs = llm.engine.runner.graphs
             if graphs is not None:  # the GPU's own time for one step, without any host work
-                entry["graph_replay_ms"] = {str(b): round(graph_replay_ms(graphs, b, ctx), 3) for b in (1, 8, 32) if b in graphs.bounds}
+                entry["graph_replay_ms"] = {
+                    str(b): round(graph_replay_ms(graphs, b, ctx), 3)
+                    for b in (1, 8, 32)
+                    if b in graphs.bounds
+                }
                 if args.profile:
                     entry["graph_kernels_b1"] = graph_kernel_profile(graphs, 1, ctx)
             for b in batches:
                 ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
                 floor = (wbytes + kv_bytes_read(shape, b, ctx)) / COPY_BW * 1000
-                entry["steps"][str(b)] = {"ms_per_step": round(ms, 3), "tokens_per_s": round(b * 1000 / ms, 1),
-                                          "floor_ms": round(floor, 3), "fraction_of_floor": round(floor / ms, 3)}
+                entry["steps"][str(b)] = {
+                    "ms_per_step": round(ms, 3),
+                    "tokens_per_s": round(b * 1000 / ms, 1),
+                    "floor_ms": round(floor, 3),
+                    "fraction_of_floor": round(floor / ms, 3),
+                }
                 if "transformers" in result and str(b) in result["transformers"]:
-                    entry["steps"][str(b)]["speedup_vs_transformers"] = round(result["transformers"][str(b)] / ms, 1)
+                    entry["steps"][str(b)]["speedup_vs_transformers"] = round(
+                        result["transformers"][str(b)] / ms, 1
+                    )
                 dump()
             result[key] = entry
             del llm

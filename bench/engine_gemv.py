@@ -23,7 +23,8 @@ SHAPES = {  # name: (N, K) of the weight, as nn.Linear stores it
 
 
 def graph_us(fn, iters: int = 20, reps: int = 5) -> float:
-    """µs per call of fn(i), i = 0..iters-1, captured in one CUDA graph and replayed `reps` times."""
+    """µs per call of fn(i), i = 0..iters-1, captured in one CUDA graph and replayed `reps`
+    times."""
     fn(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -64,14 +65,25 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         # Enough copies of the weight that a graph of 20 calls reads from memory, not from the
         # 50 MB L2, as a decode step does.
-        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(-(-400_000_000 // (n * k * 2)))]
+        ws = [
+            torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+            for _ in range(-(-400_000_000 // (n * k * 2)))
+        ]
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         nbytes = n * k * 2
-        row = {"cublas_us": round(graph_us(lambda i: torch.nn.functional.linear(x, ws[i % len(ws)])), 2)}
+        row = {
+            "cublas_us": round(
+                graph_us(lambda i: torch.nn.functional.linear(x, ws[i % len(ws)])), 2
+            )
+        }
         row["cublas_tb_s"] = round(nbytes / row["cublas_us"] / 1e6, 2)
         row["triton_default_us"] = round(graph_us(lambda i: gemv_triton(ws[i % len(ws)], x)), 2)
-        torch.testing.assert_close(gemv_triton(ws[0], x).float(), torch.nn.functional.linear(x, ws[0]).float(),
-                                   atol=2.0, rtol=5e-2)
+        torch.testing.assert_close(
+            gemv_triton(ws[0], x).float(),
+            torch.nn.functional.linear(x, ws[0]).float(),
+            atol=2.0,
+            rtol=5e-2,
+        )
         if name == "lm_head":  # the one projection the decoder runs unfused
             best = sweep(lambda i, c: gemv_triton(ws[i % len(ws)], x, None, c), configs)
             row["triton_best"], row["triton_best_us"] = best[1], round(best[0], 2)
@@ -93,9 +105,15 @@ def layer_chain(layers: int = 8) -> dict:
 
     h, inter, qkv = 4096, 14336, 6144
     dev, dt = "cuda", torch.bfloat16
-    ws = [(torch.randn(qkv, h, dtype=dt, device=dev), torch.randn(h, h, dtype=dt, device=dev),
-           torch.randn(2 * inter, h, dtype=dt, device=dev), torch.randn(h, inter, dtype=dt, device=dev))
-          for _ in range(layers)]
+    ws = [
+        (
+            torch.randn(qkv, h, dtype=dt, device=dev),
+            torch.randn(h, h, dtype=dt, device=dev),
+            torch.randn(2 * inter, h, dtype=dt, device=dev),
+            torch.randn(h, inter, dtype=dt, device=dev),
+        )
+        for _ in range(layers)
+    ]
     g = torch.ones(h, dtype=dt, device=dev)
     residual = torch.randn(1, h, dtype=dt, device=dev)
     attn = torch.randn(1, h, dtype=dt, device=dev)
@@ -118,16 +136,20 @@ def layer_chain(layers: int = 8) -> dict:
             linear(silu_and_mul_triton(linear(x, w_gu)), w_d)
 
     out = {}
-    for name, fn, pdl in (("triton_pdl", fused, True), ("triton", fused, False), ("cublas", cublas, False)):
+    for name, fn, pdl in (
+        ("triton_pdl", fused, True),
+        ("triton", fused, False),
+        ("cublas", cublas, False),
+    ):
         us = graph_us(lambda i, fn=fn, pdl=pdl: fn(pdl), iters=1, reps=20) / layers
         out[name] = {"us_per_layer": round(us, 2), "tb_s": round(nbytes / layers / us / 1e6, 2)}
     return out
 
 
 def fused_variant(name: str, ws: list[torch.Tensor], x: torch.Tensor, configs) -> dict:
-    """The GEMV with the work the decoder folds into it (models/ops.py, Batch1Ops), against cuBLAS plus the
-    separate kernel it replaces: the RMSNorm before q/k/v and gate/up, SiLU-and-mul before down and
-    the residual add after o and down."""
+    """The GEMV with the work the decoder folds into it (models/ops.py, Batch1Ops), against cuBLAS
+    plus the separate kernel it replaces: the RMSNorm before q/k/v and gate/up, SiLU-and-mul before
+    down and the residual add after o and down."""
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
 
     n, k = ws[0].shape
@@ -144,12 +166,19 @@ def fused_variant(name: str, ws: list[torch.Tensor], x: torch.Tensor, configs) -
         unfused = lambda i: linear(x, ws[i % len(ws)]) + residual  # noqa: E731
         what = "residual"
     else:
-        fused = lambda i, c: gemv_triton(ws[i % len(ws)], gate_up, None, c, silu=True, residual=residual)  # noqa: E731
-        unfused = lambda i: linear(silu_and_mul_triton(gate_up), ws[i % len(ws)]) + residual  # noqa: E731
+        fused = lambda i, c: gemv_triton(  # noqa: E731
+            ws[i % len(ws)], gate_up, None, c, silu=True, residual=residual
+        )
+        unfused = lambda i: (  # noqa: E731
+            linear(silu_and_mul_triton(gate_up), ws[i % len(ws)]) + residual
+        )
         what = "silu+residual"
     best = sweep(fused, configs)
-    out = {"fused": what, "cublas_unfused_us": round(graph_us(unfused), 2),
-           "fused_default_us": round(graph_us(lambda i: fused(i, None)), 2)}
+    out = {
+        "fused": what,
+        "cublas_unfused_us": round(graph_us(unfused), 2),
+        "fused_default_us": round(graph_us(lambda i: fused(i, None)), 2),
+    }
     if best is not None:
         out["fused_best"], out["fused_best_us"] = best[1], round(best[0], 2)
         out["fused_best_tb_s"] = round(n * k * 2 / best[0] / 1e6, 2)

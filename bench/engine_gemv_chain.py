@@ -19,27 +19,46 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 FUSED = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "silu"}
 
 
-def layer_weights(world: int, gen: torch.Generator, device: torch.device | str = "cuda") -> list[dict[str, torch.Tensor]]:
-    """One rank's q/k/v, o, gate/up and down weights for each of the LAYERS layers (bf16, random)."""
+def layer_weights(
+    world: int, gen: torch.Generator, device: torch.device | str = "cuda"
+) -> list[dict[str, torch.Tensor]]:
+    """One rank's q/k/v, o, gate/up and down weights for each of the LAYERS layers (bf16,
+    random)."""
+
     def w(n: int, k: int) -> torch.Tensor:
         return (torch.randn(n, k, generator=gen, device=device) * 0.01).to(torch.bfloat16)
 
     q, kv, inter = HEADS * HEAD_DIM // world, KV_HEADS * HEAD_DIM // world, INTER // world
-    return [{"qkv": w(q + 2 * kv, HIDDEN), "o": w(HIDDEN, q), "gate_up": w(2 * inter, HIDDEN),
-             "down": w(HIDDEN, inter)} for _ in range(LAYERS)]
+    return [
+        {
+            "qkv": w(q + 2 * kv, HIDDEN),
+            "o": w(HIDDEN, q),
+            "gate_up": w(2 * inter, HIDDEN),
+            "down": w(HIDDEN, inter),
+        }
+        for _ in range(LAYERS)
+    ]
 
 
-def _chain(layers: list[dict[str, torch.Tensor]], configs: dict[str, Any], world: int,
-           x: torch.Tensor, norm: torch.Tensor) -> None:
+def _chain(
+    layers: list[dict[str, torch.Tensor]],
+    configs: dict[str, Any],
+    world: int,
+    x: torch.Tensor,
+    norm: torch.Tensor,
+) -> None:
     q = HEADS * HEAD_DIM // world
     residual = x.clone()
     for lw in layers:
         qkv = gemv_triton(lw["qkv"], residual, config=configs["qkv"], norm=(norm, 1e-5))
-        out = None if world == 1 else torch.empty_like(residual)  # a rank's partial, as for the all-reduce
+        # a rank's partial, as for the all-reduce
+        out = None if world == 1 else torch.empty_like(residual)
         residual = gemv_triton(lw["o"], qkv[:, :q], config=configs["o"], residual=residual, out=out)
         gate_up = gemv_triton(lw["gate_up"], residual, config=configs["gate_up"], norm=(norm, 1e-5))
         out = None if world == 1 else torch.empty_like(residual)
-        residual = gemv_triton(lw["down"], gate_up, config=configs["down"], silu=True, residual=residual, out=out)
+        residual = gemv_triton(
+            lw["down"], gate_up, config=configs["down"], silu=True, residual=residual, out=out
+        )
 
 
 def graph_ms(fn: Any, replays: int = 20, before_replay: Any = None) -> float:
@@ -99,30 +118,52 @@ def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str,
                 best_ms, best[name] = ms, config
         print(world, name, best[name], round(best_ms, 4), flush=True)
     final_ms = time(best)  # the winners together, timed again
-    return {"shapes": shapes, "floor_ms": round(floor_ms, 4),
-            "default": {"configs": defaults, "chain_ms": round(default_ms, 4),
-                        "fraction_of_floor": round(floor_ms / default_ms, 4)},
-            "best": {"configs": best, "chain_ms": round(final_ms, 4), "fraction_of_floor": round(floor_ms / final_ms, 4)},
-            "tried_ms": tried}
+    return {
+        "shapes": shapes,
+        "floor_ms": round(floor_ms, 4),
+        "default": {
+            "configs": defaults,
+            "chain_ms": round(default_ms, 4),
+            "fraction_of_floor": round(floor_ms / default_ms, 4),
+        },
+        "best": {
+            "configs": best,
+            "chain_ms": round(final_ms, 4),
+            "fraction_of_floor": round(floor_ms / final_ms, 4),
+        },
+        "tried_ms": tried,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", default="1,2", help="tensor-parallel sizes whose per-rank shapes to sweep")
+    ap.add_argument(
+        "--world", default="1,2", help="tensor-parallel sizes whose per-rank shapes to sweep"
+    )
     ap.add_argument("--rows", default="2,4,8,16")
     ap.add_argument("--chunks", default="512,1024")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--stages", default="0", help="0: the next chunk in registers; n > 1: n - 1 chunks ahead "
-                    "through shared memory (Triton's pipeliner)")
+    ap.add_argument(
+        "--stages",
+        default="0",
+        help="0: the next chunk in registers; n > 1: n - 1 chunks ahead "
+        "through shared memory (Triton's pipeliner)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    candidates = list(itertools.product(ints(args.rows), ints(args.chunks), ints(args.warps), ints(args.stages)))
+    candidates = list(
+        itertools.product(ints(args.rows), ints(args.chunks), ints(args.warps), ints(args.stages))
+    )
     report = {f"world{w}": sweep_world(w, candidates) for w in ints(args.world)}
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text)
-    print(json.dumps({k: {"default": v["default"], "best": v["best"]} for k, v in report.items()}, indent=1))
+    print(
+        json.dumps(
+            {k: {"default": v["default"], "best": v["best"]} for k, v in report.items()}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,15 @@ from flashstack.engine import LLM, SamplingParams
 def _tiny_checkpoint(max_len: int) -> str:
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_len)
+    cfg = tf.LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_len,
+    )
     path = tempfile.mkdtemp(prefix="flashstack-host-")
     tf.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -55,8 +62,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # the model's time is not the point: keep it from competing
     max_len = args.prompt + args.decode + args.steps + 8
-    llm = LLM(_tiny_checkpoint(max_len), device="cpu", max_num_seqs=args.batch, block_size=args.block_size,
-              max_num_batched_tokens=args.batch * args.prompt, show_progress=False)
+    llm = LLM(
+        _tiny_checkpoint(max_len),
+        device="cpu",
+        max_num_seqs=args.batch,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.batch * args.prompt,
+        show_progress=False,
+    )
     engine = llm.engine
     clock = Clock()
     clock.wrap(engine.scheduler, "schedule", "schedule")
@@ -66,7 +79,9 @@ def main() -> None:
     clock.wrap(engine.runner.model, "forward", "model forward")
     clock.wrap(model_runner, "sample", "sample")
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0.6, max_tokens=args.decode + args.steps + 4, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.6, max_tokens=args.decode + args.steps + 4, ignore_eos=True
+    )
     for _ in range(args.batch):
         engine.add_request(torch.randint(5, 500, (args.prompt,), generator=gen).tolist(), params)
     for _ in range(args.decode):
@@ -78,23 +93,33 @@ def main() -> None:
     step = (time.perf_counter() - t) / args.steps * 1e3
     ms = {k: v / args.steps * 1e3 for k, v in clock.total.items()}
     out = {
-        "batch": args.batch, "context": args.prompt + args.decode, "block_size": args.block_size,
+        "batch": args.batch,
+        "context": args.prompt + args.decode,
+        "block_size": args.block_size,
         "step_ms": step,
         "model_forward_ms": ms["model forward"],
         "sample_ms (the sampler's torch work on CPU, on the GPU in a real run)": ms["sample"],
         "host_ms": {
             "schedule": ms["schedule"],
             "prepare inputs (eager path)": ms["prepare inputs"],
-            "execute, rest (histories, generators, bookkeeping)":
-                ms["execute"] - ms["model forward"] - ms["sample"] - ms["prepare inputs"],
+            "execute, rest (histories, generators, bookkeeping)": ms["execute"]
+            - ms["model forward"]
+            - ms["sample"]
+            - ms["prepare inputs"],
             "postprocess": ms["postprocess"],
-            "step loop (stop strings, stream deltas)":
-                step - ms["schedule"] - ms["execute"] - ms["postprocess"],
+            "step loop (stop strings, stream deltas)": step
+            - ms["schedule"]
+            - ms["execute"]
+            - ms["postprocess"],
         },
     }
     out["host_ms"] = {k: round(v, 3) for k, v in out["host_ms"].items()}
     out["host_ms_total"] = round(sum(out["host_ms"].values()), 3)
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}, indent=2))
+    print(
+        json.dumps(
+            {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}, indent=2
+        )
+    )
     engine.abort_all()
 
 

@@ -23,9 +23,18 @@ COPY_BW = 4.26e12
 BF16_PEAK = 790e12  # dense bf16 matmul measured on the H200 (shared/GPU.md)
 
 
-def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads: int = 8, heads: int = 32,
-                            dim: int = 128, iters: int = 50, grid_context: int | None = None,
-                            calls_per_graph: int = 10, **launch) -> dict:
+def decode_kernel_bandwidth(
+    batch: int,
+    context: int,
+    block_size: int,
+    kv_heads: int = 8,
+    heads: int = 32,
+    dim: int = 128,
+    iters: int = 50,
+    grid_context: int | None = None,
+    calls_per_graph: int = 10,
+    **launch,
+) -> dict:
     """KV bytes read per second by one layer's split-KV decode kernel (and its merge) over a paged
     cache. The graph replays `calls_per_graph` launches back to back, as a decode step's graph runs
     its layers, so a graph launch is not counted against each call (`calls_per_graph=1` counts it).
@@ -35,13 +44,16 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
 
     blocks_per_seq = math.ceil(context / block_size)
     num_blocks = batch * blocks_per_seq
-    cache = torch.randn(num_blocks, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
-    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)  # scattered blocks, as after churn
+    cache = torch.randn(
+        num_blocks, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda"
+    )
+    # scattered blocks, as after churn
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     tables = perm.view(batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
     plan = plan_decode(batch, cache, grid_context or context, **launch)
-    run = lambda: paged_decode_triton(q, cache, tables, lens, dim ** -0.5, plan)  # noqa: E731
+    run = lambda: paged_decode_triton(q, cache, tables, lens, dim**-0.5, plan)  # noqa: E731
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -57,8 +69,11 @@ def decode_kernel_bandwidth(batch: int, context: int, block_size: int, kv_heads:
     torch.cuda.synchronize()
     sec = start.elapsed_time(end) / 1000 / iters / calls_per_graph
     kv_bytes = batch * context * 2 * kv_heads * dim * 2
-    return {"us": round(sec * 1e6, 1), "gb_s": round(kv_bytes / sec / 1e9, 1),
-            "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3)}
+    return {
+        "us": round(sec * 1e6, 1),
+        "gb_s": round(kv_bytes / sec / 1e9, 1),
+        "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3),
+    }
 
 
 def launch_sweep(context: int) -> dict:
@@ -68,14 +83,26 @@ def launch_sweep(context: int) -> dict:
     out = {}
     for batch in (1, 4):
         rows = []
-        for splits_per_sm, block_n, warps, stages in itertools.product((2, 4, 8), (64, 128), (4, 8), (2, 3, 4)):
+        for splits_per_sm, block_n, warps, stages in itertools.product(
+            (2, 4, 8), (64, 128), (4, 8), (2, 3, 4)
+        ):
             splits = max(1, math.ceil(splits_per_sm * 132 / (batch * 8)))
             try:
-                r = decode_kernel_bandwidth(batch, context, 256, iters=20, num_splits=splits, block_n=block_n,
-                                            num_warps=warps, num_stages=stages)
+                r = decode_kernel_bandwidth(
+                    batch,
+                    context,
+                    256,
+                    iters=20,
+                    num_splits=splits,
+                    block_n=block_n,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
             except Exception as e:  # a launch the kernel cannot take (registers, shared memory)
                 r = {"error": str(e)[-200:]}
-            rows.append({"splits": splits, "block_n": block_n, "warps": warps, "stages": stages, **r})
+            rows.append(
+                {"splits": splits, "block_n": block_n, "warps": warps, "stages": stages, **r}
+            )
         rows.sort(key=lambda r: r.get("us", 1e9))
         out[str(batch)] = rows[:8]
         print("sweep", batch, rows[:5], flush=True)
@@ -85,9 +112,20 @@ def launch_sweep(context: int) -> dict:
 def prefill(path: Path, length: int) -> dict:
     from flashstack.engine import LLM, SamplingParams
 
-    llm = LLM(str(path), block_size=256, max_num_seqs=1, dtype="bfloat16", max_model_len=length + 64,
-              max_num_batched_tokens=8192, gpu_memory_utilization=0.85, show_progress=False, enforce_eager=True)
-    prompt = torch.randint(10, 100000, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(
+        str(path),
+        block_size=256,
+        max_num_seqs=1,
+        dtype="bfloat16",
+        max_model_len=length + 64,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.85,
+        show_progress=False,
+        enforce_eager=True,
+    )
+    prompt = torch.randint(
+        10, 100000, (length,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([prompt[:2048]], params)  # warm-up: kernels compiled
     torch.cuda.synchronize()
@@ -97,13 +135,18 @@ def prefill(path: Path, length: int) -> dict:
     sec = time.perf_counter() - t
     s = LLAMA3_8B
     params_nonemb = 15.01e9 / 2
-    attn = 2 * s["num_hidden_layers"] * s["num_attention_heads"] * s["head_dim"] * length * length  # causal QK^T + PV
+    # causal QK^T + PV
+    attn = 2 * s["num_hidden_layers"] * s["num_attention_heads"] * s["head_dim"] * length * length
     flops = 2 * params_nonemb * length + attn
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return {"tokens": length, "seconds": round(sec, 3), "tflops": round(flops / sec / 1e12, 1),
-            "mfu": round(flops / sec / BF16_PEAK, 3)}
+    return {
+        "tokens": length,
+        "seconds": round(sec, 3),
+        "tflops": round(flops / sec / 1e12, 1),
+        "mfu": round(flops / sec / BF16_PEAK, 3),
+    }
 
 
 def main() -> None:
@@ -111,11 +154,21 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--skip-prefill", action="store_true")
-    ap.add_argument("--sweep", action="store_true",
-                    help="also sweep the decode kernel's launch (splits, tile, warps, stages) at batch 1 and 4")
-    ap.add_argument("--checkpoint", type=Path, help="an 8B-shape checkpoint dir (engine_decode.py --keep)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also sweep the decode kernel's launch (splits, tile, warps, stages) at batch 1 and 4",
+    )
+    ap.add_argument(
+        "--checkpoint", type=Path, help="an 8B-shape checkpoint dir (engine_decode.py --keep)"
+    )
     args = ap.parse_args()
-    result: dict = {"gpu": torch.cuda.get_device_name(), "context": args.context, "decode_kernel": {}, "block_sweep": {}}
+    result: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "context": args.context,
+        "decode_kernel": {},
+        "block_sweep": {},
+    }
 
     def dump() -> None:
         text = json.dumps(result, indent=2)
@@ -128,9 +181,12 @@ def main() -> None:
             result["decode_kernel"][str(batch)] = decode_kernel_bandwidth(batch, args.context, 256)
             # The same launches without Hopper's tensor-memory accelerator: plain loads, the
             # kernel every other GPU runs.
-            result["decode_kernel"][f"{batch}_plain_loads"] = decode_kernel_bandwidth(batch, args.context, 256, tma=False)
+            result["decode_kernel"][f"{batch}_plain_loads"] = decode_kernel_bandwidth(
+                batch, args.context, 256, tma=False
+            )
             result["decode_kernel"][f"{batch}_one_call_per_graph"] = decode_kernel_bandwidth(
-                batch, args.context, 256, calls_per_graph=1)
+                batch, args.context, 256, calls_per_graph=1
+            )
         except Exception:
             result["decode_kernel"][f"{batch}_error"] = traceback.format_exc()[-1500:]
     if args.sweep:
@@ -147,7 +203,8 @@ def main() -> None:
                 path = args.checkpoint / "llama3-8b"
                 cfg_file = path / "config.json"
                 cfg = json.loads(cfg_file.read_text())
-                cfg["max_position_embeddings"] = args.context + 1024  # random weights: any length is as valid
+                # random weights: any length is as valid
+                cfg["max_position_embeddings"] = args.context + 1024
                 cfg_file.write_text(json.dumps(cfg))
             else:
                 root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))

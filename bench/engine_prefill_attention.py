@@ -16,7 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BF16_PEAK = 790e12  # dense bf16 matmul measured on the H200 (shared/GPU.md)
 
 
-def setup(context: int, chunk: int, block_size: int, heads: int, kv_heads: int, dim: int, device: str, dtype):
+def setup(
+    context: int,
+    chunk: int,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    device: str,
+    dtype,
+):
     """A paged cache holding `context` tokens of one sequence in scattered blocks, and the metadata
     of a step whose queries are its last `chunk` positions."""
     from flashstack.engine.kernels.attention import AttentionMetadata
@@ -25,17 +34,23 @@ def setup(context: int, chunk: int, block_size: int, heads: int, kv_heads: int, 
     cache = torch.randn(blocks + 1, 2, block_size, kv_heads, dim, dtype=dtype, device=device)
     table = (torch.randperm(blocks, device=device) + 1).to(torch.int32)[None]  # block 0 unused
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=table,
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        block_tables=table,
         context_lens=torch.tensor([context], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, chunk], dtype=torch.int32, device=device),
-        block_size=block_size, max_query_len=chunk, max_context_len=context,
-        query_lens_host=[chunk], context_lens_host=[context],
+        block_size=block_size,
+        max_query_len=chunk,
+        max_context_len=context,
+        query_lens_host=[chunk],
+        context_lens_host=[context],
     )
     q = torch.randn(chunk, heads, dim, dtype=dtype, device=device)
     return cache, table, meta, q
 
 
-def gather_kv(cache: torch.Tensor, table: torch.Tensor, context: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    cache: torch.Tensor, table: torch.Tensor, context: int, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequence's K and V as contiguous [heads, context, dim] tensors, each KV head repeated for
     its query heads: what SDPA's fused kernels take."""
     blocks = cache[table[0].long()]  # [blocks, 2, block_size, kv_heads, dim]
@@ -52,7 +67,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     from torch.nn.attention.bias import causal_lower_right
 
     bias = causal_lower_right(q.shape[0], k.shape[1])
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=bias)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=bias
+    )
     return out[0].transpose(0, 1)
 
 
@@ -89,14 +106,23 @@ def main() -> None:
     heads, kv_heads, dim, block_size = (4, 2, 32, 16) if args.tiny else (32, 8, 128, 256)
     chunk = 24 if args.tiny else args.chunk
     contexts = [24, 40] if args.tiny else [int(c) for c in args.contexts.split(",")]
-    result: dict = {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "chunk": chunk, "rows": {}}
+    result: dict = {
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "chunk": chunk,
+        "rows": {},
+    }
     for context in contexts:
-        cache, table, meta, q = setup(context, chunk, block_size, heads, kv_heads, dim, device, dtype)
+        cache, table, meta, q = setup(
+            context, chunk, block_size, heads, kv_heads, dim, device, dtype
+        )
         scale = dim**-0.5
         ours = paged_prefill_triton(q, cache, meta, scale)
         k, v = gather_kv(cache, table, context, heads)
         theirs = sdpa(q, k, v)  # SDPA's default scale is 1/sqrt(dim), the same
-        engine_sdpa = paged_prefill_sdpa(q, cache, meta, scale)  # what the engine runs for long chunks
+        # what the engine runs for long chunks
+        engine_sdpa = paged_prefill_sdpa(q, cache, meta, scale)
         want = paged_attention_reference(q, cache, meta, scale)
         tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(ours, want, **tol)
@@ -105,17 +131,23 @@ def main() -> None:
         if args.tiny:
             print(context, "Triton paged prefill and SDPA agree with the reference", flush=True)
             continue
-        # Causal within the chunk, full over the earlier context: QK^T and PV, 2 FLOPs a multiply-add.
+        # Causal within the chunk, full over the earlier context: QK^T and PV, 2 FLOPs a
+        # multiply-add.
         pairs = chunk * (context - chunk) + chunk * (chunk + 1) / 2
         flops = 4 * heads * dim * pairs
         row = {}
-        for name, fn in (("triton_paged", lambda: paged_prefill_triton(q, cache, meta, scale)),
-                         ("sdpa_with_gather", lambda: sdpa(q, *gather_kv(cache, table, context, heads))),
-                         ("engine_sdpa", lambda: paged_prefill_sdpa(q, cache, meta, scale)),
-                         ("sdpa_contiguous", lambda: sdpa(q, k, v))):
+        for name, fn in (
+            ("triton_paged", lambda: paged_prefill_triton(q, cache, meta, scale)),
+            ("sdpa_with_gather", lambda: sdpa(q, *gather_kv(cache, table, context, heads))),
+            ("engine_sdpa", lambda: paged_prefill_sdpa(q, cache, meta, scale)),
+            ("sdpa_contiguous", lambda: sdpa(q, k, v)),
+        ):
             ms = timed_ms(fn, args.iters)
-            row[name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
-                         "fraction_of_bf16_peak": round(flops / ms / 1e9 / (BF16_PEAK / 1e12), 3)}
+            row[name] = {
+                "ms": round(ms, 3),
+                "tflops": round(flops / ms / 1e9, 1),
+                "fraction_of_bf16_peak": round(flops / ms / 1e9 / (BF16_PEAK / 1e12), 3),
+            }
         result["rows"][str(context)] = row
         print(context, row, flush=True)
     if args.json:

@@ -18,15 +18,33 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._shapes import LLAMA3_2_1B, LLAMA3_8B, QWEN3_0_6B, SMOLLM2_135M, random_hf_model, save_checkpoint  # noqa: E402
+from bench._shapes import (
+    LLAMA3_2_1B,
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    SMOLLM2_135M,
+    random_hf_model,
+    save_checkpoint,
+)  # noqa: E402
 from bench.engine_decode import COPY_BW, graph_replay_ms, prompts, stage_bucket  # noqa: E402
 from bench.engine_host import Clock  # noqa: E402
 
 # The 8B shape is there to check that what helps the small models costs the big one nothing.
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama3.2-1b": LLAMA3_2_1B, "smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B}
+SHAPES = {
+    "qwen3-0.6b": QWEN3_0_6B,
+    "llama3.2-1b": LLAMA3_2_1B,
+    "smollm2-135m": SMOLLM2_135M,
+    "llama3-8b": LLAMA3_8B,
+}
 DEFAULT_MODELS = "qwen3-0.6b,llama3.2-1b,smollm2-135m"
-KINDS = (("gemv", "_gemv_kernel"), ("attention", "_decode_kernel"), ("merge", "_merge_splits"),
-         ("argmax", "argmax"), ("embedding", "embed"), ("norm", "rmsnorm"))
+KINDS = (
+    ("gemv", "_gemv_kernel"),
+    ("attention", "_decode_kernel"),
+    ("merge", "_merge_splits"),
+    ("argmax", "argmax"),
+    ("embedding", "embed"),
+    ("norm", "rmsnorm"),
+)
 
 
 def kind_of(kernel: str) -> str:
@@ -44,11 +62,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes(shape: dict[str, Any], context: int) -> int:
-    return context * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+    return (
+        context
+        * shape["num_hidden_layers"]
+        * 2
+        * shape["num_key_value_heads"]
+        * shape["head_dim"]
+        * 2
+    )
 
 
 def traced_kernels(run, iters: int) -> list[dict[str, Any]]:
-    """The device kernels `run` launches over `iters` calls, in time order: name, start, duration (µs)."""
+    """The device kernels `run` launches over `iters` calls, in time order: name, start, duration
+    (µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -62,7 +88,9 @@ def traced_kernels(run, iters: int) -> list[dict[str, Any]]:
     events = json.loads(path.read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     kernels.sort(key=lambda e: e["ts"])
-    return [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))} for e in kernels]
+    return [
+        {"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))} for e in kernels
+    ]
 
 
 def busy_us(kernels: list[dict[str, Any]]) -> float:
@@ -82,7 +110,7 @@ def graph_profile(graphs, context: int, layers: int, iters: int = 20) -> dict[st
     graph = graphs.graphs[graphs.key_for(1, context)]
     kernels = traced_kernels(graph.replay, iters)
     per = len(kernels) // iters
-    replays = [kernels[i * per:(i + 1) * per] for i in range(iters)]
+    replays = [kernels[i * per : (i + 1) * per] for i in range(iters)]
     spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in replays]
     busy = [busy_us(r) for r in replays]
     summed = [sum(k["dur"] for k in r) for r in replays]
@@ -96,15 +124,24 @@ def graph_profile(graphs, context: int, layers: int, iters: int = 20) -> dict[st
     gemvs = [i for i, k in enumerate(mid) if kind_of(k["name"]) == "gemv"]
     # Layer 1 (the second): from its first GEMV (q/k/v) to the next layer's first.
     start, stop = gemvs[4], gemvs[8] if len(gemvs) > 8 else len(mid)
-    layer = [{"kind": kind_of(k["name"]), "us": round(k["dur"], 2),
-              "gap_before_us": round(k["ts"] - (mid[i - 1]["ts"] + mid[i - 1]["dur"]), 2)}
-             for i, k in ((i, mid[i]) for i in range(start, stop))]
+    layer = [
+        {
+            "kind": kind_of(k["name"]),
+            "us": round(k["dur"], 2),
+            "gap_before_us": round(k["ts"] - (mid[i - 1]["ts"] + mid[i - 1]["dur"]), 2),
+        }
+        for i, k in ((i, mid[i]) for i in range(start, stop))
+    ]
     return {
-        "kernels_per_replay": per, "kernels_per_layer": round(per / layers, 2),
-        "span_us": round(statistics.median(spans), 1), "busy_us": round(statistics.median(busy), 1),
+        "kernels_per_replay": per,
+        "kernels_per_layer": round(per / layers, 2),
+        "span_us": round(statistics.median(spans), 1),
+        "busy_us": round(statistics.median(busy), 1),
         "kernel_sum_us": round(statistics.median(summed), 1),
         "idle_between_kernels_us": round(statistics.median(s - b for s, b in zip(spans, busy)), 1),
-        "by_kind": {k: {"count": round(v["count"], 1), "us": round(v["us"], 1)} for k, v in kinds.items()},
+        "by_kind": {
+            k: {"count": round(v["count"], 1), "us": round(v["us"], 1)} for k, v in kinds.items()
+        },
         "layer_1": layer,
     }
 
@@ -122,7 +159,9 @@ def decode_steps(llm, prompt: list[int], new_tokens: int, between=None) -> tuple
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    engine.add_request(
+        prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    )
     while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
     torch.cuda.synchronize()
@@ -142,10 +181,17 @@ def host_parts(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
 
     engine = llm.engine
     clock = Clock()
-    saved = [(engine.scheduler, "schedule"), (engine.scheduler, "lookahead"), (engine.runner, "launch"),
-             (engine, "_apply"), (engine.runner.graphs, "run"), (engine.runner.graphs, "stage"),
-             (model_runner, "sample_on_device"), (model_runner.PendingStep, "wait"),
-             (outputs.RequestState, "update_text")]
+    saved = [
+        (engine.scheduler, "schedule"),
+        (engine.scheduler, "lookahead"),
+        (engine.runner, "launch"),
+        (engine, "_apply"),
+        (engine.runner.graphs, "run"),
+        (engine.runner.graphs, "stage"),
+        (model_runner, "sample_on_device"),
+        (model_runner.PendingStep, "wait"),
+        (outputs.RequestState, "update_text"),
+    ]
     originals = [(owner, name, owner.__dict__.get(name, None)) for owner, name in saved]
     for owner, name in saved:
         clock.wrap(owner, name, name)
@@ -170,7 +216,9 @@ def step_gpu(llm, prompt: list[int], new_tokens: int, graph_kernels: int) -> dic
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    engine.add_request(
+        prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    )
     while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
     steps = 20
@@ -205,14 +253,25 @@ def checkpoint(name: str, shape: dict[str, Any], root: Path) -> tuple[Path, int]
     return path, wbytes
 
 
-def measure(path: Path, wbytes: int, shape: dict[str, Any], args, kernels: dict[str, Any]) -> dict[str, Any]:
+def measure(
+    path: Path, wbytes: int, shape: dict[str, Any], args, kernels: dict[str, Any]
+) -> dict[str, Any]:
     from flashstack.engine import LLM
 
     context = args.prompt_len + args.new_tokens // 2
     floor = (wbytes + kv_bytes(shape, context)) / COPY_BW * 1e6
     out: dict[str, Any] = {"weight_bytes": wbytes, "floor_us": round(floor, 1), "kernels": kernels}
-    llm = LLM(str(path), block_size=256, max_num_seqs=1, dtype="bfloat16", gpu_memory_utilization=0.5,
-              max_model_len=4096, show_progress=False, device="cuda", kernels=kernels)
+    llm = LLM(
+        str(path),
+        block_size=256,
+        max_num_seqs=1,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.5,
+        max_model_len=4096,
+        show_progress=False,
+        device="cuda",
+        kernels=kernels,
+    )
     prompt = prompts(1, args.prompt_len, seed=1)[0]
     steps = [decode_steps(llm, prompt, args.new_tokens)[0] for _ in range(3)]
     out["step_us"] = round(min(steps), 1)
@@ -231,20 +290,37 @@ def measure(path: Path, wbytes: int, shape: dict[str, Any], args, kernels: dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument(
+        "--models", default=DEFAULT_MODELS, help=f"comma-separated, of {sorted(SHAPES)}"
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--variants", default="default",
-                    help="comma-separated kernel options to run: default, nopdl (kernels.pdl=False), "
-                         "sepqkv (kernels.decode_qkv=False), attnpdl / noattnpdl (kernels.attention_pdl)")
-    ap.add_argument("--no-profile", dest="profile", action="store_false", help="step and replay times only")
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="comma-separated kernel options to run: default, nopdl (kernels.pdl=False), "
+        "sepqkv (kernels.decode_qkv=False), attnpdl / noattnpdl "
+        "(kernels.attention_pdl)",
+    )
+    ap.add_argument(
+        "--no-profile", dest="profile", action="store_false", help="step and replay times only"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    variants = {"default": {}, "nopdl": {"pdl": False}, "sepqkv": {"decode_qkv": False},
-                "attnpdl": {"attention_pdl": True}, "noattnpdl": {"attention_pdl": False}}
+    variants = {
+        "default": {},
+        "nopdl": {"pdl": False},
+        "sepqkv": {"decode_qkv": False},
+        "attnpdl": {"attention_pdl": True},
+        "noattnpdl": {"attention_pdl": False},
+    }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "prompt_len": args.prompt_len,
-                              "new_tokens": args.new_tokens, "copy_bw_tb_s": COPY_BW / 1e12}
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "copy_bw_tb_s": COPY_BW / 1e12,
+    }
     for name in args.models.split(","):
         path, wbytes = checkpoint(name, SHAPES[name], root)
         for variant in args.variants.split(","):

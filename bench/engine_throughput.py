@@ -30,8 +30,11 @@ def workload(n: int, lo: int, hi: int, seed: int = 0) -> tuple[list[list[int]], 
     return prompts, outputs
 
 
-def floor_seconds(weight_bytes: int, params: int, prompts: list[list[int]], outputs: list[int]) -> float:
-    """Bandwidth floor of the decode steps (all sequences live at once) plus the prefill compute floor."""
+def floor_seconds(
+    weight_bytes: int, params: int, prompts: list[list[int]], outputs: list[int]
+) -> float:
+    """Bandwidth floor of the decode steps (all sequences live at once) plus the prefill compute
+    floor."""
     s = QWEN3_0_6B
     kv_per_token = s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * 2
     seconds = 0.0
@@ -42,7 +45,9 @@ def floor_seconds(weight_bytes: int, params: int, prompts: list[list[int]], outp
     return seconds
 
 
-def profile_run(llm, prompts: list[list[int]], sampling: list, window: tuple[int, int] = (300, 310)) -> dict:
+def profile_run(
+    llm, prompts: list[list[int]], sampling: list, window: tuple[int, int] = (300, 310)
+) -> dict:
     """The workload again, with each host part timed and the kernels of a window of decode steps
     profiled: where a step's time goes (the timed run above stays uninstrumented)."""
     from torch.profiler import ProfilerActivity, profile
@@ -91,22 +96,41 @@ def profile_run(llm, prompts: list[list[int]], sampling: list, window: tuple[int
             window_s = time.perf_counter() - tw
             prof.__exit__(None, None, None)
             n = window[1] - window[0]
+
             def us(e) -> float:
                 return e.device_time_total if on_gpu else e.self_cpu_time_total
 
             rows = sorted((e for e in prof.key_averages() if us(e) > 0), key=lambda e: -us(e))
             kernels = [{"kernel": "ALL", "us_per_step": round(sum(us(e) for e in rows) / n, 1)}]
-            kernels += [{"kernel": e.key[:80], "us_per_step": round(us(e) / n, 1),
-                         "count_per_step": e.count / n} for e in rows[:15]]
+            kernels += [
+                {
+                    "kernel": e.key[:80],
+                    "us_per_step": round(us(e) / n, 1),
+                    "count_per_step": e.count / n,
+                }
+                for e in rows[:15]
+            ]
     total = time.perf_counter() - t0
     parts = {k: round(v, 3) for k, v in clock.total.items()}
-    outer = ("schedule", "postprocess", "execute (steps run one at a time)", "launch: stage, replay, sample (queued)",
-             "wait for a queued step's tokens")
-    parts["step loop rest (lookahead, stop strings, deltas)"] = round(total - sum(clock.total[k] for k in outer), 3)
-    return {"seconds": round(total, 2), "steps": steps, "graph_steps": calls["graph steps"],
-            "host_parts_s": parts, "window_steps": list(window),
-            "window_wall_ms_per_step": round(window_s / (window[1] - window[0]) * 1e3, 3),
-            "window_kernels": kernels}
+    outer = (
+        "schedule",
+        "postprocess",
+        "execute (steps run one at a time)",
+        "launch: stage, replay, sample (queued)",
+        "wait for a queued step's tokens",
+    )
+    parts["step loop rest (lookahead, stop strings, deltas)"] = round(
+        total - sum(clock.total[k] for k in outer), 3
+    )
+    return {
+        "seconds": round(total, 2),
+        "steps": steps,
+        "graph_steps": calls["graph steps"],
+        "host_parts_s": parts,
+        "window_steps": list(window),
+        "window_wall_ms_per_step": round(window_s / (window[1] - window[0]) * 1e3, 3),
+        "window_kernels": kernels,
+    }
 
 
 @torch.inference_mode()
@@ -126,11 +150,18 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--profile", action="store_true",
-                    help="then run the workload again with host parts timed and a window of steps profiled")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="then run the workload again with host parts timed and a window of steps profiled",
+    )
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
-    result: dict = {"gpu": torch.cuda.get_device_name(), "shape": "qwen3-0.6b", "num_seqs": args.num_seqs}
+    result: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "shape": "qwen3-0.6b",
+        "num_seqs": args.num_seqs,
+    }
 
     def dump() -> None:
         text = json.dumps(result, indent=2)
@@ -158,8 +189,15 @@ def main() -> None:
 
     prompts, outputs = workload(args.num_seqs, 100, 1024)
     try:
-        llm = LLM(str(root / "qwen3"), block_size=256, max_num_seqs=args.max_num_seqs, dtype="bfloat16",
-                  max_model_len=4096, gpu_memory_utilization=0.85, show_progress=False)
+        llm = LLM(
+            str(root / "qwen3"),
+            block_size=256,
+            max_num_seqs=args.max_num_seqs,
+            dtype="bfloat16",
+            max_model_len=4096,
+            gpu_memory_utilization=0.85,
+            show_progress=False,
+        )
         # Warm-up on other prompts of the same kind (prefill chunks and decode batches of every
         # size compile their kernels here, not in the timed run), then an empty prefix cache.
         warm, _ = workload(32, 100, 1024, seed=1)
@@ -173,12 +211,17 @@ def main() -> None:
         sec = time.perf_counter() - t
         produced = sum(len(o.token_ids) for o in outs)
         floor = floor_seconds(weight_bytes, params, prompts, outputs)
-        result["flashstack"] = {"seconds": round(sec, 2), "output_tokens": produced,
-                                "tokens_per_s": round(produced / sec, 1), "floor_seconds": round(floor, 2),
-                                "fraction_of_roofline": round(floor / sec, 3)}
+        result["flashstack"] = {
+            "seconds": round(sec, 2),
+            "output_tokens": produced,
+            "tokens_per_s": round(produced / sec, 1),
+            "floor_seconds": round(floor, 2),
+            "fraction_of_roofline": round(floor / sec, 3),
+        }
         if "transformers_tokens_per_s_batch64" in result:
             result["flashstack"]["speedup_vs_transformers"] = round(
-                produced / sec / result["transformers_tokens_per_s_batch64"], 1)
+                produced / sec / result["transformers_tokens_per_s_batch64"], 1
+            )
         if args.profile:
             dump()
             result["profile"] = profile_run(llm, prompts, sampling)

@@ -34,8 +34,15 @@ LLAMA3_8B = dict(
     eos_token_id=128001,
 )
 # Same code path at a size a CPU runs in seconds: `--shape tiny --device cpu` smoke-tests the bench.
-TINY = {**LLAMA3_8B, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+TINY = {
+    **LLAMA3_8B,
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
 DEVICE = "cuda"
 
 
@@ -47,13 +54,20 @@ def _layer(i: int, c: dict[str, Any], gen: torch.Generator) -> dict[str, torch.T
     h, f, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     shapes = dict(
-        q_proj=(q, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q),
-        gate_proj=(f, h), up_proj=(f, h), down_proj=(h, f),
+        q_proj=(q, h),
+        k_proj=(kv, h),
+        v_proj=(kv, h),
+        o_proj=(h, q),
+        gate_proj=(f, h),
+        up_proj=(f, h),
+        down_proj=(h, f),
     )
     p = f"model.layers.{i}."
     out = {
-        p + ("mlp." if n.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn.")
-        + n + ".weight": _rand(*s, std=0.01, gen=gen)
+        p
+        + ("mlp." if n.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn.")
+        + n
+        + ".weight": _rand(*s, std=0.01, gen=gen)
         for n, s in shapes.items()
     }
     out[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16, device=DEVICE)
@@ -86,8 +100,16 @@ def _engine(path: Path, tp: int, eager: bool):
     from flashstack.engine import LLM
 
     return LLM(
-        path, tensor_parallel_size=tp, enforce_eager=eager, device=DEVICE, dtype="bfloat16", block_size=256,
-        max_num_seqs=32, num_kv_blocks=96, enable_prefix_caching=False, show_progress=False,
+        path,
+        tensor_parallel_size=tp,
+        enforce_eager=eager,
+        device=DEVICE,
+        dtype="bfloat16",
+        block_size=256,
+        max_num_seqs=32,
+        num_kv_blocks=96,
+        enable_prefix_caching=False,
+        show_progress=False,
     )
 
 
@@ -97,7 +119,8 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def step_ms(llm: Any, batch: int, steps: int, warmup: int = 5) -> float:
-    """Median wall time of one decode step with `batch` sequences (each step ends in a host read)."""
+    """Median wall time of one decode step with `batch` sequences (each step ends in a host
+    read)."""
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
@@ -123,7 +146,10 @@ def profile_steps(llm: Any, steps: int = 10, top: int = 15) -> list[dict[str, An
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
-    engine.add_request(_prompts(1, 64, 3)[0], SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    engine.add_request(
+        _prompts(1, 64, 3)[0],
+        SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True),
+    )
     for _ in range(4):
         engine.step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -131,18 +157,32 @@ def profile_steps(llm: Any, steps: int = 10, top: int = 15) -> list[dict[str, An
             engine.step()
         torch.cuda.synchronize()
     engine.abort_all()
-    rows = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
-    out = [{"kernel": "ALL", "us_per_step": round(sum(e.device_time_total for e in rows) / steps, 1),
-            "calls_per_step": sum(e.count for e in rows) / steps}]
-    return out + [{"kernel": e.key[:80], "us_per_step": round(e.device_time_total / steps, 1),
-                   "calls_per_step": e.count / steps} for e in rows[:top]]
+    rows = sorted(
+        (e for e in prof.key_averages() if e.device_time_total > 0),
+        key=lambda e: -e.device_time_total,
+    )
+    out = [
+        {
+            "kernel": "ALL",
+            "us_per_step": round(sum(e.device_time_total for e in rows) / steps, 1),
+            "calls_per_step": sum(e.count for e in rows) / steps,
+        }
+    ]
+    return out + [
+        {
+            "kernel": e.key[:80],
+            "us_per_step": round(e.device_time_total / steps, 1),
+            "calls_per_step": e.count / steps,
+        }
+        for e in rows[:top]
+    ]
 
 
 def host_timing(llm: Any, steps: int = 40) -> dict[str, float]:
     """Rank 0's host time per batch-1 decode step, by part (median µs): wall clocks wrapped around
     the engine's own methods. `sample` includes waiting for the GPU: the step's device time."""
-    import flashstack.engine.tp.channel as channel
     import flashstack.engine.model_runner as model_runner
+    import flashstack.engine.tp.channel as channel
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
@@ -170,8 +210,10 @@ def host_timing(llm: Any, steps: int = 40) -> dict[str, float]:
     if engine.workers is not None:
         wrap(engine.workers.channel.mailbox, "post", "mailbox post")
         wrap(channel.dist, "broadcast", "broadcast call (NCCL on GPUs)")
-    engine.add_request(_prompts(1, 64, 1)[0],
-                       SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True))
+    engine.add_request(
+        _prompts(1, 64, 1)[0],
+        SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True),
+    )
     for _ in range(10):
         engine.step()
     times.clear()
@@ -188,8 +230,15 @@ def host_timing(llm: Any, steps: int = 40) -> dict[str, float]:
     return out
 
 
-def run_engine(path: Path, tp: int, eager: bool, steps: int, agree_tokens: int,
-               profile_b1: bool = False, host_b1: bool = False) -> dict[str, Any]:
+def run_engine(
+    path: Path,
+    tp: int,
+    eager: bool,
+    steps: int,
+    agree_tokens: int,
+    profile_b1: bool = False,
+    host_b1: bool = False,
+) -> dict[str, Any]:
     """Load, greedy-generate the agreement prompts, then time decode at batch 1 and 32."""
     from flashstack.engine import SamplingParams
 
@@ -247,8 +296,12 @@ def main() -> None:
     ap.add_argument("--shape", choices=["llama3-8b", "tiny"], default="llama3-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager runs")
-    ap.add_argument("--profile", action="store_true", help="kernel time per batch-1 step, by kernel")
-    ap.add_argument("--host-timing", action="store_true", help="rank 0's host time per batch-1 step, by part")
+    ap.add_argument(
+        "--profile", action="store_true", help="kernel time per batch-1 step, by kernel"
+    )
+    ap.add_argument(
+        "--host-timing", action="store_true", help="rank 0's host time per batch-1 step, by part"
+    )
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -271,12 +324,18 @@ def main() -> None:
         runs = {}
         n = args.tp
         # 1 GPU and N GPUs, each with decode graphs (the default) and eager.
-        plan = [("tp1", 1, False), ("tp1_eager", 1, True), (f"tp{n}", n, False), (f"tp{n}_eager", n, True)]
+        plan = [
+            ("tp1", 1, False),
+            ("tp1_eager", 1, True),
+            (f"tp{n}", n, False),
+            (f"tp{n}_eager", n, True),
+        ]
         for name, tp, eager in plan:
             if eager and args.graphs_only:
                 continue
-            runs[name] = run_engine(Path(tmp), tp, eager, args.steps, args.agree_tokens, args.profile,
-                                    args.host_timing)
+            runs[name] = run_engine(
+                Path(tmp), tp, eager, args.steps, args.agree_tokens, args.profile, args.host_timing
+            )
             out[name] = {k: v for k, v in runs[name].items() if k != "tokens"}
             emit()
     for many, one in ((f"tp{n}", "tp1"), (f"tp{n}_eager", "tp1_eager"), (f"tp{n}", f"tp{n}_eager")):

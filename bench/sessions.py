@@ -33,7 +33,9 @@ from tests.gateway.sessions.support import (  # noqa: E402
 )
 
 
-async def _load(url: str, headers: dict[str, str], bodies: list[tuple[str, dict]], concurrency: int) -> dict[str, Any]:
+async def _load(
+    url: str, headers: dict[str, str], bodies: list[tuple[str, dict]], concurrency: int
+) -> dict[str, Any]:
     latencies: list[float] = []
     queue: asyncio.Queue[tuple[str, dict]] = asyncio.Queue()
     for item in bodies:
@@ -62,17 +64,24 @@ async def _load(url: str, headers: dict[str, str], bodies: list[tuple[str, dict]
 
 def _chat(n: int) -> list[tuple[str, dict]]:
     return [
-        ("/v1/chat/completions", {"model": "gpt", "messages": [{"role": "user", "content": f"hi {i}"}]})
+        (
+            "/v1/chat/completions",
+            {"model": "gpt", "messages": [{"role": "user", "content": f"hi {i}"}]},
+        )
         for i in range(n)
     ]
 
 
 def _turns(url: str, key: str, sessions: int, n: int) -> list[tuple[str, dict]]:
     sids = [
-        httpx.post(url + "/v1/sessions", json={"model": "gpt"}, headers=auth_headers(key)).json()["id"]
+        httpx.post(url + "/v1/sessions", json={"model": "gpt"}, headers=auth_headers(key)).json()[
+            "id"
+        ]
         for _ in range(sessions)
     ]
-    return [(f"/v1/sessions/{sids[i % sessions]}/messages", {"content": f"turn {i}"}) for i in range(n)]
+    return [
+        (f"/v1/sessions/{sids[i % sessions]}/messages", {"content": f"turn {i}"}) for i in range(n)
+    ]
 
 
 def bench_store(kind: str, upstreams: dict, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -80,23 +89,33 @@ def bench_store(kind: str, upstreams: dict, args: argparse.Namespace, tmp: Path)
     out: dict[str, Any] = {}
     try:
         off = start_gateway(gateway_config(upstreams, store, tmp, master_key=None))
-        out["chat_auth_off"] = asyncio.run(_load(off.url, {}, _chat(args.requests), args.concurrency))
+        out["chat_auth_off"] = asyncio.run(
+            _load(off.url, {}, _chat(args.requests), args.concurrency)
+        )
         off.stop()
         gw = start_gateway(gateway_config(upstreams, store, tmp))
         key = create_key(gw.url, name="bench")["key"]
         limited = create_key(gw.url, name="bench-rpm", rpm=10**9)["key"]
-        out["chat_with_key"] = asyncio.run(_load(gw.url, auth_headers(key), _chat(args.requests), args.concurrency))
+        out["chat_with_key"] = asyncio.run(
+            _load(gw.url, auth_headers(key), _chat(args.requests), args.concurrency)
+        )
         out["chat_with_key_rpm_local"] = asyncio.run(
-            _load(gw.url, auth_headers(limited), _chat(args.requests), args.concurrency))
+            _load(gw.url, auth_headers(limited), _chat(args.requests), args.concurrency)
+        )
         turns = _turns(gw.url, key, args.concurrency, args.requests)
-        out["session_turn_many_sessions"] = asyncio.run(_load(gw.url, auth_headers(key), turns, args.concurrency))
+        out["session_turn_many_sessions"] = asyncio.run(
+            _load(gw.url, auth_headers(key), turns, args.concurrency)
+        )
         one = _turns(gw.url, key, 1, args.requests // 2)
-        out["session_turn_one_session"] = asyncio.run(_load(gw.url, auth_headers(key), one, args.concurrency))
+        out["session_turn_one_session"] = asyncio.run(
+            _load(gw.url, auth_headers(key), one, args.concurrency)
+        )
         gw.stop()
         if redis_available():
             gw = start_gateway(gateway_config(upstreams, store, tmp, redis_url=REDIS_URL))
             out["chat_with_key_rpm_redis"] = asyncio.run(
-                _load(gw.url, auth_headers(limited), _chat(args.requests), args.concurrency))
+                _load(gw.url, auth_headers(limited), _chat(args.requests), args.concurrency)
+            )
             gw.stop()
     finally:
         store.drop()
@@ -114,7 +133,8 @@ def main() -> None:
     }
     results: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "requests": args.requests, "concurrency": args.concurrency,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
     }
     kinds = ["sqlite"] + (["postgres"] if pg_available() else [])
     for kind in kinds:

@@ -24,13 +24,18 @@ from tests.gateway.tls.certs import client_context, issue, make_ca  # noqa: E402
 async def ok_app(scope, receive, send) -> None:
     if scope["type"] != "http":
         return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+    )
     await send({"type": "http.response.body", "body": b"ok"})
 
 
 def one_connection(port: int, ctx: ssl.SSLContext) -> float:
     start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as raw, ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+    with (
+        socket.create_connection(("127.0.0.1", port)) as raw,
+        ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s,
+    ):
         s.sendall(b"GET / HTTP/1.1\r\nhost: bench\r\nconnection: close\r\n\r\n")
         data = b""
         while chunk := s.recv(4096):
@@ -75,12 +80,20 @@ def main() -> None:
     server = issue(ca, "gateway.test", ips=("127.0.0.1",)).write(d, "server")
     client = issue(ca, "client.test", client=True).write(d, "client")
     ctx = client_context(ca.cert_file, client)
-    cfg = TLSConfig(cert_file=server.cert_file, key_file=server.key_file, client_ca_file=ca.cert_file)
+    cfg = TLSConfig(
+        cert_file=server.cert_file, key_file=server.key_file, client_ca_file=ca.cert_file
+    )
     base = {"loop": "uvloop", "http": "httptools"}
     results: dict[str, object] = {"connections": args.connections, "threads": args.threads}
 
-    plain = FakeServer(ok_app, ssl_certfile=str(server.cert_file), ssl_keyfile=str(server.key_file),
-                       ssl_ca_certs=str(ca.cert_file), ssl_cert_reqs=ssl.CERT_REQUIRED, **base).start()
+    plain = FakeServer(
+        ok_app,
+        ssl_certfile=str(server.cert_file),
+        ssl_keyfile=str(server.key_file),
+        ssl_ca_certs=str(ca.cert_file),
+        ssl_cert_reqs=ssl.CERT_REQUIRED,
+        **base,
+    ).start()
     results["uvicorn"] = measure(plain.port, ctx, args.connections, args.threads)
     plain.stop()
 
@@ -92,8 +105,12 @@ def main() -> None:
         if rotate:
             fresh = [issue(ca, "gateway.test", ips=("127.0.0.1",)) for _ in range(4)]
             bundles = [CertBundle.from_pem(c.cert_pem, c.key_pem, "bench") for c in fresh]
-            threading.Thread(target=lambda: [tls.install(bundles[i % 4]) for i in range(10**6) if not stop.wait(0.1)],
-                             daemon=True).start()
+            threading.Thread(
+                target=lambda: [
+                    tls.install(bundles[i % 4]) for i in range(10**6) if not stop.wait(0.1)
+                ],
+                daemon=True,
+            ).start()
         results[name] = measure(srv.port, ctx, args.connections, args.threads)
         results[name]["rotations"] = tls.rotations  # type: ignore[index]
         stop.set()

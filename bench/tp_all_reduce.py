@@ -32,8 +32,9 @@ def _reduce(tp: Any, kind: str, staged: torch.Tensor) -> torch.Tensor:
     return tp.fast.reduce(staged)
 
 
-def _row_parallel(tp: Any, kind: str, weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
-                  silu: bool) -> torch.Tensor:
+def _row_parallel(
+    tp: Any, kind: str, weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, silu: bool
+) -> torch.Tensor:
     from flashstack.engine.kernels.triton_gemv import gemv_triton
 
     own_residual = residual if tp.is_driver else None
@@ -42,8 +43,9 @@ def _row_parallel(tp: Any, kind: str, weight: torch.Tensor, x: torch.Tensor, res
     return _reduce(tp, kind, staged)
 
 
-def _chain(tp: Any, layers: list[dict[str, torch.Tensor]], kind: str, x: torch.Tensor,
-           norm: torch.Tensor) -> torch.Tensor:
+def _chain(
+    tp: Any, layers: list[dict[str, torch.Tensor]], kind: str, x: torch.Tensor, norm: torch.Tensor
+) -> torch.Tensor:
     from flashstack.engine.kernels.triton_gemv import gemv_triton
 
     residual, q = x, HEADS * HEAD_DIM // tp.world_size
@@ -55,8 +57,9 @@ def _chain(tp: Any, layers: list[dict[str, torch.Tensor]], kind: str, x: torch.T
     return residual
 
 
-def _rank(rank: int, world: int, port: int, kinds: list[str], block: int, warps: list[int],
-          results: Any) -> None:
+def _rank(
+    rank: int, world: int, port: int, kinds: list[str], block: int, warps: list[int], results: Any
+) -> None:
     from flashstack.engine.config import KernelOptions
     from flashstack.engine.tp.group import disable_multicast, init_rank, leave_group
 
@@ -74,7 +77,9 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], block: int, warps:
     for kind, warp in variants:
         name = f"push/{block}/{warp}" if kind == "push" else kind
         tp.fast.warps = warp or 4
-        out[f"chain_ms/{name}"] = graph_ms(lambda: _chain(tp, layers, kind, x.clone(), norm), 30, dist.barrier)
+        out[f"chain_ms/{name}"] = graph_ms(
+            lambda: _chain(tp, layers, kind, x.clone(), norm), 30, dist.barrier
+        )
         if kind == "none":
             continue
         for numel in (HIDDEN, 32 * HIDDEN):
@@ -87,7 +92,9 @@ def _rank(rank: int, world: int, port: int, kinds: list[str], block: int, warps:
                     staged.copy_(h)
                     h = _reduce(tp, kind, staged)
 
-            out[f"alone_us/{numel * 2 // 1024}KB/{name}"] = graph_ms(alone, 30, dist.barrier) * 1000 / 64
+            out[f"alone_us/{numel * 2 // 1024}KB/{name}"] = (
+                graph_ms(alone, 30, dist.barrier) * 1000 / 64
+            )
     results.put((rank, out))
     leave_group()
 
@@ -96,7 +103,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--kinds", default="none,push,nccl")
-    ap.add_argument("--block", type=int, default=2048, help="values per program of our push kernels")
+    ap.add_argument(
+        "--block", type=int, default=2048, help="values per program of our push kernels"
+    )
     ap.add_argument("--warps", default="4", help="warps per program of our kernels")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -108,8 +117,13 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     warps = [int(w) for w in args.warps.split(",")]
-    procs = [ctx.Process(target=_rank, args=(r, args.world, store.port, args.kinds.split(","), args.block, warps, results))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(
+            target=_rank,
+            args=(r, args.world, store.port, args.kinds.split(","), args.block, warps, results),
+        )
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     per_rank = dict(results.get(timeout=900) for _ in procs)
@@ -120,8 +134,12 @@ def main() -> None:
     kv, inter = KV_HEADS * HEAD_DIM // args.world, INTER // args.world
     layer_bytes = 2 * HIDDEN * ((q + 2 * kv) + q + 2 * inter + inter)
     floor_ms = LAYERS * layer_bytes / COPY_BANDWIDTH * 1e3
-    report: dict[str, Any] = {"world": args.world, "rank0": rank0, "rank1": per_rank.get(1),
-                              "chain_floor_ms": round(floor_ms, 4)}
+    report: dict[str, Any] = {
+        "world": args.world,
+        "rank0": rank0,
+        "rank1": per_rank.get(1),
+        "chain_floor_ms": round(floor_ms, 4),
+    }
     none = rank0.get("chain_ms/none")
     for key, ms in rank0.items():
         if key.startswith("chain_ms/"):

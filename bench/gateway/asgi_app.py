@@ -1,4 +1,5 @@
-"""The gateway app for servers that import an ASGI app by name (granian), from $FLASHSTACK_CONFIG."""
+"""The gateway app for servers that import an ASGI app by name (granian), from
+$FLASHSTACK_CONFIG."""
 
 from __future__ import annotations
 

@@ -11,23 +11,52 @@ from collections.abc import Callable
 import orjson
 
 REQUEST = {
-    "model": "gpt-4o-mini", "max_tokens": 256, "temperature": 0.7, "stream": True,
+    "model": "gpt-4o-mini",
+    "max_tokens": 256,
+    "temperature": 0.7,
+    "stream": True,
     "messages": [{"role": "system", "content": "You are a careful assistant. " * 20}]
-    + [{"role": r, "content": f"turn {i}: " + "some words of conversation " * 15}
-       for i, r in enumerate(["user", "assistant", "user", "assistant", "user"])],
-    "tools": [{"type": "function", "function": {
-        "name": "lookup", "description": "Look a thing up",
-        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}],
+    + [
+        {"role": r, "content": f"turn {i}: " + "some words of conversation " * 15}
+        for i, r in enumerate(["user", "assistant", "user", "assistant", "user"])
+    ],
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Look a thing up",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"q": {"type": "string"}},
+                    "required": ["q"],
+                },
+            },
+        }
+    ],
 }
 COMPLETION = {
-    "id": "chatcmpl-1", "object": "chat.completion", "created": 1795985785, "model": "gpt-4o-mini",
-    "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                 "message": {"role": "assistant", "content": "Hello there, here is an answer. " * 8}}],
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1795985785,
+    "model": "gpt-4o-mini",
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "logprobs": None,
+            "message": {"role": "assistant", "content": "Hello there, here is an answer. " * 8},
+        }
+    ],
     "usage": {"prompt_tokens": 412, "completion_tokens": 64, "total_tokens": 476},
 }
-CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1795985785,
-         "model": "gpt-4o-mini", "choices": [{"index": 0, "delta": {"content": " word"},
-                                              "finish_reason": None}]}
+CHUNK = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion.chunk",
+    "created": 1795985785,
+    "model": "gpt-4o-mini",
+    "choices": [{"index": 0, "delta": {"content": " word"}, "finish_reason": None}],
+}
 
 
 def per_call_us(fn: Callable[[], object], n: int) -> float:
@@ -46,7 +75,11 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {0})
     out: dict[str, dict[str, float]] = {}
-    for name, payload in (("request", REQUEST), ("completion", COMPLETION), ("stream_chunk", CHUNK)):
+    for name, payload in (
+        ("request", REQUEST),
+        ("completion", COMPLETION),
+        ("stream_chunk", CHUNK),
+    ):
         raw = orjson.dumps(payload)
         out[name] = {
             "bytes": len(raw),
@@ -55,7 +88,8 @@ def main() -> None:
             "orjson_dumps_us": per_call_us(lambda: orjson.dumps(payload), n),
             # What a stdlib-based gateway writes: compact separators, encoded to bytes.
             "json_dumps_us": per_call_us(
-                lambda: json.dumps(payload, separators=(",", ":")).encode(), n),
+                lambda: json.dumps(payload, separators=(",", ":")).encode(), n
+            ),
         }
         r = out[name]
         r["loads_ratio"] = r["json_loads_us"] / r["orjson_loads_us"]

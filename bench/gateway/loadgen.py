@@ -1,8 +1,10 @@
-"""A lean HTTP/1.1 keep-alive load generator: raw asyncio protocol, one request in flight per connection.
+"""A lean HTTP/1.1 keep-alive load generator: raw asyncio protocol, one request in flight per
+connection.
 
 The same client measures the mock directly and through each gateway, so its own cost cancels out
 of "gateway minus direct". Modes: sequential (concurrency 1), fixed concurrency (closed loop), and
-open loop at a fixed rate, whose latencies count from the scheduled send time (no coordinated omission).
+open loop at a fixed rate, whose latencies count from the scheduled send time (no coordinated
+omission).
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ class Target:
 
     @classmethod
     def post(cls, host: str, port: int, path: str, body: bytes, headers: dict[str, str]) -> Target:
-        lines = [f"POST {path} HTTP/1.1", f"host: {host}:{port}", "content-type: application/json",
-                 f"content-length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+        lines = [
+            f"POST {path} HTTP/1.1",
+            f"host: {host}:{port}",
+            "content-type: application/json",
+            f"content-length: {len(body)}",
+            *(f"{k}: {v}" for k, v in headers.items()),
+        ]
         return cls(host, port, ("\r\n".join(lines) + "\r\n\r\n").encode() + body)
 
 
@@ -73,7 +80,7 @@ class Conn(asyncio.Protocol):
             if end < 0:
                 return
             self._headers(bytes(self.buf[:end]).lower())
-            del self.buf[:end + 4]
+            del self.buf[: end + 4]
         self._chunks() if self.chunked else self._plain()
         if not self.first and self.marker in self.body:
             self.first = now
@@ -102,8 +109,8 @@ class Conn(asyncio.Protocol):
             size = int(self.buf[:line].split(b";")[0], 16)
             if len(self.buf) < line + 2 + size + 2:
                 return
-            self.body += self.buf[line + 2:line + 2 + size]
-            del self.buf[:line + 2 + size + 2]
+            self.body += self.buf[line + 2 : line + 2 + size]
+            del self.buf[: line + 2 + size + 2]
             if size == 0:
                 self.head = b"done"
                 return
@@ -124,7 +131,7 @@ def header_value(head: bytes, name: bytes) -> bytes | None:
         return None
     start = i + len(name) + 3
     end = head.find(b"\r\n", start)
-    return head[start:end if end >= 0 else len(head)].strip()
+    return head[start : end if end >= 0 else len(head)].strip()
 
 
 async def connect(target: Target) -> Conn:
@@ -153,7 +160,8 @@ class Run:
 
 
 async def closed_loop(target: Target, concurrency: int, n: int, timeout: float = 60.0) -> Run:
-    """`n` requests over `concurrency` connections, each sending its next request when one returns."""
+    """`n` requests over `concurrency` connections, each sending its next request when one
+    returns."""
     run, left = Run(), [n]
 
     async def worker() -> None:
@@ -176,9 +184,11 @@ async def closed_loop(target: Target, concurrency: int, n: int, timeout: float =
     return run
 
 
-async def open_loop(target: Target, rate: float, duration: float, max_conns: int = 512,
-                    timeout: float = 10.0) -> Run:
-    """Requests sent at `rate`/s for `duration` s whatever the answers; latency from the scheduled time."""
+async def open_loop(
+    target: Target, rate: float, duration: float, max_conns: int = 512, timeout: float = 10.0
+) -> Run:
+    """Requests sent at `rate`/s for `duration` s whatever the answers; latency from the scheduled
+    time."""
     run, idle, busy = Run(), [], [0]
     pending: set[asyncio.Task] = set()
     loop = asyncio.get_running_loop()
@@ -231,9 +241,15 @@ def summary(run: Run) -> dict[str, float]:
     """p50/p99 of total and time-to-first-token in ms, throughput, errors."""
     total = [s.total * 1000 for s in run.samples]
     ttft = [s.ttft * 1000 for s in run.samples]
-    out = {"n": len(run.samples), "errors": run.errors, "rps": round(run.rps, 1),
-           "p50_ms": round(percentile(total, 50), 3), "p99_ms": round(percentile(total, 99), 3),
-           "ttft_p50_ms": round(percentile(ttft, 50), 3), "ttft_p99_ms": round(percentile(ttft, 99), 3)}
+    out = {
+        "n": len(run.samples),
+        "errors": run.errors,
+        "rps": round(run.rps, 1),
+        "p50_ms": round(percentile(total, 50), 3),
+        "p99_ms": round(percentile(total, 99), 3),
+        "ttft_p50_ms": round(percentile(ttft, 50), 3),
+        "ttft_p99_ms": round(percentile(ttft, 99), 3),
+    }
     own = [s.overhead_ms for s in run.samples if s.overhead_ms is not None]
     if own:
         out["header_overhead_p50_ms"] = round(percentile(own, 50), 3)

@@ -1,4 +1,5 @@
-"""A mock OpenAI + Anthropic upstream (chat, messages, embeddings) that is never the bottleneck: raw asyncio protocol on uvloop.
+"""A mock OpenAI + Anthropic upstream (chat, messages, embeddings) that is never the bottleneck: raw
+asyncio protocol on uvloop.
 
 Responses are canned bytes built once at start-up; a request is parsed only as far as its path,
 its Content-Length and whether it asks for a stream. Streams send `--chunks` content events,
@@ -14,8 +15,12 @@ import asyncio
 import json
 
 FIRST_TOKEN = "Hello"  # the load generator's time-to-first-token marker
-_MODELS = json.dumps({"object": "list", "data": [{"id": "gpt-4o-mini", "object": "model", "created": 0,
-                                                  "owned_by": "mock"}]}).encode()
+_MODELS = json.dumps(
+    {
+        "object": "list",
+        "data": [{"id": "gpt-4o-mini", "object": "model", "created": 0, "owned_by": "mock"}],
+    }
+).encode()
 
 
 def _words(n: int) -> list[str]:
@@ -23,37 +28,72 @@ def _words(n: int) -> list[str]:
 
 
 def openai_body(n: int) -> bytes:
-    return json.dumps({
-        "id": "chatcmpl-mock", "object": "chat.completion", "created": 1700000000, "model": "gpt-4o-mini",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(_words(n))},
-                     "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
-    }).encode()
+    return json.dumps(
+        {
+            "id": "chatcmpl-mock",
+            "object": "chat.completion",
+            "created": 1700000000,
+            "model": "gpt-4o-mini",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(_words(n))},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
+        }
+    ).encode()
 
 
 def embeddings_body(dimensions: int = 1536) -> bytes:
     """One embedding of text-embedding-3-small's size (a ~20 KB body)."""
     vector = [round(((i * 7919) % 2000 - 1000) / 31623, 6) for i in range(dimensions)]
-    return json.dumps({"object": "list", "model": "text-embedding-3-small",
-                       "data": [{"object": "embedding", "index": 0, "embedding": vector}],
-                       "usage": {"prompt_tokens": 6, "total_tokens": 6}}).encode()
+    return json.dumps(
+        {
+            "object": "list",
+            "model": "text-embedding-3-small",
+            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+            "usage": {"prompt_tokens": 6, "total_tokens": 6},
+        }
+    ).encode()
 
 
 def anthropic_body(n: int) -> bytes:
-    return json.dumps({
-        "id": "msg_mock", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
-        "content": [{"type": "text", "text": "".join(_words(n))}], "stop_reason": "end_turn",
-        "stop_sequence": None, "usage": {"input_tokens": 12, "output_tokens": n},
-    }).encode()
+    return json.dumps(
+        {
+            "id": "msg_mock",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-sonnet-4-5",
+            "content": [{"type": "text", "text": "".join(_words(n))}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 12, "output_tokens": n},
+        }
+    ).encode()
 
 
 def openai_events(n: int) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """(head, one event per content token, tail) of an OpenAI chat.completion.chunk stream."""
+
     def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
-        choices = [] if usage else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        body = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1700000000,
-                "model": "gpt-4o-mini", "choices": choices, "usage": usage}
+        choices = (
+            []
+            if usage
+            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        )
+        body = {
+            "id": "chatcmpl-mock",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": "gpt-4o-mini",
+            "choices": choices,
+            "usage": usage,
+        }
         return b"data: " + json.dumps(body).encode() + b"\n\n"
+
     head = [chunk({"role": "assistant", "content": ""})]
     body = [chunk({"content": w}) for w in _words(n)]
     usage = {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n}
@@ -63,22 +103,51 @@ def openai_events(n: int) -> tuple[list[bytes], list[bytes], list[bytes]]:
 
 def anthropic_events(n: int) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """(head, one event per content token, tail) of an Anthropic Messages stream."""
+
     def event(name: str, data: dict) -> bytes:
         return f"event: {name}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
-    message = {"id": "msg_mock", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
-               "content": [], "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": 12, "output_tokens": 1}}
-    head = [event("message_start", {"type": "message_start", "message": message}),
-            event("content_block_start", {"type": "content_block_start", "index": 0,
-                                          "content_block": {"type": "text", "text": ""}}),
-            event("ping", {"type": "ping"})]
-    body = [event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                          "delta": {"type": "text_delta", "text": w}}) for w in _words(n)]
-    tail = [event("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn",
-                                                                        "stop_sequence": None},
-                                    "usage": {"output_tokens": n}}),
-            event("message_stop", {"type": "message_stop"})]
+
+    message = {
+        "id": "msg_mock",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 12, "output_tokens": 1},
+    }
+    head = [
+        event("message_start", {"type": "message_start", "message": message}),
+        event(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        ),
+        event("ping", {"type": "ping"}),
+    ]
+    body = [
+        event(
+            "content_block_delta",
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}},
+        )
+        for w in _words(n)
+    ]
+    tail = [
+        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": n},
+            },
+        ),
+        event("message_stop", {"type": "message_stop"}),
+    ]
     return head, body, tail
 
 
@@ -87,12 +156,20 @@ def _chunked(event: bytes) -> bytes:
 
 
 def _json_response(body: bytes, status: bytes = b"200 OK") -> bytes:
-    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\ncontent-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
-_STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                b"transfer-encoding: chunked\r\n\r\n")
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
 
 
 class Canned:
@@ -104,8 +181,9 @@ class Canned:
         self.anthropic = _json_response(anthropic_body(chunks))
         self.models = _json_response(_MODELS)
         self.embeddings = _json_response(embeddings_body())
-        self.not_found = _json_response(b'{"error":{"message":"no such route","type":"not_found"}}',
-                                        b"404 Not Found")
+        self.not_found = _json_response(
+            b'{"error":{"message":"no such route","type":"not_found"}}', b"404 Not Found"
+        )
         self.openai_stream = self._stream(*openai_events(chunks))
         self.anthropic_stream = self._stream(*anthropic_events(chunks))
 
@@ -114,7 +192,11 @@ class Canned:
         # Writes: the headers plus everything up to and including the first token, then one
         # write per later token, then the tail and the terminating zero-length chunk.
         first = _STREAM_HEAD + b"".join(_chunked(e) for e in head) + _chunked(body[0])
-        return [first, *(_chunked(e) for e in body[1:]), b"".join(_chunked(e) for e in tail) + b"0\r\n\r\n"]
+        return [
+            first,
+            *(_chunked(e) for e in body[1:]),
+            b"".join(_chunked(e) for e in tail) + b"0\r\n\r\n",
+        ]
 
 
 def content_length(head: bytes) -> int:
@@ -123,7 +205,7 @@ def content_length(head: bytes) -> int:
     if i < 0:
         return 0
     j = head.find(b"\r\n", i)
-    return int(head[i + 15:j if j >= 0 else len(head)])
+    return int(head[i + 15 : j if j >= 0 else len(head)])
 
 
 class MockProtocol(asyncio.Protocol):
@@ -156,9 +238,9 @@ class MockProtocol(asyncio.Protocol):
             length = content_length(head)
             if len(self.buf) < end + 4 + length:
                 return
-            body = bytes(self.buf[end + 4:end + 4 + length])
-            del self.buf[:end + 4 + length]
-            path = head[head.find(b" ") + 1:head.find(b" http/")]
+            body = bytes(self.buf[end + 4 : end + 4 + length])
+            del self.buf[: end + 4 + length]
+            path = head[head.find(b" ") + 1 : head.find(b" http/")]
             if not self._respond(path, body):
                 return
 

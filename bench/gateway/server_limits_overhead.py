@@ -19,9 +19,13 @@ from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.server_limits import ConnectionLimits, limited_protocol
 
 BODY = b'{"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}'
-REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8400\r\nUser-Agent: OpenAI/Python 1.99.0\r\n"
-           b"Accept: application/json\r\nContent-Type: application/json\r\nAuthorization: Bearer sk-x\r\n"
-           b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8400\r\nUser-Agent: OpenAI/Python "
+    b"1.99.0\r\n"
+    b"Accept: application/json\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+    b"sk-x\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+)
 
 
 class Transport(asyncio.Transport):
@@ -32,7 +36,9 @@ class Transport(asyncio.Transport):
         self.responses = 0
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8400)}.get(name, default)
+        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8400)}.get(
+            name, default
+        )
 
     def write(self, data: bytes) -> None:
         if data.startswith(b"HTTP/1.1"):
@@ -53,8 +59,13 @@ class Transport(asyncio.Transport):
 
 async def app(scope: dict, receive: Any, send: Any) -> None:
     await receive()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")],
+        }
+    )
     await send({"type": "http.response.body", "body": b"{}"})
 
 
@@ -79,7 +90,9 @@ async def serve(protocol_class: type, n: int) -> float:
 def guard_cost(n: int) -> float:
     guard = BrowserGuard.from_config(Config())
     assert guard is not None
-    headers = [tuple(line.split(b": ", 1)) for line in REQUEST.split(b"\r\n\r\n")[0].split(b"\r\n")[1:]]
+    headers = [
+        tuple(line.split(b": ", 1)) for line in REQUEST.split(b"\r\n\r\n")[0].split(b"\r\n")[1:]
+    ]
     scope = {"method": "POST", "headers": [(k.lower(), v) for k, v in headers]}
     t0 = time.process_time()
     for _ in range(n):
@@ -95,16 +108,31 @@ def main() -> None:
     limited = limited_protocol(ConnectionLimits.from_config(ServerConfig()))
     rounds: dict[str, list[float]] = {"uvicorn_httptools": [], "with_server_limits": []}
     for _ in range(args.rounds):
-        for name, cls in (("uvicorn_httptools", HttpToolsProtocol), ("with_server_limits", limited)):
+        for name, cls in (
+            ("uvicorn_httptools", HttpToolsProtocol),
+            ("with_server_limits", limited),
+        ):
             rounds[name].append(uvloop.run(serve(cls, args.requests)) * 1e6)
-    plain, ours = statistics.median(rounds["uvicorn_httptools"]), statistics.median(rounds["with_server_limits"])
-    print(json.dumps({
-        "bench": "server_limits_overhead", "requests_per_round": args.requests,
-        "us_per_request_median": {"uvicorn_httptools": round(plain, 2), "with_server_limits": round(ours, 2)},
-        "added_us_per_request": round(ours - plain, 2),
-        "rounds_us": {k: [round(v, 2) for v in vs] for k, vs in rounds.items()},
-        "browser_guard_check_us": round(guard_cost(args.requests * 5) * 1e6, 3),
-    }, indent=2))
+    plain, ours = (
+        statistics.median(rounds["uvicorn_httptools"]),
+        statistics.median(rounds["with_server_limits"]),
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "server_limits_overhead",
+                "requests_per_round": args.requests,
+                "us_per_request_median": {
+                    "uvicorn_httptools": round(plain, 2),
+                    "with_server_limits": round(ours, 2),
+                },
+                "added_us_per_request": round(ours - plain, 2),
+                "rounds_us": {k: [round(v, 2) for v in vs] for k, vs in rounds.items()},
+                "browser_guard_check_us": round(guard_cost(args.requests * 5) * 1e6, 3),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":
