@@ -46,6 +46,7 @@ from flashstack.gateway.core import (
 from flashstack.gateway.router import RouteTrace
 from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.db import Database
+from flashstack.gateway.translate import anthropic as anthropic_t
 from flashstack.gateway.spend import budgets_from_config
 from flashstack.gateway.sessions.store import (
     Failure,
@@ -417,8 +418,14 @@ class _ReplyBuilder:
         self.usage = Usage()
         self.blocks: dict[int, Part] = {}
         self.args: dict[int, list[str]] = {}
+        self.message: anthropic_t.MessageAccumulator | None = None  # an Anthropic upstream's, whole
 
     def feed(self, ev: Event) -> None:
+        raw = getattr(ev, "raw", None)
+        if raw is not None and raw.wire == anthropic_t.WIRE:  # kept for a client of that wire
+            self.message = self.message or anthropic_t.MessageAccumulator()
+            for name, data in raw.items:
+                self.message.feed(name, data)
         if isinstance(ev, Start):
             self.id, self.model, self.usage = ev.id, ev.model, ev.usage
         elif isinstance(ev, TextDelta):
@@ -440,7 +447,8 @@ class _ReplyBuilder:
     def response(self, finish: Finish) -> ChatResponse:
         for index, fragments in self.args.items():  # a tool call the stream never closed
             self.blocks[index].arguments = "".join(fragments)  # type: ignore[union-attr]
-        content = [self.blocks[i] for i in sorted(self.blocks)]
+        whole = self.message.content() if self.message is not None else None
+        content = whole if whole is not None else [self.blocks[i] for i in sorted(self.blocks)]
         usage = _total(self.usage, finish.usage)
         return ChatResponse(self.id, self.model, content, finish.stop_reason, usage, finish.stop_sequence)
 

@@ -251,14 +251,17 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 
 def _block_json(p: Part) -> dict[str, Any]:
+    # Extras and verbatim blocks are Anthropic's own (a same-wire reply stored for an idempotent replay).
     if isinstance(p, Text):
-        return {"type": "text", "text": p.text}
+        return {**p.extra, "type": "text", "text": p.text}
     if isinstance(p, Thinking):
-        return {"type": "thinking", "thinking": p.text, "signature": p.signature or ""}
+        return {**p.extra, "type": "thinking", "thinking": p.text, "signature": p.signature or ""}
     if isinstance(p, ToolCall):
-        return {"type": "tool_use", "id": p.id, "name": p.name, "input": _tool_input(p)}
+        return {**p.extra, "type": "tool_use", "id": p.id, "name": p.name, "input": _tool_input(p)}
     if isinstance(p, RedactedThinking):
         return {"type": "redacted_thinking", "data": p.data}
+    if isinstance(p, Opaque) and p.wire == WIRE:
+        return p.block
     raise TypeError(f"{type(p).__name__} cannot appear in an assistant message")
 
 
@@ -641,6 +644,10 @@ def _stop_reason(value: str | None) -> StopReason:
         return StopReason.END_TURN
 
 
+_REPLY_KEYS = {"text": frozenset({"type", "text"}), "tool_use": frozenset({"type", "id", "name", "input"}),
+               "thinking": _THINKING_KEYS}
+
+
 def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: set[str] | None = None) -> ChatResponse:
     """The canonical response for a Messages API response body (kept whole with `keep_raw`;
     otherwise what the other wire cannot carry is named in `dropped`)."""
@@ -649,14 +656,18 @@ def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: se
     content: list[Part] = []
     for b in body.get("content") or []:
         kind = b.get("type")
+        # For the same wire, every key and block is kept: a session replays the reply as it came.
+        extra = _extra(b, _REPLY_KEYS.get(kind, frozenset())) if keep_raw else {}
         if kind == "text":
-            content.append(Text(b.get("text", "")))
+            content.append(Text(b.get("text", ""), extra=extra))
         elif kind == "tool_use":
-            content.append(ToolCall(b["id"], b["name"], orjson.dumps(b.get("input") or {}).decode()))
+            content.append(ToolCall(b["id"], b["name"], orjson.dumps(b.get("input") or {}).decode(), extra=extra))
         elif kind == "thinking":
-            content.append(Thinking(b.get("thinking", ""), b.get("signature")))
+            content.append(Thinking(b.get("thinking", ""), b.get("signature"), extra))
         elif kind == "redacted_thinking":
             content.append(RedactedThinking(b.get("data", "")))
+        elif keep_raw:  # a server tool's call or result, a block newer than the gateway
+            content.append(Opaque(WIRE, b))
     return ChatResponse(
         id=body.get("id") or message_id(),
         model=body.get("model", ""),
@@ -666,6 +677,44 @@ def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: se
         stop_sequence=body.get("stop_sequence"),
         raw=Raw(WIRE, [("", body)]) if keep_raw else None,
     )
+
+
+class MessageAccumulator:
+    """A stream's events gathered into the blocks of the message they carry, every key kept (what a
+    session stores of a same-wire stream: citations, redacted thinking, server tools' blocks)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, dict[str, Any]] = {}
+        self._json: dict[int, list[str]] = {}
+
+    def feed(self, name: str, data: dict[str, Any]) -> None:
+        kind = data.get("type", name)
+        if kind == "content_block_start":
+            self.blocks[data["index"]] = dict(data.get("content_block") or {})
+        elif kind == "content_block_delta" and data.get("index") in self.blocks:
+            self._delta(data["index"], self.blocks[data["index"]], data.get("delta") or {})
+
+    def _delta(self, index: int, block: dict[str, Any], delta: dict[str, Any]) -> None:
+        kind = delta.get("type")
+        if kind == "text_delta":
+            block["text"] = block.get("text", "") + delta.get("text", "")
+        elif kind == "thinking_delta":
+            block["thinking"] = block.get("thinking", "") + delta.get("thinking", "")
+        elif kind == "signature_delta":
+            block["signature"] = delta.get("signature")
+        elif kind == "citations_delta":
+            block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+        elif kind == "input_json_delta":
+            self._json.setdefault(index, []).append(delta.get("partial_json", ""))
+
+    def content(self) -> list[Part] | None:
+        """The message's content (None if a tool's streamed input is not JSON: the caller keeps its own)."""
+        for index, fragments in self._json.items():
+            try:
+                self.blocks[index]["input"] = orjson.loads("".join(fragments) or "{}")
+            except orjson.JSONDecodeError:
+                return None
+        return response_from_json({"content": [self.blocks[i] for i in sorted(self.blocks)]}, keep_raw=True).content
 
 
 def upstream_error(status: int, body: Any, retry_after: float | None = None) -> GatewayError:
@@ -702,6 +751,7 @@ class EventDecoder:
     def __init__(self, tap: RawTap | None = None, dropped: set[str] | None = None) -> None:
         self.tap = tap
         self.dropped = dropped if tap is None else None  # translated: what the other wire cannot carry
+        self.tools: set[int] = set()  # blocks that are tool calls (a server tool's input is not one)
         self.usage = Usage()
         self.stop_reason: StopReason = StopReason.END_TURN
         self.stop_sequence: str | None = None
@@ -741,6 +791,7 @@ class EventDecoder:
     def _block_start(self, index: int, block: dict[str, Any]) -> Iterator[Event]:
         kind = block.get("type")
         if kind == "tool_use":
+            self.tools.add(index)
             yield ToolCallStart(index, block.get("id", ""), block.get("name", ""))
             if block.get("input"):
                 yield ToolArgsDelta(index, orjson.dumps(block["input"]).decode())
@@ -754,7 +805,7 @@ class EventDecoder:
         if kind == "text_delta":
             yield TextDelta(index, delta.get("text", ""))
         elif kind == "input_json_delta":
-            if delta.get("partial_json"):
+            if delta.get("partial_json") and index in self.tools:
                 yield ToolArgsDelta(index, delta["partial_json"])
         elif kind == "thinking_delta":
             yield ThinkingDelta(index, delta.get("thinking", ""))

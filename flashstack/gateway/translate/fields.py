@@ -522,8 +522,10 @@ Sessions store every field of each message as its wire gave it: the parts (text,
 and results, thinking with its signature, redacted thinking, verbatim blocks of types the gateway does
 not model such as documents) with their `cache_control` and every other key, the message's own keys,
 and whether its content was a string or a list. A history replayed from a session reaches the
-upstream as the client sent it, and a stored reply as the client received it (Anthropic: a list of
-blocks; OpenAI: a string). A session used from both wires sends a message's wire-only fields (OpenAI's
+upstream as the client sent it, and a stored reply as the client received it (from an Anthropic
+upstream to an Anthropic client, streamed or not: every block with every key, citations, redacted
+thinking and server tools' blocks included; otherwise its text, thinking with its signature and tool
+calls, a list of blocks for Anthropic, a string for OpenAI). A session used from both wires sends a message's wire-only fields (OpenAI's
 `name`, an image's `detail`, any unknown key; `cache_control` towards OpenAI) to its own wire only:
 to the other they are dropped and named in `x-flashstack-dropped` (`messages[].name`,
 `messages[].content[].image_url.detail`, …).
