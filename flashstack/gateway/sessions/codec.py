@@ -34,12 +34,18 @@ def part_json(p: Part) -> dict[str, Any]:
     if isinstance(p, Text):
         return _marked({"type": "text", "text": p.text}, p)
     if isinstance(p, Image):
-        return _marked({"type": "image", "media_type": p.media_type, "data": p.data, "url": p.url}, p)
+        return _marked(
+            {"type": "image", "media_type": p.media_type, "data": p.data, "url": p.url}, p
+        )
     if isinstance(p, ToolCall):
-        return _marked({"type": "tool_call", "id": p.id, "name": p.name, "arguments": p.arguments}, p)
+        return _marked(
+            {"type": "tool_call", "id": p.id, "name": p.name, "arguments": p.arguments}, p
+        )
     if isinstance(p, ToolResult):
         body = {
-            "type": "tool_result", "tool_call_id": p.tool_call_id, "is_error": p.is_error,
+            "type": "tool_result",
+            "tool_call_id": p.tool_call_id,
+            "is_error": p.is_error,
             "content": [part_json(c) for c in p.content],
         }
         if not p.plain:
@@ -52,7 +58,9 @@ def part_json(p: Part) -> dict[str, Any]:
     return _marked({"type": "thinking", "text": p.text, "signature": p.signature}, p)
 
 
-def _marked(body: dict[str, Any], p: Text | Image | ToolCall | ToolResult | Thinking) -> dict[str, Any]:
+def _marked(
+    body: dict[str, Any], p: Text | Image | ToolCall | ToolResult | Thinking
+) -> dict[str, Any]:
     cache_control = getattr(p, "cache_control", None)
     if cache_control is not None:
         body["cache_control"] = cache_control
@@ -71,8 +79,14 @@ def part_from_json(d: dict[str, Any]) -> Part:
         return ToolCall(d["id"], d["name"], d["arguments"], cache, extra)
     if kind == "tool_result":
         content = [part_from_json(c) for c in d["content"]]
-        return ToolResult(d["tool_call_id"], content, d.get("is_error", False), cache, extra,  # type: ignore[arg-type]
-                          d.get("plain", True))
+        return ToolResult(
+            d["tool_call_id"],
+            content,
+            d.get("is_error", False),
+            cache,
+            extra,  # type: ignore[arg-type]
+            d.get("plain", True),
+        )
     if kind == "redacted_thinking":
         return RedactedThinking(d["data"])
     if kind == "opaque":
@@ -104,8 +118,13 @@ def message_fields_json(m: Message, wire: str | None) -> str | None:
 def message_from_row(role: Role, content: str, fields: str | None) -> Message:
     """A stored message, as its wire gave it."""
     f = orjson.loads(fields) if fields else {}
-    return Message(role, parts_from_json(orjson.loads(content)), f.get("extra") or {}, f.get("plain", True),
-                   f.get("wire"))
+    return Message(
+        role,
+        parts_from_json(orjson.loads(content)),
+        f.get("extra") or {},
+        f.get("plain", True),
+        f.get("wire"),
+    )
 
 
 def for_wire(history: list[Message], wire: str | None, dropped: set[str]) -> list[Message]:
@@ -118,7 +137,9 @@ def for_wire(history: list[Message], wire: str | None, dropped: set[str]) -> lis
 
 def _stripped(m: Message, wire: str, dropped: set[str]) -> Message:
     dropped.update(f"messages[].{k}" for k, v in m.extra.items() if v is not None)
-    return dataclasses.replace(m, parts=[_stripped_part(p, wire, dropped) for p in m.parts], extra={}, wire=wire)
+    return dataclasses.replace(
+        m, parts=[_stripped_part(p, wire, dropped) for p in m.parts], extra={}, wire=wire
+    )
 
 
 def _stripped_part(p: Part, wire: str, dropped: set[str]) -> Part:

@@ -14,10 +14,25 @@ from tests.gateway.protocol.conftest import CLIENT_KEY
 
 HEADERS = {"authorization": f"Bearer {CLIENT_KEY}", "anthropic-version": "2023-06-01"}
 SERVER_BLOCKS = [
-    {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "paris weather"}},
-    {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1",
-     "content": [{"type": "web_search_result", "url": "https://example.com", "title": "a",
-                  "encrypted_content": "Eo8B", "page_age": None}]},
+    {
+        "type": "server_tool_use",
+        "id": "srvtoolu_1",
+        "name": "web_search",
+        "input": {"query": "paris weather"},
+    },
+    {
+        "type": "web_search_tool_result",
+        "tool_use_id": "srvtoolu_1",
+        "content": [
+            {
+                "type": "web_search_result",
+                "url": "https://example.com",
+                "title": "a",
+                "encrypted_content": "Eo8B",
+                "page_age": None,
+            }
+        ],
+    },
 ]
 
 
@@ -32,8 +47,12 @@ def test_an_anthropic_reply_is_replayed_whole(protocol_gateway, upstream, stream
         assert r.status_code == 200, r.text
         sid = r.json()["id"]
         for word in ("first", "second"):
-            body = {"model": "claude", "max_tokens": 64, "messages": [{"role": "user", "content": word}],
-                    "stream": stream and word == "first"}
+            body = {
+                "model": "claude",
+                "max_tokens": 64,
+                "messages": [{"role": "user", "content": word}],
+                "stream": stream and word == "first",
+            }
             r = c.post("/v1/messages", headers={"x-session-id": sid}, json=body)
             assert r.status_code == 200, r.text
     sent = upstream["anthropic"].requests[-1].body["messages"]
@@ -49,33 +68,67 @@ def _events(reply: dict) -> list[tuple[str, dict]]:
         if block["type"] == "text":
             head["text"], head["citations"] = "", None
             deltas.append({"type": "text_delta", "text": block["text"]})
-            deltas += [{"type": "citations_delta", "citation": c} for c in block.get("citations") or []]
+            deltas += [
+                {"type": "citations_delta", "citation": c} for c in block.get("citations") or []
+            ]
         elif block["type"] == "thinking":
             head["thinking"], head["signature"] = "", ""
-            deltas += [{"type": "thinking_delta", "thinking": block["thinking"]},
-                       {"type": "signature_delta", "signature": block["signature"]}]
+            deltas += [
+                {"type": "thinking_delta", "thinking": block["thinking"]},
+                {"type": "signature_delta", "signature": block["signature"]},
+            ]
         elif block["type"] in ("tool_use", "server_tool_use"):
             head["input"] = {}
             deltas.append({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
-        events.append(("content_block_start", {"type": "content_block_start", "index": i, "content_block": head}))
-        events += [("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d}) for d in deltas]
+        events.append(
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": i, "content_block": head},
+            )
+        )
+        events += [
+            ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d})
+            for d in deltas
+        ]
         events.append(("content_block_stop", {"type": "content_block_stop", "index": i}))
-    events += [("message_delta", {"type": "message_delta", "delta": {"stop_reason": reply["stop_reason"],
-                                                                     "stop_sequence": None}, "usage": reply["usage"]}),
-               ("message_stop", {"type": "message_stop"})]
+    events += [
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reply["stop_reason"], "stop_sequence": None},
+                "usage": reply["usage"],
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
     return events
 
 
 def test_a_server_tools_blocks_stream_to_an_openai_client_named(protocol_gateway, upstream):
     reply = samples.anthropic_response()
-    reply["content"][2:2] = SERVER_BLOCKS  # their input streams as input_json_delta, yet is no tool call
+    reply["content"][2:2] = (
+        SERVER_BLOCKS  # their input streams as input_json_delta, yet is no tool call
+    )
     upstream["anthropic"].app.state.reply = canned.Reply(body=reply, events=_events(reply))
-    with httpx.stream("POST", protocol_gateway.url + "/v1/chat/completions", headers=HEADERS, timeout=20,
-                      json={"model": "claude", "messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        protocol_gateway.url + "/v1/chat/completions",
+        headers=HEADERS,
+        timeout=20,
+        json={"model": "claude", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    ) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert not any("error" in c for c in chunks)
-    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    calls = [
+        tc
+        for c in chunks
+        if c["choices"]
+        for tc in c["choices"][0]["delta"].get("tool_calls") or []
+    ]
     assert [tc["function"]["name"] for tc in calls if tc.get("id")] == ["get_time"]
     final = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
-    assert {"response.content[].type=server_tool_use", "response.content[].type=web_search_tool_result"} <= set(
-        final["flashstack_dropped"].split(","))
+    assert {
+        "response.content[].type=server_tool_use",
+        "response.content[].type=web_search_tool_result",
+    } <= set(final["flashstack_dropped"].split(","))
