@@ -25,6 +25,15 @@ from flashstack.gateway.compress.outcome import Outcome, context_length_exceeded
 from flashstack.gateway.compress.plan import SUMMARY_HEADER
 
 __all__ = [
-    "MODES", "SUMMARY_HEADER", "Compressor", "Options", "Outcome", "SessionMemory",
-    "context_length_exceeded", "for_request", "request_options", "session_mode", "shift_pinned",
+    "MODES",
+    "SUMMARY_HEADER",
+    "Compressor",
+    "Options",
+    "Outcome",
+    "SessionMemory",
+    "context_length_exceeded",
+    "for_request",
+    "request_options",
+    "session_mode",
+    "shift_pinned",
 ]

@@ -61,6 +61,8 @@ def clusters_of(units: list[Unit], eps: float) -> list[Cluster]:
     groups: dict[int, list[Unit]] = {}
     for u, label in zip(units, labels):
         groups.setdefault(int(label), []).append(u)
-    clusters = [Cluster(sorted(g, key=lambda u: u.start), max(u.relevance for u in g))
-                for g in groups.values()]
+    clusters = [
+        Cluster(sorted(g, key=lambda u: u.start), max(u.relevance for u in g))
+        for g in groups.values()
+    ]
     return sorted(clusters, key=lambda c: (-c.relevance, c.units[0].start))

@@ -45,8 +45,13 @@ class Compressor:
     x-flashstack-summarizer-fallback.
     """
 
-    def __init__(self, cfg: CompressionConfig, state_dir: Path, router: Router | None = None,
-                 embedder: Embedder | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CompressionConfig,
+        state_dir: Path,
+        router: Router | None = None,
+        embedder: Embedder | None = None,
+    ) -> None:
         self.cfg = cfg
         self.cache_dir = cfg.cache_dir or Path(state_dir) / "models"
         self.router = router
@@ -81,8 +86,9 @@ class Compressor:
         loop only: else the first request that needs it starts it), once; nothing waits for them."""
         with self._loader_lock:
             if self._loader is None and self._planner.embedder is None:
-                self._loader = threading.Thread(target=self._load, name="flashstack-embed-load",
-                                                daemon=True)
+                self._loader = threading.Thread(
+                    target=self._load, name="flashstack-embed-load", daemon=True
+                )
                 self._loader.start()
         if self.local is not None:
             self.local.start_loading()
@@ -91,16 +97,19 @@ class Compressor:
         try:
             self._planner = self._planner.with_embedder(self._load_embedder())
         except Exception:  # a missing package or a failed build: truncation still serves requests
-            log.exception("the embedding model could not be loaded; requests over their model's "
-                          "window are truncated instead of compressed")
+            log.exception(
+                "the embedding model could not be loaded; requests over their model's "
+                "window are truncated instead of compressed"
+            )
         finally:
             self._loaded.set()
 
     def _load_embedder(self) -> Embedder:
         from flashstack.gateway.compress.embed import Embedder
 
-        return Embedder(self.cache_dir, threads=self.cfg.embed_threads,
-                        cache_size=self.cfg.embed_cache_size)
+        return Embedder(
+            self.cache_dir, threads=self.cfg.embed_threads, cache_size=self.cfg.embed_cache_size
+        )
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until the models are loaded (True) or one failed to load / timed out (False); for
@@ -111,8 +120,9 @@ class Compressor:
             return False
         if self.local is None or self.local.state == "idle":
             return True
-        return self.local.wait_loaded(None if deadline is None
-                                      else max(0.0, deadline - time.monotonic()))
+        return self.local.wait_loaded(
+            None if deadline is None else max(0.0, deadline - time.monotonic())
+        )
 
     def _wait_embedder(self, timeout: float | None = None) -> bool:
         if self._planner.embedder is None:
@@ -124,11 +134,15 @@ class Compressor:
         """The planner with its models loaded, waiting for them (offline tools; requests never
         wait)."""
         if not await asyncio.to_thread(self._wait_embedder):
-            raise RuntimeError("the embedding model could not be loaded; see the log of "
-                               "flashstack.gateway.compress")
+            raise RuntimeError(
+                "the embedding model could not be loaded; see the log of "
+                "flashstack.gateway.compress"
+            )
         if self.local is not None and not await self.local.loaded():
-            raise RuntimeError("the local summarizer could not be loaded; see the log of "
-                               "flashstack.gateway.compress")
+            raise RuntimeError(
+                "the local summarizer could not be loaded; see the log of "
+                "flashstack.gateway.compress"
+            )
         return self._planner
 
     async def embed_texts(self, texts: list[str]) -> tuple[Any, list[int]]:
@@ -138,27 +152,41 @@ class Compressor:
         from flashstack.gateway.compress.embed import MAX_TOKENS
 
         if not await asyncio.to_thread(self._wait_embedder):
-            raise GatewayError(ErrorKind.OVERLOADED,
-                               "the embedding model could not be loaded; see the gateway log")
+            raise GatewayError(
+                ErrorKind.OVERLOADED, "the embedding model could not be loaded; see the gateway log"
+            )
         embedder = self._planner.embedder
         assert embedder is not None
         counts = await self._run(embedder.token_counts, texts)
         for i, n in enumerate(counts):
             if n > MAX_TOKENS:
-                raise invalid_request(f"input[{i}] is {n} word pieces; minilm reads at most "
-                                      f"{MAX_TOKENS}: split the text", "input")
+                raise invalid_request(
+                    f"input[{i}] is {n} word pieces; minilm reads at most "
+                    f"{MAX_TOKENS}: split the text",
+                    "input",
+                )
         return await self._run(embedder.embed, texts), counts
 
     # ---- one request -------------------------------------------------------------------------
 
-    def mode_for(self, req: ChatRequest, cfg: ModelConfig, options: Options,
-                 memory: SessionMemory | None = None) -> CompressionMode:
+    def mode_for(
+        self,
+        req: ChatRequest,
+        cfg: ModelConfig,
+        options: Options,
+        memory: SessionMemory | None = None,
+    ) -> CompressionMode:
         """The request's mode, else its session's, else its model's, else the default."""
-        return (options.mode or (memory.mode if memory else None)
-                or self.cfg.model_modes.get(cfg.name) or self.cfg.mode)
+        return (
+            options.mode
+            or (memory.mode if memory else None)
+            or self.cfg.model_modes.get(cfg.name)
+            or self.cfg.mode
+        )
 
-    async def maybe_compress(self, req: ChatRequest, cfg: ModelConfig,
-                             memory: SessionMemory | None = None) -> tuple[ChatRequest, Outcome]:
+    async def maybe_compress(
+        self, req: ChatRequest, cfg: ModelConfig, memory: SessionMemory | None = None
+    ) -> tuple[ChatRequest, Outcome]:
         """`req` itself when it fits (or compression is off), else a compressed copy; never a
         silent cut."""
         options = request_options(req)
@@ -182,8 +210,9 @@ class Compressor:
         if total + reserve <= limit:
             return req, Outcome("none", total, total)
         try:
-            new, outcome = await self.compress(req, cfg, limit - reserve, mode, options.pinned,
-                                               memory, budget)
+            new, outcome = await self.compress(
+                req, cfg, limit - reserve, mode, options.pinned, memory, budget
+            )
         except GatewayError as e:
             if e.code == "context_length_exceeded":
                 self.metrics.refused.labels(cfg.name).inc()
@@ -191,10 +220,16 @@ class Compressor:
         self.metrics.record(cfg.name, outcome)
         return new, outcome
 
-    async def compress(self, req: ChatRequest, cfg: ModelConfig, target: int,
-                       mode: CompressionMode = "auto", pinned: frozenset[int] = frozenset(),
-                       memory: SessionMemory | None = None,
-                       budget: Budget | None = None) -> tuple[ChatRequest, Outcome]:
+    async def compress(
+        self,
+        req: ChatRequest,
+        cfg: ModelConfig,
+        target: int,
+        mode: CompressionMode = "auto",
+        pinned: frozenset[int] = frozenset(),
+        memory: SessionMemory | None = None,
+        budget: Budget | None = None,
+    ) -> tuple[ChatRequest, Outcome]:
         """A copy of `req` whose prompt fits `target` tokens (the trigger already fired).
 
         Truncated instead when the embedding model is not loaded, or compressing would overspend
@@ -208,41 +243,79 @@ class Compressor:
             fallback = "unavailable" if self.state == "failed" else "warming-up"
         elif mode == "auto":
             try:
-                return await self._compress(planner, counter, req, target, pinned, memory,
-                                            budget or self._budget())
+                return await self._compress(
+                    planner, counter, req, target, pinned, memory, budget or self._budget()
+                )
             except BudgetExceeded as e:
-                log.info("compression of a %s request over its budget (%s); truncating it",
-                         cfg.name, e)
+                log.info(
+                    "compression of a %s request over its budget (%s); truncating it", cfg.name, e
+                )
                 fallback = "budget"
         plan = await self._run(planner.plan, counter, req, target, "truncate", pinned)
         outcome = outcome_of(plan)
         outcome.fallback = fallback
         return apply(req, plan), outcome
 
-    async def _compress(self, planner: Planner, counter: tokens.Counter, req: ChatRequest,
-                        target: int, pinned: frozenset[int], memory: SessionMemory | None,
-                        budget: Budget) -> tuple[ChatRequest, Outcome]:
+    async def _compress(
+        self,
+        planner: Planner,
+        counter: tokens.Counter,
+        req: ChatRequest,
+        target: int,
+        pinned: frozenset[int],
+        memory: SessionMemory | None,
+        budget: Budget,
+    ) -> tuple[ChatRequest, Outcome]:
         assert planner.embedder is not None
         summarizer = self.summaries.name(req)
         stored_vectors: dict[str, bytes] = {}
         if memory is None:
-            plan = await self._run(planner.plan, counter, req, target, "auto", pinned, None,
-                                   summarizer, budget)
+            plan = await self._run(
+                planner.plan, counter, req, target, "auto", pinned, None, summarizer, budget
+            )
         else:
             stored_vectors, stored_summaries = await memory.load()
-            await self._run(seed_vectors, planner.embedder, req.messages, memory.turn.history_ids,
-                            stored_vectors)
-            plan = await self._run(planner.plan, counter, req, target, "auto", pinned,
-                                   stored_summaries, summarizer, budget)
+            await self._run(
+                seed_vectors,
+                planner.embedder,
+                req.messages,
+                memory.turn.history_ids,
+                stored_vectors,
+            )
+            plan = await self._run(
+                planner.plan,
+                counter,
+                req,
+                target,
+                "auto",
+                pinned,
+                stored_summaries,
+                summarizer,
+                budget,
+            )
         summarizer_fallback = await self.summaries.write(plan, req, counter, budget)
         if memory is not None:
-            await memory.save_summaries({c.key(c.source): c.summary for c in plan.clusters
-                                         if not c.cached and c.source == summarizer})
+            await memory.save_summaries(
+                {
+                    c.key(c.source): c.summary
+                    for c in plan.clusters
+                    if not c.cached and c.source == summarizer
+                }
+            )
             n_history = len(memory.turn.history)
             try:
-                memory.turn.vectors.update(await self._run(
-                    new_vectors, planner.embedder, req.messages, memory.turn.history_ids,
-                    n_history, n_history + len(memory.turn.inputs), stored_vectors, budget))
+                memory.turn.vectors.update(
+                    await self._run(
+                        new_vectors,
+                        planner.embedder,
+                        req.messages,
+                        memory.turn.history_ids,
+                        n_history,
+                        n_history + len(memory.turn.inputs),
+                        stored_vectors,
+                        budget,
+                    )
+                )
             except BudgetExceeded:
                 pass  # the plan stands; a later turn computes (and stores) the inputs' embeddings
         outcome = outcome_of(plan)
@@ -273,8 +346,9 @@ class Compressor:
         self.close()
 
 
-async def for_request(request: Any, req: ChatRequest, cfg: ModelConfig,
-                      turn: Any = None) -> tuple[ChatRequest, Outcome]:
+async def for_request(
+    request: Any, req: ChatRequest, cfg: ModelConfig, turn: Any = None
+) -> tuple[ChatRequest, Outcome]:
     """chat.py's hook: the app's compressor (app.state.compressor) applied to `req`, if any.
 
     `turn` (a sessions.turns.Turn) lends the session's mode, stored embeddings and summaries.

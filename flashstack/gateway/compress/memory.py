@@ -69,8 +69,9 @@ def unpack_vectors(blob: bytes) -> np.ndarray:
     return np.frombuffer(blob, np.float16).reshape(-1, DIM).astype(np.float32)
 
 
-def seed_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[str],
-                 stored: dict[str, bytes]) -> int:
+def seed_vectors(
+    embedder: Embedder, messages: Sequence[Message], ids: Sequence[str], stored: dict[str, bytes]
+) -> int:
     """Put the stored embeddings of the history's messages into the embedder's cache; returns
     how many."""
     import numpy as np
@@ -88,9 +89,15 @@ def seed_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[
     return len(pairs)
 
 
-def new_vectors(embedder: Embedder, messages: Sequence[Message], ids: Sequence[str],
-                n_history: int, n_session: int, stored: dict[str, bytes],
-                budget: Budget | None = None) -> dict[int, bytes]:
+def new_vectors(
+    embedder: Embedder,
+    messages: Sequence[Message],
+    ids: Sequence[str],
+    n_history: int,
+    n_session: int,
+    stored: dict[str, bytes],
+    budget: Budget | None = None,
+) -> dict[int, bytes]:
     """Embeddings to store, by message position: the new inputs' (embedded now if the plan did
     not), and any history message whose known embeddings grew since they were stored."""
     import numpy as np

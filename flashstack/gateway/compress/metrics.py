@@ -12,24 +12,45 @@ class CompressionMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("flashstack_compression_requests",
-                                "Requests compression acted on, by action",
-                                ["model", "action"], registry=r)
-        self.tokens_saved = Counter("flashstack_compression_tokens_saved", "Prompt tokens removed",
-                                    ["model"], registry=r)
-        self.summarized = Counter("flashstack_compression_messages_summarized",
-                                  "Messages replaced by summaries", ["model"], registry=r)
-        self.dropped = Counter("flashstack_compression_messages_dropped",
-                               "Messages dropped entirely", ["model"], registry=r)
-        self.refused = Counter("flashstack_compression_refused",
-                               "Requests refused as context_length_exceeded", ["model"], registry=r)
-        self.fallbacks = Counter("flashstack_compression_fallbacks",
-                                 "Requests truncated instead of compressed", ["model", "reason"],
-                                 registry=r)
+        self.requests = Counter(
+            "flashstack_compression_requests",
+            "Requests compression acted on, by action",
+            ["model", "action"],
+            registry=r,
+        )
+        self.tokens_saved = Counter(
+            "flashstack_compression_tokens_saved", "Prompt tokens removed", ["model"], registry=r
+        )
+        self.summarized = Counter(
+            "flashstack_compression_messages_summarized",
+            "Messages replaced by summaries",
+            ["model"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "flashstack_compression_messages_dropped",
+            "Messages dropped entirely",
+            ["model"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "flashstack_compression_refused",
+            "Requests refused as context_length_exceeded",
+            ["model"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "flashstack_compression_fallbacks",
+            "Requests truncated instead of compressed",
+            ["model", "reason"],
+            registry=r,
+        )
         self.summarizer_fallbacks = Counter(
             "flashstack_compression_summarizer_fallbacks",
             "Compressed requests whose model summaries were (partly) extractive instead",
-            ["model", "reason"], registry=r)
+            ["model", "reason"],
+            registry=r,
+        )
 
     def record(self, model: str, outcome: Outcome) -> None:
         self.requests.labels(model, outcome.action).inc()

@@ -16,8 +16,9 @@ SummarizerFallback = Literal["warming-up", "unavailable", "budget", "error"]
 
 def context_length_exceeded(message: str, param: str = "messages") -> GatewayError:
     """The 400 a conversation gets when even its kept part does not fit the window."""
-    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param,
-                        code="context_length_exceeded")
+    return GatewayError(
+        ErrorKind.INVALID_REQUEST, message, param=param, code="context_length_exceeded"
+    )
 
 
 @dataclass(slots=True)
@@ -54,7 +55,8 @@ class Outcome:
             out["x-flashstack-compression-fallback"] = self.fallback
         if self.summarizers:
             out["x-flashstack-summarizer"] = ", ".join(
-                f"{k}={n}" for k, n in self.summarizers.items())
+                f"{k}={n}" for k, n in self.summarizers.items()
+            )
         if self.summarizer_fallback is not None:
             out["x-flashstack-summarizer-fallback"] = self.summarizer_fallback
         return out

@@ -38,7 +38,7 @@ class Plan:
 
 def apply(req: ChatRequest, plan: Plan) -> ChatRequest:
     """The compressed request: kept messages in order, summaries appended to the system prompt."""
-    messages = [m for u in plan.kept for m in req.messages[u.start:u.end]]
+    messages = [m for u in plan.kept for m in req.messages[u.start : u.end]]
     system = list(req.system)
     if plan.clusters:
         oldest_first = sorted(plan.clusters, key=lambda c: c.units[0].start)
@@ -54,5 +54,6 @@ def outcome_of(plan: Plan) -> Outcome:
     sources: dict[str, int] = {}
     for c in plan.clusters:
         sources[c.source] = sources.get(c.source, 0) + 1
-    return Outcome(action, plan.tokens_before, plan.tokens_after(), summarized, dropped,
-                   summarizers=sources)
+    return Outcome(
+        action, plan.tokens_before, plan.tokens_after(), summarized, dropped, summarizers=sources
+    )

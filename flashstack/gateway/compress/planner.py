@@ -39,8 +39,12 @@ class Planner:
     Without an embedder (not loaded yet) it measures and truncates only.
     """
 
-    def __init__(self, cfg: CompressionConfig, embedder: Embedder | None = None,
-                 counts: OrderedDict[tuple[str, str | bytes], int] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CompressionConfig,
+        embedder: Embedder | None = None,
+        counts: OrderedDict[tuple[str, str | bytes], int] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.embedder = embedder
         self._counts = counts if counts is not None else OrderedDict()
@@ -62,9 +66,12 @@ class Planner:
         out = []
         for start, end in unit_spans(messages):
             texts = [tokens.message_text(m) for m in messages[start:end]]
-            n = sum(self.count(counter, t) + tokens.PER_MESSAGE
-                    + tokens.PER_IMAGE * tokens.image_count(m)
-                    for t, m in zip(texts, messages[start:end]))
+            n = sum(
+                self.count(counter, t)
+                + tokens.PER_MESSAGE
+                + tokens.PER_IMAGE * tokens.image_count(m)
+                for t, m in zip(texts, messages[start:end])
+            )
             out.append(Unit(start, end, "\n".join(texts), n, message_texts=tuple(texts)))
         return out
 
@@ -77,9 +84,17 @@ class Planner:
         units = self.units(counter, req.messages)
         return fixed, units, fixed + sum(u.tokens for u in units)
 
-    def plan(self, counter: tokens.Counter, req: ChatRequest, target: int, mode: CompressionMode,
-             pinned: frozenset[int] = frozenset(), summaries: dict[str, str] | None = None,
-             summarizer: str = "extractive", budget: Budget | None = None) -> Plan:
+    def plan(
+        self,
+        counter: tokens.Counter,
+        req: ChatRequest,
+        target: int,
+        mode: CompressionMode,
+        pinned: frozenset[int] = frozenset(),
+        summaries: dict[str, str] | None = None,
+        summarizer: str = "extractive",
+        budget: Budget | None = None,
+    ) -> Plan:
         """Choose what stays verbatim, what is summarized and what is dropped to fit `target`.
 
         `summaries`: a session's stored summaries by cluster key; one of `summarizer` is reused if
@@ -89,8 +104,10 @@ class Planner:
         fixed, units, total = self.measure(counter, req)
         last = len(req.messages) - self.cfg.keep_last_turns
         q = query_index(req.messages)
-        protected = [u.end > last or u.start <= q < u.end
-                     or any(u.start <= i < u.end for i in pinned) for u in units]
+        protected = [
+            u.end > last or u.start <= q < u.end or any(u.start <= i < u.end for i in pinned)
+            for u in units
+        ]
         kept = [u for u, p in zip(units, protected) if p]
         free = target - fixed - sum(u.tokens for u in kept)
         if free < 0:
@@ -104,13 +121,25 @@ class Planner:
         old = [u for u, p in zip(units, protected) if not p]
         if mode == "truncate":
             return truncate(target, total, fixed, kept, old, free)
-        return self._compress(counter, req, target, total, fixed, kept, old, free, q, summaries,
-                              summarizer, budget)
+        return self._compress(
+            counter, req, target, total, fixed, kept, old, free, q, summaries, summarizer, budget
+        )
 
-    def _compress(self, counter: tokens.Counter, req: ChatRequest, target: int, total: int,
-                  fixed: int, kept: list[Unit], old: list[Unit], free: int, q: int,
-                  summaries: dict[str, str] | None, summarizer: str,
-                  budget: Budget | None) -> Plan:
+    def _compress(
+        self,
+        counter: tokens.Counter,
+        req: ChatRequest,
+        target: int,
+        total: int,
+        fixed: int,
+        kept: list[Unit],
+        old: list[Unit],
+        free: int,
+        q: int,
+        summaries: dict[str, str] | None,
+        summarizer: str,
+        budget: Budget | None,
+    ) -> Plan:
         if self.embedder is None:
             raise RuntimeError("Planner without an embedder can only truncate")
         if len(old) > self.cfg.max_units:  # DBSCAN's distance matrix alone grows with the square
@@ -126,10 +155,24 @@ class Planner:
             else:
                 rest.append(u)
         header = self.count(counter, SUMMARY_HEADER) + tokens.PER_MESSAGE
-        clusters, dropped = self._extract(counter, clusters_of(rest, self.cfg.dbscan_eps), qvec,
-                                          free - used - header, summaries, summarizer, budget)
-        return Plan(target, total, fixed, sorted(kept + verbatim, key=lambda u: u.start), clusters,
-                    sorted(dropped, key=lambda u: u.start), header_tokens=header)
+        clusters, dropped = self._extract(
+            counter,
+            clusters_of(rest, self.cfg.dbscan_eps),
+            qvec,
+            free - used - header,
+            summaries,
+            summarizer,
+            budget,
+        )
+        return Plan(
+            target,
+            total,
+            fixed,
+            sorted(kept + verbatim, key=lambda u: u.start),
+            clusters,
+            sorted(dropped, key=lambda u: u.start),
+            header_tokens=header,
+        )
 
     def _rank(self, units: list[Unit], qvec: np.ndarray, budget: Budget | None = None) -> None:
         """Each unit's relevance to the question (its best chunk's) and its mean vector."""
@@ -148,10 +191,16 @@ class Planner:
         for u, r, v in zip(units, relevance.tolist(), means):
             u.relevance, u.vector = r, v
 
-    def _extract(self, counter: tokens.Counter, clusters: list[Cluster], qvec: np.ndarray,
-                 free: int, summaries: dict[str, str] | None = None,
-                 summarizer: str = "extractive",
-                 budget: Budget | None = None) -> tuple[list[Cluster], list[Unit]]:
+    def _extract(
+        self,
+        counter: tokens.Counter,
+        clusters: list[Cluster],
+        qvec: np.ndarray,
+        free: int,
+        summaries: dict[str, str] | None = None,
+        summarizer: str = "extractive",
+        budget: Budget | None = None,
+    ) -> tuple[list[Cluster], list[Unit]]:
         """Summaries (stored, else extractive), most relevant cluster first, while they fit in
         `free` tokens."""
         out, dropped = [], []
@@ -175,8 +224,14 @@ class Planner:
             out.append(c)
         return out, dropped
 
-    def extractive_summary(self, counter: tokens.Counter, c: Cluster, qvec: np.ndarray, cap: int,
-                           budget: Budget | None = None) -> str:
+    def extractive_summary(
+        self,
+        counter: tokens.Counter,
+        c: Cluster,
+        qvec: np.ndarray,
+        cap: int,
+        budget: Budget | None = None,
+    ) -> str:
         """The cluster's most central sentences (and those nearest the question), in their order,
         ≤ cap tokens."""
         import numpy as np
@@ -207,8 +262,9 @@ class Planner:
         return clip(counter, sentences[int(np.argmax(score))], cap - 3)
 
 
-def truncate(target: int, total: int, fixed: int, kept: list[Unit], old: list[Unit],
-             free: int) -> Plan:
+def truncate(
+    target: int, total: int, fixed: int, kept: list[Unit], old: list[Unit], free: int
+) -> Plan:
     """The newest old units that fit in `free` tokens stay; every older one is dropped."""
     keep, dropped = [], []
     for u in reversed(old):  # newest first
@@ -218,8 +274,9 @@ def truncate(target: int, total: int, fixed: int, kept: list[Unit], old: list[Un
         else:
             dropped.append(u)
     kept = sorted(kept + keep, key=lambda u: u.start)
-    return Plan(target, total, fixed, kept, [], sorted(dropped, key=lambda u: u.start),
-                truncated=True)
+    return Plan(
+        target, total, fixed, kept, [], sorted(dropped, key=lambda u: u.start), truncated=True
+    )
 
 
 def count_key(text: str) -> str | bytes:

@@ -35,8 +35,9 @@ CACHE_SIZE = 10_000  # model summaries kept by cluster key
 class ModelSummaries:
     """Writes a plan's cluster summaries with the configured model, cached by cluster key."""
 
-    def __init__(self, cfg: CompressionConfig, router: Router | None,
-                 local: LocalSummarizer | None) -> None:
+    def __init__(
+        self, cfg: CompressionConfig, router: Router | None, local: LocalSummarizer | None
+    ) -> None:
         self.cfg = cfg
         self.router = router
         self.local = local
@@ -51,8 +52,9 @@ class ModelSummaries:
             return self.local.name
         return "extractive"
 
-    async def write(self, plan: Plan, req: ChatRequest, counter: tokens.Counter,
-                    budget: Budget) -> SummarizerFallback | None:
+    async def write(
+        self, plan: Plan, req: ChatRequest, counter: tokens.Counter, budget: Budget
+    ) -> SummarizerFallback | None:
         """Model summaries into `plan`'s clusters; why some stayed extractive, if they did."""
         if not plan.clusters:
             return None
@@ -75,15 +77,21 @@ class ModelSummaries:
         if key in self._cache:
             return self._remember(key)
         assert self.router is not None
-        prompt = SUMMARIZE_PROMPT.format(n=self.cfg.summary_sentences,
-                                         text=self._summarizer_input(c, model, counter))
-        request = ChatRequest(model=model, messages=[Message("user", [Text(prompt)])],
-                              max_tokens=max(32, c.tokens), temperature=0.0)
+        prompt = SUMMARIZE_PROMPT.format(
+            n=self.cfg.summary_sentences, text=self._summarizer_input(c, model, counter)
+        )
+        request = ChatRequest(
+            model=model,
+            messages=[Message("user", [Text(prompt)])],
+            max_tokens=max(32, c.tokens),
+            temperature=0.0,
+        )
         try:
             summary = (await self.router.complete(request)).text().strip()
         except GatewayError as e:
-            log.warning("LLM summarizer %s failed (%s); using the extractive summary", model,
-                        e.message)
+            log.warning(
+                "LLM summarizer %s failed (%s); using the extractive summary", model, e.message
+            )
             return None
         return self._remember(key, summary) if summary else None
 
@@ -94,8 +102,9 @@ class ModelSummaries:
         room = int(window * self.cfg.threshold) - 256 - max(32, c.tokens)
         return cluster_text(c, room, counter)
 
-    async def _local_summaries(self, local: LocalSummarizer, plan: Plan, counter: tokens.Counter,
-                               budget: Budget) -> SummarizerFallback | None:
+    async def _local_summaries(
+        self, local: LocalSummarizer, plan: Plan, counter: tokens.Counter, budget: Budget
+    ) -> SummarizerFallback | None:
         """Model-written summaries for the clusters, all at once (the engine batches them), until
         `budget`'s deadline; the extractive ones stay where they do not come in time, or do not
         fit."""
@@ -108,12 +117,19 @@ class ModelSummaries:
         if local.state != "ready":
             local.start_loading()
             return "unavailable" if local.state == "failed" else "warming-up"
-        tasks = {asyncio.ensure_future(local.summarize(
-            cluster_text(c, self.cfg.summary_input_tokens, counter),
-            self._summary_room(plan, c))): c for c in fresh}
+        tasks = {
+            asyncio.ensure_future(
+                local.summarize(
+                    cluster_text(c, self.cfg.summary_input_tokens, counter),
+                    self._summary_room(plan, c),
+                )
+            ): c
+            for c in fresh
+        }
         try:
             done, pending = await asyncio.wait(
-                tasks, timeout=max(0.0, budget.deadline - time.monotonic()))
+                tasks, timeout=max(0.0, budget.deadline - time.monotonic())
+            )
         finally:  # past the deadline, or the request itself cancelled (client gone)
             for t in tasks:
                 t.cancel()  # the engine aborts a generation still running and frees its KV blocks
@@ -122,15 +138,22 @@ class ModelSummaries:
             if t not in done:
                 continue
             if t.exception() is not None:
-                log.warning("local summarizer %s failed (%s); using the extractive summary",
-                            local.name, t.exception())
+                log.warning(
+                    "local summarizer %s failed (%s); using the extractive summary",
+                    local.name,
+                    t.exception(),
+                )
                 fallback = fallback or "error"
             elif text := t.result():
                 self._remember(c.key(local.name), text)
                 replace_summary(plan, c, text, local.name, counter)
         if pending:
-            log.info("%d of %d local summaries not done within the compression budget; "
-                     "extractive ones kept", len(pending), len(tasks))
+            log.info(
+                "%d of %d local summaries not done within the compression budget; extractive "
+                "ones kept",
+                len(pending),
+                len(tasks),
+            )
         return fallback
 
     def _summary_room(self, plan: Plan, c: Cluster) -> int:
@@ -165,13 +188,15 @@ def cluster_text(c: Cluster, room: int, counter: tokens.Counter) -> str:
     return "\n\n".join(t for _, t in sorted(parts))
 
 
-def replace_summary(plan: Plan, c: Cluster, text: str, source: str,
-                    counter: tokens.Counter) -> None:
+def replace_summary(
+    plan: Plan, c: Cluster, text: str, source: str, counter: tokens.Counter
+) -> None:
     """`text` (by `source`) as `c`'s summary if the plan still fits its target with it; else the
     current one stays."""
     n = counter.tokens("- " + text) + 1
     if plan.tokens_after() - c.tokens + n > plan.target:
-        log.info("%s summary of %d tokens does not fit the window; keeping the extractive one",
-                 source, n)
+        log.info(
+            "%s summary of %d tokens does not fit the window; keeping the extractive one", source, n
+        )
         return
     c.summary, c.tokens, c.source = text, n, source

@@ -68,7 +68,7 @@ def chunks(text: str) -> list[str]:
     words = text.split()
     if len(words) <= CHUNK_WORDS:
         return [text or " "]
-    return [" ".join(words[i:i + CHUNK_WORDS]) for i in range(0, len(words), CHUNK_WORDS)]
+    return [" ".join(words[i : i + CHUNK_WORDS]) for i in range(0, len(words), CHUNK_WORDS)]
 
 
 def message_texts(m: Message) -> list[str]:

@@ -13,6 +13,12 @@ from flashstack.gateway.tls.server import ServerTLS
 from flashstack.gateway.tls.upstream import ReloadingClientContext, upstream_ssl_context
 
 __all__ = [
-    "CLIENT_CERT_STATE_KEY", "CertBundle", "ClientIdentity", "ReloadingClientContext", "ServerTLS",
-    "TLSError", "client_identity", "upstream_ssl_context",
+    "CLIENT_CERT_STATE_KEY",
+    "CertBundle",
+    "ClientIdentity",
+    "ReloadingClientContext",
+    "ServerTLS",
+    "TLSError",
+    "client_identity",
+    "upstream_ssl_context",
 ]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from flashstack.config import ConfigError, TLSConfig
 
-# TLS 1.2 suites: forward secret AEAD only (TLS 1.3 suites are all modern and stay at their default).
+# TLS 1.2 suites: forward secret AEAD only (TLS 1.3's are all modern and stay at their default).
 TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL:!eNULL:!MD5:!SHA1:!DSS"
-# Keys touch the disk only for the instant OpenSSL reads them (it loads only from paths): prefer RAM.
+# Keys touch the disk only for the instant OpenSSL reads them (it loads only paths): prefer RAM.
 _KEY_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
@@ -42,12 +42,17 @@ class CertBundle:
         except ValueError as e:
             raise TLSError(f"{where}: not a PEM certificate ({e})") from e
         return cls(
-            cert_pem=cert_pem, key_pem=key_pem, serial=leaf.serial_number, subject=leaf.subject.rfc4514_string(),
-            not_before=leaf.not_valid_before_utc.timestamp(), not_after=leaf.not_valid_after_utc.timestamp(),
+            cert_pem=cert_pem,
+            key_pem=key_pem,
+            serial=leaf.serial_number,
+            subject=leaf.subject.rfc4514_string(),
+            not_before=leaf.not_valid_before_utc.timestamp(),
+            not_after=leaf.not_valid_after_utc.timestamp(),
         )
 
     def renew_time(self, fraction: float) -> float:
-        """When `fraction` of the lifetime has passed; counted from when we got it, since CAs backdate."""
+        """When `fraction` of the lifetime has passed; counted from when we got it, since CAs
+        backdate."""
         start = max(self.not_before, min(self.loaded_at, self.not_after))
         return start + fraction * (self.not_after - start)
 
@@ -61,7 +66,9 @@ def load_cert_files(cert_file: Path, key_file: Path) -> CertBundle:
     try:
         cert_pem, key_pem = cert_file.read_bytes(), key_file.read_bytes()
     except OSError as e:
-        raise TLSError(f"cannot read the server certificate: {e}; check server.tls.cert_file/key_file") from e
+        raise TLSError(
+            f"cannot read the server certificate: {e}; check server.tls.cert_file/key_file"
+        ) from e
     return CertBundle.from_pem(cert_pem, key_pem, str(cert_file))
 
 
@@ -76,7 +83,9 @@ def server_context(cfg: TLSConfig, bundle: CertBundle) -> ssl.SSLContext:
         try:
             ctx.load_verify_locations(cafile=str(cfg.client_ca_file))
         except (OSError, ssl.SSLError) as e:
-            raise TLSError(f"server.tls.client_ca_file {cfg.client_ca_file}: {e}; it must be a PEM CA bundle") from e
+            raise TLSError(
+                f"server.tls.client_ca_file {cfg.client_ca_file}: {e}; it must be a PEM CA bundle"
+            ) from e
         ctx.verify_mode = ssl.CERT_REQUIRED if cfg.client_auth == "required" else ssl.CERT_OPTIONAL
     _load_chain(ctx, bundle)
     return ctx
@@ -86,11 +95,15 @@ def _load_chain(ctx: ssl.SSLContext, bundle: CertBundle) -> None:
     try:
         load_pem_pair(ctx, bundle.cert_pem, bundle.key_pem)
     except ssl.SSLError as e:
-        raise TLSError(f"certificate {bundle.subject} (serial {bundle.serial_hex}) does not load with its key: {e}") from e
+        raise TLSError(
+            f"certificate {bundle.subject} (serial {bundle.serial_hex}) does not load with "
+            f"its key: {e}"
+        ) from e
 
 
 def load_pem_pair(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes | None) -> None:
-    """`ctx.load_cert_chain` from PEM bytes (key None: it is in cert_pem); ssl.SSLError if they do not match."""
+    """`ctx.load_cert_chain` from PEM bytes (key None: it is in cert_pem); ssl.SSLError if they do
+    not match."""
     with tempfile.TemporaryDirectory(prefix="flashstack-tls-", dir=_KEY_DIR) as d:  # mode 0700
         cert, key = Path(d, "cert.pem"), Path(d, "key.pem")
         fd = os.open(cert, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may hold the key too

@@ -17,7 +17,9 @@ log = logging.getLogger("flashstack.tls")
 
 _TLS_VERSIONS = {"TLSv1.2": 0x0303, "TLSv1.3": 0x0304}
 Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[
+    [Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
+]
 
 
 def tls_http_protocol(http: str | type, client_names: list[str]) -> type[asyncio.Protocol]:
@@ -33,8 +35,13 @@ def tls_http_protocol(http: str | type, client_names: list[str]) -> type[asyncio
             identity = peer_identity(ssl_object)
             if client_names and not (identity and identity.matches(client_names)):
                 shown = identity.names if identity else "no certificate"
-                log.warning("closed a TLS connection from %s: client certificate %s matches none of "
-                            "server.tls.client_names %s", transport.get_extra_info("peername"), shown, client_names)
+                log.warning(
+                    "closed a TLS connection from %s: client certificate %s matches none of "
+                    "server.tls.client_names %s",
+                    transport.get_extra_info("peername"),
+                    shown,
+                    client_names,
+                )
                 self.app = _refuse  # bytes already in flight must not reach the app either
                 transport.abort()  # close() would still deliver data read while flushing
                 return
@@ -54,7 +61,7 @@ def _protocol_class(http: str | type) -> type:
 
 
 def _tls_extension(ssl_object: Any, identity: ClientIdentity | None) -> dict[str, Any]:
-    # The ASGI TLS extension (asgiref "TLS Extension"); the cipher suite's number is not exposed by ssl.
+    # The ASGI TLS extension (asgiref "TLS Extension"); ssl does not expose the cipher suite id.
     der = ssl_object.getpeercert(True)
     return {
         "server_cert": None,
@@ -67,11 +74,15 @@ def _tls_extension(ssl_object: Any, identity: ClientIdentity | None) -> dict[str
 
 
 async def _refuse(scope: Scope, receive: Any, send: Any) -> None:
-    await send({"type": "http.response.start", "status": 403, "headers": [(b"connection", b"close")]})
+    await send(
+        {"type": "http.response.start", "status": 403, "headers": [(b"connection", b"close")]}
+    )
     await send({"type": "http.response.body", "body": b"client certificate not allowed"})
 
 
-def _with_tls_scope(app: ASGIApp, extension: dict[str, Any], identity: ClientIdentity | None) -> ASGIApp:
+def _with_tls_scope(
+    app: ASGIApp, extension: dict[str, Any], identity: ClientIdentity | None
+) -> ASGIApp:
     async def tls_app(scope: Scope, receive: Any, send: Any) -> None:
         extensions = scope.get("extensions") or {}
         extensions["tls"] = extension

@@ -30,7 +30,8 @@ class ClientIdentity:
         return head + self.dns_names + self.uris + self.emails
 
     def matches(self, patterns: list[str]) -> bool:
-        """Whether any name matches any glob (`svc-*.internal`, `spiffe://prod/*`); case-insensitive."""
+        """Whether any name matches any glob (`svc-*.internal`, `spiffe://prod/*`);
+        case-insensitive."""
         return any(fnmatch.fnmatchcase(n.lower(), p.lower()) for n in self.names for p in patterns)
 
 
@@ -60,5 +61,12 @@ def client_identity(request_or_scope: Any) -> ClientIdentity | None:
     return (scope.get("state") or {}).get(CLIENT_CERT_STATE_KEY)
 
 
-_RDN_SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
-              "localityName": "L", "stateOrProvinceName": "ST", "emailAddress": "emailAddress"}
+_RDN_SHORT = {
+    "commonName": "CN",
+    "organizationName": "O",
+    "organizationalUnitName": "OU",
+    "countryName": "C",
+    "localityName": "L",
+    "stateOrProvinceName": "ST",
+    "emailAddress": "emailAddress",
+}

@@ -39,26 +39,45 @@ class VaultIssuer:
         self.cfg = cfg
         verify: str | bool = str(cfg.ca_bundle) if cfg.ca_bundle else True
         if cfg.ca_bundle is not None and not cfg.ca_bundle.is_file():
-            raise VaultError(f"server.tls.vault.ca_bundle {cfg.ca_bundle} does not exist; point it at the CA PEM that signs Vault's certificate")
-        # token="" keeps hvac from picking up $VAULT_TOKEN or ~/.vault-token behind the config's back.
-        self.client = hvac.Client(url=cfg.addr, token="", verify=verify, timeout=cfg.timeout, namespace=cfg.namespace)
+            raise VaultError(
+                f"server.tls.vault.ca_bundle {cfg.ca_bundle} does not exist; point it at the CA "
+                "PEM that signs Vault's certificate"
+            )
+        # token="" keeps hvac from reading $VAULT_TOKEN or ~/.vault-token behind the config's back.
+        self.client = hvac.Client(
+            url=cfg.addr, token="", verify=verify, timeout=cfg.timeout, namespace=cfg.namespace
+        )
 
     def issue(self) -> IssuedCert:
         """A fresh certificate for the configured common name; raises VaultError on any failure."""
         try:
             response = self._generate()
         except hvac.exceptions.Forbidden as e:
-            raise VaultError(f"Vault at {self.cfg.addr} refused to issue from {self._path()}: {e}; check the token's policy") from e
+            raise VaultError(
+                f"Vault at {self.cfg.addr} refused to issue from {self._path()}: {e}; "
+                "check the token's policy"
+            ) from e
         except hvac.exceptions.VaultError as e:
-            raise VaultError(f"Vault at {self.cfg.addr} failed to issue from {self._path()}: {type(e).__name__}: {e}") from e
+            raise VaultError(
+                f"Vault at {self.cfg.addr} failed to issue from {self._path()}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         except requests.exceptions.SSLError as e:
-            raise VaultError(f"Vault at {self.cfg.addr} has a TLS certificate we cannot verify ({e}); set server.tls.vault.ca_bundle to the CA that signs it") from e
-        except (requests.exceptions.RequestException, OSError) as e:  # OSError: ca_bundle unreadable
-            raise VaultError(f"cannot reach Vault at {self.cfg.addr}: {type(e).__name__}: {e}") from e
+            raise VaultError(
+                f"Vault at {self.cfg.addr} has a TLS certificate we cannot verify ({e}); set "
+                "server.tls.vault.ca_bundle to the CA that signs it"
+            ) from e
+        # OSError: ca_bundle unreadable
+        except (requests.exceptions.RequestException, OSError) as e:
+            raise VaultError(
+                f"cannot reach Vault at {self.cfg.addr}: {type(e).__name__}: {e}"
+            ) from e
         try:
             return _issued(response["data"])
         except (KeyError, TypeError, AttributeError) as e:
-            raise VaultError(f"Vault at {self.cfg.addr} answered {self._path()} without a certificate ({e!r})") from e
+            raise VaultError(
+                f"Vault at {self.cfg.addr} answered {self._path()} without a certificate ({e!r})"
+            ) from e
 
     def _generate(self) -> dict:
         self._login_if_needed()
@@ -73,7 +92,9 @@ class VaultIssuer:
 
     def _generate_once(self) -> dict:
         return self.client.secrets.pki.generate_certificate(
-            name=self.cfg.role, common_name=self.cfg.common_name, extra_params=self._params(),
+            name=self.cfg.role,
+            common_name=self.cfg.common_name,
+            extra_params=self._params(),
             mount_point=self.cfg.pki_mount,
         )
 
@@ -98,13 +119,18 @@ class VaultIssuer:
             return
         if self.client.token:
             return
-        role_id, secret_id = os.environ.get(self.cfg.role_id_env), os.environ.get(self.cfg.secret_id_env)
+        role_id, secret_id = (
+            os.environ.get(self.cfg.role_id_env),
+            os.environ.get(self.cfg.secret_id_env),
+        )
         if not (role_id and secret_id):
             raise VaultError(
-                f"no Vault credentials: export ${self.cfg.token_env}, or ${self.cfg.role_id_env} and "
-                f"${self.cfg.secret_id_env} for AppRole"
+                f"no Vault credentials: export ${self.cfg.token_env}, or "
+                f"${self.cfg.role_id_env} and ${self.cfg.secret_id_env} for AppRole"
             )
-        self.client.auth.approle.login(role_id=role_id, secret_id=secret_id, mount_point=self.cfg.approle_mount)
+        self.client.auth.approle.login(
+            role_id=role_id, secret_id=secret_id, mount_point=self.cfg.approle_mount
+        )
 
 
 def _issued(data: dict) -> IssuedCert:
@@ -123,4 +149,6 @@ def _check_addr(addr: str) -> None:
         return
     if url.scheme == "http" and url.hostname in ("127.0.0.1", "localhost", "::1"):
         return
-    raise VaultError(f"server.tls.vault.addr {addr!r} must be an https:// URL (plain http only on loopback)")
+    raise VaultError(
+        f"server.tls.vault.addr {addr!r} must be an https:// URL (plain http only on loopback)"
+    )

@@ -33,7 +33,8 @@ class _Active:
 
 
 class ServerTLS:
-    """The gateway's server TLS: one listening context, its certificate swapped for new handshakes."""
+    """The gateway's server TLS: one listening context, its certificate swapped for new
+    handshakes."""
 
     def __init__(self, cfg: TLSConfig, source: CertSource) -> None:
         self.cfg, self.source = cfg, source
@@ -52,7 +53,10 @@ class ServerTLS:
             return cls(cfg, VaultCertSource(cfg.vault))
         if cfg.cert_file is not None and cfg.key_file is not None:
             ca = (cfg.client_ca_file,) if cfg.client_ca_file else ()
-            return cls(cfg, FileCertSource(cfg.cert_file, cfg.key_file, cfg.watch_interval, cfg.renew_at, ca))
+            return cls(
+                cfg,
+                FileCertSource(cfg.cert_file, cfg.key_file, cfg.watch_interval, cfg.renew_at, ca),
+            )
         return None
 
     @property
@@ -66,20 +70,33 @@ class ServerTLS:
         previous, self._active = self._active.bundle, active
         self.rotations += 1
         if previous.serial == bundle.serial:
-            log.info("server TLS reloaded (client CA changed; certificate serial %s unchanged)", bundle.serial_hex)
+            log.info(
+                "server TLS reloaded (client CA changed; certificate serial %s unchanged)",
+                bundle.serial_hex,
+            )
             return
         log.info(
-            "server certificate rotated: serial %s → %s (%s), valid until %s", previous.serial_hex,
-            bundle.serial_hex, bundle.subject, datetime.fromtimestamp(bundle.not_after, UTC).isoformat(),
+            "server certificate rotated: serial %s → %s (%s), valid until %s",
+            previous.serial_hex,
+            bundle.serial_hex,
+            bundle.subject,
+            datetime.fromtimestamp(bundle.not_after, UTC).isoformat(),
         )
 
-    def _select_context(self, ssl_object: Any, server_name: str | None, _listening: ssl.SSLContext) -> None:
-        ssl_object.context = self._active.context  # this handshake only; must not raise (alerts the client)
+    def _select_context(
+        self, ssl_object: Any, server_name: str | None, _listening: ssl.SSLContext
+    ) -> None:
+        ssl_object.context = (
+            self._active.context
+        )  # this handshake only; must not raise (alerts the client)
 
     def start(self) -> ServerTLS:
-        """Watch / renew the certificate in a daemon thread (hvac and file I/O stay off the event loop)."""
+        """Watch / renew the certificate in a daemon thread (hvac and file I/O stay off the event
+        loop)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="flashstack-tls-renewal", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="flashstack-tls-renewal", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -87,7 +104,9 @@ class ServerTLS:
         try:
             self.source.run(self, self._stop)
         except Exception:  # the thread must not die silently: readiness would never learn
-            log.exception("the TLS certificate renewal thread crashed; the current certificate keeps serving")
+            log.exception(
+                "the TLS certificate renewal thread crashed; the current certificate keeps serving"
+            )
             self.source.error = "the renewal thread crashed; see the log"
 
     def close(self, timeout: float = 5.0) -> None:
@@ -106,14 +125,23 @@ class ServerTLS:
         else:
             state = "ok"
         report: dict[str, Any] = {
-            "status": state, "source": self.source.kind, "serial": bundle.serial_hex, "subject": bundle.subject,
-            "not_after": datetime.fromtimestamp(bundle.not_after, UTC).isoformat(timespec="seconds"),
-            "seconds_left": round(bundle.not_after - now, 1), "rotations": self.rotations,
+            "status": state,
+            "source": self.source.kind,
+            "serial": bundle.serial_hex,
+            "subject": bundle.subject,
+            "not_after": datetime.fromtimestamp(bundle.not_after, UTC).isoformat(
+                timespec="seconds"
+            ),
+            "seconds_left": round(bundle.not_after - now, 1),
+            "rotations": self.rotations,
         }
         if error:
             report["error"] = error
         if state == "warning" and not error:
-            report["error"] = f"the certificate is past {self.source.renew_at:.0%} of its lifetime and was not renewed"
+            report["error"] = (
+                f"the certificate is past {self.source.renew_at:.0%} of its lifetime and was "
+                "not renewed"
+            )
         return report
 
     def uvicorn_options(self, http: str | type = "httptools") -> dict[str, Any]:

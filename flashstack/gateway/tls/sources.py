@@ -39,7 +39,8 @@ class CertSource(Protocol):
 
 
 class FileCertSource:
-    """cert_file + key_file, polled for changes (mtime, size, inode: catches Kubernetes' symlink swaps).
+    """cert_file + key_file, polled for changes (mtime, size, inode: catches Kubernetes' symlink
+    swaps).
 
     `also_watch` (the client CA bundle) triggers a rebuild too, so a new client CA needs no restart.
     """
@@ -47,9 +48,19 @@ class FileCertSource:
     kind = "files"
 
     def __init__(
-        self, cert_file: Path, key_file: Path, interval: float, renew_at: float, also_watch: tuple[Path, ...] = ()
+        self,
+        cert_file: Path,
+        key_file: Path,
+        interval: float,
+        renew_at: float,
+        also_watch: tuple[Path, ...] = (),
     ) -> None:
-        self.cert_file, self.key_file, self.interval, self.renew_at = cert_file, key_file, interval, renew_at
+        self.cert_file, self.key_file, self.interval, self.renew_at = (
+            cert_file,
+            key_file,
+            interval,
+            renew_at,
+        )
         self.also_watch = also_watch
         self.error: str | None = None
         self._seen: tuple[Any, ...] | None = None
@@ -83,12 +94,15 @@ class FileCertSource:
 
     def _fail(self, message: str) -> None:
         if message != self.error:
-            log.warning("server certificate not reloaded, the current one keeps serving: %s", message)
+            log.warning(
+                "server certificate not reloaded, the current one keeps serving: %s", message
+            )
         self.error = message
 
 
 class VaultCertSource:
-    """Issued by Vault / OpenBao PKI; renewed at `renew_at` of the lifetime, with backoff on failure."""
+    """Issued by Vault / OpenBao PKI; renewed at `renew_at` of the lifetime, with backoff on
+    failure."""
 
     kind = "vault"
 
@@ -106,7 +120,9 @@ class VaultCertSource:
     def issue(self) -> CertBundle:
         """One certificate from Vault now; VaultError or TLSError on failure."""
         issued = self.issuer.issue()
-        return CertBundle.from_pem(issued.cert_pem.encode(), issued.key_pem.encode(), f"Vault {self.cfg.addr}")
+        return CertBundle.from_pem(
+            issued.cert_pem.encode(), issued.key_pem.encode(), f"Vault {self.cfg.addr}"
+        )
 
     def initial(self, attempts: int = 3) -> CertBundle:
         from flashstack.gateway.tls.pki import VaultError
@@ -117,7 +133,12 @@ class VaultCertSource:
             except VaultError as e:
                 if attempt == attempts:
                     raise TLSError(f"no server certificate: {e}") from e
-                log.warning("Vault did not issue the server certificate (attempt %d/%d): %s", attempt, attempts, e)
+                log.warning(
+                    "Vault did not issue the server certificate (attempt %d/%d): %s",
+                    attempt,
+                    attempts,
+                    e,
+                )
                 time.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")
 
@@ -140,12 +161,15 @@ class VaultCertSource:
                     return
                 continue
             if self.failures:
-                log.warning("Vault is back: renewed the server certificate after %d failed attempts", self.failures)
+                log.warning(
+                    "Vault is back: renewed the server certificate after %d failed attempts",
+                    self.failures,
+                )
             self.failures, self.error = 0, None
             return
 
     def _backoff(self, attempt: int) -> float:
-        # Full-range doubling with jitter, so replicas that lost Vault together do not retry together.
+        # Full-range doubling with jitter: replicas that lost Vault together do not retry together.
         base = min(self.cfg.retry_max, self.cfg.retry_min * 2 ** (attempt - 1))
         return base * random.uniform(0.5, 1.0)
 
@@ -154,13 +178,22 @@ class VaultCertSource:
         until = datetime.fromtimestamp(current.not_after, UTC).isoformat(timespec="seconds")
         if left > 0:
             log.warning(
-                "renewing the server certificate from Vault failed (attempt %d): %s. The current certificate "
-                "(serial %s) keeps serving until %s (%.0f s left); retrying in %.2f s",
-                self.failures, self.error, current.serial_hex, until, left, delay,
+                "renewing the server certificate from Vault failed (attempt %d): %s. The current "
+                "certificate (serial %s) keeps serving until %s (%.0f s left); retrying in %.2f s",
+                self.failures,
+                self.error,
+                current.serial_hex,
+                until,
+                left,
+                delay,
             )
         else:
             log.error(
-                "the server certificate (serial %s) EXPIRED at %s and Vault still fails (attempt %d): %s. "
-                "New TLS handshakes are rejected by clients; retrying in %.2f s",
-                current.serial_hex, until, self.failures, self.error, delay,
+                "the server certificate (serial %s) EXPIRED at %s and Vault still fails "
+                "(attempt %d): %s. New TLS handshakes are rejected by clients; retrying in %.2f s",
+                current.serial_hex,
+                until,
+                self.failures,
+                self.error,
+                delay,
             )

@@ -84,7 +84,11 @@ class ReloadingClientContext(ssl.SSLContext):
             load_pem_pair(self, cert_pem, key_pem)
             log.info("%s: upstream client certificate reloaded from %s", self._owner, cert)
         except (OSError, ssl.SSLError) as e:
-            log.warning("%s: upstream client certificate not reloaded, the previous one stays: %s", self._owner, e)
+            log.warning(
+                "%s: upstream client certificate not reloaded, the previous one stays: %s",
+                self._owner,
+                e,
+            )
 
     def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:  # type: ignore[override]
         with self._lock:

@@ -16,6 +16,12 @@ from flashstack.gateway.vision.pipeline import prepare, target_configs
 from flashstack.gateway.vision.scaling import Target
 
 __all__ = [
-    "MEDIA_TYPES", "ImageInfo", "ImagePayload", "Target", "checked_base64_image", "image_from_url",
-    "prepare", "target_configs",
+    "MEDIA_TYPES",
+    "ImageInfo",
+    "ImagePayload",
+    "Target",
+    "checked_base64_image",
+    "image_from_url",
+    "prepare",
+    "target_configs",
 ]

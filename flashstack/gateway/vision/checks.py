@@ -96,12 +96,14 @@ def inspect(raw: bytes, declared: str | None, cfg: VisionConfig, param: str | No
     actual = sniff(raw)
     if actual is None:
         raise invalid_request(
-            f"image data is not a JPEG, PNG, GIF or WebP image (its first bytes are {raw[:8].hex()})",
+            "image data is not a JPEG, PNG, GIF or WebP image "
+            f"(its first bytes are {raw[:8].hex()})",
             param,
         )
     if declared is not None and declared != actual:
         raise invalid_request(
-            f"image is declared as {declared} but its bytes are {actual}; send the right media type",
+            f"image is declared as {declared} but its bytes are {actual}; "
+            "send the right media type",
             param,
         )
     if not is_complete(raw, actual):

@@ -91,17 +91,19 @@ async def _checked(
         addresses = await resolve(url.host, port)
     except OSError:
         addresses = []
-    # One answer for a name that does not resolve and one that resolves inside the gateway's network:
-    # which internal names exist is not the caller's to learn.
-    if not addresses or (not cfg.allow_private_addresses and not all(is_public(a) for a in addresses)):
+    # One answer for a name that does not resolve and one that resolves inside the gateway's
+    # network: which internal names exist is not the caller's to learn.
+    if not addresses or (
+        not cfg.allow_private_addresses and not all(is_public(a) for a in addresses)
+    ):
         raise _unreachable(url.host, param)
     return url.copy_with(host=addresses[0])
 
 
 def _unreachable(host: str, param: str | None) -> GatewayError:
     return invalid_request(
-        f"image URL host {host!r} cannot be fetched: the gateway fetches only hosts that resolve to public "
-        "addresses; send the image as base64 data instead",
+        f"image URL host {host!r} cannot be fetched: the gateway fetches only hosts that "
+        "resolve to public addresses; send the image as base64 data instead",
         param,
     )
 
@@ -123,7 +125,9 @@ async def _get(
     except httpx.HTTPError:
         # The error's text (refused, reset, TLS details) would tell a caller about hosts and ports.
         raise invalid_request(
-            "image URL cannot be fetched: the connection failed; send the image as base64 data instead", param
+            "image URL cannot be fetched: the connection failed; "
+            "send the image as base64 data instead",
+            param,
         ) from None
 
 

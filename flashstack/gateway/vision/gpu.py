@@ -16,8 +16,8 @@ _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 # LUT value for bytes outside the alphabet ('=' included: padding is decoded on the host).
 INVALID = 0x80
 
-# Base64 payloads at least this large are decoded on the GPU; None: never. Set from
-# bench/vision.py's measurement on an H200 (docs/benchmarks.md, "Vision"): pybase64 won at every size.
+# Base64 payloads at least this large are decoded on the GPU; None: never. bench/vision.py measured
+# it on an H200 (docs/benchmarks.md, "Vision"): pybase64 won at every size.
 GPU_BASE64_MIN_BYTES: int | None = None
 
 
@@ -149,7 +149,8 @@ BLOCK = 1024
 
 
 def b64decode_quads_triton(src: Any) -> Any:
-    """Decode whole quads of a CUDA uint8 tensor with the Triton kernel; raises on a bad character."""
+    """Decode whole quads of a CUDA uint8 tensor with the Triton kernel; raises on a bad
+    character."""
     import torch
 
     n_quads = src.numel() // 4

@@ -37,7 +37,8 @@ def checked_base64_image(media_type: str, data: str, param: str) -> Image:
     """An Image by value; the media type is checked here, the bytes later by `prepare`."""
     if media_type not in MEDIA_TYPES:
         raise invalid_request(
-            f"image media type {media_type!r} is not supported; use one of {', '.join(MEDIA_TYPES)}",
+            f"image media type {media_type!r} is not supported; use one of "
+            f"{', '.join(MEDIA_TYPES)}",
             param,
         )
     if not data:

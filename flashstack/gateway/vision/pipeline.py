@@ -43,7 +43,8 @@ class _Router(Protocol):
 
 
 def target_configs(router: _Router, model: str) -> list[ModelConfig]:
-    """The configs of every deployment a request for `model` may reach: its group and its fallbacks."""
+    """The configs of every deployment a request for `model` may reach: its group and its
+    fallbacks."""
     configs = [d.cfg for d in router.deployments(model)]
     kinds = ("fallbacks", "context_window_fallbacks", "content_policy_fallbacks")
     fallbacks = {f for c in configs for kind in kinds for f in getattr(c, kind, ())}
@@ -84,7 +85,8 @@ async def prepare(req: ChatRequest, configs: Sequence[ModelConfig], cfg: VisionC
         return
     if len(images) > cfg.max_images_per_request:
         raise invalid_request(
-            f"request has {len(images)} images, over the gateway's cap of {cfg.max_images_per_request} "
+            f"request has {len(images)} images, over the gateway's cap of "
+            f"{cfg.max_images_per_request} "
             "(vision.max_images_per_request); split it into several requests",
             "messages",
         )
