@@ -6,10 +6,14 @@ Screenshots go to $FLASHSTACK_UI_SCREENSHOTS (docs/ui for the docs), else to the
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -23,6 +27,7 @@ from tests.gateway.ops import metered_upstream
 from tests.gateway.sessions.support import MASTER_KEY, auth_headers, create_key
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Upstream:
@@ -120,6 +125,25 @@ def test_sign_in_is_the_master_keys_and_changes_need_the_csrf_token(upstream, tm
         assert httpx.post(off.url + "/ui/api/login", json={"key": "x"}).status_code == 403
     finally:
         off.stop()
+
+
+@pytest.mark.slow
+def test_the_console_ships_inside_the_wheel(tmp_path):
+    """A wheel built from the package holds the page, its script and its style: nothing is fetched
+    or built at install time, and the page names only its own assets."""
+    src = tmp_path / "src"  # a copy: a build in the shared tree would leave build/ and *.egg-info there
+    shutil.copytree(ROOT / "flashstack", src / "flashstack", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("flashstack-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        page = z.read("flashstack/gateway/ui/assets/index.html").decode()
+    assert {f"flashstack/gateway/ui/assets/{a}" for a in ("index.html", "app.js", "style.css")} <= names
+    assert re.findall(r'(?:src|href)="(/[^"]*)"', page) == ["/ui/assets/style.css", "/ui/assets/app.js"]
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (make install does it)")
