@@ -167,10 +167,13 @@ def summarize(results: list[Result], wall: float, slo_ttft: float, slo_tpot: flo
 async def run_rate(url: str, model: str, work: Workload, rate: float, concurrency: int | None,
                    seconds: float, slo: tuple[float, float], seed: int = 0) -> dict[str, Any]:
     """Requests arriving as a Poisson process of `rate` per second (inf: all at once), at most
-    `concurrency` in flight; a finite rate sends about `seconds` worth of them."""
+    `concurrency` in flight; a finite rate sends about `seconds` worth of them, a capped
+    concurrency c the first 4c (enough for steady state, not the whole workload c at a time)."""
     import httpx
 
     n = len(work.prompts) if math.isinf(rate) else max(1, min(len(work.prompts), round(rate * seconds)))
+    if concurrency:
+        n = min(n, 4 * concurrency)
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -228,12 +231,26 @@ def start_server(model: Path, args: argparse.Namespace) -> tuple[subprocess.Pope
     raise RuntimeError(f"the server did not answer /health in {args.server_timeout_s} s")
 
 
-def served(url: str, work: Workload, warm: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _sampler(pid: int | None, path: Path | None) -> subprocess.Popen | None:
+    """py-spy sampling the server's GIL holders during the burst: where its host time goes."""
+    if pid is None or path is None:
+        return None
+    cmd = ["py-spy", "record", "--pid", str(pid), "--rate", "200", "--gil", "--threads",
+           "--format", "raw", "--nonblocking", "-o", str(path)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+
+
+def served(url: str, work: Workload, warm: Workload, args: argparse.Namespace,
+           pid: int | None = None) -> list[dict[str, Any]]:
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     asyncio.run(run_rate(url, args.served_name, warm, math.inf, None, 0, slo))  # compile, warm caches
     runs = []
     for rate in args.rates:
+        spy = _sampler(pid, args.py_spy) if math.isinf(rate) else None
         runs.append(asyncio.run(run_rate(url, args.served_name, work, rate, None, args.rate_seconds, slo)))
+        if spy is not None:
+            spy.send_signal(2)  # SIGINT: py-spy writes what it sampled
+            spy.wait(30)
         print(json.dumps(runs[-1]), flush=True)
     for c in args.concurrency:
         runs.append(asyncio.run(run_rate(url, args.served_name, work, math.inf, c, 0, slo)))
@@ -293,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server-arg", action="append", default=[], help="an extra `engine serve` argument")
     ap.add_argument("--server-timeout-s", type=float, default=600.0)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--py-spy", type=Path, help="sample the server with py-spy during the burst into this file")
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
 
@@ -319,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     proc, url = start_server(model, args)
     try:
-        result["served"] = served(url, work, warm, args)
+        result["served"] = served(url, work, warm, args, proc.pid)
     finally:
         proc.terminate()
         try:

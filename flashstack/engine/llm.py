@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -350,6 +351,44 @@ class LLMEngine:
         return state.output() if state else None
 
 
+@dataclass(slots=True, frozen=True)
+class EngineInfo:
+    """What a server needs to know of its engine once loaded."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        """`engine`'s model path, sequence length and vocabulary size."""
+        return cls(engine.config.model, engine.config.max_model_len, engine.model.args.vocab_size)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """The engine's queue and cache counters, as /metrics reports them."""
+
+    running: int
+    waiting: int  # waiting or swapped out
+    used_blocks: int
+    num_blocks: int
+    block_size: int
+    prefix_queries: int  # full blocks looked up in the prefix cache
+    prefix_hits: int
+    preemptions: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineStats:
+        """`engine`'s counters now (len() of lists another thread mutates is atomic under the GIL)."""
+        sched, blocks = engine.scheduler, engine.block_manager
+        return cls(
+            len(sched.running), len(sched.waiting) + len(sched.swapped), blocks.num_used_blocks,
+            blocks.num_blocks, blocks.block_size, blocks.num_prefix_queries, blocks.num_prefix_hits,
+            sched.num_preemptions,
+        )
+
+
 def _mark_scheduled(batch: ScheduledBatch) -> None:
     now = time.monotonic()
     for seq in batch.seqs:
@@ -469,6 +508,15 @@ class AsyncLLM:
     def model_name(self) -> str:
         """The model directory's name (a GGUF file's name without .gguf)."""
         return model_name(self.engine.config.model)
+
+    @property
+    def info(self) -> EngineInfo:
+        """The loaded model's path, sequence length and vocabulary size."""
+        return EngineInfo.of(self.engine)
+
+    def stats(self) -> EngineStats:
+        """The engine's queue and cache counters now."""
+        return EngineStats.of(self.engine)
 
     async def stream(
         self,

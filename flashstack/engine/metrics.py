@@ -8,7 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from flashstack.engine.llm import LLMEngine
+from collections.abc import Callable
+
+from flashstack.engine.llm import EngineStats
 from flashstack.engine.outputs import StreamDelta
 
 # vLLM's own buckets, so a histogram here lines up with one scraped from vLLM.
@@ -29,26 +31,25 @@ _LATENCY_BUCKETS = (
 class _EngineState(Collector):
     """Gauges and counters read from the engine at scrape time: nothing to keep in sync."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        sched, blocks = self.engine.scheduler, self.engine.block_manager
+        st = self.stats()
         labels = [self.model_name]
-        # len() of a list the engine thread mutates is atomic under the GIL: no lock, no stall.
-        running, waiting = len(sched.running), len(sched.waiting) + len(sched.swapped)
-        usage = blocks.num_used_blocks / blocks.num_blocks
+        running, waiting = st.running, st.waiting
+        usage = st.used_blocks / st.num_blocks
         yield self._gauge("vllm:num_requests_running", "Requests in the running batch.", running)
         yield self._gauge("vllm:num_requests_waiting", "Requests waiting or swapped out.", waiting)
         yield self._gauge("vllm:kv_cache_usage_perc", "KV blocks in use (0 to 1).", usage)
         yield self._gauge("vllm:gpu_cache_usage_perc", "vLLM v0's vllm:kv_cache_usage_perc.", usage)
         # The block manager counts full blocks; vLLM counts tokens.
-        bs = blocks.block_size
-        queries, hits = blocks.num_prefix_queries * bs, blocks.num_prefix_hits * bs
+        bs = st.block_size
+        queries, hits = st.prefix_queries * bs, st.prefix_hits * bs
         for name, doc, value in (
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
-            ("vllm:num_preemptions", "Preemptions since start.", sched.num_preemptions),
+            ("vllm:num_preemptions", "Preemptions since start.", st.preemptions),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(labels, value)
@@ -63,9 +64,9 @@ class _EngineState(Collector):
 class ServerMetrics:
     """One registry per server: engine state at scrape time, request histograms as requests end."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineState(engine, model_name))
+        self.registry.register(_EngineState(stats, model_name))
         self.model_name = model_name
         labels = ["model_name"]
 

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from flashstack.engine.core_process import EngineCoreClient
 from flashstack.engine.lifecycle import Drain, DrainingServer, EdgeMiddleware, ServeOptions
 from flashstack.engine.llm import AsyncLLM
 from flashstack.engine.metrics import ServerMetrics
@@ -188,6 +189,20 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class _TextEvents:
+    """SSE events of a completion stream without logprobs, the fields that never change encoded
+    once per stream: a token's event costs one small json.dumps, not the whole chunk's."""
+
+    def __init__(self, chunk: dict[str, Any]) -> None:
+        head = json.dumps(chunk, separators=(",", ":"))[:-1]
+        self.head = f'data: {head},"choices":[{{"index":'
+
+    def event(self, index: int, text: str, finish: str | None) -> str:
+        """The chunk `_sse` would write for this choice's delta, byte for byte."""
+        reason = "null" if finish is None else json.dumps(finish)
+        return f'{self.head}{index},"text":{json.dumps(text)},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+
+
 def _message_text(m: ChatMessage) -> dict[str, Any]:
     content = m.content
     if isinstance(content, list):
@@ -217,7 +232,7 @@ class _Handler:
         if tok is None:
             raise APIError(400, "structured output needs the model's tokenizer", param="response_format")
         if self._grammars is None:
-            vocab = self.engine.engine.model.args.vocab_size
+            vocab = self.engine.info.vocab_size
             self._grammars = await asyncio.to_thread(GrammarCompiler, tok, vocab)
         try:
             return await asyncio.to_thread(self._grammars.compile, spec)
@@ -228,7 +243,7 @@ class _Handler:
 
     def check_model(self, name: str) -> None:
         """404 for a model this server does not serve."""
-        if name not in (*self.model_names, self.engine.engine.config.model):
+        if name not in (*self.model_names, self.engine.info.model):
             raise APIError(
                 404,
                 f"model {name!r} is not served here; use {self.model_name!r}",
@@ -386,14 +401,12 @@ def _cumulative_logprob(deltas: list[StreamDelta]) -> float:
     return sum(lp[t] for d in deltas for t, lp in zip(d.token_ids, d.logprobs or []))
 
 
-def _check_choices(n: int, best_of: int | None, stream: bool, stream_n: bool = False) -> None:
+def _check_choices(n: int, best_of: int | None, stream: bool) -> None:
     if best_of is not None and best_of < n:
         raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
     if stream and best_of is not None and best_of != n:
         # As vLLM: the best choices are only known at the end, so there is nothing to stream.
         raise APIError(400, "best_of cannot be streamed; drop stream or best_of", param="best_of")
-    if stream and n > 1 and not stream_n:
-        raise APIError(400, "streaming chat supports n = 1 only; drop stream or n", param="n")
 
 
 def _structured(req: _Sampling, plan: ToolPlan | None = None) -> GuideSpec | None:
@@ -449,7 +462,7 @@ async def _chat(h: _Handler, req: ChatRequest) -> Any:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _stream_response(
-            _chat_chunks(h, prompt, params, base, include_usage, top, req.logprobs, plan)
+            _chat_chunks(h, prompt, params, base, include_usage, top, req.logprobs, plan, req.n)
         )
     results = await h.run_choices(prompt, params, req.n)
     choices = []
@@ -481,55 +494,34 @@ async def _chat_chunks(
     top: int,
     logprobs: bool,
     plan: ToolPlan | None = None,
+    n: int = 1,
 ) -> AsyncIterator[str]:
+    """Chat chunks of `n` choices, interleaved as they come, each with its index (as OpenAI)."""
     chunk = {**base, "object": "chat.completion.chunk"}
-    tools = plan.stream() if plan is not None else None
-    gen = h.stream(prompt, params)
-    first = await gen.__anext__()  # raises APIError before any byte is sent
-    yield _sse(
-        {
-            **chunk,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "finish_reason": None,
-                    "logprobs": None,
-                }
-            ],
-        }
-    )
-    last = first
+    tools = [plan.stream() if plan is not None else None for _ in range(n)]
+    last: dict[int, StreamDelta] = {}
 
-    async def all_deltas() -> AsyncIterator[StreamDelta]:
-        yield first
-        async for d in gen:
-            yield d
+    def event(i: int, delta: dict[str, Any], finish: str | None, lps: Any = None) -> str:
+        choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lps}
+        return _sse({**chunk, "choices": [choice]})
 
-    async for d in all_deltas():
-        last = d
-        delta = tools.feed(d.text, d.finished) if tools else ({"content": d.text} if d.text else {})
+    greeted: set[int] = set()
+    async for i, d in h.stream_choices(prompt, params, n):  # raises APIError before any byte
+        if i not in greeted:  # every choice opens with the assistant role
+            greeted.add(i)
+            yield event(i, {"role": "assistant", "content": ""}, None)
+        last[i] = d
+        parser = tools[i]
+        delta = parser.feed(d.text, d.finished) if parser else ({"content": d.text} if d.text else {})
         finish = _finish(d.finish_reason)
-        if tools and tools.called and finish == "stop":
+        if parser and parser.called and finish == "stop":
             finish = "tool_calls"
         if delta or d.finished or (logprobs and d.token_ids):
-            yield _sse(
-                {
-                    **chunk,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": delta,
-                            "finish_reason": finish,
-                            "logprobs": h.chat_logprobs([d], top) if logprobs else None,
-                        }
-                    ],
-                }
-            )
-    if include_usage:
-        yield _sse(
-            {**chunk, "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)}
-        )
+            yield event(i, delta, finish, h.chat_logprobs([d], top) if logprobs else None)
+    if include_usage and last:
+        completion_tokens = sum(d.completion_tokens for d in last.values())
+        usage = _usage(last[0].prompt_tokens, completion_tokens)
+        yield _sse({**chunk, "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
 
 
@@ -544,7 +536,7 @@ def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 async def _completions(h: _Handler, req: CompletionRequest) -> Any:
     h.check_model(req.model)
-    _check_choices(req.n, req.best_of, req.stream, stream_n=True)
+    _check_choices(req.n, req.best_of, req.stream)
     prompts = _completion_prompts(req)
     params = req.sampling_params(req.max_tokens, req.logprobs)
     params.guide = await h.guide(_structured(req))
@@ -596,9 +588,12 @@ async def _completion_chunks(
 ) -> AsyncIterator[str]:
     chunk = {**base, "object": "text_completion"}
     last: dict[int, StreamDelta] = {}
+    plain = _TextEvents(chunk) if req.logprobs is None else None
     async for i, d in h.stream_choices(prompt, params, req.n):
         last[i] = d
-        if d.text or d.finished:
+        if plain is not None and (d.text or d.finished):
+            yield plain.event(i, d.text, _finish(d.finish_reason))
+        elif d.text or d.finished:
             yield _sse(
                 {
                     **chunk,
@@ -662,7 +657,7 @@ def _tokenize(h: _Handler, req: TokenizeCompletionRequest | TokenizeChatRequest)
     strs = None
     if req.return_token_strs:
         strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
-    max_len = h.engine.engine.config.max_model_len
+    max_len = h.engine.info.max_model_len
     return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
 
 
@@ -676,13 +671,13 @@ def _detokenize(h: _Handler, req: DetokenizeRequest) -> dict[str, str]:
 
 
 def build_app(
-    engine: AsyncLLM, model_name: str | None = None, options: ServeOptions | None = None
+    engine: AsyncLLM | EngineCoreClient, model_name: str | None = None, options: ServeOptions | None = None
 ) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name` (default: dir name)."""
     options = options or ServeOptions()
     names = options.served_model_names or [model_name or engine.model_name]
     app = FastAPI(title="flashstack engine")
-    h = _Handler(engine, names, ServerMetrics(engine.engine, names[0]))
+    h = _Handler(engine, names, ServerMetrics(engine.stats, names[0]))
     app.state.handler = h
     app.state.drain = drain = Drain(options.drain_timeout_s)
     app.add_middleware(EdgeMiddleware, drain=drain, api_key=options.api_key)
@@ -708,7 +703,7 @@ def build_app(
                     "object": "model",
                     "created": 0,
                     "owned_by": "flashstack",
-                    "max_model_len": engine.engine.config.max_model_len,
+                    "max_model_len": engine.info.max_model_len,
                 }
                 for name in h.model_names
             ],
@@ -751,12 +746,16 @@ def serve(
 ) -> None:
     """Load the model and serve it until stopped (`flashstack engine serve --model PATH`).
 
-    SIGTERM drains: new requests get 503 while running ones finish, then the process exits.
+    The engine core steps in a child process (core_process.py), so HTTP work never holds up a
+    step. SIGTERM drains: new requests get 503 while running ones finish, then the process exits.
     """
     import uvicorn
 
     options = options or ServeOptions()
-    engine = AsyncLLM(model_path, **engine_kwargs)
-    app = build_app(engine, model_name, options)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    DrainingServer(config, app.state.drain).run()
+    engine = EngineCoreClient(model_path, **engine_kwargs)
+    try:
+        app = build_app(engine, model_name, options)
+        config = uvicorn.Config(app, host=host, port=port, log_level="info")
+        DrainingServer(config, app.state.drain).run()
+    finally:
+        engine.close()

@@ -195,3 +195,12 @@ _ENGINES: dict[str, AsyncLLM] = {}
 
 def _served_engine(base_url: str) -> AsyncLLM:
     return _ENGINES[base_url]
+
+
+def test_completion_events_match_the_generic_encoder() -> None:
+    from flashstack.engine.server import _sse, _TextEvents
+
+    chunk = {"id": "cmpl-1", "created": 1, "model": 'q"uoted', "object": "text_completion"}
+    for text, finish in (('héllo\n"', None), ("", "length"), ("\u2028x", "stop")):
+        choice = {"index": 2, "text": text, "finish_reason": finish, "logprobs": None}
+        assert _TextEvents(chunk).event(2, text, finish) == _sse({**chunk, "choices": [choice]})

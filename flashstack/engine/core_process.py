@@ -1,0 +1,313 @@
+"""The engine core in a process of its own, as vLLM v1 runs it: the API server's event loop (HTTP,
+JSON, SSE writes) and the engine's step loop no longer share one GIL.
+
+In one process, every handoff of the GIL between the step thread and the event loop waited up to
+the interpreter's switch interval, and the loop's per-token HTTP work ran between engine steps:
+a 256-request burst streamed at 55 % of offline throughput (docs/benchmarks.md, engine_serving).
+
+`EngineCoreClient` is `AsyncLLM`'s streaming surface over a pipe: requests (token ids, sampling
+parameters, a grammar's spec) go in, one message per engine step comes back with every request's
+delta and the engine's counters for /metrics. Text prompts are tokenized here, in the API
+process; the core detokenizes (stop strings need the text) and steps without pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from flashstack.engine.llm import EngineInfo, EngineStats, Prompt, model_name
+from flashstack.engine.outputs import StreamDelta
+from flashstack.engine.sampling import SamplingParams
+
+log = logging.getLogger("flashstack.engine")
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core process failed or is gone; the message says what happened there."""
+
+
+# ---- the core process -----------------------------------------------------------------------
+
+
+class _Core:
+    """Runs in the child: drains the request pipe, steps, sends each step's deltas."""
+
+    def __init__(self, model: str, kwargs: dict[str, Any], out: Connection) -> None:
+        from flashstack.engine.llm import LLMEngine, _engine_config
+
+        self.engine = LLMEngine(_engine_config(model, kwargs))
+        self.out = out
+        self._grammars: Any = None
+        self.errors: list[tuple[str, str]] = []
+
+    def handle(self, msg: tuple[Any, ...]) -> bool:
+        """Apply one request message; False on stop."""
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt, params, spec, priority = msg
+            try:
+                if spec is not None:
+                    params = dataclasses.replace(params, guide=self._compile(spec))
+                self.engine.add_state(self.engine.make_sequence(prompt, params, rid, priority))
+            except ValueError as exc:  # a bad request: its stream raises it as a 400
+                self.errors.append((rid, str(exc)))
+        elif kind == "abort":
+            self.engine.abort_request(msg[1])
+        elif kind == "stop":
+            return False
+        return True
+
+    def _compile(self, spec: Any) -> Any:
+        # The API process compiled the spec already (a bad one was its 400); compiled grammars do
+        # not cross processes, so the core compiles its own copy.
+        if self._grammars is None:
+            from flashstack.engine.guided import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.engine.tokenizer, self.engine.model.args.vocab_size)
+        return self._grammars.compile(spec)
+
+    def step(self) -> None:
+        try:
+            deltas = self.engine.step() if self.engine.has_pending_output() else []
+        except Exception:  # every live stream ends with the engine's error
+            failed = traceback.format_exc()
+            rids = list(self.engine.requests)
+            self.engine.abort_all()
+            self.errors += [(rid, f"engine step failed:\n{failed}") for rid in rids]
+            deltas = []
+        if deltas or self.errors:
+            self.out.send(("step", deltas, self.errors, EngineStats.of(self.engine)))
+            self.errors = []
+
+
+def _core_main(
+    model: str, kwargs: dict[str, Any], requests: Connection, out: Connection, parent: int
+) -> None:
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    try:
+        core = _Core(model, kwargs, out)
+    except BaseException:
+        out.send(("fatal", traceback.format_exc()))
+        return
+    out.send(("ready", EngineInfo.of(core.engine), EngineStats.of(core.engine)))
+    # Not on the main thread: there the same CPU forward measured 7x slower (27.8 s against
+    # 3.8 s for one batch of SmolLM2 on CPU); AsyncLLM's steps always ran on a worker thread.
+    loop = threading.Thread(target=_step_loop, args=(core, requests), name="flashstack-engine")
+    loop.start()
+    loop.join()
+
+
+def _step_loop(core: _Core, requests: Connection) -> None:
+    try:
+        running = True
+        while running:
+            # Block only when idle: a live batch steps again at once.
+            if not core.engine.has_pending_output():
+                requests.poll(None)
+            while running and requests.poll(0):
+                running = core.handle(requests.recv())
+            if running:
+                core.step()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the API process is gone or stopping
+    finally:
+        core.engine.shutdown()
+
+
+# ---- the API side ---------------------------------------------------------------------------
+
+
+class EngineCoreClient:
+    """`AsyncLLM.stream` with the engine in a child process; construct it before the event loop."""
+
+    def __init__(self, model: str | Path, startup_timeout_s: float = 1800.0, **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")  # fork after torch or CUDA started is unsafe
+        req_recv, self._requests = ctx.Pipe(duplex=False)
+        self._outputs, out_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_core_main, args=(str(model), kwargs, req_recv, out_send, os.getpid()),
+            name="flashstack-engine-core",
+        )
+        self._proc.start()
+        req_recv.close()
+        out_send.close()
+        if not self._outputs.poll(startup_timeout_s):
+            self._proc.kill()
+            raise EngineCoreError(f"the engine core did not start in {startup_timeout_s:.0f} s")
+        msg = self._recv_or_exit()
+        if msg[0] == "fatal":
+            self._proc.join(10)
+            raise EngineCoreError(f"the engine core failed to start:\n{msg[1]}")
+        _, self.info, self.latest_stats = msg
+        self.tokenizer = _load_tokenizer(Path(model))
+        self._queues: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._failure: str | None = None
+        self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
+
+    def _recv_or_exit(self) -> tuple[Any, ...]:
+        try:
+            return self._outputs.recv()
+        except EOFError:
+            self._proc.join(10)
+            raise EngineCoreError(
+                f"the engine core exited with code {self._proc.exitcode} before it was ready"
+            ) from None
+
+    @property
+    def model_name(self) -> str:
+        """The model file's or directory's name."""
+        return model_name(self.info.model)
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step."""
+        return self.latest_stats
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[StreamDelta]:
+        """Per-step deltas of one request until it ends; ValueError on a bad request."""
+        self._bind_loop()
+        if self._failure is not None:
+            raise EngineCoreError(self._failure)
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            prompt = self.tokenizer.encode(prompt)
+        spec = params.guide.spec if params.guide is not None else None
+        if spec is not None:
+            params = dataclasses.replace(params, guide=None)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already live")
+        queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self._send(("add", rid, list(prompt), params, spec, priority))
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():  # the reader fell behind: one delta for all of it
+                    items.append(queue.get_nowait())
+                deltas = [d for d in items if isinstance(d, StreamDelta)]
+                if deltas:
+                    delta = merge_deltas(deltas)
+                    finished = delta.finished
+                    yield delta
+                failures = [e for e in items if isinstance(e, BaseException)]
+                if failures and not finished:
+                    raise failures[0]
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self._failure is None:
+                self._send(("abort", rid))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a live request; its stream ends with finish_reason 'abort'."""
+        self._send(("abort", request_id))
+
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._reader.start()
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._requests.send(msg)
+
+    def _read(self) -> None:
+        # One thread: recv waits without the GIL, and each step's batch is one loop callback.
+        while True:
+            try:
+                msg = self._outputs.recv()
+            except (EOFError, OSError):
+                if not self._closed:
+                    code = self._proc.exitcode
+                    self._loop.call_soon_threadsafe(self._fail, f"the engine core exited (code {code})")
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        _, deltas, errors, stats = msg
+        self.latest_stats = stats
+        queues = self._queues
+        for delta in deltas:
+            queue = queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+        for rid, message in errors:
+            queue = queues.get(rid)
+            if queue is not None:
+                exc = EngineCoreError(message) if message.startswith("engine step failed") else ValueError(message)
+                queue.put_nowait(exc)
+
+    def _fail(self, message: str) -> None:
+        self._failure = message
+        for queue in self._queues.values():
+            queue.put_nowait(EngineCoreError(message))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the core process (it finishes its step first); kill it past `timeout_s`."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
+    """One delta carrying several steps' news, as vLLM's AsyncLLM merges the outputs a slow
+    consumer has not read yet: fewer, larger SSE events instead of a backlog of small ones."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in d.logprobs or []]
+    return dataclasses.replace(
+        last,
+        token_ids=[t for d in deltas for t in d.token_ids],
+        text="".join(d.text for d in deltas),
+        logprobs=logprobs,
+    )
+
+
+def _watch_parent(parent: int) -> None:
+    # A killed API server leaves no engine core holding the GPU behind it.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from flashstack.engine.gguf import is_gguf, open_gguf
+    from flashstack.engine.tokenizer import Tokenizer
+
+    has = open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
+    return Tokenizer(path) if has else None

@@ -1,0 +1,52 @@
+"""bench/engine_serving.py end to end on CPU: `engine serve` started, a burst and a capped
+concurrency streamed, offline LLM.generate on the same workload, every figure filled in."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench.engine_serving import Result, main, summarize
+
+
+def test_serving_bench_smoke(tmp_path) -> None:
+    out = tmp_path / "serving.json"
+    result = main([
+        "--shape", "tiny", "--device", "cpu", "--num-prompts", "4", "--prompt-len", "8", "24",
+        "--output-len", "3", "8", "--rates", "inf", "--concurrency", "2", "--max-model-len", "256",
+        "--max-num-seqs", "8", "--json", str(out),
+    ])
+    assert json.loads(out.read_text()) == result
+    burst, capped = result["served"]
+    # ignore_eos: both paths produce exactly the workload's output lengths
+    assert burst["completed"] == 4 and burst["output_tokens"] == result["offline"]["output_tokens"]
+    assert capped["max_concurrency"] == 2 and capped["completed"] == 4
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "output_tok_per_s"):
+        assert burst[key] > 0 and not math.isnan(burst[key]), key
+    assert result["served_over_offline"] > 0
+
+
+def test_goodput_counts_only_requests_within_both_slos() -> None:
+    fast = Result(ok=True, ttft=0.1, latency=0.5, itl=[0.1] * 4, output_tokens=5)  # tpot 0.1 s
+    slow_start = Result(ok=True, ttft=2.0, latency=2.4, itl=[0.1] * 4, output_tokens=5)
+    failed = Result(error="boom")
+    s = summarize([fast, slow_start, failed], wall=2.0, slo_ttft=1.0, slo_tpot=0.2)
+    assert s["completed"] == 2 and s["goodput_req_per_s"] == 0.5 and s["request_per_s"] == 1.0
+    assert s["ttft_ms_p50"] == 100.0 and s["tpot_ms_p50"] == 100.0 and s["errors"] == ["boom"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_serving_bench_smoke_on_gpu(tmp_path) -> None:
+    result = main([
+        "--shape", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--num-prompts", "16",
+        "--prompt-len", "16", "64", "--output-len", "8", "32", "--rates", "32", "inf",
+        "--rate-seconds", "0.5", "--concurrency", "4", "--max-model-len", "512",
+        "--gpu-memory-utilization", "0.3",
+    ])
+    assert all(r["completed"] == r["requests"] for r in result["served"])
+    assert result["served"][1]["output_tokens"] == result["offline"]["output_tokens"]
+    assert result["served_over_offline"] > 0
