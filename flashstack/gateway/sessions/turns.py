@@ -8,6 +8,7 @@ user's messages, marked incomplete with the error, and never half an answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import uuid
@@ -255,7 +256,7 @@ class Turn:
             return
         try:
             self.rows = await self.sessions.store.commit_turn(
-                self.session_id, self.token, self.inputs, resp,  # type: ignore[arg-type]
+                self.session_id, self.token, self.inputs, _whole(resp),  # type: ignore[arg-type]
                 idem=(self.caller.owner, self.idem.key, self.idem.fingerprint) if self.idem else None,
                 vectors=self.vectors, history_ids=self.history_ids, wire=self.wire,
             )
@@ -451,6 +452,13 @@ class _ReplyBuilder:
         content = whole if whole is not None else [self.blocks[i] for i in sorted(self.blocks)]
         usage = _total(self.usage, finish.usage)
         return ChatResponse(self.id, self.model, content, finish.stop_reason, usage, finish.stop_sequence)
+
+
+def _whole(resp: ChatResponse) -> ChatResponse:
+    """`resp` as stored: an Anthropic upstream's reply to a client of that wire with every block whole."""
+    if resp.raw is None or resp.raw.wire != anthropic_t.WIRE:
+        return resp
+    return dataclasses.replace(resp, content=anthropic_t.whole_content(resp.raw.items[0][1].get("content") or []))
 
 
 def _output_bytes(resp: ChatResponse) -> int:

@@ -644,6 +644,30 @@ def _stop_reason(value: str | None) -> StopReason:
         return StopReason.END_TURN
 
 
+def whole_content(blocks: list[dict[str, Any]]) -> list[Part]:
+    """A reply's blocks with every key, and those the canonical types do not model verbatim: what a
+    session stores of a same-wire reply, to replay it as it came (decoded only there: ~4 µs)."""
+    return _content(blocks, whole=True)
+
+
+def _content(blocks: list[dict[str, Any]], whole: bool) -> list[Part]:
+    content: list[Part] = []
+    for b in blocks:
+        kind = b.get("type")
+        extra = _extra(b, _REPLY_KEYS.get(kind, frozenset())) if whole else {}
+        if kind == "text":
+            content.append(Text(b.get("text", ""), extra=extra))
+        elif kind == "tool_use":
+            content.append(ToolCall(b["id"], b["name"], orjson.dumps(b.get("input") or {}).decode(), extra=extra))
+        elif kind == "thinking":
+            content.append(Thinking(b.get("thinking", ""), b.get("signature"), extra))
+        elif kind == "redacted_thinking":
+            content.append(RedactedThinking(b.get("data", "")))
+        elif whole:  # a server tool's call or result, a block newer than the gateway
+            content.append(Opaque(WIRE, b))
+    return content
+
+
 _REPLY_KEYS = {"text": frozenset({"type", "text"}), "tool_use": frozenset({"type", "id", "name", "input"}),
                "thinking": _THINKING_KEYS}
 
@@ -653,25 +677,10 @@ def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: se
     otherwise what the other wire cannot carry is named in `dropped`)."""
     if not keep_raw and dropped is not None:
         dropped.update(fields.dropped_response_fields(WIRE, body))
-    content: list[Part] = []
-    for b in body.get("content") or []:
-        kind = b.get("type")
-        # For the same wire, every key and block is kept: a session replays the reply as it came.
-        extra = _extra(b, _REPLY_KEYS.get(kind, frozenset())) if keep_raw else {}
-        if kind == "text":
-            content.append(Text(b.get("text", ""), extra=extra))
-        elif kind == "tool_use":
-            content.append(ToolCall(b["id"], b["name"], orjson.dumps(b.get("input") or {}).decode(), extra=extra))
-        elif kind == "thinking":
-            content.append(Thinking(b.get("thinking", ""), b.get("signature"), extra))
-        elif kind == "redacted_thinking":
-            content.append(RedactedThinking(b.get("data", "")))
-        elif keep_raw:  # a server tool's call or result, a block newer than the gateway
-            content.append(Opaque(WIRE, b))
     return ChatResponse(
         id=body.get("id") or message_id(),
         model=body.get("model", ""),
-        content=content,
+        content=_content(body.get("content") or [], whole=False),
         stop_reason=_stop_reason(body.get("stop_reason")),
         usage=usage_from_json(body.get("usage")),
         stop_sequence=body.get("stop_sequence"),
@@ -714,7 +723,7 @@ class MessageAccumulator:
                 self.blocks[index]["input"] = orjson.loads("".join(fragments) or "{}")
             except orjson.JSONDecodeError:
                 return None
-        return response_from_json({"content": [self.blocks[i] for i in sorted(self.blocks)]}, keep_raw=True).content
+        return whole_content([self.blocks[i] for i in sorted(self.blocks)])
 
 
 def upstream_error(status: int, body: Any, retry_after: float | None = None) -> GatewayError:
