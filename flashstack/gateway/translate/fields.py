@@ -551,6 +551,50 @@ event; a Responses stream has no final-event field); from a
 Responses upstream (`responses_api: true`) the body and every event arrive as the upstream sent
 them, the model renamed (hosted tools, unknown item types and fields included).
 
+### Codex CLI
+
+Codex CLI (0.171, `wire_api = "responses"`) works against any model of the gateway; tested
+against a Responses upstream, a chat-completions upstream (a shell tool called and answered) and
+the bundled SmolLM2-135M on the local engine (`tests/gateway/responses/test_codex.py`). Codex sends
+an ~18 KB system prompt and about twenty tools by default, more than a small local model's window;
+for SmolLM2 a `config.toml` of this shape keeps its request near 1,100 tokens (three function
+tools, which the local provider renders into the model's prompt):
+
+```toml
+model = "smollm2-135m-instruct"
+model_provider = "flashstack"
+web_search = "disabled"                      # only OpenAI runs its hosted tools
+model_instructions_file = "/path/to/short-instructions.md"
+include_environment_context = false
+include_permissions_instructions = false
+
+[skills]
+include_instructions = false
+
+[agents]
+enabled = false
+
+[features]
+goals = false
+view_image = false
+apps = false
+plugins = false
+shell_snapshot = false
+skill_search = false
+tool_suggest = false
+image_generation = false
+sleep_tool = false
+
+[model_providers.flashstack]
+name = "flashstack gateway"
+base_url = "http://127.0.0.1:8400/v1"
+env_key = "FLASHSTACK_API_KEY"
+wire_api = "responses"
+```
+
+On a CPU the first request also loads the engine: a `ttft_timeout` above the default 30 s for the
+local model keeps Codex from retrying it.
+
 ## `POST /v1/embeddings` and `POST /v1/completions`
 
 | model | embeddings | legacy completions |
