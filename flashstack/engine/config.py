@@ -23,25 +23,35 @@ class KernelOptions:
     triton_gemv: bool = True
     pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
     decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v
-    decode_tma: bool = True  # decode attention reads tiles through the TMA where it applies (Hopper+)
-    # Decode attention and its merge launched with PDL too (kernels/pdl.py): each starts while the kernel
-    # before it drains. Batch-1 step on the H200: SmolLM2-135M 612 -> 545 µs, Llama-3-8B 4.033 -> 4.001 ms.
+    # decode attention reads tiles through the TMA where it applies (Hopper+)
+    decode_tma: bool = True
+    # Decode attention and its merge launched with PDL too (kernels/pdl.py): each starts while the
+    # kernel before it drains. Batch-1 step on the H200: SmolLM2-135M 612 -> 545 µs, Llama-3-8B
+    # 4.033 -> 4.001 ms.
     attention_pdl: bool = True
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"
     tp_all_reduce_block: int = 2048  # values per program of the push kernels
     tp_all_reduce_warps: int = 4
-    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S  # bound on start-up and device collectives of a TP group
+    # bound on start-up and device collectives of a TP group
+    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.tp_all_reduce not in TP_ALL_REDUCES:
-            raise ValueError(f"kernels.tp_all_reduce must be one of {TP_ALL_REDUCES}, got {self.tp_all_reduce!r}")
+            raise ValueError(
+                f"kernels.tp_all_reduce must be one of {TP_ALL_REDUCES}, got {self.tp_all_reduce!r}"
+            )
         block = self.tp_all_reduce_block
         if block < 64 or block & (block - 1):
-            raise ValueError(f"kernels.tp_all_reduce_block must be a power of two >= 64, got {block}")
+            raise ValueError(
+                f"kernels.tp_all_reduce_block must be a power of two >= 64, got {block}"
+            )
         if self.tp_all_reduce_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"kernels.tp_all_reduce_warps must be 1, 2, 4, 8 or 16, got {self.tp_all_reduce_warps}")
+            raise ValueError(
+                "kernels.tp_all_reduce_warps must be 1, 2, 4, 8 or 16, got "
+                f"{self.tp_all_reduce_warps}"
+            )
         if self.tp_timeout_s <= 0:
             raise ValueError(f"kernels.tp_timeout_s must be positive, got {self.tp_timeout_s}")
 
@@ -62,11 +72,21 @@ class KernelOptions:
         """These options as they apply on `device`: the GPU kernels off elsewhere, the Hopper
         features (PDL, TMA) off before compute capability 9.0."""
         if device.type != "cuda":
-            return replace(self, triton_gemv=False, pdl=False, decode_qkv=False, decode_tma=False,
-                           attention_pdl=False)
+            return replace(
+                self,
+                triton_gemv=False,
+                pdl=False,
+                decode_qkv=False,
+                decode_tma=False,
+                attention_pdl=False,
+            )
         hopper = device_for(device).compute_capability >= (9, 0)
-        return replace(self, pdl=self.pdl and hopper, decode_tma=self.decode_tma and hopper,
-                       attention_pdl=self.attention_pdl and hopper)
+        return replace(
+            self,
+            pdl=self.pdl and hopper,
+            decode_tma=self.decode_tma and hopper,
+            attention_pdl=self.attention_pdl and hopper,
+        )
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -95,7 +115,8 @@ class EngineConfig:
     attention_backend: str = (
         "auto"  # "auto", "reference", or a name registered in kernels.attention
     )
-    enforce_eager: bool = False  # True: no CUDA graphs for decode (debugging, or to save capture time)
+    # True: no CUDA graphs for decode (debugging, or to save capture time)
+    enforce_eager: bool = False
     # Queue each decode step's successor before reading the step's tokens back, so the device
     # never idles while the host schedules and streams (vLLM's async scheduling). False: one step
     # at a time.

@@ -9,8 +9,8 @@ converts the two int32 inputs of the attention kernels itself. Padded rows write
 and read one harmless slot (context length 1).
 
 A bucket has one graph per grid bound its attention backend asks for (`decode_grid_bounds`: the
-Triton backend gives bucket 1 a short-context launch too, kernels/triton_attention.plan_decode), as a
-graph bakes its launches in; a step replays the smallest bound that holds its longest context.
+Triton backend gives bucket 1 a short-context launch too, kernels/triton_attention.plan_decode), as
+a graph bakes its launches in; a step replays the smallest bound that holds its longest context.
 Graphs are keyed by their place in `captures`; tensor-parallel ranks capture the same list, receive
 the key and replay the same graph.
 """
@@ -55,30 +55,46 @@ class _BucketInputs:
 class DecodeGraphs:
     """Captured decode graphs for a model and its KV cache; `run` replays the right bucket."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], ops: Ops,
-                 block_size: int, max_model_len: int, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        ops: Ops,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.kv_caches, self.ops = model, kv_caches, ops
         backend = ops.backend
         self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
         self.buckets = graph_buckets(max_num_seqs)
         top = self.buckets[-1]
         self.width = math.ceil(max_model_len / block_size)
-        self.packed = torch.zeros(self.packed_capacity(max_model_len, block_size, max_num_seqs), dtype=torch.int64,
-                                  device=device)
+        self.packed = torch.zeros(
+            self.packed_capacity(max_model_len, block_size, max_num_seqs),
+            dtype=torch.int64,
+            device=device,
+        )
         self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
-        # (bucket, grid bound) of every graph, largest bucket first so the shared pool is sized once;
-        # a graph's key is its index here.
-        self.captures = [(bs, bound) for bs in reversed(self.buckets)
-                         for bound in sorted(backend.decode_grid_bounds(bs, max_model_len), reverse=True)]
+        # (bucket, grid bound) of every graph, largest bucket first so the shared pool is sized
+        # once; a graph's key is its index here.
+        self.captures = [
+            (bs, bound)
+            for bs in reversed(self.buckets)
+            for bound in sorted(backend.decode_grid_bounds(bs, max_model_len), reverse=True)
+        ]
         self.keys = {capture: key for key, capture in enumerate(self.captures)}
         self.bounds = {bs: sorted(b for c, b in self.captures if c == bs) for bs in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
         self.pool = None
-        self.before_replay: StepHook | None = None  # rank 0 of a tensor-parallel group announces the step
-        # Under tensor parallelism: the graphs' first kernel gives every rank rank 0's packed inputs.
+        # rank 0 of a tensor-parallel group announces the step
+        self.before_replay: StepHook | None = None
+        # Under tensor parallelism: the graphs' first kernel gives every rank rank 0's packed
+        # inputs.
         self.share_inputs: ShareInputs | None = None
 
     @property
@@ -88,7 +104,9 @@ class DecodeGraphs:
     @staticmethod
     def packed_capacity(max_model_len: int, block_size: int, max_num_seqs: int) -> int:
         """Values in the largest bucket's packed inputs."""
-        return graph_buckets(max_num_seqs)[-1] * (_INPUT_ROWS + math.ceil(max_model_len / block_size))
+        return graph_buckets(max_num_seqs)[-1] * (
+            _INPUT_ROWS + math.ceil(max_model_len / block_size)
+        )
 
     def packed_size(self, bs: int) -> int:
         """Values in bucket `bs`'s packed inputs."""
@@ -103,9 +121,15 @@ class DecodeGraphs:
     def _meta(self, bs: int, slot_mapping: torch.Tensor, max_context_len: int) -> AttentionMetadata:
         # One grid for every step of this graph: split-KV sized for the longest context it serves.
         return AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1], block_size=self.block_size, max_query_len=1,
-            max_context_len=max_context_len, query_lens_host=[1] * bs, context_lens_host=[1] * bs,
+            slot_mapping=slot_mapping,
+            block_tables=self.block_tables[:bs],
+            context_lens=self.context_lens[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            block_size=self.block_size,
+            max_query_len=1,
+            max_context_len=max_context_len,
+            query_lens_host=[1] * bs,
+            context_lens_host=[1] * bs,
             grid_context_len=max_context_len,
         )
 
@@ -117,13 +141,19 @@ class DecodeGraphs:
         self.block_tables[:bs].copy_(v.block_tables)
         meta = self._meta(bs, v.slot_mapping, max_context_len)
         hidden = self.model(v.input_ids, v.positions, meta, self.kv_caches, self.ops)
-        return self.model.compute_logits(hidden, self.ops)  # None on ranks other than a group's rank 0
+        # None on ranks other than a group's rank 0
+        return self.model.compute_logits(hidden, self.ops)
 
     def _pad(self, bs: int) -> None:
         """Fill bucket `bs`'s inputs with padding rows (what warm-up and capture run on)."""
         v = self._views(bs)
-        for t, value in ((v.input_ids, 0), (v.positions, 0), (v.slot_mapping, -1), (v.context_lens, 1),
-                         (v.block_tables, 0)):
+        for t, value in (
+            (v.input_ids, 0),
+            (v.positions, 0),
+            (v.slot_mapping, -1),
+            (v.context_lens, 1),
+            (v.block_tables, 0),
+        ):
             t.fill_(value)
 
     @torch.inference_mode()
@@ -135,7 +165,8 @@ class DecodeGraphs:
         """
         for key, (bs, max_context_len) in enumerate(self.captures):
             self._pad(bs)
-            self._forward(bs, max_context_len)  # warm-up: Triton compiles and autotunes outside the capture
+            # warm-up: Triton compiles and autotunes outside the capture
+            self._forward(bs, max_context_len)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -157,15 +188,22 @@ class DecodeGraphs:
         self.pool = None
 
     def key_for(self, bs: int, longest: int) -> int:
-        """The graph of bucket `bs` with the smallest grid bound that holds a `longest`-token context."""
+        """The graph of bucket `bs` with the smallest grid bound that holds a `longest`-token
+        context."""
         return self.keys[bs, next(b for b in self.bounds[bs] if b >= longest)]
 
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            block_tables: list[list[int]], context_lens: list[int],
-            ids_from: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+        ids_from: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch). `ids_from`, a
         device tensor [n], replaces `input_ids` (the previous step's samples, never read back)."""
         bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
@@ -179,8 +217,14 @@ class DecodeGraphs:
         assert logits is not None, "only the rank that samples replays through run()"
         return logits[: len(input_ids)]
 
-    def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-              block_tables: list[list[int]], context_lens: list[int]) -> int:
+    def stage(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+    ) -> int:
         """Pack one step's inputs, padded to its bucket, into `packed`; returns the bucket."""
         n = len(input_ids)
         bs = self.bucket_for(n)

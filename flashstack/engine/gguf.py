@@ -72,13 +72,21 @@ def hf_tensor_name(name: str) -> str | None:
 def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's conversion of a Q or K projection: each head's rows, halves interleaved."""
     rows = w.shape[0]
-    return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """The inverse of `permute_qk`: back to Hugging Face's rotate-half row order."""
     rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
 
 
 @dataclass(slots=True)
@@ -91,7 +99,8 @@ class GGUFCheckpoint:
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFCheckpoint:
-        """Open and check `path`: readable, a supported architecture, only supported tensor types."""
+        """Open and check `path`: readable, a supported architecture, only supported tensor
+        types."""
         path = Path(path)
         if not path.is_file():
             raise GGUFError(f"{path}: no such GGUF file")
@@ -117,7 +126,9 @@ class GGUFCheckpoint:
     def _require(self, key: str) -> Any:
         value = self.arch_get(key)
         if value is None:
-            raise GGUFError(f"{self.path}: metadata lacks {self.architecture}.{key}; the file is incomplete")
+            raise GGUFError(
+                f"{self.path}: metadata lacks {self.architecture}.{key}; the file is incomplete"
+            )
         return value
 
     def _check_tensors(self) -> None:
@@ -125,14 +136,15 @@ class GGUFCheckpoint:
         for t in self.reader.tensors:
             if t.tensor_type.name not in QUANT_TYPES:
                 raise GGUFError(
-                    f"{self.path}: tensor {t.name} is stored as {t.tensor_type.name}, which the engine "
-                    f"cannot dequantize; supported types: {', '.join(QUANT_TYPES)} (re-quantize the "
-                    "model to one of these with llama.cpp's llama-quantize)"
+                    f"{self.path}: tensor {t.name} is stored as {t.tensor_type.name}, which the "
+                    f"engine cannot dequantize; supported types: {', '.join(QUANT_TYPES)} "
+                    "(re-quantize the model to one of these with llama.cpp's llama-quantize)"
                 )
         if "rope_freqs.weight" in names:
             raise GGUFError(
-                f"{self.path}: per-dimension RoPE frequency factors (rope_freqs, as in Llama 3.1 GGUFs) "
-                "are not supported; load the model's Hugging Face safetensors directory instead"
+                f"{self.path}: per-dimension RoPE frequency factors (rope_freqs, as in Llama 3.1 "
+                "GGUFs) are not supported; load the model's Hugging Face safetensors directory "
+                "instead"
             )
         if "token_embd.weight" not in names:
             raise GGUFError(f"{self.path}: no token_embd.weight tensor; the file is incomplete")
@@ -187,7 +199,10 @@ class GGUFCheckpoint:
         kv = self.arch_get("attention.head_count_kv", heads)
         if isinstance(kv, list):  # some converters write one count per layer
             if len(set(kv)) != 1:
-                raise GGUFError(f"{self.path}: KV head counts differ by layer ({sorted(set(kv))}); not supported")
+                raise GGUFError(
+                    f"{self.path}: KV head counts differ by layer ({sorted(set(kv))}); not "
+                    "supported"
+                )
             kv = kv[0]
         return kv
 
@@ -261,7 +276,9 @@ def _dequantize(path: Path, t: Any) -> np.ndarray:
         # F32 tensors come back as read-only views of the file's memory map; torch wants its own.
         return (values if values.flags.writeable else values.copy()).reshape(shape)
     except ValueError as e:
-        raise GGUFError(f"{path}: tensor {t.name} cannot be read ({e}); the file is corrupt") from None
+        raise GGUFError(
+            f"{path}: tensor {t.name} cannot be read ({e}); the file is corrupt"
+        ) from None
 
 
 @functools.lru_cache(maxsize=2)

@@ -98,7 +98,8 @@ def count_tensors(files: list[Path]) -> int:
 def build_model(
     hf: dict[str, Any], dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
 ) -> LlamaForCausalLM:
-    """Allocate an uninitialised model (weights come from the checkpoint); `tp`: this rank's shard."""
+    """Allocate an uninitialised model (weights come from the checkpoint); `tp`: this rank's
+    shard."""
     cls = model_class(hf)
     with torch.device("meta"):
         model = cls(cls.args_from_hf(hf), tp).to(dtype)
@@ -138,20 +139,24 @@ class _Filler:
             if name not in packed:
                 self.sources.setdefault(name, []).append((name, None))
         owned = set(dict(model.named_parameters()))
-        self.missing = {key for key, targets in self.sources.items() if any(p in owned for p, _ in targets)}
+        self.missing = {
+            key for key, targets in self.sources.items() if any(p in owned for p, _ in targets)
+        }
 
     def wants(self, key: str) -> bool:
         return key in self.sources
 
     def copy(self, key: str, read: Callable[[Source | None], torch.Tensor]) -> None:
-        """Fill every place checkpoint tensor `key` goes; `read(source)` gives its slice (None: all)."""
+        """Fill every place checkpoint tensor `key` goes; `read(source)` gives its slice (None:
+        all)."""
         for param, source in self.sources[key]:
             part = read(source)
             if source is None:
                 self.params[param].copy_(part)
                 continue
             target = self.params[param]
-            if source.pads:  # the last vocabulary part is padded so every rank's logits gather evenly
+            # the last vocabulary part is padded so every rank's logits gather evenly
+            if source.pads:
                 target.zero_()
             target.narrow(source.dim, source.offset, part.shape[source.dim]).copy_(part)
         self.missing.discard(key)
@@ -175,7 +180,9 @@ def load_weights(
             with safe_open(str(f), framework="pt") as sf:  # mmap: only touched pages are read
                 for key in sf.keys():
                     if fill.wants(key):
-                        fill.copy(key, lambda source, sf=sf, key=key: _safetensors_part(sf, key, source))
+                        fill.copy(
+                            key, lambda source, sf=sf, key=key: _safetensors_part(sf, key, source)
+                        )
                     if on_tensor is not None:
                         on_tensor()
     fill.check(files[0].parent if files else "the checkpoint")

@@ -83,15 +83,24 @@ class ModelRunner:
         """Give the runner a host KV pool of `num_host_blocks` blocks for swap preemption."""
         self.swap_space = SwapSpace(self.kv_cache, num_host_blocks)
 
-    def capture_graphs(self, max_model_len: int, on_bucket=None, share_inputs: ShareInputs | None = None) -> None:
+    def capture_graphs(
+        self, max_model_len: int, on_bucket=None, share_inputs: ShareInputs | None = None
+    ) -> None:
         """Capture decode CUDA graphs for every batch bucket (CUDA and a graph-safe backend only),
         on every rank of a group at once. `share_inputs`: the first kernel of every graph (a
         tensor-parallel group's input broadcast; a rank other than 0 passes it, rank 0 gets it from
         its peers)."""
         if share_inputs is None:
             share_inputs = self.peers.before_capture(self, max_model_len)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.ops, self.config.block_size,
-                                   max_model_len, self.config.max_num_seqs, self.device)
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.ops,
+            self.config.block_size,
+            max_model_len,
+            self.config.max_num_seqs,
+            self.device,
+        )
         self.graphs.share_inputs = share_inputs
         self.graphs.capture(on_bucket)
         self.graphs.before_replay = self.peers.replay_hook(share_inputs)
@@ -106,7 +115,9 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def _decode_rows(self, batch: ScheduledBatch, ahead: int) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    def _decode_rows(
+        self, batch: ScheduledBatch, ahead: int
+    ) -> tuple[list[int], list[int], list[int], list[int]] | None:
         """(ids, positions, slots, context lengths) of a plain decode step, or None when the batch
         is not one. `ahead` = 1: the step after the sequences' current one, whose ids (0 here)
         come from the device; its slots must already be allocated (Scheduler.lookahead)."""
@@ -122,7 +133,9 @@ class ModelRunner:
             lens.append(p + 1)
         return ids, positions, slots, lens
 
-    def _graph_logits(self, batch: ScheduledBatch, ids_from: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _graph_logits(
+        self, batch: ScheduledBatch, ids_from: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Logits from a graph replay when the batch is a plain decode step that fits one."""
         graphs = self.graphs
         if graphs is None or len(batch.seqs) > graphs.max_batch:
@@ -131,9 +144,13 @@ class ModelRunner:
         if rows is None:
             return None
         ids, positions, slots, lens = rows
-        return graphs.run(ids, positions, slots, [s.block_table for s in batch.seqs], lens, ids_from=ids_from)
+        return graphs.run(
+            ids, positions, slots, [s.block_table for s in batch.seqs], lens, ids_from=ids_from
+        )
 
-    def _eager_decode_logits(self, batch: ScheduledBatch, ids_from: torch.Tensor | None) -> torch.Tensor | None:
+    def _eager_decode_logits(
+        self, batch: ScheduledBatch, ids_from: torch.Tensor | None
+    ) -> torch.Tensor | None:
         if not self.peers.queues_eager_steps:  # the other ranks get eager steps through `execute`
             return None
         rows = self._decode_rows(batch, ahead=int(ids_from is not None))
@@ -142,7 +159,9 @@ class ModelRunner:
         ids, positions, slots, lens = rows
         meta = self._metadata(batch.seqs, slots, [1] * len(ids), lens)
         input_ids = ids_from if ids_from is not None else self._tensor(ids, torch.int64)
-        hidden = self.model(input_ids, self._tensor(positions, torch.int64), meta, self.kv_caches, self.ops)
+        hidden = self.model(
+            input_ids, self._tensor(positions, torch.int64), meta, self.kv_caches, self.ops
+        )
         return self.model.compute_logits(hidden, self.ops)
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
@@ -168,7 +187,9 @@ class ModelRunner:
             return None
         ids_from = None
         if after is not None:
-            assert batch.lookahead_rows is not None, "a step queued behind another comes from Scheduler.lookahead"
+            assert batch.lookahead_rows is not None, (
+                "a step queued behind another comes from Scheduler.lookahead"
+            )
             ids_from = after.tokens
             if len(batch.lookahead_rows) != len(after.batch.seqs):
                 ids_from = after.tokens[self._tensor(batch.lookahead_rows, torch.int64)]
@@ -178,8 +199,9 @@ class ModelRunner:
         if logits is None:
             return None
         seqs = batch.seqs
-        tokens = sample_on_device(logits, [s.params for s in seqs], lambda i: ([], []),
-                                  [self._generator(s) for s in seqs])
+        tokens = sample_on_device(
+            logits, [s.params for s in seqs], lambda i: ([], []), [self._generator(s) for s in seqs]
+        )
         return PendingStep(batch, tokens, to_host(tokens))
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
@@ -198,7 +220,8 @@ class ModelRunner:
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             context_lens.append(end)
-            if end == len(seq.token_ids):  # the chunk reaches the last token: its logits pick the next one
+            # the chunk reaches the last token: its logits pick the next one
+            if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
         return StepInputs(
@@ -209,15 +232,24 @@ class ModelRunner:
             sample_seqs,
         )
 
-    def _metadata(self, seqs: list[Sequence], slot_mapping: list[int], query_lens: list[int],
-                  context_lens: list[int]) -> AttentionMetadata:
+    def _metadata(
+        self,
+        seqs: list[Sequence],
+        slot_mapping: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+    ) -> AttentionMetadata:
         """Device attention inputs for packed queries: block tables padded with 0 to the longest."""
         width = max(len(s.block_table) for s in seqs)
         return AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32),
+            block_tables=self._tensor(
+                [s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32
+            ),
             context_lens=self._tensor(context_lens, torch.int32),
-            query_start_loc=self._tensor(list(itertools.accumulate(query_lens, initial=0)), torch.int32),
+            query_start_loc=self._tensor(
+                list(itertools.accumulate(query_lens, initial=0)), torch.int32
+            ),
             block_size=self.config.block_size,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),

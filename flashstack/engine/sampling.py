@@ -136,8 +136,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return filtered.softmax(-1)
 
 
-def _fused_gumbel_applies(logits: torch.Tensor, params: list[SamplingParams],
-                          generators: list[torch.Generator | None]) -> bool:
+def _fused_gumbel_applies(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> bool:
     # Temperature alone, on CUDA, and no seeded row (a seeded row draws from its own generator so
     # that its tokens never depend on the batch): one fused pass (kernels/triton_sampling.py).
     vocab = logits.shape[-1]
@@ -149,7 +150,8 @@ def _fused_gumbel_applies(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One draw per row; seeded rows use their own generator so their tokens never depend on the batch."""
+    """One draw per row; seeded rows use their own generator so their tokens never depend on the
+    batch."""
     free = [i for i, g in enumerate(generators) if g is None]
     if len(free) == len(generators):
         return _exponential_race(probs)

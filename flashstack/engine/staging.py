@@ -11,8 +11,9 @@ import torch
 from flashstack.cuda.torch_interop import HostCopy, staging
 
 
-def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def to_device(
+    values: Sequence[Any], dtype: torch.dtype, device: torch.device, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A host list as a 1-D tensor on `device` (`out[:len(values)]` when given). On CUDA the copy
     is asynchronous from pinned memory: a plain torch.tensor(..., device="cuda") waits for the
     whole stream, which would stall the host behind the very step it wants to queue work after."""

@@ -60,7 +60,8 @@ class StepBroadcast:
         """Hand a host-built step to the other ranks (none here)."""
 
     def before_capture(self, runner: ModelRunner, max_model_len: int) -> ShareInputs | None:
-        """Prepare the other ranks to capture alongside; returns the graphs' input broadcast, if any."""
+        """Prepare the other ranks to capture alongside; returns the graphs' input broadcast, if
+        any."""
         return None
 
     def replay_hook(self, share: ShareInputs | None) -> StepHook | None:

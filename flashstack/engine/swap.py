@@ -125,8 +125,11 @@ def num_host_blocks(config: EngineConfig, bytes_per_block: int) -> int:
         return 0
     if config.tensor_parallel_size > 1:
         # Every rank would need its own host pool and copies driven by rank 0's step messages.
-        log.warning("swap preemption is single-GPU only for now: tensor_parallel_size=%d "
-                    "preempts by recompute", config.tensor_parallel_size)
+        log.warning(
+            "swap preemption is single-GPU only for now: tensor_parallel_size=%d "
+            "preempts by recompute",
+            config.tensor_parallel_size,
+        )
         return 0
     n = int(config.swap_space_gb * (1 << 30)) // bytes_per_block
     if config.max_model_len is not None:
@@ -180,8 +183,9 @@ class SwapSpace:
         with self._cuda.ordered():
             self._copy(swap_out, swap_in, non_blocking=True)
 
-    def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-              non_blocking: bool) -> None:
+    def _copy(
+        self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], non_blocking: bool
+    ) -> None:
         dev, host = self.kv_cache, self.host_cache
         # One block of one layer is contiguous, so each (layer, run) is one memcpy.
         for src_cache, dst_cache, pairs in ((dev, host, swap_out), (host, dev, swap_in)):
@@ -215,8 +219,9 @@ class _CopyStream:
         from flashstack.cuda.torch_interop import host_tensor
 
         numel = torch.Size(shape).numel()
-        buf = fc.PinnedBuffer(max(numel * torch.empty((), dtype=dtype).element_size(), 1),
-                              self.device)
+        buf = fc.PinnedBuffer(
+            max(numel * torch.empty((), dtype=dtype).element_size(), 1), self.device
+        )
         self.buffers.append(buf)  # the numpy view keeps it alive too, and open while it lives
         return host_tensor(buf, dtype, shape)
 

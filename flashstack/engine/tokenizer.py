@@ -185,7 +185,9 @@ _QWEN2_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GGUF_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT
+    ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
 
@@ -193,7 +195,11 @@ _GGUF_SPLITS = {
 @functools.cache
 def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character map, in which byte-level BPE vocabularies are spelled."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in chars:
@@ -226,15 +232,19 @@ def gguf_tokenizer(ckpt: GGUFCheckpoint) -> HFTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     _add_gguf_tokens(tok, tokens, ckpt.get("tokenizer.ggml.token_type") or [], alphabet)
     _set_post_processor(tok, ckpt, tokens)
     return tok
 
 
-def _add_gguf_tokens(tok: HFTokenizer, tokens: list[str], types: list[int], alphabet: set[str]) -> None:
+def _add_gguf_tokens(
+    tok: HFTokenizer, tokens: list[str], types: list[int], alphabet: set[str]
+) -> None:
     # Control tokens stay whole and are skipped on decode; a "control" token outside the byte
     # alphabet is a llama.cpp mislabel that transformers skips too. User-defined tokens stay whole.
     control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]

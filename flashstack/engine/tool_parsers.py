@@ -277,7 +277,9 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
-def with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_tools_prompt(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Messages for a template that ignores tools: the tools prompt joins (or becomes) the system
     message, assistant tool calls become <tool_call> text and tool results are shown as such."""
     prompt = tools_system_prompt(tools)
@@ -290,8 +292,13 @@ def with_tools_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]
         for call in m.pop("tool_calls", None) or []:
             fn = call.get("function", {})
             args = fn.get("arguments", "{}")
-            body = {"name": fn.get("name"), "arguments": json.loads(args) if isinstance(args, str) and args else args}
-            m["content"] = f"{m.get('content') or ''}{HERMES_START}\n{json.dumps(body)}\n{HERMES_END}"
+            body = {
+                "name": fn.get("name"),
+                "arguments": json.loads(args) if isinstance(args, str) and args else args,
+            }
+            m["content"] = (
+                f"{m.get('content') or ''}{HERMES_START}\n{json.dumps(body)}\n{HERMES_END}"
+            )
         if m.get("role") == "tool":
             m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
     return out

@@ -54,7 +54,8 @@ class AttentionMetadata:
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 AttendFn = Callable[
-    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None", KernelOptions], torch.Tensor
+    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None", KernelOptions],
+    torch.Tensor,
 ]
 GridBoundsFn = Callable[[int, int], list[int]]
 
@@ -76,8 +77,14 @@ class AttentionBackend:
     decode_grid_bounds: GridBoundsFn = one_grid_bound
     kernels: KernelOptions = KernelOptions()
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         """Attention of q over the paged cache with this backend's kernel options."""
         return self.paged_attention(q, kv_cache, meta, scale, sliding_window, self.kernels)
 
@@ -190,19 +197,26 @@ def paged_attention_reference(
 
 
 # Query chunks at least this long (every sequence of the step) take torch's fused attention instead
-# of the Triton paged-prefill kernel: one layer of an 8192-token chunk of the Llama-3-8B shape on the
-# H200 (bench/engine_prefill_attention.py), gather included, takes 1.13 / 5.29 / 12.0 ms at
+# of the Triton paged-prefill kernel: one layer of an 8192-token chunk of the Llama-3-8B shape on
+# the H200 (bench/engine_prefill_attention.py), gather included, takes 1.13 / 5.29 / 12.0 ms at
 # context 8K / 16K / 32K against the Triton kernel's 3.28 / 9.74 / 23.1 ms.
 SDPA_MIN_QUERY_LEN = 1024
 
 
 def sdpa_prefill_applies(meta: AttentionMetadata, sliding_window: int | None) -> bool:
     """Whether `paged_prefill_sdpa` takes this step: long chunks only, where the gather's cost is
-    small against the attention's, and no sliding window (its bias is not one the fused kernels take)."""
-    return sliding_window is None and not meta.is_decode_only and min(meta.query_lens_host) >= SDPA_MIN_QUERY_LEN
+    small against the attention's, and no sliding window (its bias is not one the fused kernels
+    take)."""
+    return (
+        sliding_window is None
+        and not meta.is_decode_only
+        and min(meta.query_lens_host) >= SDPA_MIN_QUERY_LEN
+    )
 
 
-def paged_prefill_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_prefill_sdpa(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Causal attention of long query chunks q [num_tokens, heads, head_dim] through
     scaled_dot_product_attention: each sequence's context is gathered out of its blocks into one
     contiguous K/V, each KV head repeated for its query heads, and the chunk (the context's last
@@ -218,8 +232,9 @@ def paged_prefill_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         qi = q[start : start + n].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, n, D]
-        attn = torch.nn.functional.scaled_dot_product_attention(qi, k, v, attn_mask=causal_lower_right(n, ctx),
-                                                                scale=scale)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            qi, k, v, attn_mask=causal_lower_right(n, ctx), scale=scale
+        )
         out[start : start + n] = attn[0].transpose(0, 1).to(q.dtype)
         start += n
     return out
@@ -235,8 +250,9 @@ def register_attention_backend(backend: AttentionBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def get_attention_backend(name: str, device: torch.device,
-                          kernels: KernelOptions = KernelOptions()) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, kernels: KernelOptions = KernelOptions()
+) -> AttentionBackend:
     """Resolve a backend name ('auto' picks the fastest one registered for this device), bound to
     the engine's kernel options."""
     if device.type == "cuda" and "triton" not in _BACKENDS:

@@ -35,5 +35,9 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
 def pdl_applies(device: torch.device, wanted: bool = True) -> bool:
     """PDL for kernels on `device`: when `wanted` (EngineConfig.kernels.pdl), on Hopper and later,
     with compiled (not interpreted) Triton."""
-    return (wanted and device.type == "cuda" and not triton.knobs.runtime.interpret
-            and device_for(device).compute_capability >= (9, 0))
+    return (
+        wanted
+        and device.type == "cuda"
+        and not triton.knobs.runtime.interpret
+        and device_for(device).compute_capability >= (9, 0)
+    )

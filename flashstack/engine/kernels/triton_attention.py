@@ -8,8 +8,8 @@ BLOCK_N tokens is BLOCK_N row loads of whole segments.
 Decode follows flash-decoding: the KV range of each sequence is split across programs so a single
 long sequence still occupies every SM; each program handles one KV head and all the query heads that
 share it (GQA), so K and V are read from memory once per KV head, not once per query head. A second
-small kernel merges the splits with their log-sum-exp weights. In a decode step the split kernel also
-takes over the q/k/v kernel's work (NewTokens): one launch a layer fewer.
+small kernel merges the splits with their log-sum-exp weights. In a decode step the split kernel
+also takes over the q/k/v kernel's work (NewTokens): one launch a layer fewer.
 
 On Hopper and later, where a block holds whole tiles, the decode kernel fetches each tile of K and V
 with the tensor-memory accelerator (TMA) into shared memory, and reads the split's block-table
@@ -45,11 +45,18 @@ _PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    stride_kt, stride_vt,
-    stride_cb, stride_ckv, stride_cs,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
     block_size,
-    HD: tl.constexpr, BLOCK_HD: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -66,17 +73,26 @@ def _store_kv_kernel(
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kvcache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kvcache_triton(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write k, v [num_tokens, kv_heads, head_dim] into `kv_cache` at `slot_mapping` (-1 = skip)."""
     num_tokens, heads, dim = k.shape
     assert k.stride(-1) == 1 and k.stride(-2) == dim and v.stride(-1) == 1 and v.stride(-2) == dim
     hd = heads * dim
     _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping,
-        k.stride(0), v.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
         kv_cache.shape[2],
-        HD=hd, BLOCK_HD=triton.next_power_of_2(hd),
+        HD=hd,
+        BLOCK_HD=triton.next_power_of_2(hd),
     )
 
 
@@ -128,21 +144,64 @@ def _splits_of(ctx, min_split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
-    cache_ptr, cache_desc, tables_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rb,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
-    stride_tb, stride_ob, stride_oh,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    scale, eps, block_size, window, min_split, num_splits,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr, NEW: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
-    TMA: tl.constexpr, TABLE_SPAN: tl.constexpr, USE_PDL: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    qw_ptr,
+    kw_ptr,
+    slot_ptr,
+    cache_ptr,
+    cache_desc,
+    tables_ptr,
+    ctx_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_rb,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    scale,
+    eps,
+    block_size,
+    window,
+    min_split,
+    num_splits,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    NEW: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
+    TABLE_SPAN: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)  # a step input, written before the forward pass: safe before the wait
+    # a step input, written before the forward pass: safe before the wait
+    ctx = tl.load(ctx_ptr + b)
     wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
     # This sequence's own share per split (whole tiles, at least `min_split` tokens), not the
     # grid's: a graph's grid is sized for max_model_len, and a short context should still be read by
@@ -164,25 +223,43 @@ def _decode_kernel(
         # (after the loop), and the split that owns its position stores them in the cache.
         cos = tl.load(cos_ptr + b * stride_rb + d % (D // 2)).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_rb + d % (D // 2)).to(tl.float32)
-        q = _rotated(q_rows, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM).to(q_ptr.dtype.element_ty)
+        q = _rotated(q_rows, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM).to(
+            q_ptr.dtype.element_ty
+        )
         one = tl.arange(0, 1)
-        k_new = _rotated(k_ptr + b * stride_kb + hkv * stride_kh + one[:, None] * 0, one[:, None] < 1, d,
-                         cos, sin, kw_ptr, eps, D, QK_NORM)
-        k_new = k_new.to(k_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty)  # as the q/k/v kernel stores it
-        v_new = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + d[None, :]).to(cache_ptr.dtype.element_ty)
+        k_new = _rotated(
+            k_ptr + b * stride_kb + hkv * stride_kh + one[:, None] * 0,
+            one[:, None] < 1,
+            d,
+            cos,
+            sin,
+            kw_ptr,
+            eps,
+            D,
+            QK_NORM,
+        )
+        # as the q/k/v kernel stores it
+        k_new = k_new.to(k_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty)
+        v_new = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + d[None, :]).to(
+            cache_ptr.dtype.element_ty
+        )
         last = tl.maximum(ctx, 1) - 1
         owner = split == last // tokens_per_split
         hi = tl.minimum(hi, last)
         slot = tl.load(slot_ptr + b)
         if owner & (slot >= 0):
-            row = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs + hkv * stride_ch
+            row = (
+                (slot // block_size).to(tl.int64) * stride_cb
+                + (slot % block_size) * stride_cs
+                + hkv * stride_ch
+            )
             tl.store(cache_ptr + row + d[None, :], k_new)
             tl.store(cache_ptr + stride_ckv + row + d[None, :], v_new)
     else:
         q = tl.load(q_rows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
     q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
+    row_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     if TMA:
         # Whole tiles inside one block, each fetched by the tensor-memory accelerator into shared
@@ -192,8 +269,11 @@ def _decode_kernel(
         first = (lo // BLOCK_N) * BLOCK_N
         first_blk = first // block_size
         span = tl.arange(0, TABLE_SPAN)
-        blks = tl.load(tables_ptr + b * stride_tb + first_blk + span,
-                       mask=(first_blk + span) * block_size < hi, other=0)
+        blks = tl.load(
+            tables_ptr + b * stride_tb + first_blk + span,
+            mask=(first_blk + span) * block_size < hi,
+            other=0,
+        )
     else:
         first = lo
     for start in range(first, hi, BLOCK_N):
@@ -216,7 +296,7 @@ def _decode_kernel(
         m_new = tl.maximum(m, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
         if TMA:
             # A tile's rows past the context hold other tokens' values or never-written memory:
             # their scores are masked above, and V is zeroed so a stale NaN cannot reach the sum.
@@ -232,11 +312,13 @@ def _decode_kernel(
             m_new = tl.maximum(m, s)
             p = tl.exp(s - m_new)
             alpha = tl.exp(m - m_new)
-            l = l * alpha + p
-            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            row_sum = row_sum * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(
+                tl.float32
+            )
             m = m_new
-    has = l > 0
-    out = acc / tl.where(has, l, 1.0)[:, None]
+    has = row_sum > 0
+    out = acc / tl.where(has, row_sum, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if split < active:
@@ -244,11 +326,19 @@ def _decode_kernel(
         # it cost the kernel 12 % at batch 128 even though it never ran.
         if SPLIT:
             if active > 1:  # partial output and log-sum-exp for the merge kernel
-                lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-                tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :],
-                         out, mask=omask)
+                lse = tl.where(has, m + tl.log(tl.where(has, row_sum, 1.0)), float("-inf"))
+                tl.store(
+                    part_ptr
+                    + b * stride_pb
+                    + heads[:, None] * stride_ph
+                    + split * stride_ps
+                    + d[None, :],
+                    out,
+                    mask=omask,
+                )
                 tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
-            else:  # the whole context in one split: the output itself, and the merge kernel skips it
+            # the whole context in one split: the output itself, and the merge kernel skips it
+            else:
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
@@ -256,12 +346,24 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, ctx_ptr,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    min_split, num_splits,
-    S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    ctx_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    min_split,
+    num_splits,
+    S_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -274,8 +376,11 @@ def _merge_splits_kernel(
     ctx = tl.load(ctx_ptr + b)
     in_grid = s < num_splits
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=in_grid, other=float("-inf"))
-    parts = tl.load(part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=in_grid[:, None] & (d[None, :] < D), other=0.0)
+    parts = tl.load(
+        part_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=in_grid[:, None] & (d[None, :] < D),
+        other=0.0,
+    )
     _, active = _splits_of(ctx, min_split, num_splits, BLOCK_N)
     if active > 1:
         smask = s < active
@@ -284,7 +389,11 @@ def _merge_splits_kernel(
         w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
         parts = tl.where(smask[:, None], parts, 0.0)
         out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+        tl.store(
+            out_ptr + b * stride_ob + h * stride_oh + d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d < D,
+        )
 
 
 def _precision(kv_cache: torch.Tensor) -> str:
@@ -293,12 +402,16 @@ def _precision(kv_cache: torch.Tensor) -> str:
 
 
 # Fewest tokens a split reads, unless the whole context is shorter (see _decode_kernel). Measured on
-# the H200 over 128-1024 (docs/benchmarks.md): 128 is fastest at batch 1 and 8, within 5 % elsewhere.
+# the H200 over 128-1024 (docs/benchmarks.md): 128 is fastest at batch 1 and 8, within 5 %
+# elsewhere.
 DECODE_MIN_SPLIT = 128
 
 
-def decode_num_splits(batch: int, kv_heads: int, max_context_len: int, block_n: int, sm_count: int) -> int:
-    """Splits per sequence so batch × kv_heads × splits fills the GPU, never smaller than one tile."""
+def decode_num_splits(
+    batch: int, kv_heads: int, max_context_len: int, block_n: int, sm_count: int
+) -> int:
+    """Splits per sequence so batch × kv_heads × splits fills the GPU, never smaller than one
+    tile."""
     want = math.ceil(_PROGRAMS_PER_SM * sm_count / max(1, batch * kv_heads))
     return max(1, min(want, math.ceil(max_context_len / block_n)))
 
@@ -329,10 +442,15 @@ def tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
     """Whether decode tiles can go through the tensor-memory accelerator (TMA): Hopper or later, a
     contiguous 16-bit cache whose blocks hold whole tiles and a power-of-two head size."""
     dim = kv_cache.shape[-1]
-    return (kv_cache.is_cuda and kv_cache.dtype in (torch.bfloat16, torch.float16)
-            and device_for(kv_cache.device).compute_capability >= (9, 0)
-            and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
-            and kv_cache.shape[2] % block_n == 0 and dim & (dim - 1) == 0)
+    return (
+        kv_cache.is_cuda
+        and kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and device_for(kv_cache.device).compute_capability >= (9, 0)
+        and kv_cache.is_contiguous()
+        and kv_cache.data_ptr() % 16 == 0
+        and kv_cache.shape[2] % block_n == 0
+        and dim & (dim - 1) == 0
+    )
 
 
 # Most block-table entries a TMA launch holds in registers per split (a split's blocks, plus one);
@@ -351,10 +469,14 @@ def tma_launch(batch: int, kv_heads: int, sm_count: int, short: bool) -> tuple[i
     return 2, 2
 
 
-def _table_span(max_context_len: int, num_splits: int, block_n: int, min_split: int, block_size: int) -> int:
+def _table_span(
+    max_context_len: int, num_splits: int, block_n: int, min_split: int, block_size: int
+) -> int:
     # Block-table entries of the longest split a launch can have: its blocks, plus one when its
     # first tile is not block-aligned (a sliding window).
-    longest = max(min_split, triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n)
+    longest = max(
+        min_split, triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
+    )
     return triton.next_power_of_2(triton.cdiv(longest, block_size) + 1)
 
 
@@ -389,9 +511,19 @@ class DecodePlan:
     pdl: bool = False  # launched with programmatic dependent launch (KernelOptions.attention_pdl)
 
 
-def plan_decode(batch: int, kv_cache: torch.Tensor, max_context_len: int, *, tma: bool | None = None,
-                num_splits: int | None = None, block_n: int | None = None, min_split: int | None = None,
-                num_stages: int | None = None, num_warps: int | None = None, pdl: bool = False) -> DecodePlan:
+def plan_decode(
+    batch: int,
+    kv_cache: torch.Tensor,
+    max_context_len: int,
+    *,
+    tma: bool | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    min_split: int | None = None,
+    num_stages: int | None = None,
+    num_warps: int | None = None,
+    pdl: bool = False,
+) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
     Pass the engine's max_model_len when capturing a CUDA graph, so one graph serves every step.
@@ -412,21 +544,44 @@ def plan_decode(batch: int, kv_cache: torch.Tensor, max_context_len: int, *, tma
     if tma is None and tma_applies(kv_cache, block_n):
         # A TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs.
         stages, per_sm = tma_launch(batch, kv_heads, sm_count, short)
-        splits = num_splits or max(1, min(per_sm * sm_count // (batch * kv_heads),
-                                          math.ceil(max_context_len / block_n)))
-        if _table_span(max_context_len, splits, block_n, min_split, block_size) <= TMA_MAX_TABLE_SPAN:
+        splits = num_splits or max(
+            1, min(per_sm * sm_count // (batch * kv_heads), math.ceil(max_context_len / block_n))
+        )
+        if (
+            _table_span(max_context_len, splits, block_n, min_split, block_size)
+            <= TMA_MAX_TABLE_SPAN
+        ):
             tma, num_splits, num_stages = True, splits, num_stages or stages
     tma = bool(tma)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, sm_count)
-    table_span = _table_span(max_context_len, num_splits, block_n, min_split, block_size) if tma else 1
-    return DecodePlan(batch, max_context_len, block_n, min_split, num_splits, tma, table_span, num_stages, num_warps,
-                      pdl_applies(kv_cache.device, pdl))
+    table_span = (
+        _table_span(max_context_len, num_splits, block_n, min_split, block_size) if tma else 1
+    )
+    return DecodePlan(
+        batch,
+        max_context_len,
+        block_n,
+        min_split,
+        num_splits,
+        tma,
+        table_span,
+        num_stages,
+        num_warps,
+        pdl_applies(kv_cache.device, pdl),
+    )
 
 
-def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float, plan: DecodePlan,
-                        sliding_window: int | None = None, new: NewTokens | None = None) -> torch.Tensor:
+def paged_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: DecodePlan,
+    sliding_window: int | None = None,
+    new: NewTokens | None = None,
+) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
     says (plan_decode); returns [batch, heads, head_dim] in q's dtype. With `new`, q is the
     unrotated q straight from the q/k/v projection and the new k/v are not in the cache yet: the
@@ -460,40 +615,113 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     d_pad = triton.next_power_of_2(dim)
     desc = None
     if tma:
-        assert kv_cache.shape[2] % block_n == 0 and dim & (dim - 1) == 0, "TMA tiles must lie inside one block"
+        assert kv_cache.shape[2] % block_n == 0 and dim & (dim - 1) == 0, (
+            "TMA tiles must lie inside one block"
+        )
         rows = kv_cache.view(-1, kv_heads, dim)  # [blocks * 2 * block_size, kv_heads, head_dim]
         desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, 1, dim])
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k, v, cos, sin, qw, kw, slots,
-        kv_cache, desc, block_tables, context_lens, out, part, lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_rb,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1), *part_strides, *lse_strides,
-        scale, eps, kv_cache.shape[2], sliding_window or 0, min_split, num_splits,
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
-        PREC=_precision(kv_cache), NEW=new is not None, QK_NORM=new is not None and new.q_norm is not None,
-        SPLIT=num_splits > 1, TMA=tma, TABLE_SPAN=table_span, USE_PDL=plan.pdl, launch_pdl=plan.pdl,
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        qw,
+        kw,
+        slots,
+        kv_cache,
+        desc,
+        block_tables,
+        context_lens,
+        out,
+        part,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        stride_rb,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *part_strides,
+        *lse_strides,
+        scale,
+        eps,
+        kv_cache.shape[2],
+        sliding_window or 0,
+        min_split,
+        num_splits,
+        G=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        D=dim,
+        D_PAD=d_pad,
+        BLOCK_N=block_n,
+        PREC=_precision(kv_cache),
+        NEW=new is not None,
+        QK_NORM=new is not None and new.q_norm is not None,
+        SPLIT=num_splits > 1,
+        TMA=tma,
+        TABLE_SPAN=table_span,
+        USE_PDL=plan.pdl,
+        launch_pdl=plan.pdl,
+        **{
+            k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
+        },
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, heads)](
-            part, lse, out, context_lens, *part_strides, *lse_strides, out.stride(0), out.stride(1),
-            min_split, num_splits,
-            S_PAD=max(2, triton.next_power_of_2(num_splits)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
-            USE_PDL=plan.pdl, launch_pdl=plan.pdl,
+            part,
+            lse,
+            out,
+            context_lens,
+            *part_strides,
+            *lse_strides,
+            out.stride(0),
+            out.stride(1),
+            min_split,
+            num_splits,
+            S_PAD=max(2, triton.next_power_of_2(num_splits)),
+            D=dim,
+            D_PAD=d_pad,
+            BLOCK_N=block_n,
+            USE_PDL=plan.pdl,
+            launch_pdl=plan.pdl,
         )
     return out
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, cache_ptr, tables_ptr, ctx_ptr, qstart_ptr, out_ptr,
-    stride_qt, stride_qh,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
+    q_ptr,
+    cache_ptr,
+    tables_ptr,
+    ctx_ptr,
+    qstart_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
     stride_tb,
-    stride_ot, stride_oh,
-    scale, block_size, window,
-    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    scale,
+    block_size,
+    window,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -510,11 +738,14 @@ def _prefill_kernel(
     qpos = ctx - q_len + i  # absolute position of each query
     d = tl.arange(0, D_PAD)
     dmask = d < D
-    q = tl.load(q_ptr + (q_begin + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=imask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q_begin + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=imask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     tile_pos = ctx - q_len + mtile * BLOCK_M  # position of the tile's first query
     last = tl.minimum(ctx, tile_pos + BLOCK_M)  # causal: no key past the tile's last query
@@ -536,17 +767,27 @@ def _prefill_kernel(
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_begin + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=imask[:, None] & dmask[None, :])
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_begin + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=imask[:, None] & dmask[None, :],
+    )
 
 
-def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         sliding_window: int | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+def paged_prefill_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
     """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache,
     cached prefixes included (the queries are the last query_len positions of each context)."""
     num_tokens, heads, dim = q.shape
@@ -554,34 +795,70 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     out = torch.empty_like(q)
     grid = (meta.num_seqs, heads, triton.cdiv(meta.max_query_len, block_m))
     _prefill_kernel[grid](
-        q, kv_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, out,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        q,
+        kv_cache,
+        meta.block_tables,
+        meta.context_lens,
+        meta.query_start_loc,
+        out,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         meta.block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        scale, kv_cache.shape[2], sliding_window or 0,
-        G=group, D=dim, D_PAD=triton.next_power_of_2(dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        out.stride(0),
+        out.stride(1),
+        scale,
+        kv_cache.shape[2],
+        sliding_window or 0,
+        G=group,
+        D=dim,
+        D_PAD=triton.next_power_of_2(dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         PREC=_precision(kv_cache),
     )
     return out
 
 
-def plan_step_decode(meta: AttentionMetadata, kv_cache: torch.Tensor, kernels: KernelOptions) -> DecodePlan:
+def plan_step_decode(
+    meta: AttentionMetadata, kv_cache: torch.Tensor, kernels: KernelOptions
+) -> DecodePlan:
     """The decode launch of a step: for its graph's grid bound inside a CUDA graph (one graph serves
     every step), for the step's own longest context otherwise."""
     bound = meta.grid_context_len or meta.max_context_len
-    return plan_decode(meta.num_seqs, kv_cache, bound, tma=None if kernels.decode_tma else False,
-                       pdl=kernels.attention_pdl)
+    return plan_decode(
+        meta.num_seqs,
+        kv_cache,
+        bound,
+        tma=None if kernels.decode_tma else False,
+        pdl=kernels.attention_pdl,
+    )
 
 
-def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, sliding_window: int | None = None,
-                           kernels: KernelOptions = KernelOptions()) -> torch.Tensor:
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    kernels: KernelOptions = KernelOptions(),
+) -> torch.Tensor:
     """The Triton backend's attention: split-KV decode for decode-only steps; long prefill chunks
-    through torch's fused attention (attention.SDPA_MIN_QUERY_LEN says why); paged prefill otherwise."""
+    through torch's fused attention (attention.SDPA_MIN_QUERY_LEN says why); paged prefill
+    otherwise."""
     if sdpa_prefill_applies(meta, sliding_window):
         return paged_prefill_sdpa(q, kv_cache, meta, scale)
     if meta.is_decode_only:
-        return paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, scale,
-                                   plan_step_decode(meta, kv_cache, kernels), sliding_window)
+        return paged_decode_triton(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            plan_step_decode(meta, kv_cache, kernels),
+            sliding_window,
+        )
     return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window)

@@ -30,7 +30,9 @@ from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 
 
 @triton.jit
-def _peer_shifts(staged_ptr, buffers, RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BYTES: tl.constexpr):
+def _peer_shifts(
+    staged_ptr, buffers, RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BYTES: tl.constexpr
+):
     """Each rank's inbox as an offset (in values) from ours. The compiler knows our pointer's
     alignment, not that of an address loaded from memory; every inbox starts on a page, so stores
     through these offsets stay 16-byte vectors. The addresses were set at start-up:
@@ -38,7 +40,9 @@ def _peer_shifts(staged_ptr, buffers, RANK: tl.constexpr, WORLD: tl.constexpr, E
     own = tl.load(buffers + RANK)
     shifts = ()
     for r in tl.static_range(WORLD):
-        shifts = shifts + (tl.multiple_of((tl.load(buffers + r) - own) // ELEM_BYTES, 16 // ELEM_BYTES),)
+        shifts = shifts + (
+            tl.multiple_of((tl.load(buffers + r) - own) // ELEM_BYTES, 16 // ELEM_BYTES),
+        )
     return shifts
 
 
@@ -101,9 +105,21 @@ def _collect(slots_ptr, slot, mask, SENTINEL: tl.constexpr):
 
 
 @triton.jit
-def _push_all_reduce_kernel(out_ptr, bits_ptr, slots_ptr, addresses, counters, n, region,
-                            RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BYTES: tl.constexpr,
-                            SENTINEL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _push_all_reduce_kernel(
+    out_ptr,
+    bits_ptr,
+    slots_ptr,
+    addresses,
+    counters,
+    n,
+    region,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    ELEM_BYTES: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -111,7 +127,8 @@ def _push_all_reduce_kernel(out_ptr, bits_ptr, slots_ptr, addresses, counters, n
     wait_for_previous_kernel(USE_PDL)  # the partials are written; the next kernel may launch now
     count = tl.load(counters + pid)
     bits = tl.load(bits_ptr + offs, mask=mask, other=0)
-    bits = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits)  # -0.0 -> +0.0: same sums, never the sentinel
+    # -0.0 -> +0.0: same sums, never the sentinel
+    bits = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits)
     half = (count % 2) * WORLD * region
     _post(slots_ptr, shifts, half + RANK * region + offs, bits, mask, RANK, WORLD)
     acc = tl.zeros([BLOCK], tl.float32)
@@ -126,10 +143,23 @@ def _push_all_reduce_kernel(out_ptr, bits_ptr, slots_ptr, addresses, counters, n
 
 
 @triton.jit
-def _push_all_gather_kernel(out_ptr, bits_ptr, slots_ptr, addresses, counters, n, cols, region,
-                            RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BYTES: tl.constexpr,
-                            SENTINEL: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK: tl.constexpr,
-                            USE_PDL: tl.constexpr):
+def _push_all_gather_kernel(
+    out_ptr,
+    bits_ptr,
+    slots_ptr,
+    addresses,
+    counters,
+    n,
+    cols,
+    region,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    ELEM_BYTES: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    ONE_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -150,9 +180,19 @@ def _push_all_gather_kernel(out_ptr, bits_ptr, slots_ptr, addresses, counters, n
 
 
 @triton.jit
-def _push_broadcast_kernel(values_ptr, slots_ptr, addresses, counters, n, region,
-                           RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BYTES: tl.constexpr,
-                           SENTINEL: tl.constexpr, BLOCK: tl.constexpr):
+def _push_broadcast_kernel(
+    values_ptr,
+    slots_ptr,
+    addresses,
+    counters,
+    n,
+    region,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    ELEM_BYTES: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -160,13 +200,17 @@ def _push_broadcast_kernel(values_ptr, slots_ptr, addresses, counters, n, region
     half = (count % 2) * region  # only rank 0 sends: one sender's slots per half
     if RANK == 0:
         shifts = _peer_shifts(slots_ptr, addresses, RANK, WORLD, ELEM_BYTES)
-        _post(slots_ptr, shifts, half + offs, tl.load(values_ptr + offs, mask=mask), mask, RANK, WORLD)
+        _post(
+            slots_ptr, shifts, half + offs, tl.load(values_ptr + offs, mask=mask), mask, RANK, WORLD
+        )
     else:
         tl.store(values_ptr + offs, _collect(slots_ptr, half + offs, mask, SENTINEL), mask=mask)
     tl.store(counters + pid, count + 1)
 
 
-def push_all_reduce(values: torch.Tensor, inbox: Inbox, num_warps: int = 4, pdl: bool = True) -> torch.Tensor:
+def push_all_reduce(
+    values: torch.Tensor, inbox: Inbox, num_warps: int = 4, pdl: bool = True
+) -> torch.Tensor:
     """Sum over ranks of every rank's `values` (any device memory), as a new tensor. `pdl`: launch
     with programmatic dependent launch where the device has it."""
     n = values.numel()
@@ -175,14 +219,28 @@ def push_all_reduce(values: torch.Tensor, inbox: Inbox, num_warps: int = 4, pdl:
     y = torch.empty_like(values)
     pdl = pdl_applies(values.device, pdl)
     _push_all_reduce_kernel[(triton.cdiv(n, inbox.block),)](
-        y, bits, inbox.slots, inbox.addresses, inbox.counters, n, inbox.region, RANK=inbox.rank,
-        WORLD=inbox.world_size, ELEM_BYTES=values.element_size(), SENTINEL=sentinel(bits.dtype), BLOCK=inbox.block,
-        USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        y,
+        bits,
+        inbox.slots,
+        inbox.addresses,
+        inbox.counters,
+        n,
+        inbox.region,
+        RANK=inbox.rank,
+        WORLD=inbox.world_size,
+        ELEM_BYTES=values.element_size(),
+        SENTINEL=sentinel(bits.dtype),
+        BLOCK=inbox.block,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        launch_pdl=pdl,
     )
     return y
 
 
-def push_all_gather(values: torch.Tensor, inbox: Inbox, num_warps: int = 4, pdl: bool = True) -> torch.Tensor:
+def push_all_gather(
+    values: torch.Tensor, inbox: Inbox, num_warps: int = 4, pdl: bool = True
+) -> torch.Tensor:
     """Every rank's `values` [rows, cols] side by side: [rows, world_size * cols]."""
     rows, cols = values.shape
     inbox.check(values.numel())
@@ -190,9 +248,22 @@ def push_all_gather(values: torch.Tensor, inbox: Inbox, num_warps: int = 4, pdl:
     y = values.new_empty((rows, inbox.world_size * cols))
     pdl = pdl_applies(values.device, pdl)
     _push_all_gather_kernel[(triton.cdiv(values.numel(), inbox.block),)](
-        y.view(inbox.slots.dtype), bits, inbox.slots, inbox.addresses, inbox.counters, values.numel(), cols,
-        inbox.region, RANK=inbox.rank, WORLD=inbox.world_size, ELEM_BYTES=values.element_size(),
-        SENTINEL=sentinel(bits.dtype), ONE_ROW=rows == 1, BLOCK=inbox.block, USE_PDL=pdl, num_warps=num_warps,
+        y.view(inbox.slots.dtype),
+        bits,
+        inbox.slots,
+        inbox.addresses,
+        inbox.counters,
+        values.numel(),
+        cols,
+        inbox.region,
+        RANK=inbox.rank,
+        WORLD=inbox.world_size,
+        ELEM_BYTES=values.element_size(),
+        SENTINEL=sentinel(bits.dtype),
+        ONE_ROW=rows == 1,
+        BLOCK=inbox.block,
+        USE_PDL=pdl,
+        num_warps=num_warps,
         launch_pdl=pdl,
     )
     return y
@@ -203,9 +274,18 @@ def push_broadcast(values: torch.Tensor, inbox: Inbox) -> None:
     n = values.numel()
     inbox.check(n)
     _push_broadcast_kernel[(triton.cdiv(n, inbox.block),)](
-        values, inbox.slots, inbox.addresses, inbox.counters, n, inbox.region, RANK=inbox.rank,
-        WORLD=inbox.world_size, ELEM_BYTES=values.element_size(), SENTINEL=sentinel(values.dtype),
-        BLOCK=inbox.block, num_warps=4,
+        values,
+        inbox.slots,
+        inbox.addresses,
+        inbox.counters,
+        n,
+        inbox.region,
+        RANK=inbox.rank,
+        WORLD=inbox.world_size,
+        ELEM_BYTES=values.element_size(),
+        SENTINEL=sentinel(values.dtype),
+        BLOCK=inbox.block,
+        num_warps=4,
     )
 
 

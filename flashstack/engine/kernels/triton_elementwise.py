@@ -2,7 +2,8 @@
 embedding, SiLU-and-mul.
 
 In a decode step at batch 1 each of these touches a few kilobytes; what they cost is their launch
-count. Plain torch spends ~5 kernels on an RMSNorm and ~8 on a rotary embedding; each of these is one.
+count. Plain torch spends ~5 kernels on an RMSNorm and ~8 on a rotary embedding; each of these is
+one.
 """
 
 from __future__ import annotations
@@ -13,8 +14,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro,
-                    n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    n_cols,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -31,22 +45,35 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, strid
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rmsnorm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual."""
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else out
     r2 = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
     _rmsnorm_kernel[(x2.shape[0],)](
-        x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-        x2.shape[1], eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(x2.shape[1]),
+        x2,
+        r2,
+        weight,
+        out,
+        res_out,
+        x2.stride(0),
+        r2.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        x2.shape[1],
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=triton.next_power_of_2(x2.shape[1]),
     )
     return out.view_as(x), (res_out.view_as(x) if residual is not None else None)
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rmsnorm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The oracle: Hugging Face's RMSNorm, after an optional residual add."""
     if residual is not None:
         x = x + residual
@@ -57,8 +84,21 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                 stride_ct, num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
@@ -74,18 +114,34 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
         tl.store(p1, (x1 * cos[None, :] - x2 * sin[None, :]).to(base.dtype.element_ty), mask=mask)
-        tl.store(p1 + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(base.dtype.element_ty), mask=mask)
+        tl.store(
+            p1 + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(base.dtype.element_ty), mask=mask
+        )
 
 
-def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary embedding of q [n, Hq, D] and k [n, Hkv, D] in place; cos/sin [n, 1, D]."""
+def rope_triton(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of q [n, Hq, D] and k [n, Hkv, D] in place; cos/sin [n, 1,
+    D]."""
     n, hq, dim = q.shape
     hk = k.shape[1]
     cos2, sin2 = cos.reshape(n, dim), sin.reshape(n, dim)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos2.stride(-1) == 1
     _rope_kernel[(n,)](
-        q, k, cos2, sin2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0),
-        hq, hk, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)),
+        q,
+        k,
+        cos2,
+        sin2,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos2.stride(0),
+        hq,
+        hk,
+        HALF=dim // 2,
+        BLOCK_H=triton.next_power_of_2(max(hq, hk)),
     )
     return q, k
 
@@ -107,7 +163,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     n = two_n // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block
+    )
     return out
 
 

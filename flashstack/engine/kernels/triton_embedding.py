@@ -15,8 +15,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _shard_embedding_kernel(ids_ptr, w_ptr, out_ptr, start, stop, hidden, stride_w, stride_o,
-                            BLOCK: tl.constexpr):
+def _shard_embedding_kernel(
+    ids_ptr, w_ptr, out_ptr, start, stop, hidden, stride_w, stride_o, BLOCK: tl.constexpr
+):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < hidden
@@ -27,8 +28,9 @@ def _shard_embedding_kernel(ids_ptr, w_ptr, out_ptr, start, stop, hidden, stride
     tl.store(out_ptr + token * stride_o + cols, values, mask=cmask)
 
 
-def shard_embedding_triton(ids: torch.Tensor, weight: torch.Tensor, start: int, stop: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def shard_embedding_triton(
+    ids: torch.Tensor, weight: torch.Tensor, start: int, stop: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """[tokens, hidden]: row `id - start` of `weight` for each id in [start, stop), zeros for the
     others (written into `out` if given)."""
     tokens, hidden = ids.numel(), weight.shape[1]
@@ -37,6 +39,14 @@ def shard_embedding_triton(ids: torch.Tensor, weight: torch.Tensor, start: int, 
     assert y.shape == (tokens, hidden) and y.stride(1) == 1 and y.dtype == weight.dtype
     block = min(1024, triton.next_power_of_2(hidden))
     _shard_embedding_kernel[(tokens, triton.cdiv(hidden, block))](
-        ids.reshape(-1), weight, y, start, stop, hidden, weight.stride(0), y.stride(0), BLOCK=block,
+        ids.reshape(-1),
+        weight,
+        y,
+        start,
+        stop,
+        hidden,
+        weight.stride(0),
+        y.stride(0),
+        BLOCK=block,
     )
     return y

@@ -13,7 +13,8 @@ kernels that sit between the projections of a decoder layer fold in at little co
 - `silu`: the input is a fused gate/up output [1, 2K] and the product is taken with
   silu(gate) * up, computed chunk by chunk as the weight streams.
 - `residual`: the output is added into the residual stream in place (each program owns its rows), or
-  written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum, staged where
+  written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum, staged
+where
   the all-reduce reads it).
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
@@ -37,8 +38,9 @@ from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 
 
 @triton.jit
-def _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype,
-                 NORM_IN: tl.constexpr, SILU_IN: tl.constexpr):
+def _input_chunk(
+    x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN: tl.constexpr, SILU_IN: tl.constexpr
+):
     # The activations that multiply one weight chunk, with the input prologue applied.
     if SILU_IN:
         gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
@@ -47,14 +49,33 @@ def _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype,
     else:
         x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
         if NORM_IN:
-            x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(act_dtype)
+            x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(
+                act_dtype
+            )
     return x.to(act_dtype).to(tl.float32)
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, g_ptr, N, K, stride_w, eps,
-                 HAS_BIAS: tl.constexpr, NORM_IN: tl.constexpr, SILU_IN: tl.constexpr, ADD_OUT: tl.constexpr,
-                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+def _gemv_kernel(
+    w_ptr,
+    x_ptr,
+    b_ptr,
+    y_ptr,
+    r_ptr,
+    g_ptr,
+    N,
+    K,
+    stride_w,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    NORM_IN: tl.constexpr,
+    SILU_IN: tl.constexpr,
+    ADD_OUT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -75,26 +96,43 @@ def _gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, g_ptr, N, K, stride_w, eps,
     if STAGES > 1:
         # The rest streams through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner,
         # asynchronous copies): more bytes in flight per program without holding them in registers.
-        acc = w.to(tl.float32) * _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)[None, :]
+        acc = (
+            w.to(tl.float32)
+            * _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)[
+                None, :
+            ]
+        )
         for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
             cmask = kcols < K
             w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-            acc += w.to(tl.float32) * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[None, :]
+            acc += (
+                w.to(tl.float32)
+                * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[
+                    None, :
+                ]
+            )
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k in range(0, K, BLOCK_K):
             kcols = k + cols
             cmask = kcols < K
-            acc += w.to(tl.float32) * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[None, :]
+            acc += (
+                w.to(tl.float32)
+                * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[
+                    None, :
+                ]
+            )
             nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if ADD_OUT:  # r_ptr is the residual: round the projection first, as `proj(x) + residual` would
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+            r_ptr + rows, mask=rmask, other=0.0
+        ).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -120,8 +158,13 @@ def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, ...]:
     return 8, 512, 4
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
     """F.linear (into `out` if given), through `gemv_triton` when x is one row on CUDA."""
     if x.shape[0] == 1 and x.is_cuda:
         return gemv_triton(weight, x, bias, out=out, pdl=pdl)
@@ -131,17 +174,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
-def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-                config: tuple[int, ...] | None = None, *,
-                norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                pdl: bool = True) -> torch.Tensor:
+def gemv_triton(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, ...] | None = None,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
     `norm=(weight, eps)`: multiply by RMSNorm(x) instead of x. `silu`: x is [1, 2K] and the product
     is taken with silu(x[:, :K]) * x[:, K:]. `residual` [1, N]: add the product into it in place and
-    return it. `out` [1, N]: write the result there (residual added, if given) and return it. `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic dependent launch
-    where the device has it (EngineConfig.kernels.pdl)."""
+    return it. `out` [1, N]: write the result there (residual added, if given) and return it.
+    `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic
+    dependent launch where the device has it (EngineConfig.kernels.pdl)."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
@@ -151,14 +202,35 @@ def gemv_triton(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
         assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
     if out is not None:
         assert out.shape == (1, n) and out.is_contiguous() and out.dtype == x.dtype
-    y = out if out is not None else residual if residual is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = (
+        out
+        if out is not None
+        else residual
+        if residual is not None
+        else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    )
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = pdl_applies(x.device, pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        weight, x, bias if bias is not None else y, y, residual if residual is not None else y, norm_weight,
-        n, k, weight.stride(0), eps,
-        HAS_BIAS=bias is not None, NORM_IN=norm is not None, SILU_IN=silu, ADD_OUT=residual is not None,
-        USE_PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages[0] if stages else 0, num_warps=warps,
+        weight,
+        x,
+        bias if bias is not None else y,
+        y,
+        residual if residual is not None else y,
+        norm_weight,
+        n,
+        k,
+        weight.stride(0),
+        eps,
+        HAS_BIAS=bias is not None,
+        NORM_IN=norm is not None,
+        SILU_IN=silu,
+        ADD_OUT=residual is not None,
+        USE_PDL=pdl,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        STAGES=stages[0] if stages else 0,
+        num_warps=warps,
         launch_pdl=pdl,
     )
     return y

@@ -40,11 +40,32 @@ def _rotated_heads(ptr, mask, cos, sin, w_ptr, d, eps, HALF: tl.constexpr, QK_NO
 
 @triton.jit
 def _qkv_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, slot_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
-    stride_cb, stride_ckv, stride_cs,
-    num_q_heads, num_k_heads, block_size, eps,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    qw_ptr,
+    kw_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    num_q_heads,
+    num_k_heads,
+    block_size,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
@@ -77,9 +98,16 @@ def _qkv_kernel(
 
 
 def rope_and_store_kv_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Rotate q [n, Hq, D] in place; rotate k [n, Hkv, D] and store it and v into `kv_cache` at
     `slot_mapping` (-1 = skip). With `q_norm`/`k_norm` weights, each head of q and k is first
@@ -88,15 +116,38 @@ def rope_and_store_kv_triton(
     hk = k.shape[1]
     assert dim & (dim - 1) == 0, "the rotary halves must be a power of two"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert kv_cache.stride(3) == dim and kv_cache.stride(4) == 1, "a token's heads must be contiguous"
+    assert kv_cache.stride(3) == dim and kv_cache.stride(4) == 1, (
+        "a token's heads must be contiguous"
+    )
     assert (q_norm is None) == (k_norm is None)
     cos2, sin2 = cos.reshape(n, dim), sin.reshape(n, dim)
     qk_norm = q_norm is not None
     _qkv_kernel[(n,)](
-        q, k, v, cos2, sin2, q_norm if qk_norm else q, k_norm if qk_norm else k, kv_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos2.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        hq, hk, kv_cache.shape[2], eps,
-        HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)), QK_NORM=qk_norm,
+        q,
+        k,
+        v,
+        cos2,
+        sin2,
+        q_norm if qk_norm else q,
+        k_norm if qk_norm else k,
+        kv_cache,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos2.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        hq,
+        hk,
+        kv_cache.shape[2],
+        eps,
+        HALF=dim // 2,
+        BLOCK_H=triton.next_power_of_2(max(hq, hk)),
+        QK_NORM=qk_norm,
     )
     return q

@@ -21,8 +21,19 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _gumbel_max_kernel(logits_ptr, inv_temp_ptr, val_ptr, idx_ptr, stride_row, vocab, seed, chunk_size,
-                       num_chunks, NOISE: tl.constexpr, BLOCK: tl.constexpr):
+def _gumbel_max_kernel(
+    logits_ptr,
+    inv_temp_ptr,
+    val_ptr,
+    idx_ptr,
+    stride_row,
+    vocab,
+    seed,
+    chunk_size,
+    num_chunks,
+    NOISE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     inv_t = tl.load(inv_temp_ptr + row) if NOISE else 1.0
@@ -33,7 +44,9 @@ def _gumbel_max_kernel(logits_ptr, inv_temp_ptr, val_ptr, idx_ptr, stride_row, v
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf"))
+        x = tl.load(
+            logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf")
+        )
         if NOISE:
             # One Philox stream per (step seed, row, column): rows draw independently.
             u = tl.maximum(tl.rand(seed, row * vocab + cols), 1e-20)
@@ -49,7 +62,9 @@ def _gumbel_max_kernel(logits_ptr, inv_temp_ptr, val_ptr, idx_ptr, stride_row, v
     tl.store(idx_ptr + row * num_chunks + chunk, idx)
 
 
-def gumbel_sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+def gumbel_sample_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seed: int
+) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] (any float dtype), drawn from softmax(logits / T)
     with T = `temperatures` [n] (> 0); `seed` picks the noise. Returns int64 [n] on the device."""
     inv_t = (1.0 / temperatures.float()).contiguous()
@@ -58,10 +73,13 @@ def gumbel_sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed:
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum, as torch.argmax(logits, -1) gives it (int64 [n], on the device)."""
-    return _best_per_row(logits, logits, 0, noise=False)  # no temperatures: any tensor fills the slot
+    # no temperatures: any tensor fills the slot
+    return _best_per_row(logits, logits, 0, noise=False)
 
 
-def _best_per_row(logits: torch.Tensor, inv_t: torch.Tensor, seed: int, noise: bool) -> torch.Tensor:
+def _best_per_row(
+    logits: torch.Tensor, inv_t: torch.Tensor, seed: int, noise: bool
+) -> torch.Tensor:
     n, vocab = logits.shape
     assert logits.stride(1) == 1
     # Enough programs to fill the GPU at batch 1, a few per row at large batches.
@@ -70,7 +88,18 @@ def _best_per_row(logits: torch.Tensor, inv_t: torch.Tensor, seed: int, noise: b
     num_chunks = triton.cdiv(vocab, chunk)
     vals = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_max_kernel[(n, num_chunks)](logits, inv_t, vals, idx, logits.stride(0), vocab, seed, chunk, num_chunks,
-                                        NOISE=noise, BLOCK=_BLOCK)
+    _gumbel_max_kernel[(n, num_chunks)](
+        logits,
+        inv_t,
+        vals,
+        idx,
+        logits.stride(0),
+        vocab,
+        seed,
+        chunk,
+        num_chunks,
+        NOISE=noise,
+        BLOCK=_BLOCK,
+    )
     # argmax over the slices takes the first slice holding the maximum: the row's first maximum
     return idx.gather(1, vals.argmax(1, keepdim=True)).squeeze(1).long()

@@ -69,7 +69,9 @@ class RotaryEmbedding(nn.Module):
     step gathers its rows: one launch where computing them takes seven, and in a batch-1 CUDA-graph
     decode step each launch costs about as much as its work. Same values either way."""
 
-    def __init__(self, head_dim: int, params: dict[str, Any], max_positions: int | None = None) -> None:
+    def __init__(
+        self, head_dim: int, params: dict[str, Any], max_positions: int | None = None
+    ) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, params), persistent=False)
         self.max_positions = max_positions

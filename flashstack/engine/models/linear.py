@@ -1,4 +1,5 @@
-"""Projections in the layout the kernels read, and where each of their rows comes from in a checkpoint.
+"""Projections in the layout the kernels read, and where each of their rows comes from in a
+checkpoint.
 
 q/k/v and gate/up are one weight each (one matmul, one contiguous read); under tensor parallelism
 every part is this rank's slice. A parameter that is not filled by its own checkpoint tensor, whole,
@@ -59,7 +60,8 @@ class Linear(nn.Linear):
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """One checkpoint projection inside a packed one: its name and the rows of it this rank keeps."""
+    """One checkpoint projection inside a packed one: its name and the rows of it this rank
+    keeps."""
 
     name: str  # "q_proj"
     start: int
@@ -76,5 +78,9 @@ class PackedLinear(Linear):
         for p in parts:
             names = ("weight", "bias") if bias else ("weight",)
             for param in names:
-                add_source(self, param, Source(f"{p.name}.{param}", 0, p.start, p.stop, offset, sibling=True))
+                add_source(
+                    self,
+                    param,
+                    Source(f"{p.name}.{param}", 0, p.start, p.stop, offset, sibling=True),
+                )
             offset += p.stop - p.start

@@ -39,7 +39,8 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     rope: dict[str, Any]
-    max_positions: int = 2048  # config.json's max_position_embeddings: the engine never goes past it
+    # config.json's max_position_embeddings: the engine never goes past it
+    max_positions: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -79,9 +80,15 @@ class Attention(nn.Module):
         super().__init__()
         d, h = a.head_dim, a.hidden_size
         q0, k0, nq, nkv = split.q_start * d, split.kv_start * d, split.num_q * d, split.num_kv * d
-        parts = [Part("q_proj", q0, q0 + nq), Part("k_proj", k0, k0 + nkv), Part("v_proj", k0, k0 + nkv)]
+        parts = [
+            Part("q_proj", q0, q0 + nq),
+            Part("k_proj", k0, k0 + nkv),
+            Part("v_proj", k0, k0 + nkv),
+        ]
         self.qkv_proj = PackedLinear(h, parts, bias=a.qkv_bias)
-        self.o_proj = RowParallelLinear(h, q0, q0 + nq, a.o_bias, tp) if tp else Linear(nq, h, bias=a.o_bias)
+        self.o_proj = (
+            RowParallelLinear(h, q0, q0 + nq, a.o_bias, tp) if tp else Linear(nq, h, bias=a.o_bias)
+        )
         if a.qk_norm:
             self.q_norm = RMSNorm(d, a.rms_norm_eps)
             self.k_norm = RMSNorm(d, a.rms_norm_eps)
@@ -95,8 +102,8 @@ class Attention(nn.Module):
         n, d = qkv.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         q = qkv[:, :q_size].view(n, self.num_heads, d)
-        k = qkv[:, q_size:q_size + kv_size].view(n, self.num_kv_heads, d)
-        v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, d)
+        k = qkv[:, q_size : q_size + kv_size].view(n, self.num_kv_heads, d)
+        v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, d)
         return q, k, v
 
 
@@ -107,13 +114,19 @@ class GatedMLP(nn.Module):
         super().__init__()
         world, rank = (tp.world_size, tp.rank) if tp else (1, 0)
         if a.intermediate_size % world:
-            raise ValueError(f"intermediate_size {a.intermediate_size} does not split over {world} ranks")
+            raise ValueError(
+                f"intermediate_size {a.intermediate_size} does not split over {world} ranks"
+            )
         part = a.intermediate_size // world
         i0, i1 = rank * part, (rank + 1) * part
-        self.gate_up_proj = PackedLinear(a.hidden_size, [Part("gate_proj", i0, i1), Part("up_proj", i0, i1)],
-                                         bias=a.mlp_bias)
-        self.down_proj = (RowParallelLinear(a.hidden_size, i0, i1, a.mlp_bias, tp) if tp
-                          else Linear(part, a.hidden_size, bias=a.mlp_bias))
+        self.gate_up_proj = PackedLinear(
+            a.hidden_size, [Part("gate_proj", i0, i1), Part("up_proj", i0, i1)], bias=a.mlp_bias
+        )
+        self.down_proj = (
+            RowParallelLinear(a.hidden_size, i0, i1, a.mlp_bias, tp)
+            if tp
+            else Linear(part, a.hidden_size, bias=a.mlp_bias)
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -126,14 +139,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor | None, residual: torch.Tensor | None, rope: Rope, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, ops: Ops) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward(
+        self,
+        h: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        ops: Ops,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(h, residual) -> the next layer's: the residual stream plus this block's pending output
         (which the next norm adds in; Ops that add in place leave h None)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = ops.norm_project(self.input_layernorm, attn.qkv_proj, h, residual)
-        h, residual = ops.project_add(attn.o_proj, ops.attend(attn, qkv, rope, meta, kv_cache), residual)
-        gate_up, residual = ops.norm_project(self.post_attention_layernorm, mlp.gate_up_proj, h, residual)
+        h, residual = ops.project_add(
+            attn.o_proj, ops.attend(attn, qkv, rope, meta, kv_cache), residual
+        )
+        gate_up, residual = ops.norm_project(
+            self.post_attention_layernorm, mlp.gate_up_proj, h, residual
+        )
         return ops.project_add(mlp.down_proj, gate_up, residual, silu=True)
 
 
@@ -142,8 +166,11 @@ class DecoderModel(nn.Module):
 
     def __init__(self, a: ModelArgs, split: HeadSplit, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp) if tp else nn.Embedding(
-            a.vocab_size, a.hidden_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp)
+            if tp
+            else nn.Embedding(a.vocab_size, a.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(a, split, tp) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(a.head_dim, a.rope, a.max_positions)

@@ -46,15 +46,22 @@ class TorchOps:
         """The ops for a step of `num_tokens` tokens (Batch1Ops where it applies)."""
         return self
 
-    def norm_project(self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_project(
+        self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """proj(norm(residual + h)) and the new residual (h itself before the first layer)."""
         assert h is not None
         residual = h if residual is None else residual + h
         return proj(norm(residual)), residual
 
-    def attend(self, attn: Attention, qkv: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-               kv_cache: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        attn: Attention,
+        qkv: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """Norms, rotary, KV store and attention from the packed q/k/v projection's output; the
         heads' outputs [tokens, heads * head_dim], before o_proj."""
         q, k, v = attn.split_qkv(qkv)
@@ -62,16 +69,23 @@ class TorchOps:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
-        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(qkv.shape[0], -1)
+        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(
+            qkv.shape[0], -1
+        )
 
-    def project_add(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> Stream:
-        """proj(x) (of silu(gate) * up when `silu`), to be added to the residual by the next norm."""
+    def project_add(
+        self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False
+    ) -> Stream:
+        """proj(x) (of silu(gate) * up when `silu`), to be added to the residual by the next
+        norm."""
         if silu:
             gate, up = x.chunk(2, dim=-1)
             x = nn.functional.silu(gate) * up
         return proj(x), residual
 
-    def final_norm(self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    def final_norm(
+        self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
+    ) -> torch.Tensor:
         """The decoder's output: the final norm of the residual stream."""
         assert h is not None
         return norm(residual + h)
@@ -88,7 +102,9 @@ class TritonOps(TorchOps):
         super().__init__(backend)
         # The Triton attention backend also takes rotary and the KV store in its q/k/v kernel.
         self.triton_attention = backend.name == "triton"
-        self.batch1 = Batch1Ops(backend) if self.triton_attention and self.kernels.triton_gemv else None
+        self.batch1 = (
+            Batch1Ops(backend) if self.triton_attention and self.kernels.triton_gemv else None
+        )
 
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self.batch1 if num_tokens == 1 and self.batch1 is not None else self
@@ -98,18 +114,26 @@ class TritonOps(TorchOps):
             return proj(x)  # a row-parallel layer reduces across ranks in its forward
         from flashstack.engine.kernels.triton_gemv import linear
 
-        return linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl)  # one-row products: the Triton GEMV
+        # one-row products: the Triton GEMV
+        return linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl)
 
-    def norm_project(self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_project(
+        self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
         assert h is not None
         out, new_residual = rmsnorm_triton(h, norm.weight, norm.eps, residual)
         return self._linear(proj, out), (h if residual is None else new_residual)
 
-    def attend(self, attn: Attention, qkv: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-               kv_cache: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        attn: Attention,
+        qkv: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, rope_triton
 
         n = qkv.shape[0]
@@ -117,14 +141,26 @@ class TritonOps(TorchOps):
         cos, sin = rope
         norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
         if self.triton_attention and meta.is_decode_only and n == 1 and self.kernels.decode_qkv:
-            # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all. Only
-            # at batch 1, where it measured faster (8B step 4.30 -> 4.24 ms on the H200); at batch 32
-            # and 128 it measured ~1 % slower than the separate kernel.
-            from flashstack.engine.kernels.triton_attention import NewTokens, paged_decode_triton, plan_step_decode
+            # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all.
+            # Only at batch 1, where it measured faster (8B step 4.30 -> 4.24 ms on the H200); at
+            # batch 32 and 128 it measured ~1 % slower than the separate kernel.
+            from flashstack.engine.kernels.triton_attention import (
+                NewTokens,
+                paged_decode_triton,
+                plan_step_decode,
+            )
 
             plan = plan_step_decode(meta, kv_cache, self.kernels)
-            out = paged_decode_triton(q, kv_cache, meta.block_tables, meta.context_lens, attn.scale, plan,
-                                      attn.sliding_window, new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms))
+            out = paged_decode_triton(
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.context_lens,
+                attn.scale,
+                plan,
+                attn.sliding_window,
+                new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms),
+            )
             return out.reshape(n, -1)
         if self.triton_attention:  # one launch for q/k-norm, rotary and the KV store
             from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
@@ -136,16 +172,22 @@ class TritonOps(TorchOps):
                 k = rmsnorm_triton(k, attn.k_norm.weight, attn.k_norm.eps)[0]
             q, k = rope_triton(q, k, cos, sin)
             self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
-        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(n, -1)
+        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(
+            n, -1
+        )
 
-    def project_add(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> Stream:
+    def project_add(
+        self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False
+    ) -> Stream:
         if silu:
             from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
 
             x = silu_and_mul_triton(x)
         return self._linear(proj, x), residual
 
-    def final_norm(self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    def final_norm(
+        self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
+    ) -> torch.Tensor:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
         assert h is not None
@@ -171,17 +213,22 @@ class Batch1Ops(TritonOps):
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self
 
-    def norm_project(self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_project(
+        self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from flashstack.engine.kernels.triton_gemv import gemv_triton
 
         if residual is None:  # the embedding row, fresh from the lookup: ours to add into
             assert h is not None
             residual = h
-        out = gemv_triton(proj.weight, residual, proj.bias, norm=(norm.weight, norm.eps), pdl=self.kernels.pdl)
+        out = gemv_triton(
+            proj.weight, residual, proj.bias, norm=(norm.weight, norm.eps), pdl=self.kernels.pdl
+        )
         return out, residual
 
-    def project_add(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False) -> Stream:
+    def project_add(
+        self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False
+    ) -> Stream:
         """residual + proj(x) for the o and down projections; h is None after it.
 
         On one GPU the GEMV adds into the residual in place. A row-parallel projection (tensor
@@ -193,18 +240,29 @@ class Batch1Ops(TritonOps):
 
         pdl, tp = self.kernels.pdl, proj.tp
         if tp is None:
-            return None, gemv_triton(proj.weight, x, proj.bias, silu=silu, residual=residual, pdl=pdl)
+            return None, gemv_triton(
+                proj.weight, x, proj.bias, silu=silu, residual=residual, pdl=pdl
+            )
         driver = tp.is_driver
         fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)
         staged = tp.fast.stage(tuple(residual.shape)) if fast else torch.empty_like(residual)
-        gemv_triton(proj.weight, x, proj.bias if driver else None, silu=silu, residual=residual if driver else None,
-                    out=staged, pdl=pdl)
+        gemv_triton(
+            proj.weight,
+            x,
+            proj.bias if driver else None,
+            silu=silu,
+            residual=residual if driver else None,
+            out=staged,
+            pdl=pdl,
+        )
         if fast:
             return None, tp.fast.reduce(staged)
         dist.all_reduce(staged, group=tp.group)
         return None, staged
 
-    def final_norm(self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    def final_norm(
+        self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
+    ) -> torch.Tensor:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
         return rmsnorm_triton(residual, norm.weight, norm.eps)[0]

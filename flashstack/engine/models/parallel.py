@@ -50,7 +50,9 @@ class HeadSplit:
 class RowParallelLinear(Linear):
     """y = sum over ranks of x[:, cols] @ W[:, cols].T, plus the bias once after the all-reduce."""
 
-    def __init__(self, out_features: int, start: int, stop: int, bias: bool, tp: TensorParallel) -> None:
+    def __init__(
+        self, out_features: int, start: int, stop: int, bias: bool, tp: TensorParallel
+    ) -> None:
         super().__init__(stop - start, out_features, bias=bias)
         add_source(self, "weight", Source("weight", 1, start, stop))
         self.tp = tp
@@ -68,7 +70,8 @@ def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int, int]:
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Each rank embeds the ids in its vocabulary range, zeros elsewhere; an all-reduce sums them."""
+    """Each rank embeds the ids in its vocabulary range, zeros elsewhere; an all-reduce sums
+    them."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel) -> None:
         self.start, self.stop, part = vocab_range(vocab_size, tp.rank, tp.world_size)

@@ -39,7 +39,8 @@ class TensorParallel:
     device: torch.device
     group: dist.ProcessGroup
     kernels: KernelOptions = KernelOptions()
-    fast: SymmetricCollectives | None = None  # small all-reduces and gathers over NVLink peer memory
+    # small all-reduces and gathers over NVLink peer memory
+    fast: SymmetricCollectives | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -64,7 +65,9 @@ class TensorParallel:
         dist.all_reduce(y, group=self.group)
         return y
 
-    def enable_fast_all_reduce(self, max_numel: int, dtype: torch.dtype, step_inputs: int = 0) -> None:
+    def enable_fast_all_reduce(
+        self, max_numel: int, dtype: torch.dtype, step_inputs: int = 0
+    ) -> None:
         """Collective: set up peer-memory all-reduces of up to `max_numel` values on every rank, and
         room for a decode graph's `step_inputs` packed input values (rank 0's, broadcast inside
         the graph: `SymmetricCollectives.broadcast_step_inputs`).
@@ -76,7 +79,9 @@ class TensorParallel:
         """
         if self.device.type != "cuda" or self.kernels.tp_all_reduce == "nccl":
             return
-        self.fast = SymmetricCollectives(self.group, max_numel, dtype, self.device, step_inputs, self.kernels)
+        self.fast = SymmetricCollectives(
+            self.group, max_numel, dtype, self.device, step_inputs, self.kernels
+        )
 
     def gather_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` along the last dim on rank 0; None elsewhere."""
@@ -89,9 +94,12 @@ class TensorParallel:
             return None
         return torch.cat(parts.chunk(self.world_size), dim=-1)
 
-    def linear_gather_to_driver(self, x: torch.Tensor, weight: torch.Tensor, gemv: bool = False) -> torch.Tensor | None:
-        """`x @ weight.T` of every rank side by side on rank 0, None elsewhere (the vocabulary-parallel
-        head's logits). `gemv`: one-row products run through the Triton batch-1 GEMV."""
+    def linear_gather_to_driver(
+        self, x: torch.Tensor, weight: torch.Tensor, gemv: bool = False
+    ) -> torch.Tensor | None:
+        """`x @ weight.T` of every rank side by side on rank 0, None elsewhere (the
+        vocabulary-parallel head's logits). `gemv`: one-row products run through the Triton batch-1
+        GEMV."""
         shape = (x.shape[0], weight.shape[0])
         pdl = self.kernels.pdl
         if self.fast is None or not self.fast.fits_shape(shape, x.dtype):
@@ -102,8 +110,14 @@ class TensorParallel:
         return logits if self.is_driver else None
 
 
-def init_rank(rank: int, world_size: int, port: int, device: torch.device, store: dist.Store | None = None,
-              kernels: KernelOptions = KernelOptions()) -> TensorParallel:
+def init_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: torch.device,
+    store: dist.Store | None = None,
+    kernels: KernelOptions = KernelOptions(),
+) -> TensorParallel:
     """Join the group through rank 0's TCP store; NCCL when `device` is CUDA, else gloo."""
     disable_multicast()
     timeout = timedelta(seconds=kernels.tp_timeout_s)
@@ -112,9 +126,7 @@ def init_rank(rank: int, world_size: int, port: int, device: torch.device, store
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="nccl")
     return TensorParallel(rank, world_size, device, group, kernels)
 
@@ -134,9 +146,15 @@ def leave_group(timeout_s: float = 10.0) -> None:
 
 
 def master_store(world_size: int, timeout_s: float = DEFAULT_TP_TIMEOUT_S) -> dist.TCPStore:
-    """Rank 0's store on a free port (port 0: the OS picks one, so parallel test runs don't clash)."""
+    """Rank 0's store on a free port (port 0: the OS picks one, so parallel test runs don't
+    clash)."""
     return dist.TCPStore(
-        "127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        "127.0.0.1",
+        0,
+        world_size,
+        True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
     )
 
 

@@ -28,7 +28,14 @@ from flashstack.engine.loader import load_model, read_hf_config, resolve_dtype
 from flashstack.engine.model_runner import ModelRunner
 from flashstack.engine.models import LlamaForCausalLM
 from flashstack.engine.models.ops import select_ops
-from flashstack.engine.step import CaptureGraphs, GraphStep, ShareInputs, StepBroadcast, StepHook, StepInputs
+from flashstack.engine.step import (
+    CaptureGraphs,
+    GraphStep,
+    ShareInputs,
+    StepBroadcast,
+    StepHook,
+    StepInputs,
+)
 from flashstack.engine.tp.channel import OP_PROFILE, OP_START, StepChannel
 from flashstack.engine.tp.group import (
     TensorParallel,
@@ -155,11 +162,15 @@ def _attached_key(rank: int) -> str:
     return f"flashstack-tp-mailbox-attached-{rank}"
 
 
-def enable_graph_collectives(runner: ModelRunner, tp: TensorParallel, max_model_len: int) -> ShareInputs | None:
+def enable_graph_collectives(
+    runner: ModelRunner, tp: TensorParallel, max_model_len: int
+) -> ShareInputs | None:
     """Collective, before every rank captures: set up the peer-memory collectives the decode graphs
     use. Returns the input broadcast that starts each graph, or None where the graphs' inputs
     travel by NCCL before each replay (no peer memory)."""
-    step_inputs = DecodeGraphs.packed_capacity(max_model_len, runner.config.block_size, runner.config.max_num_seqs)
+    step_inputs = DecodeGraphs.packed_capacity(
+        max_model_len, runner.config.block_size, runner.config.max_num_seqs
+    )
     tp.enable_fast_all_reduce(fast_all_reduce_numel(runner), runner.dtype, step_inputs)
     fast = tp.fast
     return fast.broadcast_step_inputs if fast is not None and fast.step_inbox is not None else None
@@ -190,8 +201,13 @@ def worker_main(
     share_cpu_threads(device, config.tensor_parallel_size)
     width = StepChannel.header_width(config.max_num_seqs)
     mailbox = Mailbox.attach(mailbox_path, config.tensor_parallel_size - 1, width)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
-                          timeout=timedelta(seconds=config.kernels.tp_timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        config.tensor_parallel_size,
+        False,
+        timeout=timedelta(seconds=config.kernels.tp_timeout_s),
+    )
     store.set(_attached_key(rank), "1")  # rank 0 may now remove the mailbox's file
     tp = init_rank(rank, config.tensor_parallel_size, port, device, store, config.kernels)
     dtype = resolve_dtype(config.dtype, read_hf_config(config.model), device)
@@ -225,12 +241,16 @@ def profile_step(
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
         context_lens=torch.tensor([n], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        block_size=bs, max_query_len=n, max_context_len=n, query_lens_host=[n],
+        block_size=bs,
+        max_query_len=n,
+        max_context_len=n,
+        query_lens_host=[n],
         context_lens_host=[n],
     )
     backend = get_attention_backend(config.attention_backend, device, config.kernels)
     ids = torch.zeros(n, dtype=torch.int64, device=device)
-    ops = select_ops(device, backend, model.args.head_dim)  # as rank 0's: same kernels, same collectives
+    # as rank 0's: same kernels, same collectives
+    ops = select_ops(device, backend, model.args.head_dim)
     hidden = model(ids, torch.arange(n, device=device), meta, caches, ops)
     model.compute_logits(hidden[-min(n, config.max_num_seqs) :], ops)
 
@@ -253,4 +273,5 @@ def run_steps(runner: ModelRunner, channel: StepChannel) -> None:
             inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.ops
         )
         if inputs.sample_rows.numel():
-            runner.model.compute_logits(hidden[inputs.sample_rows], runner.ops)  # joins the logits gather
+            # joins the logits gather
+            runner.model.compute_logits(hidden[inputs.sample_rows], runner.ops)
