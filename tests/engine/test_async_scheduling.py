@@ -61,10 +61,14 @@ def test_stops_mid_flight(tiny_model_dir, tiny_llm) -> None:
     # Stop tokens and strings end a sequence after its successor step was already queued.
     free = tiny_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     params = [
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[0].token_ids[5]]),
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[0].token_ids[5]]
+        ),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[free[1].text[10:13]]),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[3].token_ids[12]]),
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[3].token_ids[12]]
+        ),
     ]
     sync = _run(_llm(tiny_model_dir, False), PROMPTS, params)
     overlapped = _run(_llm(tiny_model_dir, True), PROMPTS, params)
@@ -77,7 +81,9 @@ def test_eos_mid_flight(tiny_model_dir, monkeypatch) -> None:
     results = []
     for flag in (False, True):
         llm = _llm(tiny_model_dir, flag)
-        probe = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        probe = llm.generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )[0]
         llm.engine.scheduler.eos_token_ids = {probe.token_ids[8]}
         count[:] = [0, 0]
         results.append(_run(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=20)))
@@ -89,8 +95,13 @@ def test_eos_mid_flight(tiny_model_dir, monkeypatch) -> None:
 
 
 def test_seeded_sampling_identical(tiny_model_dir) -> None:
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=25, ignore_eos=True) for s in range(4)]
-    assert _run(_llm(tiny_model_dir, True), PROMPTS, params) == _run(_llm(tiny_model_dir, False), PROMPTS, params)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=25, ignore_eos=True)
+        for s in range(4)
+    ]
+    assert _run(_llm(tiny_model_dir, True), PROMPTS, params) == _run(
+        _llm(tiny_model_dir, False), PROMPTS, params
+    )
 
 
 def test_arrivals_and_aborts_mid_flight(tiny_model_dir, monkeypatch) -> None:
@@ -131,8 +142,10 @@ def test_short_of_blocks_falls_back_and_matches(tiny_model_dir) -> None:
 
 def test_rows_needing_the_host_run_one_step_at_a_time(tiny_model_dir, monkeypatch) -> None:
     count = _lookaheads(_llm, monkeypatch)
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
+    ]
     llm = _llm(tiny_model_dir, True)
     outs = llm.generate(PROMPTS[:2], params)
     assert count[0] == 0

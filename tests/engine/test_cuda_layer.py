@@ -12,8 +12,10 @@ from flashstack.engine.staging import to_device, to_host
 from tests.engine.helpers import greedy
 from tests.fakes.cuda_driver import FakeBackend
 
-on_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and fc.cuda_available()),
-                            reason="needs a CUDA device usable through flashstack.cuda")
+on_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fc.cuda_available()),
+    reason="needs a CUDA device usable through flashstack.cuda",
+)
 
 
 @pytest.mark.parametrize(("cc", "hopper"), [((8, 0), False), ((9, 0), True)])
@@ -29,7 +31,10 @@ def test_staging_on_the_cpu_is_plain_tensors() -> None:
     out = torch.zeros(4, dtype=torch.int32)
     assert to_device([7, 8], torch.int32, torch.device("cpu"), out=out).tolist() == [7, 8]
     assert out.tolist() == [7, 8, 0, 0]
-    assert to_device([[1, 2], [3, 4]], torch.int32, torch.device("cpu")).tolist() == [[1, 2], [3, 4]]
+    assert to_device([[1, 2], [3, 4]], torch.int32, torch.device("cpu")).tolist() == [
+        [1, 2],
+        [3, 4],
+    ]
     assert to_host(torch.arange(3)) is None
 
 
@@ -53,7 +58,9 @@ def test_staging_copies_land_and_reuse_pool_blocks() -> None:
 
     staging = HostStaging(fc.shared_device(0))
     for i in range(50):
-        assert staging.to_device(list(range(i, i + 100)), torch.int64).tolist() == list(range(i, i + 100))
+        assert staging.to_device(list(range(i, i + 100)), torch.int64).tolist() == list(
+            range(i, i + 100)
+        )
     assert staging.copies == 50 and staging.pool.stats["misses"] <= 2  # one or two blocks in turn
     out = torch.zeros(8, dtype=torch.int32, device="cuda")
     staging.to_device([5, 6, 7], torch.int32, out=out)

@@ -19,20 +19,37 @@ from tests.engine.helpers import greedy, hf_greedy
 # Bytes per 256-value K-quant block, and where its float16 scales sit (gguf-py's block layouts).
 _K_BLOCKS = {QT.Q4_K: (144, (0, 2)), QT.Q5_K: (176, (0, 2)), QT.Q6_K: (210, (208,))}
 _QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
-_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+_COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
 _LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
 def _k_quant_bytes(kind: QT, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random K-quant blocks with small finite scales (gguf-py cannot quantize to K types)."""
     size, scale_at = _K_BLOCKS[kind]
-    blocks = np.random.default_rng(seed).integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    blocks = np.random.default_rng(seed).integers(
+        0, 256, (rows * cols // 256, size), dtype=np.uint8
+    )
     for offset in scale_at:
         blocks[:, offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     if kind != QT.Q6_K:  # dmin follows d
@@ -41,12 +58,19 @@ def _k_quant_bytes(kind: QT, rows: int, cols: int, seed: int) -> np.ndarray:
 
 
 def _stored(kind: QT, w: np.ndarray) -> np.ndarray:
-    return w.astype(np.float16) if kind == QT.F16 else (w if kind == QT.F32 else quants.quantize(w, kind))
+    return (
+        w.astype(np.float16)
+        if kind == QT.F16
+        else (w if kind == QT.F32 else quants.quantize(w, kind))
+    )
 
 
 def _hf_name_to_gguf(name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in fixed:
         return fixed[name]
     _, _, layer, rest = name.split(".", 3)
@@ -80,7 +104,9 @@ def write_gguf(path: Path, arch: str, hf_model, kind: QT = QT.F32) -> Path:
             t = permute_qk(t, cfg.num_key_value_heads)
         a = t.numpy()
         q = kind if a.ndim == 2 else QT.F32  # llama.cpp keeps norms and biases in F32
-        w.add_tensor(_hf_name_to_gguf(name), _stored(q, a), raw_dtype=None if q in (QT.F32, QT.F16) else q)
+        w.add_tensor(
+            _hf_name_to_gguf(name), _stored(q, a), raw_dtype=None if q in (QT.F32, QT.F16) else q
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -97,7 +123,9 @@ def _hf_model(family: str):
     elif family == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**_COMMON, tie_word_embeddings=False))
     else:  # head_dim != hidden / heads: the GGUF's key_length must be read
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**_COMMON, tie_word_embeddings=True, head_dim=32))
+        model = tf.Qwen3ForCausalLM(
+            tf.Qwen3Config(**_COMMON, tie_word_embeddings=True, head_dim=32)
+        )
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.15)
@@ -126,8 +154,12 @@ def test_each_type_dequantizes_in_torch_orientation(tmp_path, kind: QT) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    (name, got), = GGUFCheckpoint.open(path).weights()
-    assert name == "model.embed_tokens.weight" and got.shape == (rows, cols) and got.dtype == torch.float32
+    ((name, got),) = GGUFCheckpoint.open(path).weights()
+    assert (
+        name == "model.embed_tokens.weight"
+        and got.shape == (rows, cols)
+        and got.dtype == torch.float32
+    )
     want = quants.dequantize(stored, kind).reshape(rows, cols)
     assert np.array_equal(got.numpy(), want)
     if kind in _QUANTIZABLE:  # and close to what was quantized
@@ -138,7 +170,9 @@ def test_each_type_dequantizes_in_torch_orientation(tmp_path, kind: QT) -> None:
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def family_gguf(request, tmp_path_factory):
     model = _hf_model(request.param)
-    path = write_gguf(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", request.param, model)
+    path = write_gguf(
+        tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", request.param, model
+    )
     return request.param, path, model
 
 
@@ -156,13 +190,23 @@ def test_tensor_parallel_shards_a_gguf(tmp_path) -> None:
     """Two CPU ranks (gloo) each dequantize the file and keep their slice: same tokens as one."""
     model = _hf_model("llama")
     path = write_gguf(tmp_path / "llama.gguf", "llama", model)
-    llm = LLM(path, device="cpu", dtype="float32", show_progress=False, block_size=8, tensor_parallel_size=2)
+    llm = LLM(
+        path,
+        device="cpu",
+        dtype="float32",
+        show_progress=False,
+        block_size=8,
+        tensor_parallel_size=2,
+    )
     try:
         prompts = [[3, 4, 5, 6, 7], [100 + i for i in range(21)]]
         outs = llm.generate(prompts, greedy(8))
         assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
         # q/k/v packed: rank 0's 2 query heads and its KV head's k and v, 16 wide each
-        assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.shape == ((2 + 1 + 1) * 16, 64)
+        assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.shape == (
+            (2 + 1 + 1) * 16,
+            64,
+        )
     finally:
         llm.engine.shutdown()
 
@@ -172,7 +216,9 @@ def test_config_from_metadata(family_gguf) -> None:
     cfg = GGUFCheckpoint.open(path).hf_config()
     assert cfg["model_type"] == family
     c = model.config
-    assert cfg["head_dim"] == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    assert cfg["head_dim"] == (
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    )
     assert cfg["num_key_value_heads"] == model.config.num_key_value_heads
     assert cfg["tie_word_embeddings"] == model.config.tie_word_embeddings
     assert cfg["rope_theta"] == model.config.rope_parameters["rope_theta"]
@@ -183,7 +229,9 @@ def test_config_from_metadata(family_gguf) -> None:
 
 @pytest.fixture(scope="module")
 def good_file(tmp_path_factory) -> Path:
-    return write_gguf(tmp_path_factory.mktemp("good") / "m.gguf", "llama", _hf_model("llama"), QT.Q8_0)
+    return write_gguf(
+        tmp_path_factory.mktemp("good") / "m.gguf", "llama", _hf_model("llama"), QT.Q8_0
+    )
 
 
 @pytest.mark.parametrize("keep", [0.6, 0.01])
@@ -207,12 +255,15 @@ def test_corrupt_magic_is_refused(good_file, tmp_path) -> None:
 def test_unsupported_quant_type_is_named(tmp_path) -> None:
     path = tmp_path / "q5.gguf"
     w = GGUFWriter(str(path), "llama")
-    w.add_tensor("token_embd.weight", np.zeros((4, 22 * 8), np.uint8), raw_dtype=QT.Q5_0)  # 4 x 256 values
+    # 4 x 256 values
+    w.add_tensor("token_embd.weight", np.zeros((4, 22 * 8), np.uint8), raw_dtype=QT.Q5_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match=r"token_embd\.weight is stored as Q5_0.*supported types: F32") as e:
+    with pytest.raises(
+        GGUFError, match=r"token_embd\.weight is stored as Q5_0.*supported types: F32"
+    ) as e:
         LLM(path, device="cpu", show_progress=False)
     assert str(path) in str(e.value)
 
@@ -225,7 +276,9 @@ def test_unsupported_architecture_is_named(tmp_path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match="architecture 'gemma2' is not supported.*llama, qwen2, qwen3"):
+    with pytest.raises(
+        GGUFError, match="architecture 'gemma2' is not supported.*llama, qwen2, qwen3"
+    ):
         GGUFCheckpoint.open(path)
 
 

@@ -1,5 +1,6 @@
 """GPU, bf16: the trained SmolLM2 GGUF agrees with transformers' fp32 greedy tokens as closely as
-transformers' own bf16 does (teacher-forced, 16 chat prompts x 64 tokens; bench/engine_trained.py)."""
+transformers' own bf16 does (teacher-forced, 16 chat prompts x 64 tokens;
+bench/engine_trained.py)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,18 @@ def test_bf16_agreement_within_half_a_point_of_transformers_bf16():
     load = dict(gguf_file=path.name)
     llm = LLM(path, device="cuda", dtype="bfloat16", show_progress=False)
     prompts = [llm.tokenizer.encode_chat(c) for c in chats(16)]
-    fp32 = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **load).cuda().eval()
+    fp32 = (
+        AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **load)
+        .cuda()
+        .eval()
+    )
     refs = hf_reference(fp32, prompts, 64)
     del fp32
-    bf16 = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.bfloat16, **load).cuda().eval()
+    bf16 = (
+        AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.bfloat16, **load)
+        .cuda()
+        .eval()
+    )
     flat = [t for r in refs for t in r]
     theirs = fraction(hf_forced(bf16, prompts, refs), flat)
     ours = fraction(engine_forced(llm, prompts, refs), flat)

@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 
 from flashstack.engine.bundled import smollm2_path
@@ -15,20 +14,81 @@ from flashstack.engine.gguf import open_gguf
 from flashstack.engine.tokenizer import Tokenizer
 
 FRAGMENTS = [
-    "Hello, world!", "What is the capital of France?", "The quick brown fox", "don't", "I'll", "we've",
-    "HTTP/1.1 200 OK", "3.14159", "1234567890", "1,000,000", "e^{i\\pi} + 1 = 0", "x**2", "a_b-c",
-    "def f(x):\n    return x ** 2", "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}",
-    "SELECT * FROM users WHERE id = 42;", "<div class=\"x\">&nbsp;</div>", "#!/usr/bin/env bash",
-    "ünïcödé", "naïve café", "Grüße aus Köln", "数学很有趣", "日本語のテキスト", "한국어 문장", "Ελληνικά",
-    "русский текст", "עברית", "العربية", "हिन्दी", "🚀🔥", "👨‍👩‍👧‍👦", "e\u0301", "\u200b", "ﬁ", "Ω≈ç√∫",
-    "   ", "\t\t", "\n\n\n", " \n \n", "\r\n", "    indented", "trailing   ", "a  b   c    d",
-    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<filename>", "<jupyter_code>",
-    "<|im_start|>user\nhi<|im_end|>\n", "<|im_start|> spaced <|im_end|>", "not<|im_end|>special",
-    "DON'T SHOUT", "I'M", "they'RE", "12345678", "x1y22z333", "  \n\n  \n", "a\r\n\r\nb", "!!!???",
+    "Hello, world!",
+    "What is the capital of France?",
+    "The quick brown fox",
+    "don't",
+    "I'll",
+    "we've",
+    "HTTP/1.1 200 OK",
+    "3.14159",
+    "1234567890",
+    "1,000,000",
+    "e^{i\\pi} + 1 = 0",
+    "x**2",
+    "a_b-c",
+    "def f(x):\n    return x ** 2",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}",
+    "SELECT * FROM users WHERE id = 42;",
+    '<div class="x">&nbsp;</div>',
+    "#!/usr/bin/env bash",
+    "ünïcödé",
+    "naïve café",
+    "Grüße aus Köln",
+    "数学很有趣",
+    "日本語のテキスト",
+    "한국어 문장",
+    "Ελληνικά",
+    "русский текст",
+    "עברית",
+    "العربية",
+    "हिन्दी",
+    "🚀🔥",
+    "👨‍👩‍👧‍👦",
+    "e\u0301",
+    "\u200b",
+    "ﬁ",
+    "Ω≈ç√∫",
+    "   ",
+    "\t\t",
+    "\n\n\n",
+    " \n \n",
+    "\r\n",
+    "    indented",
+    "trailing   ",
+    "a  b   c    d",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<repo_name>",
+    "<filename>",
+    "<jupyter_code>",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<|im_start|> spaced <|im_end|>",
+    "not<|im_end|>special",
+    "DON'T SHOUT",
+    "I'M",
+    "they'RE",
+    "12345678",
+    "x1y22z333",
+    "  \n\n  \n",
+    "a\r\n\r\nb",
+    "!!!???",
 ]
 FIXED = [
-    "", " ", "a", "A", "  leading spaces", "\ttab", "multiple\n\nnewlines\n", "     ", " " * 17,
-    "\n" * 5, "mixed \t\n whitespace \t", "emoji 👍🏽 with skin tone", "zero\u200bwidth",
+    "",
+    " ",
+    "a",
+    "A",
+    "  leading spaces",
+    "\ttab",
+    "multiple\n\nnewlines\n",
+    "     ",
+    " " * 17,
+    "\n" * 5,
+    "mixed \t\n whitespace \t",
+    "emoji 👍🏽 with skin tone",
+    "zero\u200bwidth",
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat?<|im_end|>\n",
 ]
 
@@ -97,7 +157,9 @@ def test_decode_matches_transformers(both) -> None:
 def test_special_tokens_and_eos(both) -> None:
     ours, hf = both
     assert ours.special_tokens == {
-        "bos_token": hf.bos_token, "eos_token": hf.eos_token, "pad_token": hf.pad_token,
+        "bos_token": hf.bos_token,
+        "eos_token": hf.eos_token,
+        "pad_token": hf.pad_token,
         "unk_token": hf.unk_token,
     }
     assert ours.eos_token_ids == {hf.convert_tokens_to_ids("<|im_end|>")}
@@ -145,4 +207,7 @@ def test_pre_tokenizer_and_bos_variants_match_transformers(gguf_file, tmp_path, 
     for text in STRINGS:
         assert ours.encode(text) == hf(text)["input_ids"], repr(text)
         assert ours.encode(text)[:1] == [1]  # BOS first
-        assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+        assert (
+            ours.encode(text, add_special_tokens=False)
+            == hf(text, add_special_tokens=False)["input_ids"]
+        )

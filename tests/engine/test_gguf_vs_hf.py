@@ -17,7 +17,10 @@ CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a short poem about the sea."}],
     [{"role": "user", "content": "Explain what a hash table is in two sentences."}],
-    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Color of the sky?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Color of the sky?"},
+    ],
     [{"role": "user", "content": "def fib(n):\n    # finish this Python function"}],
     [{"role": "user", "content": "List three fruits."}],
     [
@@ -67,7 +70,9 @@ def test_greedy_tokens_match_transformers(llm, hf_model) -> None:
     total = 0
     for chat, prompt, out in zip(CHATS, prompts, outs):
         want = _hf_argmax(hf_model, prompt, out.token_ids)
-        assert out.token_ids == want, f"{chat[-1]['content']!r}: engine {out.token_ids} != transformers {want}"
+        assert out.token_ids == want, (
+            f"{chat[-1]['content']!r}: engine {out.token_ids} != transformers {want}"
+        )
         assert len(out.token_ids) == MAX_TOKENS or out.token_ids[-1] in llm.tokenizer.eos_token_ids
         total += len(want)
     assert total >= 4 * MAX_TOKENS  # most answers run to the limit: the comparison is not vacuous

@@ -37,8 +37,15 @@ def test_cuda_graphs_and_eager_agree_with_transformers(enforce_eager: bool, hf_c
     path, model = hf_checkpoints["llama"]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53)), [9] * 40]
     refs = [hf_greedy(model, p, 12) for p in prompts]
-    llm = LLM(path, block_size=16, device="cuda", dtype="float32", show_progress=False,
-              enforce_eager=enforce_eager, max_num_seqs=8)
+    llm = LLM(
+        path,
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,
+    )
     assert (llm.engine.runner.graphs is None) == enforce_eager
     assert llm.engine.runner.backend.name == "triton"
     assert run_checked(llm, prompts, greedy(12)) == refs
@@ -48,8 +55,15 @@ def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
     refs = [hf_greedy(model, p, 16) for p in prompts]
-    llm = LLM(path, block_size=16, device="cuda", dtype="float32", show_progress=False,
-              num_kv_blocks=12, max_num_seqs=6)
+    llm = LLM(
+        path,
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        num_kv_blocks=12,
+        max_num_seqs=6,
+    )
     assert run_checked(llm, prompts, greedy(16)) == refs
 
 
@@ -64,7 +78,9 @@ def test_cuda_one_sequence_across_the_short_context_graph(tmp_path) -> None:
     model.save_pretrained(tmp_path)
     prompt = [(7 * i) % 250 + 3 for i in range(SHORT_DECODE_CONTEXT - 12)]
     ref = hf_greedy(model, prompt, 24)
-    llm = LLM(tmp_path, block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=4)
+    llm = LLM(
+        tmp_path, block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=4
+    )
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.max_model_len > SHORT_DECODE_CONTEXT
     assert graphs.bounds[1] == [SHORT_DECODE_CONTEXT, graphs.max_model_len]

@@ -14,7 +14,15 @@ from flashstack.engine.models.ops import TorchOps
 def _graphs(max_num_seqs: int = 16) -> DecodeGraphs:
     # block_size 16, max_model_len 64: tables are 4 blocks wide.
     cpu = torch.device("cpu")
-    return DecodeGraphs(torch.nn.Identity(), [], TorchOps(get_attention_backend("reference", cpu)), 16, 64, max_num_seqs, cpu)
+    return DecodeGraphs(
+        torch.nn.Identity(),
+        [],
+        TorchOps(get_attention_backend("reference", cpu)),
+        16,
+        64,
+        max_num_seqs,
+        cpu,
+    )
 
 
 def test_buckets() -> None:
@@ -25,7 +33,9 @@ def test_buckets() -> None:
 
 def test_staged_step_reads_back_through_its_bucket_views() -> None:
     g = _graphs()
-    bucket = g.stage([11, 12, 13], [5, 17, 40], [85, 273, 680], [[5], [2, 17], [9, 1, 42]], [6, 18, 41])
+    bucket = g.stage(
+        [11, 12, 13], [5, 17, 40], [85, 273, 680], [[5], [2, 17], [9, 1, 42]], [6, 18, 41]
+    )
     assert bucket == 4
     v = g._views(4)
     assert v.input_ids.tolist() == [11, 12, 13, 0]
@@ -38,7 +48,8 @@ def test_staged_step_reads_back_through_its_bucket_views() -> None:
 
 def test_a_smaller_step_after_a_larger_one_uses_only_its_own_layout() -> None:
     g = _graphs()
-    g.stage(list(range(9)), list(range(9)), list(range(9)), [[1, 2, 3, 4]] * 9, [64] * 9)  # bucket 16
+    # bucket 16
+    g.stage(list(range(9)), list(range(9)), list(range(9)), [[1, 2, 3, 4]] * 9, [64] * 9)
     assert g.stage([7], [3], [19], [[1]], [4]) == 1
     v = g._views(1)
     assert (v.input_ids.tolist(), v.positions.tolist(), v.slot_mapping.tolist()) == ([7], [3], [19])

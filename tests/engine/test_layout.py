@@ -18,7 +18,10 @@ def test_loader_packs_qkv_and_gate_up_from_the_checkpoint(hf_checkpoints) -> Non
     want = torch.cat([b.q_proj.weight, b.k_proj.weight, b.v_proj.weight])
     assert torch.equal(a.qkv_proj.weight, want)
     assert torch.equal(a.qkv_proj.bias, torch.cat([b.q_proj.bias, b.k_proj.bias, b.v_proj.bias]))
-    assert torch.equal(ours.mlp.gate_up_proj.weight, torch.cat([theirs.mlp.gate_proj.weight, theirs.mlp.up_proj.weight]))
+    assert torch.equal(
+        ours.mlp.gate_up_proj.weight,
+        torch.cat([theirs.mlp.gate_proj.weight, theirs.mlp.up_proj.weight]),
+    )
     names = {n for n, _ in model.named_parameters()}
     parts = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
     assert not any(part in n for n in names for part in parts), "no unpacked copy is kept"

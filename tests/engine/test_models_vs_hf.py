@@ -65,8 +65,14 @@ def test_tabulated_rotary_angles_equal_computed_ones(dtype) -> None:
     from flashstack.engine.models.layers import RotaryEmbedding
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    params = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    params = {
+        "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     tabulated = RotaryEmbedding(128, params, max_positions=4096).to(device)
     computed = RotaryEmbedding(128, params).to(device)
     positions = torch.tensor([0, 1, 577, 4095, 2048, 1], device=device)

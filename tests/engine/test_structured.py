@@ -48,7 +48,10 @@ def test_json_schema_response_validates(client) -> None:
         client,
         "Describe a person.",
         max_tokens=40,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON},
+        },
     )
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
@@ -62,36 +65,62 @@ def test_json_schema_streamed_with_sampling_validates(client) -> None:
         stream=True,
         temperature=1.0,
         seed=7,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON},
+        },
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_json_object_is_json(client) -> None:
-    r = _ask(client, 'Answer in JSON like {"capital": "..."}: what is the capital of France?', max_tokens=30,
-             response_format={"type": "json_object"})
+    r = _ask(
+        client,
+        'Answer in JSON like {"capital": "..."}: what is the capital of France?',
+        max_tokens=30,
+        response_format={"type": "json_object"},
+    )
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_guided_choice_and_regex(client) -> None:
-    choice = _ask(client, "Is the sky blue?", max_tokens=5,
-                  extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    choice = _ask(
+        client,
+        "Is the sky blue?",
+        max_tokens=5,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
     assert choice.choices[0].message.content in ("yes", "no", "maybe")
-    regex = client.completions.create(model="smol", prompt="The year is", max_tokens=8,
-                                      temperature=0, extra_body={"guided_regex": r" [12][0-9]{3}"})
+    regex = client.completions.create(
+        model="smol",
+        prompt="The year is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_regex": r" [12][0-9]{3}"},
+    )
     assert re.fullmatch(r" [12][0-9]{3}", regex.choices[0].text)
 
 
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
-         "bogus"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "bogus",
+        ),
         ({"extra_body": {"guided_regex": "[a-"}}, "guided_regex"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
-        ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}}, "one of"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}},
+            "one of",
+        ),
     ],
 )
 def test_bad_grammar_is_400(client, body, needle) -> None:

@@ -21,8 +21,9 @@ TIGHT = dict(block_size=4, num_kv_blocks=14, max_num_seqs=8, device="cpu", show_
 
 
 def always(mode: str, bytes_per_block: int = 64) -> PreemptionCost:
-    return PreemptionCost(mode, bytes_per_block, params=1000, attn_flops_per_pair=16,
-                          bandwidth=1e9, flops=1e9)
+    return PreemptionCost(
+        mode, bytes_per_block, params=1000, attn_flops_per_pair=16, bandwidth=1e9, flops=1e9
+    )
 
 
 # ---- units ---------------------------------------------------------------------------------------
@@ -41,14 +42,17 @@ def test_host_pool_allocates_releases_and_checks() -> None:
 
 def test_block_runs_merge_pairs_consecutive_on_both_sides() -> None:
     assert block_runs([(3, 0), (4, 1), (5, 2), (9, 3), (2, 4), (3, 5)]) == [
-        (3, 0, 3), (9, 3, 1), (2, 4, 2)
+        (3, 0, 3),
+        (9, 3, 1),
+        (2, 4, 2),
     ]
     assert block_runs([]) == []
 
 
 def test_cost_estimate_arithmetic() -> None:
-    cost = PreemptionCost("auto", bytes_per_block=1000, params=500, attn_flops_per_pair=8,
-                          bandwidth=1e6, flops=1e6)
+    cost = PreemptionCost(
+        "auto", bytes_per_block=1000, params=500, attn_flops_per_pair=8, bandwidth=1e6, flops=1e6
+    )
     assert cost.swap_seconds(3) == pytest.approx(2 * 3 * 1000 / 1e6)  # out and back in
     assert cost.recompute_seconds(10) == pytest.approx((2 * 500 * 10 + 8 * 100 / 2) / 1e6)
 
@@ -95,8 +99,10 @@ def make_scheduler(mode: str, num_blocks: int = 5, num_host: int = 16, **kw) -> 
 
 def sched_step(s: Scheduler):
     batch = s.schedule()
-    sampled = [7 if q.num_computed_tokens + n == len(q) else None
-               for q, n in zip(batch.seqs, batch.num_new_tokens)]
+    sampled = [
+        7 if q.num_computed_tokens + n == len(q) else None
+        for q, n in zip(batch.seqs, batch.num_new_tokens)
+    ]
     s.postprocess(batch, sampled)
     s.block_manager.check_invariants(s.seqs)
     return batch
@@ -164,8 +170,10 @@ def test_abort_of_a_swapped_sequence_frees_its_host_blocks() -> None:
 
 @pytest.fixture(scope="module")
 def refs(hf_checkpoints) -> dict[str, list[list[int]]]:
-    return {fam: [hf_greedy(hf_checkpoints[fam][1], p, MAX_TOKENS) for p in PROMPTS]
-            for fam in ("llama", "qwen3")}
+    return {
+        fam: [hf_greedy(hf_checkpoints[fam][1], p, MAX_TOKENS) for p in PROMPTS]
+        for fam in ("llama", "qwen3")
+    }
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -182,10 +190,13 @@ def test_swap_under_pressure_is_exact(family: str, hf_checkpoints, refs) -> None
     assert bm.host.num_used_blocks == 0 and not bm.host.tables
 
 
-@pytest.mark.parametrize(("knob", "swaps"), [
-    (dict(swap_bandwidth_gbps=1e-9), False),  # a link this slow makes recompute cheaper
-    (dict(recompute_tflops=1e-9), True),  # compute this slow makes swapping cheaper
-])
+@pytest.mark.parametrize(
+    ("knob", "swaps"),
+    [
+        (dict(swap_bandwidth_gbps=1e-9), False),  # a link this slow makes recompute cheaper
+        (dict(recompute_tflops=1e-9), True),  # compute this slow makes swapping cheaper
+    ],
+)
 def test_auto_mode_follows_the_estimate(knob, swaps: bool, hf_checkpoints, refs) -> None:
     path, _ = hf_checkpoints["llama"]
     llm = LLM(path, preemption_mode="auto", **TIGHT, **knob)
@@ -236,12 +247,19 @@ def test_engine_abort_of_swapped_request_frees_host_blocks(hf_checkpoints) -> No
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_cuda_swap_under_memory_pressure_matches_ample_memory(enforce_eager: bool,
-                                                              hf_checkpoints) -> None:
+def test_cuda_swap_under_memory_pressure_matches_ample_memory(
+    enforce_eager: bool, hf_checkpoints
+) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
-    common = dict(block_size=16, device="cuda", dtype="float32", show_progress=False,
-                  max_num_seqs=6, enforce_eager=enforce_eager)
+    common = dict(
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        max_num_seqs=6,
+        enforce_eager=enforce_eager,
+    )
     ample = run_checked(LLM(path, **common), prompts, greedy(24))
     assert ample == [hf_greedy(model, p, 24) for p in prompts]
     llm = LLM(path, num_kv_blocks=12, preemption_mode="swap", swap_space_gb=0.01, **common)

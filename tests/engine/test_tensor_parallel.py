@@ -88,7 +88,9 @@ def test_llama_kv_heads_split_over_ranks(hf_checkpoints) -> None:
     attn = llm.engine.model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
     # q/k/v packed: rank 0's 2 query heads and its KV head's k and v, 16 wide each
-    assert attn.qkv_proj.weight.shape == ((2 + 1 + 1) * 16, 64), "rank 0 must hold only its own heads"
+    assert attn.qkv_proj.weight.shape == ((2 + 1 + 1) * 16, 64), (
+        "rank 0 must hold only its own heads"
+    )
     assert llm.engine.runner.kv_cache.shape[4] == 1, "rank 0 caches only its KV head"
 
 
@@ -223,20 +225,27 @@ def _all_reduce_rank(rank: int, port: int, errors: object) -> None:
 
     def parts(numel: int, seed: int) -> list[torch.Tensor]:
         gen = torch.Generator(device).manual_seed(seed)
-        return [torch.randn(numel, generator=gen, device=device).to(torch.bfloat16) for _ in range(2)]
+        return [
+            torch.randn(numel, generator=gen, device=device).to(torch.bfloat16) for _ in range(2)
+        ]
 
     def expected(numel: int, seed: int) -> torch.Tensor:
         a, b = parts(numel, seed)
         return (a.float() + b.float()).to(torch.bfloat16)
 
     try:
-        for i, numel in enumerate([4096, 1000, 4096 * 40, 4096 * 40 - 3] * 5):  # eager, odd sizes, many programs
+        # eager, odd sizes, many programs
+        for i, numel in enumerate([4096, 1000, 4096 * 40, 4096 * 40 - 3] * 5):
             x = parts(numel, i)[rank]
             got = tp.all_reduce(x.clone())
             if not torch.equal(got, expected(numel, i)):
                 errors.put(f"rank {rank}, eager call {i} ({numel} values): wrong sum")
         # -0.0 is the push inbox's "not written yet": a rank sending it must not stall the others.
-        x = -torch.zeros(4096, dtype=torch.bfloat16, device=device) if rank == 0 else parts(4096, 7)[1]
+        x = (
+            -torch.zeros(4096, dtype=torch.bfloat16, device=device)
+            if rank == 0
+            else parts(4096, 7)[1]
+        )
         if not torch.equal(tp.all_reduce(x), parts(4096, 7)[1]):
             errors.put(f"rank {rank}: wrong sum with -0.0 values")
         for i, (rows, cols) in enumerate([(1, 64128), (3, 1000), (1, 1000), (5, 4096 * 8)]):
@@ -245,6 +254,7 @@ def _all_reduce_rank(rank: int, port: int, errors: object) -> None:
             staged.copy_(both[rank])
             if not torch.equal(tp.fast.gather(staged), torch.cat(both, dim=-1)):
                 errors.put(f"rank {rank}, gather {rows}x{cols}: wrong values")
+
         # A decode graph's pattern: many calls in a row, each fed from the one before, each with
         # different values (a read of a buffer's previous contents would show).
         def call_input(h: torch.Tensor, k: int, r: int) -> torch.Tensor:
@@ -254,7 +264,8 @@ def _all_reduce_rank(rank: int, port: int, errors: object) -> None:
         packed = torch.zeros(777, dtype=torch.int64, device=device)
 
         def step_inputs(replay: int) -> torch.Tensor:
-            return torch.arange(777, device=device) * (replay + 3) - 5  # negatives like the padding's -1
+            # negatives like the padding's -1
+            return torch.arange(777, device=device) * (replay + 3) - 5
 
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):

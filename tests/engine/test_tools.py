@@ -45,7 +45,10 @@ HERMES = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris {x}"}}\n'
     '</tool_call>\n<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>'
 )
-LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "a\\"}"}}; {"name": "get_time", "parameters": {}}'
+LLAMA3 = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "a\\"}"}}; '
+    '{"name": "get_time", "parameters": {}}'
+)
 
 
 def _streamed(text: str, style: str) -> tuple[str, list, int]:
@@ -60,19 +63,34 @@ def _streamed(text: str, style: str) -> tuple[str, list, int]:
 @pytest.mark.parametrize(
     ("text", "style", "content", "calls"),
     [
-        (HERMES, "hermes", "Let me check.",
-         [("get_weather", {"city": "Paris {x}"}), ("get_time", {"zone": "UTC"})]),
+        (
+            HERMES,
+            "hermes",
+            "Let me check.",
+            [("get_weather", {"city": "Paris {x}"}), ("get_time", {"zone": "UTC"})],
+        ),
         (LLAMA3, "llama3_json", None, [("get_weather", {"city": 'a"}'}), ("get_time", {})]),
-        ('[{"name": "get_time", "parameters": {"zone": "CET"}}]', "json_list", None,
-         [("get_time", {"zone": "CET"})]),
+        (
+            '[{"name": "get_time", "parameters": {"zone": "CET"}}]',
+            "json_list",
+            None,
+            [("get_time", {"zone": "CET"})],
+        ),
         ("No tools needed {here}.", "llama3_json", "No tools needed {here}.", []),
-        ("<tool_call>not json</tool_call> done", "hermes", "<tool_call>not json</tool_call> done", []),
+        (
+            "<tool_call>not json</tool_call> done",
+            "hermes",
+            "<tool_call>not json</tool_call> done",
+            [],
+        ),
     ],
 )
 def test_parsers_whole_and_streamed_agree(text, style, content, calls) -> None:
     whole = parse(text, style)
     assert whole.content == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls] == calls
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls
+    ] == calls
     s_content, s_calls, _ = _streamed(text, style)
     assert (s_content.strip() or None) == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in s_calls] == [
@@ -136,7 +154,9 @@ def test_required_tool_choice_streams_argument_deltas(client) -> None:
     names = {p.index: p.function.name for p in pieces if p.function.name}
     for i, text in args.items():
         jsonschema.validate(json.loads(text), by_name[names[i]]["function"]["parameters"])
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["tool_calls"]
 
 
 def test_tool_choice_none_answers_in_text(client) -> None:
@@ -149,7 +169,10 @@ def test_tool_choice_none_answers_in_text(client) -> None:
     [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
         ({"tool_choice": "sometimes"}, "tool_choice must be"),
-        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "already constrains"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "already constrains",
+        ),
     ],
 )
 def test_bad_tool_choice_is_400(client, kw, needle) -> None:

@@ -20,9 +20,19 @@ BLOCK = 4
 
 
 def _args(qk_norm: bool) -> ModelArgs:
-    return ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, qk_norm=qk_norm, qkv_bias=qk_norm,
-                     rope={"rope_theta": 1e4, "rope_type": "default"})
+    return ModelArgs(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        qk_norm=qk_norm,
+        qkv_bias=qk_norm,
+        rope={"rope_theta": 1e4, "rope_type": "default"},
+    )
 
 
 def _model(qk_norm: bool, device) -> LlamaForCausalLM:
@@ -30,7 +40,10 @@ def _model(qk_norm: bool, device) -> LlamaForCausalLM:
     model = LlamaForCausalLM(_args(qk_norm)).to(device)
     with torch.no_grad():
         for p in model.parameters():  # norms and biases away from 1 and 0 too
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 and p.shape[0] in (16, 64) else 0.0))
+            p.copy_(
+                torch.randn_like(p) * 0.2
+                + (1.0 if p.dim() == 1 and p.shape[0] in (16, 64) else 0.0)
+            )
     return model.eval()
 
 
@@ -42,7 +55,11 @@ def _meta(context: int, device) -> AttentionMetadata:
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
         context_lens=torch.tensor([context], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        block_size=BLOCK, max_query_len=1, max_context_len=context, query_lens_host=[1], context_lens_host=[context],
+        block_size=BLOCK,
+        max_query_len=1,
+        max_context_len=context,
+        query_lens_host=[1],
+        context_lens_host=[context],
     )
 
 
@@ -53,7 +70,9 @@ def _triton_backend() -> AttentionBackend:
         store_kvcache_triton,
     )
 
-    return AttentionBackend("triton", store_kvcache_triton, paged_attention_triton, decode_grid_bounds)
+    return AttentionBackend(
+        "triton", store_kvcache_triton, paged_attention_triton, decode_grid_bounds
+    )
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (q/k-norm, and a q/k/v bias)
@@ -61,13 +80,24 @@ def _triton_backend() -> AttentionBackend:
 def test_batch1_step_matches_torch_ops(device, qk_norm):
     model = _model(qk_norm, device)
     ops = TritonOps(_triton_backend()).for_tokens(1)
-    assert isinstance(ops, Batch1Ops), "a one-token step on the Triton backend takes the batch-1 ops"
+    assert isinstance(ops, Batch1Ops), (
+        "a one-token step on the Triton backend takes the batch-1 ops"
+    )
     args, context = model.args, 7
-    caches = [torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device) for _ in range(args.num_layers)]
+    caches = [
+        torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
     batch1_caches = [c.clone() for c in caches]
     ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
 
-    want = model(ids, pos, _meta(context, device), caches, TorchOps(get_attention_backend("reference", device)))
+    want = model(
+        ids,
+        pos,
+        _meta(context, device),
+        caches,
+        TorchOps(get_attention_backend("reference", device)),
+    )
     got = model(ids, pos, _meta(context, device), batch1_caches, ops)
 
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -93,11 +123,19 @@ def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device)
         shard.load_state_dict(plain.state_dict())
         assert isinstance(shard.model.layers[0].mlp.down_proj, RowParallelLinear)
         args, context = plain.args, 6
-        caches = [torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
-                  for _ in range(args.num_layers)]
+        caches = [
+            torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+            for _ in range(args.num_layers)
+        ]
         shard_caches = [c.clone() for c in caches]
         ids, pos = torch.tensor([5], device=device), torch.tensor([context - 1], device=device)
-        want = plain(ids, pos, _meta(context, device), caches, TorchOps(get_attention_backend("reference", device)))
+        want = plain(
+            ids,
+            pos,
+            _meta(context, device),
+            caches,
+            TorchOps(get_attention_backend("reference", device)),
+        )
         got = shard(ids, pos, _meta(context, device), shard_caches, Batch1Ops(_triton_backend()))
     finally:
         dist.destroy_process_group()

@@ -94,9 +94,7 @@ def test_decode_matches_reference(device, dtype, heads, kv_heads, dim, block_siz
     torch.testing.assert_close(got, want, **_tol(dtype))
     # A graph-sized grid (more splits than the context needs) gives the same answer, and so do
     # short splits, which the merge kernel combines.
-    got = _decode(
-        q, cache, tables, meta.context_lens, scale, max(ctx) * 4, num_splits=5
-    )
+    got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx) * 4, num_splits=5)
     torch.testing.assert_close(got, want, **_tol(dtype))
     got = _decode(
         q, cache, tables, meta.context_lens, scale, max(ctx), num_splits=5, block_n=16, min_split=16
@@ -122,7 +120,9 @@ def test_decode_one_sequence_short_and_long_grids(device, ctx, grid_context):
     assert tk.short_decode(1, grid_context) == (grid_context <= tk.SHORT_DECODE_CONTEXT)
     assert not tk.short_decode(2, grid_context)
     # Bucket 1's graphs: one per launch configuration it can take.
-    assert tk.decode_grid_bounds(1, grid_context) == sorted({min(grid_context, tk.SHORT_DECODE_CONTEXT), grid_context})
+    assert tk.decode_grid_bounds(1, grid_context) == sorted(
+        {min(grid_context, tk.SHORT_DECODE_CONTEXT), grid_context}
+    )
     assert tk.decode_grid_bounds(2, grid_context) == [grid_context]
     want = paged_attention_reference(q, cache, meta, 0.125)
     got = _decode(q, cache, tables, meta.context_lens, 0.125, grid_context)
@@ -154,7 +154,9 @@ def test_decode_with_the_engines_kernel_options_matches_reference(device, attent
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("new_tokens", [False, True])
 @pytest.mark.parametrize("block_size,block_n,splits", [(32, 16, 3), (16, 16, 1), (64, 32, None)])
-def test_decode_through_tma_matches_reference(device, window, new_tokens, block_size, block_n, splits):
+def test_decode_through_tma_matches_reference(
+    device, window, new_tokens, block_size, block_n, splits
+):
     """The tensor-memory-accelerator path (whole tiles per block, the split's block-table entries
     read before the loop) gives the reference's answer. Slots past each context and a free block
     hold NaN, as never-written cache memory may: a tile reading them must not let them in."""
@@ -166,7 +168,7 @@ def test_decode_through_tma_matches_reference(device, window, new_tokens, block_
     tables = _tables(ctx, block_size, num_blocks - 1, device)
     cache[num_blocks - 1] = float("nan")
     for row, c in zip(tables.tolist(), ctx):
-        cache[row[(c - 1) // block_size], :, (c - 1) % block_size + 1:] = float("nan")
+        cache[row[(c - 1) // block_size], :, (c - 1) % block_size + 1 :] = float("nan")
     meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
     scale = dim**-0.5
     launch = {"num_splits": splits, "block_n": block_n, "min_split": block_n, "tma": True}
@@ -174,14 +176,22 @@ def test_decode_through_tma_matches_reference(device, window, new_tokens, block_
         from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
 
         positions = torch.tensor([c - 1 for c in ctx], device=device)
-        slots = torch.stack([tables[i, (c - 1) // block_size] * block_size + (c - 1) % block_size
-                             for i, c in enumerate(ctx)]).long()
-        cos, sin = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)(positions, dtype)
+        slots = torch.stack(
+            [
+                tables[i, (c - 1) // block_size] * block_size + (c - 1) % block_size
+                for i, c in enumerate(ctx)
+            ]
+        ).long()
+        cos, sin = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)(
+            positions, dtype
+        )
         k = torch.randn(len(ctx), kv_heads, dim, dtype=dtype, device=device)
         v = torch.randn(len(ctx), kv_heads, dim, dtype=dtype, device=device)
         q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
         new = tk.NewTokens(k, v, cos, sin, slots)
-        got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
+        got = _decode(
+            q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch
+        )
         # The reference attends with q rotated in fp32, as the kernel does, over the cache the
         # kernel stored into.
         q = apply_rotary(q.float(), k.float(), cos.float(), sin.float())[0].to(dtype)
@@ -263,18 +273,23 @@ def test_store_matches_reference_and_skips_padding(device, block_size):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size,ctx,splits", [
-    (4, 4, 64, 16, [1, 17, 40], None),  # a context of just the new token
-    (8, 2, 64, 16, [37, 100], 3),  # the new token in a later split than the first
-    (8, 2, 128, 32, [5, 70], 1),  # one split: the output written directly
-    (4, 1, 16, 16, [20, 3], 2),  # head_dim 16, as the tiny test models have
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size,ctx,splits",
+    [
+        (4, 4, 64, 16, [1, 17, 40], None),  # a context of just the new token
+        (8, 2, 64, 16, [37, 100], 3),  # the new token in a later split than the first
+        (8, 2, 128, 32, [5, 70], 1),  # one split: the output written directly
+        (4, 1, 16, 16, [20, 3], 2),  # head_dim 16, as the tiny test models have
+    ],
+)
 @pytest.mark.parametrize("window", [None, 9])
-def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(device, dtype, qk_norm, heads, kv_heads, dim,
-                                                               block_size, ctx, splits, window):
-    """Rotating q/k and storing the new k/v inside the decode kernel equals the q/k/v kernel followed
-    by the plain decode kernel: same output, same cache. A padded row (slot -1) stores nothing, yet
-    attends with its new k/v: they come from registers, not from reading the cache back."""
+def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(
+    device, dtype, qk_norm, heads, kv_heads, dim, block_size, ctx, splits, window
+):
+    """Rotating q/k and storing the new k/v inside the decode kernel equals the q/k/v kernel
+    followed by the plain decode kernel: same output, same cache. A padded row (slot -1) stores
+    nothing, yet attends with its new k/v: they come from registers, not from reading the cache
+    back."""
     from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
     from flashstack.engine.models.layers import RotaryEmbedding
 
@@ -284,16 +299,23 @@ def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(device, dtype, qk
     tables = _tables(ctx, block_size, num_blocks, device)
     meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
     positions = torch.tensor([c - 1 for c in ctx], device=device)
-    real_slots = torch.stack([tables[i, (c - 1) // block_size] * block_size + (c - 1) % block_size
-                              for i, c in enumerate(ctx)]).long()
+    real_slots = torch.stack(
+        [
+            tables[i, (c - 1) // block_size] * block_size + (c - 1) % block_size
+            for i, c in enumerate(ctx)
+        ]
+    ).long()
     slots = real_slots.clone()
     slots[0] = -1  # graph padding
     width = (heads + 2 * kv_heads) * dim
-    qkv = torch.randn(len(ctx), width, dtype=dtype, device=device)  # views, as the fused projection gives them
-    q = qkv[:, :heads * dim].view(-1, heads, dim)
-    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(-1, kv_heads, dim)
-    v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
-    cos, sin = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)(positions, dtype)
+    # views, as the fused projection gives them
+    qkv = torch.randn(len(ctx), width, dtype=dtype, device=device)
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+    cos, sin = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)(
+        positions, dtype
+    )
     qw = torch.randn(dim, dtype=dtype, device=device) if qk_norm else None
     kw = torch.randn(dim, dtype=dtype, device=device) if qk_norm else None
     scale = dim**-0.5
@@ -301,19 +323,22 @@ def test_decode_with_new_tokens_matches_qkv_kernel_then_decode(device, dtype, qk
     want_cache = cache.clone()  # what the cache must hold after the step: row 0 not stored
     rope_and_store_kv_triton(q.clone(), k, v, cos, sin, want_cache, slots, qw, kw, 1e-6)
     full_cache = cache.clone()  # what every row must attend over: its own new k/v included
-    q_rot = rope_and_store_kv_triton(q.clone(), k, v, cos, sin, full_cache, real_slots, qw, kw, 1e-6)
+    q_rot = rope_and_store_kv_triton(
+        q.clone(), k, v, cos, sin, full_cache, real_slots, qw, kw, 1e-6
+    )
     launch = dict(num_splits=splits, block_n=16, min_split=16)  # short splits: the merge runs too
     want = _decode(q_rot, full_cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
     new = tk.NewTokens(k, v, cos, sin, slots, qw, kw, 1e-6)
     got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx), window, new=new, **launch)
     torch.testing.assert_close(got, want, **_tol(dtype))
     torch.testing.assert_close(cache, want_cache, **_tol(dtype))
-    assert torch.equal(q, qkv[:, :heads * dim].view(-1, heads, dim))  # q itself is left unrotated
+    assert torch.equal(q, qkv[:, : heads * dim].view(-1, heads, dim))  # q itself is left unrotated
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_long_prefill_chunks_take_sdpa_and_match_reference(device, monkeypatch, heads, kv_heads):
-    """Chunks past SDPA_MIN_QUERY_LEN go through torch's fused attention, cached prefixes included."""
+    """Chunks past SDPA_MIN_QUERY_LEN go through torch's fused attention, cached prefixes
+    included."""
     from flashstack.engine.kernels import attention
 
     torch.manual_seed(6)
@@ -324,7 +349,9 @@ def test_long_prefill_chunks_take_sdpa_and_match_reference(device, monkeypatch, 
     cache = _cache(num_blocks, bs, kv_heads, dim, dtype, device)
     tables = _tables(ctx, bs, num_blocks, device)
     meta = _meta(query_lens, ctx, tables, bs, device)
-    assert attention.sdpa_prefill_applies(meta, None) and not attention.sdpa_prefill_applies(meta, 8)
+    assert attention.sdpa_prefill_applies(meta, None) and not attention.sdpa_prefill_applies(
+        meta, 8
+    )
     q = torch.randn(sum(query_lens), heads, dim, dtype=dtype, device=device)
     want = paged_attention_reference(q, cache, meta, 0.1)
     torch.testing.assert_close(tk.paged_attention_triton(q, cache, meta, 0.1), want, **_tol(dtype))

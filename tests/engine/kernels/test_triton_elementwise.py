@@ -37,9 +37,10 @@ def test_rope(device, dtype, hq, hk, dim):
     rope = RotaryEmbedding(dim, {"rope_theta": 10000.0, "rope_type": "default"}).to(device)
     positions = torch.tensor([0, 3, 17, 511], device=device)
     cos, sin = rope(positions, dtype)
-    qkv = torch.randn(4, (hq + 2 * hk) * dim, dtype=dtype, device=device)  # strided views, as in a model
+    # strided views, as in a model
+    qkv = torch.randn(4, (hq + 2 * hk) * dim, dtype=dtype, device=device)
     q = qkv[:, : hq * dim].view(4, hq, dim)
-    k = qkv[:, hq * dim:(hq + hk) * dim].view(4, hk, dim)
+    k = qkv[:, hq * dim : (hq + hk) * dim].view(4, hk, dim)
     want_q, want_k = apply_rotary(q.clone(), k.clone(), cos, sin)
     got_q, got_k = te.rope_triton(q, k, cos, sin)
     torch.testing.assert_close(got_q, want_q, **_tol(dtype))
@@ -51,4 +52,6 @@ def test_rope(device, dtype, hq, hk, dim):
 def test_silu_and_mul(device, dtype, n):
     torch.manual_seed(2)
     x = torch.randn(3, 2 * n, dtype=dtype, device=device)
-    torch.testing.assert_close(te.silu_and_mul_triton(x), te.silu_and_mul_reference(x), **_tol(dtype))
+    torch.testing.assert_close(
+        te.silu_and_mul_triton(x), te.silu_and_mul_reference(x), **_tol(dtype)
+    )

@@ -28,7 +28,9 @@ def test_config_per_shape():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 512, 4, 3)])
+@pytest.mark.parametrize(
+    "config", [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 512, 4, 3)]
+)
 @pytest.mark.parametrize("n,k", [(37, 300), (64, 2100)])  # ragged rows and chunks, several chunks
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_linear(device, dtype, config, n, k, with_bias):
@@ -36,7 +38,9 @@ def test_gemv_matches_linear(device, dtype, config, n, k, with_bias):
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
     x = torch.randn(1, k, dtype=dtype, device=device)
     b = torch.randn(n, dtype=dtype, device=device) if with_bias else None
-    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(
+        dtype
+    )
     torch.testing.assert_close(tg.gemv_triton(w, x, b, config), want, **_tol(dtype))
 
 
@@ -45,11 +49,15 @@ def test_linear_is_f_linear_for_every_shape(device):
     otherwise; the same product either way."""
     lin = torch.nn.Linear(48, 40, bias=True, device=device)
     x = torch.randn(3, 48, device=device)
-    torch.testing.assert_close(tg.linear(x, lin.weight, lin.bias), lin(x))  # more than one row: F.linear
-    torch.testing.assert_close(tg.linear(x[:1], lin.weight, lin.bias), lin(x[:1]), atol=1e-4, rtol=1e-4)
+    # more than one row: F.linear
+    torch.testing.assert_close(tg.linear(x, lin.weight, lin.bias), lin(x))
+    torch.testing.assert_close(
+        tg.linear(x[:1], lin.weight, lin.bias), lin(x[:1]), atol=1e-4, rtol=1e-4
+    )
 
 
-# (rows, chunk, warps[, stages]): the next chunk in registers, or stages - 1 chunks ahead in shared memory
+# (rows, chunk, warps[, stages]): the next chunk in registers, or stages - 1 chunks ahead in shared
+# memory
 CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 512, 4, 3), (4, 1024, 4, 2)]
 
 
@@ -65,7 +73,9 @@ def test_norm_prologue_is_rmsnorm_then_gemv(device, dtype, config):
     g = torch.rand(k, dtype=dtype, device=device) + 0.5
     fused = tg.gemv_triton(w, x, None, config, norm=(g, 1e-5))
     # Same rounding as the unfused kernels, same accumulation order: the same bits.
-    torch.testing.assert_close(fused, tg.gemv_triton(w, rmsnorm_triton(x, g, 1e-5)[0], None, config), atol=0, rtol=0)
+    torch.testing.assert_close(
+        fused, tg.gemv_triton(w, rmsnorm_triton(x, g, 1e-5)[0], None, config), atol=0, rtol=0
+    )
     want = torch.nn.functional.linear(rmsnorm_reference(x, g, 1e-5)[0].float(), w.float()).to(dtype)
     torch.testing.assert_close(fused, want, **_tol(dtype))
 
@@ -83,7 +93,9 @@ def test_silu_prologue_is_silu_and_mul_then_gemv(device, dtype, config):
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
     gate_up = torch.randn(1, 2 * k, dtype=dtype, device=device)
     fused = tg.gemv_triton(w, gate_up, None, config, silu=True)
-    torch.testing.assert_close(fused, tg.gemv_triton(w, silu_and_mul_triton(gate_up), None, config), atol=0, rtol=0)
+    torch.testing.assert_close(
+        fused, tg.gemv_triton(w, silu_and_mul_triton(gate_up), None, config), atol=0, rtol=0
+    )
     want = torch.nn.functional.linear(silu_and_mul_reference(gate_up).float(), w.float()).to(dtype)
     torch.testing.assert_close(fused, want, **_tol(dtype))
 
@@ -102,12 +114,20 @@ def test_shared_memory_stream_gives_the_same_bits(device, stages):
     r = torch.randn(1, n, dtype=dtype, device=device)
 
     def run(config, inp, residual=False, **kwargs):
-        return tg.gemv_triton(w, inp, None, config, residual=r.clone() if residual else None, **kwargs)
+        return tg.gemv_triton(
+            w, inp, None, config, residual=r.clone() if residual else None, **kwargs
+        )
 
     for config in [(8, 512, 4), (4, 1024, 4)]:
-        for inp, kwargs in [(x, {}), (x, {"norm": (g, 1e-5)}), (gate_up, {"silu": True}),
-                            (gate_up, {"silu": True, "residual": True})]:
-            torch.testing.assert_close(run((*config, stages), inp, **kwargs), run(config, inp, **kwargs), atol=0, rtol=0)
+        for inp, kwargs in [
+            (x, {}),
+            (x, {"norm": (g, 1e-5)}),
+            (gate_up, {"silu": True}),
+            (gate_up, {"silu": True, "residual": True}),
+        ]:
+            torch.testing.assert_close(
+                run((*config, stages), inp, **kwargs), run(config, inp, **kwargs), atol=0, rtol=0
+            )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -123,20 +143,32 @@ def test_residual_epilogue_adds_in_place(device, dtype, with_bias):
     out = tg.gemv_triton(w, gate_up, b, silu=True, residual=residual)
     assert out is residual
     # The projection is rounded to the activation dtype before the add, as `down(x) + residual` is.
-    torch.testing.assert_close(out, tg.gemv_triton(w, gate_up, b, silu=True) + before, atol=0, rtol=0)
-    # Into another tensor (a tensor-parallel rank's staged partial): same bits, the residual untouched.
+    torch.testing.assert_close(
+        out, tg.gemv_triton(w, gate_up, b, silu=True) + before, atol=0, rtol=0
+    )
+    # Into another tensor (a tensor-parallel rank's staged partial): same bits, the residual
+    # untouched.
     staged = torch.empty_like(before)
     got = tg.gemv_triton(w, gate_up, b, silu=True, residual=before, out=staged)
     assert got is staged
     torch.testing.assert_close(got, out, atol=0, rtol=0)
-    torch.testing.assert_close(tg.gemv_triton(w, gate_up, b, silu=True, out=staged),
-                               tg.gemv_triton(w, gate_up, b, silu=True), atol=0, rtol=0)
+    torch.testing.assert_close(
+        tg.gemv_triton(w, gate_up, b, silu=True, out=staged),
+        tg.gemv_triton(w, gate_up, b, silu=True),
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_one_prologue_per_call(device):
     w = torch.randn(4, 8, device=device)
     with pytest.raises(AssertionError):
-        tg.gemv_triton(w, torch.randn(1, 16, device=device), silu=True, norm=(torch.ones(8, device=device), 1e-6))
+        tg.gemv_triton(
+            w,
+            torch.randn(1, 16, device=device),
+            silu=True,
+            norm=(torch.ones(8, device=device), 1e-6),
+        )
 
 
 def test_programmatic_dependent_launch_only_where_it_can_run():

@@ -1,4 +1,5 @@
-"""The fused q/k-norm + rotary + KV-store kernel against the unfused kernels and torch references."""
+"""The fused q/k-norm + rotary + KV-store kernel against the unfused kernels and torch
+references."""
 
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ def _inputs(device, dtype, hq, hk, dim, block_size, n=4):
     rope = RotaryEmbedding(dim, {"rope_theta": 10000.0, "rope_type": "default"}).to(device)
     positions = torch.tensor([0, 3, 17, 511][:n], device=device)
     cos, sin = rope(positions, dtype)
-    qkv = torch.randn(n, (hq + 2 * hk) * dim, dtype=dtype, device=device)  # strided views, as in a model
+    # strided views, as in a model
+    qkv = torch.randn(n, (hq + 2 * hk) * dim, dtype=dtype, device=device)
     q = qkv[:, : hq * dim].view(n, hq, dim)
     k = qkv[:, hq * dim : (hq + hk) * dim].view(n, hk, dim)
     v = qkv[:, (hq + hk) * dim :].view(n, hk, dim)
     num_blocks = 3
     cache = torch.randn(num_blocks, 2, block_size, hk, dim, dtype=dtype, device=device)
     # Scattered slots, one of them padding (-1: nothing written).
-    slots = torch.tensor([2 * block_size + 1, -1, 5, block_size - 1][:n], dtype=torch.int64, device=device)
+    slots = torch.tensor(
+        [2 * block_size + 1, -1, 5, block_size - 1][:n], dtype=torch.int64, device=device
+    )
     return q, k, v, cos, sin, cache, slots
 
 

@@ -19,7 +19,11 @@ def test_frequencies_match_softmax(device):
         want = torch.softmax(base.cpu() / t, -1)
         got = torch.bincount(part, minlength=vocab).double() / part.numel()
         # ~4 standard errors of a frequency estimated from 600 draws.
-        assert torch.allclose(got, want.double(), atol=4 * (0.25 / part.numel()) ** 0.5), (t, got, want)
+        assert torch.allclose(got, want.double(), atol=4 * (0.25 / part.numel()) ** 0.5), (
+            t,
+            got,
+            want,
+        )
     assert (ids != 5).all()  # a -inf logit is never drawn
 
 
@@ -40,7 +44,8 @@ def test_rows_across_chunks_and_seeds(device):
 
 
 def test_argmax_matches_torch_with_ties(device):
-    # Rows split over several programs; ties inside a slice, across slices, -inf and a one-entry row.
+    # Rows split over several programs; ties inside a slice, across slices, -inf and a one-entry
+    # row.
     torch.manual_seed(2)
     logits = torch.randn(5, 9000, device=device).to(torch.bfloat16)
     logits[1, [17, 4500, 8990]] = 9.0  # the first of three equal maxima, in different slices
