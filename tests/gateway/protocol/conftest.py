@@ -7,7 +7,7 @@ import anthropic
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig, RouterConfig
+from flashstack.config import Config, ModelConfig, RouterConfig, StoreConfig
 from flashstack.gateway.app import create_app
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol import canned, samples
@@ -37,9 +37,17 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def protocol_gateway(canned_upstreams, tmp_path_factory, tiny_model):
-    config = Config(
+    server = FakeServer(create_app(gateway_config(canned_upstreams, tmp_path_factory, tiny_model)), lifespan="on").start()
+    yield server
+    server.stop()
+
+
+def gateway_config(canned_upstreams, tmp_path_factory, tiny_model, store: StoreConfig | None = None) -> Config:
+    """The gateway in front of the canned upstreams (its sessions in `store`; default: SQLite in its state_dir)."""
+    return Config(
         state_dir=tmp_path_factory.mktemp("protocol-state"),
         router=ROUTING,
+        store=store or StoreConfig(),
         models=[
             ModelConfig(name="oai", provider="openai", model=OPENAI_MODEL,
                         api_base=canned_upstreams["openai"].url + "/v1", api_key=UPSTREAM_KEY),
@@ -49,9 +57,6 @@ def protocol_gateway(canned_upstreams, tmp_path_factory, tiny_model):
             ModelConfig(name="tiny", provider="local", model=str(tiny_model), supports_images=False),
         ],
     )
-    server = FakeServer(create_app(config), lifespan="on").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

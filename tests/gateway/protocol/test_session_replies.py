@@ -1,6 +1,6 @@
 """A stored reply goes back upstream in the session's next turn as the client received it: every
 block of an Anthropic upstream's message (thinking with its signature, redacted thinking, text with
-its citations, a server tool's blocks, tool use), whole."""
+its citations, a server tool's blocks, tool use), whole; each test on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import json
 import httpx
 import pytest
 
+from flashstack.gateway.app import create_app
+from tests.fakes.server import FakeServer
 from tests.gateway.protocol import canned, samples
-from tests.gateway.protocol.conftest import CLIENT_KEY
+from tests.gateway.protocol.conftest import CLIENT_KEY, gateway_config
+from tests.gateway.sessions.conftest import STORES
+from tests.gateway.sessions.support import ScratchStore, pg_available
 
 HEADERS = {"authorization": f"Bearer {CLIENT_KEY}", "anthropic-version": "2023-06-01"}
 SERVER_BLOCKS = [
@@ -36,13 +40,26 @@ SERVER_BLOCKS = [
 ]
 
 
+@pytest.fixture(scope="module", params=STORES)
+def session_gateway(request, canned_upstreams, tmp_path_factory, tiny_model):
+    """The protocol gateway with its sessions in a fresh SQLite file or PostgreSQL schema."""
+    if request.param == "postgres" and not pg_available():
+        pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
+    store = ScratchStore(request.param, tmp_path_factory.mktemp(request.param))
+    config = gateway_config(canned_upstreams, tmp_path_factory, tiny_model, store.config())
+    server = FakeServer(create_app(config), lifespan="on").start()
+    yield server
+    server.stop()
+    store.drop()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_an_anthropic_reply_is_replayed_whole(protocol_gateway, upstream, stream):
+def test_an_anthropic_reply_is_replayed_whole(session_gateway, upstream, stream):
     reply = samples.anthropic_response()
     reply["content"][2]["citations"] = samples.anthropic_messages()[1]["content"][2]["citations"]
     reply["content"][2:2] = SERVER_BLOCKS
     upstream["anthropic"].app.state.reply = canned.Reply(body=reply, events=_events(reply))
-    with httpx.Client(base_url=protocol_gateway.url, headers=HEADERS, timeout=20) as c:
+    with httpx.Client(base_url=session_gateway.url, headers=HEADERS, timeout=20) as c:
         r = c.post("/v1/sessions", json={"model": "claude"})
         assert r.status_code == 200, r.text
         sid = r.json()["id"]
