@@ -30,7 +30,10 @@ ERROR_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-ERROR_MESSAGES = {429: "Number of request tokens has exceeded your per-minute rate limit", 529: "Overloaded"}
+ERROR_MESSAGES = {
+    429: "Number of request tokens has exceeded your per-minute rate limit",
+    529: "Overloaded",
+}
 SIGNATURE = "EqQBCkYIBxgCKkDfakesignature"
 
 
@@ -40,7 +43,11 @@ def request_id(index: int) -> str:
 
 def error_response(status: int, message: str, index: int, headers: dict | None = None) -> Response:
     error_type = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    body = {"type": "error", "error": {"type": error_type, "message": message}, "request_id": request_id(index)}
+    body = {
+        "type": "error",
+        "error": {"type": error_type, "message": message},
+        "request_id": request_id(index),
+    }
     return JSONResponse(body, status, headers={"request-id": request_id(index), **(headers or {})})
 
 
@@ -60,7 +67,9 @@ def check_headers(request: Request, api_key: str | None) -> tuple[int, str] | No
 def _text_of(content: Any) -> list[str]:
     if isinstance(content, str):
         return [content]
-    return [b.get("text", "") for b in content or () if isinstance(b, dict) and b.get("type") == "text"]
+    return [
+        b.get("text", "") for b in content or () if isinstance(b, dict) and b.get("type") == "text"
+    ]
 
 
 def to_prompt(body: Any) -> Prompt:
@@ -79,7 +88,9 @@ def to_prompt(body: Any) -> Prompt:
     prompt.texts += _text_of(body.get("system"))
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise BadRequest(f"messages.{i}.role: Input should be 'user' or 'assistant'", "messages")
+            raise BadRequest(
+                f"messages.{i}.role: Input should be 'user' or 'assistant'", "messages"
+            )
         content = message.get("content")
         prompt.texts += _text_of(content)
         for block in content if isinstance(content, list) else ():
@@ -98,13 +109,18 @@ def _read_last_user(prompt: Prompt, content: Any, index: int) -> None:
         if block.get("type") == "tool_result":
             prompt.tool_results.append(" ".join(_text_of(block.get("content"))))
         elif block.get("type") == "image" and block.get("source", {}).get("type") == "base64":
-            source, where = block["source"], f"messages.{index}.content.{j}.image.source.base64.data"
+            source, where = (
+                block["source"],
+                f"messages.{index}.content.{j}.image.source.base64.data",
+            )
             data = script.decode_base64(source.get("data", ""), where)
             sniffed = script.sniff_media_type(data)
             if source.get("media_type") != sniffed:
                 raise BadRequest(
                     f"{where}: The image was specified using the {source.get('media_type')} media "
-                    f"type, but the image appears to be a {sniffed} image", "messages")
+                    f"type, but the image appears to be a {sniffed} image",
+                    "messages",
+                )
             prompt.images.append(script.Image(source["media_type"], data))
 
 
@@ -127,8 +143,14 @@ def _usage(reply: Reply, output_tokens: int) -> dict:
     }
 
 
-def _message(message_id: str, model: str, content: list, reply: Reply | None, output_tokens: int,
-             usage_reply: Reply) -> dict:
+def _message(
+    message_id: str,
+    model: str,
+    content: list,
+    reply: Reply | None,
+    output_tokens: int,
+    usage_reply: Reply,
+) -> dict:
     return {
         "id": message_id,
         "type": "message",
@@ -143,8 +165,12 @@ def _message(message_id: str, model: str, content: list, reply: Reply | None, ou
 
 def _tool_use_block(reply: Reply, full: bool) -> dict:
     call = reply.tool_call
-    return {"type": "tool_use", "id": "toolu_01" + call.call_id, "name": call.name,
-            "input": call.arguments if full else {}}
+    return {
+        "type": "tool_use",
+        "id": "toolu_01" + call.call_id,
+        "name": call.name,
+        "input": call.arguments if full else {},
+    }
 
 
 def complete(reply: Reply, message_id: str, model: str) -> dict:
@@ -165,12 +191,20 @@ def _sse(event: str, data: dict) -> bytes:
 
 async def stream(reply: Reply, message_id: str, model: str, index: int) -> AsyncIterator[bytes]:
     """The SSE event sequence of a streamed Message."""
-    yield _sse("message_start", {"type": "message_start",
-                                 "message": _message(message_id, model, [], None, 1, reply)})
+    yield _sse(
+        "message_start",
+        {"type": "message_start", "message": _message(message_id, model, [], None, 1, reply)},
+    )
     block = 0
     if reply.thinking:
-        yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                           "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+        yield _sse(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+            },
+        )
         yield _sse("ping", {"type": "ping"})
         for piece in script.split_words(reply.thinking):
             yield _delta(0, {"type": "thinking_delta", "thinking": piece})
@@ -182,7 +216,10 @@ async def stream(reply: Reply, message_id: str, model: str, index: int) -> Async
         first_delta = {"type": "input_json_delta", "partial_json": ""}
     else:
         start_block, first_delta = {"type": "text", "text": ""}, None
-    yield _sse("content_block_start", {"type": "content_block_start", "index": block, "content_block": start_block})
+    yield _sse(
+        "content_block_start",
+        {"type": "content_block_start", "index": block, "content_block": start_block},
+    )
     if not reply.thinking:
         yield _sse("ping", {"type": "ping"})
     if first_delta:
@@ -192,29 +229,52 @@ async def stream(reply: Reply, message_id: str, model: str, index: int) -> Async
         if reply.fail_after is not None and sent == reply.fail_after:
             break
         kind = "partial_json" if reply.tool_call else "text"
-        yield _delta(block, {"type": "input_json_delta" if reply.tool_call else "text_delta", kind: item})
+        yield _delta(
+            block, {"type": "input_json_delta" if reply.tool_call else "text_delta", kind: item}
+        )
         sent += 1
     if reply.fail_after is not None:
-        yield _sse("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"},
-                             "request_id": request_id(index)})
+        yield _sse(
+            "error",
+            {
+                "type": "error",
+                "error": {"type": "overloaded_error", "message": "Overloaded"},
+                "request_id": request_id(index),
+            },
+        )
         return
     yield _sse("content_block_stop", {"type": "content_block_stop", "index": block})
     usage = _usage(reply, sent)
     del usage["cache_creation"], usage["service_tier"]
-    yield _sse("message_delta", {"type": "message_delta",
-                                 "delta": {"stop_reason": reply.stop_reason, "stop_sequence": reply.stop_sequence},
-                                 "usage": usage})
+    yield _sse(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reply.stop_reason, "stop_sequence": reply.stop_sequence},
+            "usage": usage,
+        },
+    )
     yield _sse("message_stop", {"type": "message_stop"})
 
 
 def _delta(index: int, delta: dict) -> bytes:
-    return _sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+    return _sse(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )
 
 
 def model_info(model_id: str) -> dict:
-    return {"type": "model", "id": model_id, "display_name": model_id.rsplit("-", 1)[0].replace("-", " ").title(),
-            "created_at": "2025-09-29T00:00:00Z", "lifecycle": "active", "deprecated_at": None,
-            "retires_at": None, "max_input_tokens": 200000, "max_tokens": 64000}
+    return {
+        "type": "model",
+        "id": model_id,
+        "display_name": model_id.rsplit("-", 1)[0].replace("-", " ").title(),
+        "created_at": "2025-09-29T00:00:00Z",
+        "lifecycle": "active",
+        "deprecated_at": None,
+        "retires_at": None,
+        "max_input_tokens": 200000,
+        "max_tokens": 64000,
+    }
 
 
 def create_app(*, api_key: str | None = None, models: Sequence[str] = MODELS) -> FastAPI:
@@ -228,7 +288,9 @@ def create_app(*, api_key: str | None = None, models: Sequence[str] = MODELS) ->
         if failure := check_headers(request, api_key):
             return error_response(*failure, index)
         if body is None:
-            return error_response(400, "There was an issue with the request body: invalid JSON", index)
+            return error_response(
+                400, "There was an issue with the request body: invalid JSON", index
+            )
         try:
             prompt = to_prompt(body)
         except BadRequest as bad:
@@ -242,10 +304,17 @@ def create_app(*, api_key: str | None = None, models: Sequence[str] = MODELS) ->
         if not body.get("stream"):
             if reply.fail_after is not None:
                 return error_response(529, "Overloaded", index)
-            return JSONResponse(complete(reply, message_id, body["model"]),
-                                headers={"request-id": request_id(index)})
-        return EventStream(stream(reply, message_id, body["model"], index), "text/event-stream; charset=utf-8",
-                           {"request-id": request_id(index)}, index, app.state.cancelled)
+            return JSONResponse(
+                complete(reply, message_id, body["model"]),
+                headers={"request-id": request_id(index)},
+            )
+        return EventStream(
+            stream(reply, message_id, body["model"], index),
+            "text/event-stream; charset=utf-8",
+            {"request-id": request_id(index)},
+            index,
+            app.state.cancelled,
+        )
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -253,8 +322,14 @@ def create_app(*, api_key: str | None = None, models: Sequence[str] = MODELS) ->
         if failure := check_headers(request, api_key):
             return error_response(*failure, index)
         data = [model_info(m) for m in models]
-        return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None},
-                            headers={"request-id": request_id(index)})
+        return JSONResponse(
+            {
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            },
+            headers={"request-id": request_id(index)},
+        )
 
     return app

@@ -84,7 +84,8 @@ class FakeBackend:
                 raise FakeDriverError(f"{op}: CUDA_ERROR_INVALID_HANDLE ({h} freed twice)")
             if h.ctx is not None and self.ctx_get_current() != h.ctx:
                 self.violations.append(
-                    f"wrong-context: {op} on {h} with {self.ctx_get_current()} current")
+                    f"wrong-context: {op} on {h} with {self.ctx_get_current()} current"
+                )
             self._live.discard(h)
             self._dead.add(h)
 
@@ -102,8 +103,13 @@ class FakeBackend:
 
     def device_properties(self, ordinal: int) -> dict[str, Any]:
         self._call("device_properties", ordinal)
-        return {"name": f"Fake GPU {ordinal}", "compute_capability": self.cc,
-                "total_memory": 80 << 30, "sm_count": 132, "l2_cache_size": 50 << 20}
+        return {
+            "name": f"Fake GPU {ordinal}",
+            "compute_capability": self.cc,
+            "total_memory": 80 << 30,
+            "sm_count": 132,
+            "l2_cache_size": 50 << 20,
+        }
 
     def mem_info(self, ordinal: int) -> tuple[int, int]:
         used = sum(h.data["nbytes"] for h in self._live if h.kind == "devmem")
@@ -143,8 +149,9 @@ class FakeBackend:
     # -- streams and events ------------------------------------------------------------------
     def stream_create(self, ordinal: int, nonblocking: bool, priority: int) -> FakeHandle:
         self._call("stream_create")
-        return self._new("stream", self._require_ctx("stream_create"), capture=None,
-                         priority=priority)
+        return self._new(
+            "stream", self._require_ctx("stream_create"), capture=None, priority=priority
+        )
 
     def stream_wrap(self, ordinal: int, raw: int, owner: object) -> FakeHandle:
         return self._new("stream", None, capture=None, raw=raw, owner=owner)
@@ -238,7 +245,7 @@ class FakeBackend:
     def host_view(self, addr: int, nbytes: int) -> memoryview:
         """The bytes behind a fake address, so host-side code can read and write them."""
         data, off = self._locate(addr, nbytes, "host_view")
-        return memoryview(data)[off:off + nbytes]
+        return memoryview(data)[off : off + nbytes]
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: FakeHandle) -> None:
         self._call("memcpy_async", nbytes)
@@ -255,7 +262,7 @@ class FakeBackend:
             _, dst, src, n = op
             d, doff = self._locate(dst, n, "memcpy")
             s, soff = self._locate(src, n, "memcpy")
-            d[doff:doff + n] = s[soff:soff + n]
+            d[doff : doff + n] = s[soff : soff + n]
         else:
             _, kernel, args = op
             kernel.data["fn"](self, *args)
@@ -265,7 +272,9 @@ class FakeBackend:
         return np.frombuffer(mem.data["bytes"], dtype=np.uint8).__dlpack__()
 
     # -- modules and kernels -----------------------------------------------------------------
-    def compile(self, source: str, arch: str, options: Sequence[str], names: Sequence[str]) -> bytes:
+    def compile(
+        self, source: str, arch: str, options: Sequence[str], names: Sequence[str]
+    ) -> bytes:
         self._call("compile", arch)
         if "#error" in source:
             raise FakeDriverError("compile: NVRTC_ERROR_COMPILATION (#error)")
@@ -285,8 +294,15 @@ class FakeBackend:
         fn = self.kernels.get(name, lambda *_: None)
         return FakeHandle("kernel", 0, None, {"module": module, "fn": fn, "name": name})
 
-    def launch(self, kernel: FakeHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
-               args: Sequence[object], stream: FakeHandle, shared_mem: int) -> None:
+    def launch(
+        self,
+        kernel: FakeHandle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[object],
+        stream: FakeHandle,
+        shared_mem: int,
+    ) -> None:
         self._call("launch", kernel.data["name"])
         self._use(kernel.data["module"], "launch")
         if stream is not None:
@@ -318,16 +334,24 @@ class FakeBackend:
         self._call("graph_define")
         return self._new("graph", None, ops=[])
 
-    def graph_add_kernel(self, graph: FakeHandle, kernel: FakeHandle, grid: tuple[int, int, int],
-                         block: tuple[int, int, int], args: Sequence[object], shared_mem: int,
-                         after: Any) -> int:
+    def graph_add_kernel(
+        self,
+        graph: FakeHandle,
+        kernel: FakeHandle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[object],
+        shared_mem: int,
+        after: Any,
+    ) -> int:
         self._call("graph_add_kernel", kernel.data["name"])
         self._use(graph, "graph_add_kernel")
         graph.data["ops"].append(("kernel", kernel, tuple(args)))
         return len(graph.data["ops"]) - 1  # ops replay in insertion order, which respects `after`
 
-    def graph_add_memcpy(self, graph: FakeHandle, dst: int, src: int, nbytes: int,
-                         after: Any) -> int:
+    def graph_add_memcpy(
+        self, graph: FakeHandle, dst: int, src: int, nbytes: int, after: Any
+    ) -> int:
         self._call("graph_add_memcpy", nbytes)
         self._use(graph, "graph_add_memcpy")
         graph.data["ops"].append(("memcpy", dst, src, nbytes))

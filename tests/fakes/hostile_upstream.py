@@ -1,4 +1,5 @@
-"""An upstream that attacks the gateway: it echoes credentials, refuses them, floods, and lies about shapes.
+"""An upstream that attacks the gateway: it echoes credentials, refuses them, floods, and lies about
+shapes.
 
 It speaks the OpenAI (`/v1/chat/completions`), Anthropic (`/v1/messages`) and Ollama (`/api/chat`,
 NDJSON streams) wires, and does
@@ -13,7 +14,8 @@ answers normally ("echo: <text>"), so the same gateway proves it still works aft
     giant_line:N          200 event stream whose first line is N bytes long, never ended
     giant_event:N         200 event stream: one event of N bytes of short data lines
     empty_json            200 `{}`; streamed: events of `{}`, then the end marker
-    wrong_shape           200 with fields of the wrong types; streamed: a chunk/event of the wrong shape
+    wrong_shape           200 with fields of the wrong types; streamed: a chunk/event of the wrong
+shape
     late_echo             streamed: one token, then an in-stream error quoting the credential
     late_giant_line:N     streamed: one token, then an N-byte line
 
@@ -39,14 +41,18 @@ DIRECTIVE = re.compile(r"\[\[hostile:(\w+)(?::(\d+))?\]\]")
 PIECE = 64 * 1024
 
 
-def create_app(require: dict[str, str] | None = None, require_query: dict[str, str] | None = None) -> Starlette:
-    app = Starlette(routes=[
-        Route("/v1/chat/completions", _openai, methods=["POST"]),
-        Route("/v1/messages", _anthropic, methods=["POST"]),
-        Route("/v1/models", _models, methods=["GET"]),
-        Route("/api/chat", _ollama, methods=["POST"]),
-        Route("/api/tags", _tags, methods=["GET"]),
-    ])
+def create_app(
+    require: dict[str, str] | None = None, require_query: dict[str, str] | None = None
+) -> Starlette:
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", _openai, methods=["POST"]),
+            Route("/v1/messages", _anthropic, methods=["POST"]),
+            Route("/v1/models", _models, methods=["GET"]),
+            Route("/api/chat", _ollama, methods=["POST"]),
+            Route("/api/tags", _tags, methods=["GET"]),
+        ]
+    )
     app.state.sent = {}
     app.state.credentials = []
     app.state.require = {k.lower(): v for k, v in (require or {}).items()}
@@ -89,13 +95,21 @@ async def _serve(request: Request, wire: str) -> Response:
     if mode in ("echo_400", "echo_500"):
         return _error(wire, int(mode[-3:]), f"failed for {quote}; " + "padding " * 5_000)
     if mode == "big_body":
-        return StreamingResponse(_counted(request, _json_flood(size), mode), media_type="application/json")
+        return StreamingResponse(
+            _counted(request, _json_flood(size), mode), media_type="application/json"
+        )
     if mode == "big_declared":
-        return StreamingResponse(_counted(request, _json_flood(size), mode), media_type="application/json",
-                                 headers={"content-length": str(size)})
+        return StreamingResponse(
+            _counted(request, _json_flood(size), mode),
+            media_type="application/json",
+            headers={"content-length": str(size)},
+        )
     if mode == "big_error":
-        return StreamingResponse(_counted(request, _json_flood(size), mode), status_code=500,
-                                 media_type="application/json")
+        return StreamingResponse(
+            _counted(request, _json_flood(size), mode),
+            status_code=500,
+            media_type="application/json",
+        )
     if mode == "giant_line":
         return _sse(_counted(request, _giant_line(size), mode))
     if mode == "giant_event":
@@ -110,13 +124,21 @@ async def _serve(request: Request, wire: str) -> Response:
         head = [*_normal_stream(wire, "first", end=False)]
         return _sse(_counted(request, _then(head, _giant_line(size)), mode))
     text = "echo: " + _last_text(body)
-    return _sse(_chunks(_normal_stream(wire, text))) if stream else JSONResponse(_normal_body(wire, text))
+    return (
+        _sse(_chunks(_normal_stream(wire, text)))
+        if stream
+        else JSONResponse(_normal_body(wire, text))
+    )
 
 
 def _quote(request: Request) -> str:
     """Everything secret the request carried, as a careless upstream would print it."""
     auth = request.headers.get("authorization", "")
-    said = [f"authorization={auth}", f"x-api-key={request.headers.get('x-api-key', '')}", f"url={request.url}"]
+    said = [
+        f"authorization={auth}",
+        f"x-api-key={request.headers.get('x-api-key', '')}",
+        f"url={request.url}",
+    ]
     if auth.lower().startswith("basic "):
         said.append("basic=" + base64.b64decode(auth[6:]).decode(errors="replace"))
     return " ".join(said)
@@ -124,8 +146,9 @@ def _quote(request: Request) -> str:
 
 def _authorized(request: Request) -> bool:
     state = request.app.state
-    return (all(request.headers.get(k) == v for k, v in state.require.items())
-            and all(request.query_params.get(k) == v for k, v in state.require_query.items()))
+    return all(request.headers.get(k) == v for k, v in state.require.items()) and all(
+        request.query_params.get(k) == v for k, v in state.require_query.items()
+    )
 
 
 def _directive(body: dict[str, Any], wire: str) -> tuple[str, int]:
@@ -144,8 +167,12 @@ def _error(wire: str, status: int, message: str) -> Response:
     if wire == "ollama":
         return JSONResponse({"error": message}, status)
     if wire == "openai":
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": None}}, status)
-    kind = {401: "authentication_error", 403: "permission_error", 400: "invalid_request_error"}.get(status, "api_error")
+        return JSONResponse(
+            {"error": {"message": message, "type": "invalid_request_error", "code": None}}, status
+        )
+    kind = {401: "authentication_error", 403: "permission_error", 400: "invalid_request_error"}.get(
+        status, "api_error"
+    )
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
 
 
@@ -199,13 +226,21 @@ async def _chunks(events: list[bytes]) -> AsyncIterator[bytes]:
 
 def _event(data: Any, name: str | None = None) -> bytes:
     head = f"event: {name}\n" if name else ""
-    return (head + "data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n").encode()
+    return (
+        head + "data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n"
+    ).encode()
 
 
 def _ollama_line(text: str, done: bool) -> dict[str, Any]:
-    line = {"model": "m", "created_at": "2026-01-01T00:00:00Z", "message": {"role": "assistant", "content": text},
-            "done": done}
-    return {**line, "done_reason": "stop", "prompt_eval_count": 1, "eval_count": 2} if done else line
+    line = {
+        "model": "m",
+        "created_at": "2026-01-01T00:00:00Z",
+        "message": {"role": "assistant", "content": text},
+        "done": done,
+    }
+    return (
+        {**line, "done_reason": "stop", "prompt_eval_count": 1, "eval_count": 2} if done else line
+    )
 
 
 def _ndjson(obj: Any) -> bytes:
@@ -216,36 +251,96 @@ def _normal_body(wire: str, text: str) -> dict[str, Any]:
     if wire == "ollama":
         return _ollama_line(text, True)
     if wire == "openai":
-        return {"id": "chatcmpl-h", "object": "chat.completion", "created": 1, "model": "m",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
-    return {"id": "msg_h", "type": "message", "role": "assistant", "model": "m",
-            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": 1, "output_tokens": 2}}
+        return {
+            "id": "chatcmpl-h",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        }
+    return {
+        "id": "msg_h",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 2},
+    }
 
 
 def _normal_stream(wire: str, text: str, end: bool = True) -> list[bytes]:
     if wire == "ollama":
-        return [_ndjson(_ollama_line(text, False))] + ([_ndjson(_ollama_line("", True))] if end else [])
+        return [_ndjson(_ollama_line(text, False))] + (
+            [_ndjson(_ollama_line("", True))] if end else []
+        )
     if wire == "openai":
         chunk = {"id": "chatcmpl-h", "object": "chat.completion.chunk", "created": 1, "model": "m"}
-        events = [_event({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}]})]
+        events = [
+            _event(
+                {
+                    **chunk,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}],
+                }
+            )
+        ]
         if end:
-            events += [_event({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-                       _event("[DONE]")]
+            events += [
+                _event({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                _event("[DONE]"),
+            ]
         return events
-    start = {"type": "message_start", "message": {"id": "msg_h", "type": "message", "role": "assistant", "model": "m",
-                                                  "content": [], "usage": {"input_tokens": 1, "output_tokens": 0}}}
-    events = [_event(start, "message_start"),
-              _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                     "content_block_start"),
-              _event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
-                     "content_block_delta")]
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_h",
+            "type": "message",
+            "role": "assistant",
+            "model": "m",
+            "content": [],
+            "usage": {"input_tokens": 1, "output_tokens": 0},
+        },
+    }
+    events = [
+        _event(start, "message_start"),
+        _event(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+            "content_block_start",
+        ),
+        _event(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": text},
+            },
+            "content_block_delta",
+        ),
+    ]
     if end:
-        events += [_event({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-                   _event({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}},
-                          "message_delta"),
-                   _event({"type": "message_stop"}, "message_stop")]
+        events += [
+            _event({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+            _event(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "end_turn"},
+                    "usage": {"output_tokens": 2},
+                },
+                "message_delta",
+            ),
+            _event({"type": "message_stop"}, "message_stop"),
+        ]
     return events
 
 
@@ -253,8 +348,13 @@ def _late_error(wire: str, quote: str) -> bytes:
     if wire == "ollama":
         return _ndjson({"error": f"upstream failed for {quote}"})
     if wire == "openai":
-        return _event({"error": {"message": f"upstream failed for {quote}", "type": "server_error"}})
-    return _event({"type": "error", "error": {"type": "authentication_error", "message": f"key {quote}"}}, "error")
+        return _event(
+            {"error": {"message": f"upstream failed for {quote}", "type": "server_error"}}
+        )
+    return _event(
+        {"type": "error", "error": {"type": "authentication_error", "message": f"key {quote}"}},
+        "error",
+    )
 
 
 def _empty_stream(wire: str) -> list[bytes]:
@@ -262,20 +362,39 @@ def _empty_stream(wire: str) -> list[bytes]:
         return [b"{}\n", b"{}\n"]
     if wire == "openai":
         return [_event({}), _event({}), _event("[DONE]")]
-    return [_event({}, "message_start"), _event({}, "content_block_delta"), _event({}, "message_stop")]
+    return [
+        _event({}, "message_start"),
+        _event({}, "content_block_delta"),
+        _event({}, "message_stop"),
+    ]
 
 
 def _wrong_stream(wire: str) -> list[bytes]:
     if wire == "ollama":
-        return [_ndjson({"model": "m", "message": {"role": "assistant", "content": 5}, "done": False})]
+        return [
+            _ndjson({"model": "m", "message": {"role": "assistant", "content": 5}, "done": False})
+        ]
     if wire == "openai":
-        return [_event({"id": "c", "choices": [{"index": 0, "delta": "not an object"}]}), _event("[DONE]")]
-    return [_event({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "x"}}, "content_block_delta")]
+        return [
+            _event({"id": "c", "choices": [{"index": 0, "delta": "not an object"}]}),
+            _event("[DONE]"),
+        ]
+    return [
+        _event(
+            {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "x"}},
+            "content_block_delta",
+        )
+    ]
 
 
 def _wrong_body(wire: str) -> dict[str, Any]:
     if wire == "ollama":
         return {"model": "m", "message": "not an object", "done": True}
     if wire == "openai":
-        return {"id": "c", "choices": [{"index": 0, "message": {"role": "assistant", "content": ["not", "a string"]}}]}
+        return {
+            "id": "c",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": ["not", "a string"]}}
+            ],
+        }
     return {"id": "m", "type": "message", "content": "not a list", "stop_reason": "end_turn"}

@@ -1,4 +1,5 @@
-"""A fake Ollama server: native `POST /api/chat` (NDJSON or one JSON), `GET /api/tags`, `GET /api/version`.
+"""A fake Ollama server: native `POST /api/chat` (NDJSON or one JSON), `GET /api/tags`, `GET
+/api/version`.
 
 Renders `script.decide` in the wire format of Ollama's own API (not its OpenAI-compatible one).
 """
@@ -20,7 +21,12 @@ from .script import BadRequest, Prompt, Reply
 MODELS = ("llama3.2:latest", "qwen3:0.6b")
 VERSION = "0.12.6"
 CREATED_AT = "2025-10-20T12:00:00.123456789Z"
-DONE_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "stop", "max_tokens": "length"}
+DONE_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "stop",
+    "max_tokens": "length",
+}
 NANOS_PER_TOKEN = 10_000_000
 
 
@@ -38,14 +44,21 @@ def to_prompt(body: Any) -> Prompt:
     options = body.get("options") or {}
     stop = options.get("stop") or ()
     limit = options.get("num_predict")
-    prompt = Prompt(max_tokens=limit if limit and limit > 0 else None,
-                    stop=(stop,) if isinstance(stop, str) else tuple(stop), think=bool(body.get("think")))
+    prompt = Prompt(
+        max_tokens=limit if limit and limit > 0 else None,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        think=bool(body.get("think")),
+    )
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("content", ""), str):
             raise BadRequest("invalid message format")
         prompt.texts.append(message.get("content") or "")
-    last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
-    prompt.tool_results = [m.get("content") or "" for m in messages[last_assistant + 1:] if m.get("role") == "tool"]
+    last_assistant = max(
+        (i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1
+    )
+    prompt.tool_results = [
+        m.get("content") or "" for m in messages[last_assistant + 1 :] if m.get("role") == "tool"
+    ]
     users = [m for m in messages if m.get("role") == "user"]
     if users:
         prompt.last_user_text = users[-1].get("content") or ""
@@ -63,19 +76,28 @@ def to_prompt(body: Any) -> Prompt:
 
 def _tool_calls(reply: Reply) -> list[dict]:
     call = reply.tool_call
-    return [{"id": "call_" + call.call_id[:8],
-             "function": {"index": 0, "name": call.name, "arguments": call.arguments}}]
+    return [
+        {
+            "id": "call_" + call.call_id[:8],
+            "function": {"index": 0, "name": call.name, "arguments": call.arguments},
+        }
+    ]
 
 
 def _final(model: str, reply: Reply, eval_count: int, message: dict) -> dict:
-    return {"model": model, "created_at": CREATED_AT, "message": message, "done": True,
-            "done_reason": DONE_REASONS[reply.stop_reason],
-            "total_duration": (reply.input_tokens + eval_count) * NANOS_PER_TOKEN + 1_000_000,
-            "load_duration": 1_000_000,
-            "prompt_eval_count": reply.input_tokens,
-            "prompt_eval_duration": reply.input_tokens * NANOS_PER_TOKEN,
-            "eval_count": eval_count,
-            "eval_duration": eval_count * NANOS_PER_TOKEN}
+    return {
+        "model": model,
+        "created_at": CREATED_AT,
+        "message": message,
+        "done": True,
+        "done_reason": DONE_REASONS[reply.stop_reason],
+        "total_duration": (reply.input_tokens + eval_count) * NANOS_PER_TOKEN + 1_000_000,
+        "load_duration": 1_000_000,
+        "prompt_eval_count": reply.input_tokens,
+        "prompt_eval_duration": reply.input_tokens * NANOS_PER_TOKEN,
+        "eval_count": eval_count,
+        "eval_duration": eval_count * NANOS_PER_TOKEN,
+    }
 
 
 def complete(reply: Reply, model: str) -> dict:
@@ -92,7 +114,12 @@ async def stream(reply: Reply, model: str) -> AsyncIterator[bytes]:
     """NDJSON lines: message fragments with done=false, then the final line with the counters."""
 
     def line(message: dict) -> bytes:
-        return orjson.dumps({"model": model, "created_at": CREATED_AT, "message": message, "done": False}) + b"\n"
+        return (
+            orjson.dumps(
+                {"model": model, "created_at": CREATED_AT, "message": message, "done": False}
+            )
+            + b"\n"
+        )
 
     for piece in script.split_words(reply.thinking or ""):
         yield line({"role": "assistant", "content": "", "thinking": piece})
@@ -108,7 +135,12 @@ async def stream(reply: Reply, model: str) -> AsyncIterator[bytes]:
             yield line({"role": "assistant", "content": item})
             sent += 1
     if reply.fail_after is not None:
-        yield orjson.dumps({"error": "an error was encountered while running the model: unexpected EOF"}) + b"\n"
+        yield (
+            orjson.dumps(
+                {"error": "an error was encountered while running the model: unexpected EOF"}
+            )
+            + b"\n"
+        )
         return
     yield orjson.dumps(_final(model, reply, sent, {"role": "assistant", "content": ""})) + b"\n"
 
@@ -116,10 +148,21 @@ async def stream(reply: Reply, model: str) -> AsyncIterator[bytes]:
 def model_entry(name: str) -> dict:
     digest = hashlib.sha256(name.encode()).hexdigest()
     family = name.split(":")[0].rstrip("0123456789.")
-    return {"name": name, "model": name, "modified_at": "2025-10-01T09:00:00.000000000Z",
-            "size": 2_019_393_189, "digest": digest,
-            "details": {"parent_model": "", "format": "gguf", "family": family, "families": [family],
-                        "parameter_size": "3.2B", "quantization_level": "Q4_K_M"}}
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": "2025-10-01T09:00:00.000000000Z",
+        "size": 2_019_393_189,
+        "digest": digest,
+        "details": {
+            "parent_model": "",
+            "format": "gguf",
+            "family": family,
+            "families": [family],
+            "parameter_size": "3.2B",
+            "quantization_level": "Q4_K_M",
+        },
+    }
 
 
 def create_app(*, models: Sequence[str] = MODELS) -> FastAPI:
@@ -144,9 +187,13 @@ def create_app(*, models: Sequence[str] = MODELS) -> FastAPI:
             return error_response(reply.fail_status, f"scripted failure {reply.fail_status}", retry)
         if body.get("stream") is False:
             if reply.fail_after is not None:
-                return error_response(500, "an error was encountered while running the model: unexpected EOF")
+                return error_response(
+                    500, "an error was encountered while running the model: unexpected EOF"
+                )
             return JSONResponse(complete(reply, body["model"]))
-        return EventStream(stream(reply, body["model"]), "application/x-ndjson", {}, index, app.state.cancelled)
+        return EventStream(
+            stream(reply, body["model"]), "application/x-ndjson", {}, index, app.state.cancelled
+        )
 
     @app.get("/api/tags")
     async def tags(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""What the fakes share below the protocol: request recording, paced chunks, a disconnect-aware stream.
+"""What the fakes share below the protocol: request recording, paced chunks, a disconnect-aware
+stream.
 
 `app.state.requests` gets one `RecordedRequest` per request; `app.state.cancelled` gets
 `(request_index, time.monotonic())` when a client leaves a stream before its end.
@@ -34,7 +35,8 @@ def init_state(app: Any) -> None:
 
 
 async def record(request: Request) -> tuple[int, Any]:
-    """Record `request` on its app; returns its index and its parsed JSON body (None if not JSON)."""
+    """Record `request` on its app; returns its index and its parsed JSON body (None if not
+    JSON)."""
     raw = await request.body()
     try:
         body = json.loads(raw) if raw else None
@@ -46,7 +48,8 @@ async def record(request: Request) -> tuple[int, Any]:
 
 
 async def paced(items: Iterable[str], interval: float) -> AsyncIterator[str]:
-    """Yield `items`, sleeping `interval` seconds between them (0: yield to the loop now and then)."""
+    """Yield `items`, sleeping `interval` seconds between them (0: yield to the loop now and
+    then)."""
     for n, item in enumerate(items):
         if interval and n:
             await asyncio.sleep(interval)
@@ -58,8 +61,9 @@ async def paced(items: Iterable[str], interval: float) -> AsyncIterator[str]:
 class EventStream(Response):
     """A streaming ASGI response that notices a client disconnect at once, even between chunks.
 
-    Starlette's StreamingResponse only listens for disconnects under ASGI spec < 2.4; this one always
-    does, so a slow stream is cancelled (and recorded in `cancelled`) the moment the peer goes away.
+    Starlette's StreamingResponse only listens for disconnects under ASGI spec < 2.4; this one
+    always does, so a slow stream is cancelled (and recorded in `cancelled`) the moment the peer
+    goes away.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """What every fake upstream answers, decided only from the request: one script, three renderings.
 
-Each protocol module reduces its request to a `Prompt` and renders the `Reply` that `decide` returns.
-Directives in the last user text (`[[name]]` or `[[name:arg]]`):
+Each protocol module reduces its request to a `Prompt` and renders the `Reply` that `decide`
+returns. Directives in the last user text (`[[name]]` or `[[name:arg]]`):
 
     [[status:CODE]]     fail with HTTP CODE before the first byte (429 carries retry-after)
     [[midstream_error]] stream two chunks, then a protocol-level error, then close
@@ -41,7 +41,8 @@ _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 class BadRequest(ValueError):
-    """The request is malformed in a way the real server rejects with a 400; `param` names the field."""
+    """The request is malformed in a way the real server rejects with a 400; `param` names the
+    field."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -1,8 +1,8 @@
 """Run an ASGI app with uvicorn on a free 127.0.0.1 port in a background thread.
 
-    with FakeServer(anthropic_upstream.create_app()) as srv:
-        anthropic.Anthropic(base_url=srv.url, api_key="x")
-        srv.requests, srv.cancelled        # the app's recordings
+with FakeServer(anthropic_upstream.create_app()) as srv:
+    anthropic.Anthropic(base_url=srv.url, api_key="x")
+    srv.requests, srv.cancelled        # the app's recordings
 """
 
 from __future__ import annotations
@@ -20,16 +20,25 @@ class FakeServer:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", **uvicorn_options: Any) -> None:
         self.app = app
-        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections only when the
-        # listening socket says it is TCP; with proto 0 Nagle + delayed ACK add ~40 ms per response.
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections only when
+        # the listening socket says it is TCP; with proto 0 Nagle + delayed ACK add ~40 ms per
+        # response.
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, 0))
         self.host, self.port = self._socket.getsockname()[:2]
-        options = {"log_level": "warning", "access_log": False, "lifespan": "off",
-                   "http": "httptools", "timeout_graceful_shutdown": 1, **uvicorn_options}
+        options = {
+            "log_level": "warning",
+            "access_log": False,
+            "lifespan": "off",
+            "http": "httptools",
+            "timeout_graceful_shutdown": 1,
+            **uvicorn_options,
+        }
         self._server = uvicorn.Server(uvicorn.Config(app, **options))
-        self._thread = threading.Thread(target=self._serve, name=f"fake-upstream-{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"fake-upstream-{self.port}", daemon=True
+        )
 
     @property
     def url(self) -> str:
