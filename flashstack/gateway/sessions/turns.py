@@ -32,6 +32,8 @@ from flashstack.gateway.core import (
     GatewayError,
     Message,
     Part,
+    Raw,
+    SAME_RAW,
     Start,
     StopReason,
     Text,
@@ -219,7 +221,7 @@ class Turn:
     def route(self, router: Any) -> Any:
         """The router this turn's request goes to: an idempotent retry gets the stored reply."""
         if self.replay is not None:
-            return ReplayRouter(self.replay)
+            return ReplayRouter(self.replay, self.wire)
         return MeteredRouter(router, self.reservation) if self.reservation.metered else router
 
     def metadata(self) -> dict[str, str]:
@@ -501,14 +503,14 @@ def _served_by(args: tuple[Any, ...]) -> str | None:
 class ReplayRouter:
     """Answers with a stored reply, as a whole or as the stream that would have carried it."""
 
-    def __init__(self, reply: ChatResponse) -> None:
-        self.reply = reply
+    def __init__(self, reply: ChatResponse, wire: str | None = None) -> None:
+        self.reply, self.wire = reply, wire  # the client's wire, which the reply was stored for
 
     async def complete(self, request: Any, *_: Any) -> ChatResponse:
         return self.reply
 
     async def open_stream(self, request: Any, *_: Any) -> AsyncIterator[Event]:
-        return _iterate(replay_events(self.reply))
+        return _iterate(replay_events(self.reply, self.wire))
 
 
 async def _iterate(events: list[Event]) -> AsyncIterator[Event]:
@@ -516,16 +518,23 @@ async def _iterate(events: list[Event]) -> AsyncIterator[Event]:
         yield ev
 
 
-def replay_events(resp: ChatResponse) -> list[Event]:
-    """A stored reply as the stream that would have carried it (idempotent stream replays)."""
+def replay_events(resp: ChatResponse, wire: str | None = None) -> list[Event]:
+    """A stored reply as the stream that would have carried it (idempotent stream replays); to an
+    Anthropic client each block goes as its own events, every key and block type included."""
     events: list[Event] = [Start(resp.id, resp.model, Usage(input_tokens=resp.usage.input_tokens))]
     for i, part in enumerate(resp.content):
+        block: list[Event] = []
         if isinstance(part, Text):
-            events.append(TextDelta(i, part.text))
+            block.append(TextDelta(i, part.text))
         elif isinstance(part, Thinking):
-            events.append(ThinkingDelta(i, part.text, part.signature))
+            block.append(ThinkingDelta(i, part.text, part.signature))
         elif isinstance(part, ToolCall):
-            events += [ToolCallStart(i, part.id, part.name), ToolArgsDelta(i, part.arguments)]
-        events.append(BlockStop(i))
+            block += [ToolCallStart(i, part.id, part.name), ToolArgsDelta(i, part.arguments)]
+        block.append(BlockStop(i))
+        if wire == anthropic_t.WIRE:  # the encoder sends these as they are, the canonical ones count
+            block[0].raw = Raw(anthropic_t.WIRE, anthropic_t.part_events(i, part))
+            for ev in block[1:]:
+                ev.raw = SAME_RAW
+        events += block
     events.append(Finish(resp.stop_reason or StopReason.END_TURN, resp.usage, resp.stop_sequence))
     return events

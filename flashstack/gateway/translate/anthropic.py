@@ -726,6 +726,33 @@ class MessageAccumulator:
         return whole_content([self.blocks[i] for i in sorted(self.blocks)])
 
 
+def part_events(index: int, part: Part) -> list[tuple[str, dict[str, Any]]]:
+    """A stored reply's part as the Messages API streams its block (an idempotent stream replay):
+    started empty, then its deltas (text, citations, thinking, signature, a tool's input), then
+    stopped; a block without deltas (redacted thinking, a server tool's result) whole at its start."""
+    block = _block_json(part)
+    head, deltas = dict(block), []
+    kind = block.get("type")
+    if kind == "text":
+        head["text"] = ""
+        deltas.append({"type": "text_delta", "text": block["text"]})
+        if block.get("citations"):
+            head["citations"] = None
+            deltas += [{"type": "citations_delta", "citation": c} for c in block["citations"]]
+    elif kind == "thinking":
+        head["thinking"], head["signature"] = "", ""
+        deltas += [{"type": "thinking_delta", "thinking": block["thinking"]},
+                   {"type": "signature_delta", "signature": block["signature"]}]
+    elif isinstance(kind, str) and kind.endswith("tool_use") and isinstance(block.get("input"), dict):
+        head["input"] = {}
+        deltas.append({"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()})
+    return [
+        ("content_block_start", {"type": "content_block_start", "index": index, "content_block": head}),
+        *(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}) for d in deltas),
+        ("content_block_stop", {"type": "content_block_stop", "index": index}),
+    ]
+
+
 def upstream_error(status: int, body: Any, retry_after: float | None = None) -> GatewayError:
     """The canonical error for a Messages API error body."""
     err = body.get("error") if isinstance(body, dict) else None

@@ -149,3 +149,50 @@ def test_a_server_tools_blocks_stream_to_an_openai_client_named(protocol_gateway
         "response.content[].type=server_tool_use",
         "response.content[].type=web_search_tool_result",
     } <= set(final["flashstack_dropped"].split(","))
+
+
+def test_an_idempotent_stream_replay_carries_every_block(session_gateway, upstream):
+    reply = samples.anthropic_response()
+    reply["content"][2]["citations"] = samples.anthropic_messages()[1]["content"][2]["citations"]
+    reply["content"][2:2] = SERVER_BLOCKS
+    upstream["anthropic"].app.state.reply = canned.Reply(body=reply, events=_events(reply))
+    with httpx.Client(base_url=session_gateway.url, headers=HEADERS, timeout=20) as c:
+        sid = c.post("/v1/sessions", json={"model": "claude"}).json()["id"]
+        body = {"model": "claude", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}],
+                "stream": True}
+        headers = {"x-session-id": sid, "idempotency-key": f"replay-{sid}"}
+        first, again = (_streamed_blocks(c, body, headers) for _ in range(2))
+    assert len(upstream["anthropic"].requests) == 1  # the retry was answered from the store
+    assert first == _streamed_blocks_of(_events(reply))
+    assert again == first
+
+
+def _streamed_blocks(c: httpx.Client, body: dict, headers: dict) -> list[dict]:
+    with c.stream("POST", "/v1/messages", json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        events = [("", json.loads(line[6:])) for line in r.iter_lines() if line.startswith("data: ")]
+    return _streamed_blocks_of(events)
+
+
+def _streamed_blocks_of(events: list[tuple[str, dict]]) -> list[dict]:
+    """The content blocks a client assembles from a Messages stream (as the SDK's accumulator does)."""
+    blocks: dict[int, dict] = {}
+    partial: dict[int, str] = {}
+    for _, e in events:
+        if e["type"] == "content_block_start":
+            blocks[e["index"]] = dict(e["content_block"])
+        elif e["type"] == "content_block_delta":
+            b, d = blocks[e["index"]], e["delta"]
+            if d["type"] == "text_delta":
+                b["text"] += d["text"]
+            elif d["type"] == "citations_delta":
+                b["citations"] = [*(b.get("citations") or []), d["citation"]]
+            elif d["type"] == "thinking_delta":
+                b["thinking"] += d["thinking"]
+            elif d["type"] == "signature_delta":
+                b["signature"] = d["signature"]
+            elif d["type"] == "input_json_delta":
+                partial[e["index"]] = partial.get(e["index"], "") + d["partial_json"]
+    for i, text in partial.items():
+        blocks[i]["input"] = json.loads(text or "{}")
+    return [blocks[i] for i in sorted(blocks)]
