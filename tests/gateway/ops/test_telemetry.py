@@ -143,6 +143,7 @@ class Receiver:
     def __init__(self) -> None:
         self.requests: list[ExportTraceServiceRequest] = []
         self.content_types: list[str] = []
+        self.tokens: list[str] = []  # each export's x-collector-token header
         self.lock = threading.Lock()
 
         async def traces(request: Request) -> Response:
@@ -150,6 +151,7 @@ class Receiver:
             with self.lock:
                 self.requests.append(msg)
                 self.content_types.append(request.headers.get("content-type", ""))
+                self.tokens.append(request.headers.get("x-collector-token", ""))
             return Response(b"", media_type="application/x-protobuf")
 
         self.server = FakeServer(Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])).start()
@@ -185,3 +187,22 @@ def test_exported_over_otlp_http_protobuf(upstream, tmp_path):
     assert attrs["gen_ai.request.model"].string_value == "claude-sonnet-4-5"
     assert attrs["gen_ai.usage.output_tokens"].int_value == 100
     assert attrs["gen_ai.usage.input_tokens"].int_value == 1150
+
+
+def test_the_standard_otel_variables_alone_turn_export_on(upstream, tmp_path, monkeypatch):
+    """No telemetry in the config: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (and the exporter's own
+    OTEL_EXPORTER_OTLP_HEADERS) are enough, as the OpenTelemetry SDK reads them."""
+    receiver = Receiver()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.server.url + "/v1/traces")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-collector-token=from-env")
+        gateway = FakeServer(create_app(_config(upstream, tmp_path)), lifespan="on").start()
+        try:
+            assert _post(gateway.url, model="sonnet").status_code == 200
+        finally:
+            gateway.stop()  # shutdown flushes the batch
+        spans = receiver.spans()
+    finally:
+        receiver.server.stop()
+    assert sorted(s.kind for _, s in spans) == [2, 3]  # the request's server span and its attempt's
+    assert receiver.tokens == ["from-env"]
