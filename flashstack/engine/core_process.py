@@ -18,6 +18,8 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import pickle
+from queue import SimpleQueue
 import threading
 import time
 import traceback
@@ -49,6 +51,7 @@ class _Core:
 
         self.engine = LLMEngine(_engine_config(model, kwargs))
         self.out = out
+        self.outbox = _Outbox(out)
         self._grammars: Any = None
         self.errors: list[tuple[str, str]] = []
 
@@ -88,8 +91,39 @@ class _Core:
             self.errors += [(rid, f"engine step failed:\n{failed}") for rid in rids]
             deltas = []
         if deltas or self.errors:
-            self.out.send(("step", deltas, self.errors, EngineStats.of(self.engine)))
+            self.outbox.put(("step", [_pack(d) for d in deltas], self.errors, EngineStats.of(self.engine)))
             self.errors = []
+
+
+def _pack(d: StreamDelta) -> tuple[Any, ...]:
+    # A tuple unpickles in C; a slots dataclass goes through dataclasses' Python __setstate__.
+    return (d.request_id, d.token_ids, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens,
+            d.logprobs, d.stop_reason, d.num_cached_tokens, d.times)
+
+
+class _Outbox:
+    """Step messages written by a thread of their own: a full pipe (the API process busy) delays
+    the writes, never the next step."""
+
+    def __init__(self, out: Connection) -> None:
+        self.out = out
+        self._queue: SimpleQueue[bytes | None] = SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="engine-core-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple[Any, ...]) -> None:
+        self._queue.put(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _write(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self.out.send_bytes(data)  # releases the GIL while the pipe is full
+            except (BrokenPipeError, OSError):
+                return  # the API process is gone
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)
 
 
 def _core_main(
@@ -123,6 +157,7 @@ def _step_loop(core: _Core, requests: Connection) -> None:
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the API process is gone or stopping
     finally:
+        core.outbox.close()
         core.engine.shutdown()
 
 
@@ -247,13 +282,13 @@ class EngineCoreClient:
             self._loop.call_soon_threadsafe(self._dispatch, msg)
 
     def _dispatch(self, msg: tuple[Any, ...]) -> None:
-        _, deltas, errors, stats = msg
+        _, packed, errors, stats = msg
         self.latest_stats = stats
         queues = self._queues
-        for delta in deltas:
-            queue = queues.get(delta.request_id)
+        for fields in packed:
+            queue = queues.get(fields[0])
             if queue is not None:
-                queue.put_nowait(delta)
+                queue.put_nowait(StreamDelta(*fields))
         for rid, message in errors:
             queue = queues.get(rid)
             if queue is not None:
