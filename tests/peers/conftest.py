@@ -45,7 +45,10 @@ def llamacpp_process(gguf: Path, logs: Path, name: str = "llamacpp") -> PeerProc
     python = peer_executable("llamacpp", "python")
     return PeerProcess(name, lambda port: [
         str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", LLAMACPP_MODEL,
-        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(LLAMACPP_CTX), "--n_threads", "2",
+        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(LLAMACPP_CTX),
+        # One thread: its OpenMP threads meet at a barrier after every op, so on 2 cores shared with other
+        # work two threads wait on each other's time slices: 32 tokens took 11-24 s with 2, 1.6-3.3 s with 1.
+        "--n_threads", "1", "--n_threads_batch", "1",
         "--interrupt_requests", "False",  # its default cuts a running stream off when the next request comes
     ], logs)
 
@@ -115,7 +118,7 @@ def peer_models(llamacpp: PeerProcess, engine_server: PeerProcess, litellm: Peer
     `litellm-messages`, and `local` (the same GGUF in the gateway's own process)."""
     return [
         ModelConfig(name="llamacpp", provider="openai", model=LLAMACPP_MODEL, api_base=llamacpp.url + "/v1",
-                    supports_images=False),
+                    supports_images=False, tokenizer=str(gguf)),  # counts its streams, which carry no usage
         ModelConfig(name="engine", provider="openai", model=ENGINE_MODEL, api_base=engine_server.url + "/v1",
                     supports_images=False),
         ModelConfig(name="litellm-chat", provider="openai", model=LITELLM_MODEL, api_base=litellm.url + "/v1",

@@ -1,10 +1,12 @@
 """Fallback across real processes: llama.cpp first, our engine server second, llama.cpp SIGKILLed
 under 50 concurrent streams, then restarted.
 
-llama.cpp's server answers one request at a time and queues the rest, so at the kill exactly one
-stream is mid-answer and the others have not started: those must finish on the engine server, the
-one that had started must end with a clean error event, the breaker must open, and after the restart
-the background health probe must bring traffic back long before the breaker's cooldown ends.
+llama.cpp's server answers one request at a time and queues the rest. One long answer goes first
+(its end-of-turn tokens barred, so it cannot end before the kill); once it streams, 49 short ones
+follow, and the kill comes when all 50 are in flight on llama.cpp: one stream mid-answer, 49 not
+started. Those must finish on the engine server, the one that had started must end with a clean
+error event, the breaker must open, and after the restart the background health probe must bring
+traffic back long before the breaker's cooldown ends.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ from tests.peers.conftest import ENGINE_MODEL, LLAMACPP_MODEL, LLAMACPP_START_S,
 
 STREAMS = 50
 MAX_TOKENS = 16  # small: 49 streams land on the engine at once, on 2 shared cores
+# The answer llama.cpp is giving at the kill: with SmolLM2's <|endoftext|> and <|im_end|> barred it
+# runs to max_tokens, ~10 s here, while the 49 others are sent and the kill lands within ~2 s. (A
+# 16-token answer, at ~40 tokens/s, could end before the kill, and the next queued stream start.)
+LONG_TOKENS = 400
+NO_END_OF_TURN = {"0": -100, "2": -100}
 COOLDOWN_S = 300.0  # far past the test: only the health probe can end it
 PRIMARY, STANDBY = "smol-llamacpp", "smol-engine"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: which stream, not what it saw
 class Outcome:
     """One stream as the client saw it."""
 
@@ -59,20 +66,23 @@ def gateway(primary, engine_server, tmp_path_factory):
                           breaker_cooldown=COOLDOWN_S, breaker_max_cooldown=COOLDOWN_S,
                           health_check_interval=0.5, ttft_timeout=60,
                           # llama-cpp-python answers GET /v1/models behind the lock its generations
-                          # hold: a probe waits for the running request, longer on 2 busy cores.
-                          health_check_timeout=5.0)
+                          # hold: a probe waits for the running answer (the long one: ~10 s, more on
+                          # busy cores). A shorter bound would read a busy llama.cpp as down and send
+                          # the 49 to the standby before the kill.
+                          health_check_timeout=30.0)
     server = start_gateway(models, router, tmp_path_factory.mktemp("fallback-state"))
     yield server
     server.stop()
 
 
-def _body(i: int, stream: bool) -> bytes:
-    return orjson.dumps({"model": "smol", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
-                         "messages": [{"role": "user", "content": f"Write a short poem about the number {i}."}]})
+def _body(i: int, stream: bool, max_tokens: int = MAX_TOKENS, **extra: object) -> bytes:
+    return orjson.dumps({"model": "smol", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                         "messages": [{"role": "user", "content": f"Write a short poem about the number {i}."}],
+                         **extra})
 
 
-async def _stream(client: httpx.AsyncClient, i: int, out: Outcome, first_token: asyncio.Event) -> None:
-    async with client.stream("POST", "/v1/chat/completions", content=_body(i, True),
+async def _stream(client: httpx.AsyncClient, body: bytes, out: Outcome, first_token: asyncio.Event) -> None:
+    async with client.stream("POST", "/v1/chat/completions", content=body,
                              headers={"content-type": "application/json"}) as resp:
         assert resp.status_code == 200, await resp.aread()
         out.deployment = resp.headers.get("x-flashstack-deployment")
@@ -99,6 +109,18 @@ def _readiness(gateway) -> dict:
     return {d["deployment"]: d for d in body["models"]["smol"]}
 
 
+async def _until_in_flight(client: httpx.AsyncClient, n: int, timeout: float) -> None:
+    """Until the gateway has `n` requests in flight on llama.cpp."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = (await client.get("/health/readiness")).json()
+        ready = {d["deployment"]: d for d in body["models"]["smol"]}
+        if ready[PRIMARY]["in_flight"] >= n:
+            return
+        assert time.monotonic() < deadline, f"{n} streams in flight on llama.cpp within {timeout:g} s: {ready}"
+        await asyncio.sleep(0.02)
+
+
 def _wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -122,19 +144,24 @@ def test_sigkill_under_50_streams_fails_over_then_the_probe_brings_traffic_back(
     killed: dict[str, float] = {}
 
     async def run() -> None:
-        first_token = asyncio.Event()
+        long_first = asyncio.Event()
 
-        async def kill_at_first_token() -> None:
-            await first_token.wait()
+        async def kill_under_50_streams(client: httpx.AsyncClient) -> None:
+            await long_first.wait()  # llama.cpp is answering the long one, holding its one lock
+            for i, o in enumerate(outcomes[1:], 1):
+                tasks.append(asyncio.create_task(_stream(client, _body(i, True), o, asyncio.Event())))
+            await _until_in_flight(client, STREAMS, timeout=30)
             primary.kill()
             killed["at"] = time.monotonic()
 
         limits = httpx.Limits(max_connections=STREAMS + 5)
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60, limits=limits) as client:
+            long = _body(0, True, LONG_TOKENS, logit_bias=NO_END_OF_TURN)
+            tasks = [asyncio.create_task(_stream(client, long, outcomes[0], long_first))]
             try:
                 async with asyncio.timeout(90):  # nothing may hang
-                    await asyncio.gather(kill_at_first_token(),
-                                         *(_stream(client, i, o, first_token) for i, o in enumerate(outcomes)))
+                    await kill_under_50_streams(client)
+                    await asyncio.gather(*tasks)
             except TimeoutError:
                 pytest.fail(f"streams hung (killed: {killed}): " + "; ".join(
                     f"{o.deployment} chunks={o.chunks} finish={o.finish} error={o.error}" for o in outcomes
@@ -145,7 +172,7 @@ def test_sigkill_under_50_streams_fails_over_then_the_probe_brings_traffic_back(
     started = [o for o in outcomes if o.first_at is not None and o.first_at <= at]
     not_started = [o for o in outcomes if o not in started]
     # The stream llama.cpp was answering: its first token, then a clean error event in OpenAI's format.
-    assert len(started) == 1, [(o.deployment, o.chunks, o.finish) for o in started]
+    assert started == [outcomes[0]], [(o.deployment, o.chunks, o.finish) for o in started]
     cut = started[0]
     assert (cut.deployment, cut.finish) == (PRIMARY, None) and cut.chunks >= 1, (cut.deployment, cut.events)
     assert cut.error is not None and cut.error["message"] and cut.error["type"], cut.events[-1]
