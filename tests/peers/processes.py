@@ -23,11 +23,15 @@ PEERS = ROOT / ".peers"
 
 
 def peer_executable(venv: str, exe: str) -> Path:
-    """A program in one of the peers' venvs (`make peers`); a clear failure, never a skip, without it."""
+    """A program in one of the peers' venvs (`make peers`); a clear failure, never a skip, without
+    it."""
     path = PEERS / venv / "bin" / exe
     if not (PEERS / venv / ".installed").exists() or not path.exists():
-        pytest.fail(f"{venv} is not installed ({path} is missing): run `make peers` (`make test` does it first)",
-                    pytrace=False)
+        pytest.fail(
+            f"{venv} is not installed ({path} is missing): run `make peers` (`make test` does it "
+            "first)",
+            pytrace=False,
+        )
     return path
 
 
@@ -55,9 +59,15 @@ def listening_ports(pid: int) -> set[int]:
 class PeerProcess:
     """One real server: `argv_for(port)` is its command line (port 0 on the first start)."""
 
-    def __init__(self, name: str, argv_for: Callable[[int], list[str]], log_dir: Path,
-                 env: dict[str, str] | None = None, ready_path: str = "/v1/models",
-                 ready_headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv_for: Callable[[int], list[str]],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        ready_path: str = "/v1/models",
+        ready_headers: dict[str, str] | None = None,
+    ) -> None:
         self.name, self.argv_for, self.env = name, argv_for, env or {}
         self.ready_path, self.ready_headers = ready_path, ready_headers or {}
         self.log_dir = log_dir
@@ -76,8 +86,14 @@ class PeerProcess:
         self.log_file = self.log_dir / f"{self.name}.{self.starts}.log"
         with open(self.log_file, "wb") as out:
             # Its own session: a SIGKILL of the group takes the server's children (workers) too.
-            self.popen = subprocess.Popen(self.argv_for(self.port), stdout=out, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **self.env}, cwd=ROOT, start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.argv_for(self.port),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                cwd=ROOT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         self.port = self._bound_port(deadline) if self.port == 0 else self.port
         self._wait_ready(deadline)
@@ -98,7 +114,12 @@ class PeerProcess:
             while time.monotonic() < deadline:
                 self._check_alive()
                 try:
-                    if client.get(self.url + self.ready_path, headers=self.ready_headers).status_code == 200:
+                    if (
+                        client.get(
+                            self.url + self.ready_path, headers=self.ready_headers
+                        ).status_code
+                        == 200
+                    ):
                         return
                 except httpx.HTTPError:
                     pass
@@ -113,8 +134,11 @@ class PeerProcess:
     def _give_up(self, what: str) -> None:
         self.stop()
         tail = self.log_file.read_bytes()[-3000:].decode(errors="replace")
-        pytest.fail(f"{self.name} {what} within its start-up bound; its log ({self.log_file}) ends:\n{tail}",
-                    pytrace=False)
+        pytest.fail(
+            f"{self.name} {what} within its start-up bound; its log ({self.log_file}) "
+            f"ends:\n{tail}",
+            pytrace=False,
+        )
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: no graceful close of open connections."""

@@ -12,13 +12,19 @@ from flashstack.gateway.providers import build_provider
 from tests.peers.conftest import ENGINE_MODEL, LITELLM_MODEL, LLAMACPP_MODEL, peer_models
 
 # Gateway model → what the peer behind it really serves (its own /v1/models).
-SERVED = {"llamacpp": [LLAMACPP_MODEL], "engine": [ENGINE_MODEL], "litellm-chat": [LITELLM_MODEL],
-          "litellm-messages": [LITELLM_MODEL]}
+SERVED = {
+    "llamacpp": [LLAMACPP_MODEL],
+    "engine": [ENGINE_MODEL],
+    "litellm-chat": [LITELLM_MODEL],
+    "litellm-messages": [LITELLM_MODEL],
+}
 
 
 @pytest.fixture(scope="module")
 def configs(llamacpp, engine_server, litellm, gguf):
-    return {m.name: m for m in peer_models(llamacpp, engine_server, litellm, gguf) if m.name in SERVED}
+    return {
+        m.name: m for m in peer_models(llamacpp, engine_server, litellm, gguf) if m.name in SERVED
+    }
 
 
 @pytest.mark.parametrize("name", list(SERVED))
@@ -39,7 +45,9 @@ def test_readiness_probes_every_real_peer(peer_gateway):
     body = httpx.get(peer_gateway.url + "/health/readiness", timeout=30).json()
     deps = {d["deployment"]: d for group in body["models"].values() for d in group}
     for name in SERVED:
-        assert deps[f"{name}#0"]["ok"] and deps[f"{name}#0"]["breaker"] == "closed", deps[f"{name}#0"]
+        assert deps[f"{name}#0"]["ok"] and deps[f"{name}#0"]["breaker"] == "closed", deps[
+            f"{name}#0"
+        ]
         assert deps[f"{name}#0"]["latency_ms"] is not None
 
 

@@ -24,12 +24,14 @@ from tests.peers.conftest import PLAIN_ROUTING, start_gateway
 
 API_KEY = "sk-h2-upstream"
 STREAMS = 50
-HOLD_S = 0.5  # each chat waits this long before answering, so that every stream is in flight together
+# each chat waits this long before answering, so that every stream is in flight together
+HOLD_S = 0.5
 
 
 @dataclass
 class StreamCounter:
-    """ASGI middleware: the HTTP version and TCP peer of every chat request, and how many overlap."""
+    """ASGI middleware: the HTTP version and TCP peer of every chat request, and how many
+    overlap."""
 
     app: object
     seen: list[tuple[str, tuple[str, int]]] = field(default_factory=list)
@@ -50,7 +52,8 @@ class StreamCounter:
 
 
 class H2Upstream:
-    """hypercorn serving `app` over TLS with ALPN h2 on an ephemeral port, in a thread of its own."""
+    """hypercorn serving `app` over TLS with ALPN h2 on an ephemeral port, in a thread of its
+    own."""
 
     def __init__(self, app, cert_file, key_file) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -58,9 +61,11 @@ class H2Upstream:
         sock.listen(128)
         self.port = sock.getsockname()[1]
         self.config = HypercornConfig()
-        self.config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the socket from here
+        # hypercorn owns (and closes) the socket from here
+        self.config.bind = [f"fd://{sock.detach()}"]
         self.config.certfile, self.config.keyfile = str(cert_file), str(key_file)
-        self.config.alpn_protocols = ["h2"]  # HTTP/2 or nothing: an HTTP/1.1 client cannot pass unseen
+        # HTTP/2 or nothing: an HTTP/1.1 client cannot pass unseen
+        self.config.alpn_protocols = ["h2"]
         self.config.accesslog = self.config.errorlog = None
         self.app = app
         self.loop = asyncio.new_event_loop()
@@ -69,7 +74,9 @@ class H2Upstream:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(serve(self.app, self.config, shutdown_trigger=self.stopping.wait))
+        self.loop.run_until_complete(
+            serve(self.app, self.config, shutdown_trigger=self.stopping.wait)
+        )
 
     def start(self) -> H2Upstream:
         self.thread.start()
@@ -87,8 +94,14 @@ def h2_gateway(tmp_path_factory):
     leaf = issue(ca, "localhost", dns=("localhost",), ips=("127.0.0.1",)).write(tmp, "upstream")
     counter = StreamCounter(openai_upstream.create_app(api_key=API_KEY))
     upstream = H2Upstream(counter, leaf.cert_file, leaf.key_file).start()
-    model = ModelConfig(name="h2", provider="openai", model="gpt-4o-mini", api_key=API_KEY,
-                        api_base=f"https://127.0.0.1:{upstream.port}/v1", tls_ca_bundle=ca.cert_file)
+    model = ModelConfig(
+        name="h2",
+        provider="openai",
+        model="gpt-4o-mini",
+        api_key=API_KEY,
+        api_base=f"https://127.0.0.1:{upstream.port}/v1",
+        tls_ca_bundle=ca.cert_file,
+    )
     gateway = start_gateway([model], PLAIN_ROUTING, tmp / "state")
     yield gateway, counter
     gateway.stop()
@@ -97,7 +110,8 @@ def h2_gateway(tmp_path_factory):
 
 async def _stream(client: openai.AsyncOpenAI, i: int) -> str:
     stream = await client.chat.completions.create(
-        model="h2", messages=[{"role": "user", "content": f"stream {i}"}], stream=True)
+        model="h2", messages=[{"role": "user", "content": f"stream {i}"}], stream=True
+    )
     return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
 
@@ -105,7 +119,9 @@ def test_concurrent_streams_share_one_http2_connection(h2_gateway):
     gateway, counter = h2_gateway
 
     async def run() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai.AsyncOpenAI(
+            base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30
+        )
         async with asyncio.timeout(30):
             return await asyncio.gather(*(_stream(client, i) for i in range(STREAMS)))
 
@@ -114,4 +130,6 @@ def test_concurrent_streams_share_one_http2_connection(h2_gateway):
     assert len(counter.seen) == STREAMS
     assert {version for version, _ in counter.seen} == {"2"}
     assert len({peer for _, peer in counter.seen}) == 1, "one TCP connection carried every stream"
-    assert counter.max_in_flight == STREAMS, "the streams were multiplexed, not queued one after another"
+    assert counter.max_in_flight == STREAMS, (
+        "the streams were multiplexed, not queued one after another"
+    )
