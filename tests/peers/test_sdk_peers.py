@@ -13,6 +13,7 @@ import anthropic
 import openai
 import pytest
 
+from flashstack.gateway.core import ESTIMATE_FIELD
 from tests.peers.conftest import ENGINE_MODEL, LITELLM_MODEL, LLAMACPP_MODEL
 
 QUESTION = "What is the capital of France? Answer in one word."
@@ -23,10 +24,8 @@ PEER_OF = {"llamacpp": ("llamacpp", "openai", LLAMACPP_MODEL), "engine": ("engin
            "litellm-messages": ("litellm", "anthropic", LITELLM_MODEL)}
 MODELS = list(PEER_OF)
 # llama-cpp-python 0.3.36 sends no usage in a stream (it ignores stream_options.include_usage): the
-# gateway has no count to pass on. OpenAI clients then get no usage chunk, as from llama.cpp itself;
-# the Anthropic wire has no way to say "unknown" and the gateway sends 0 for both counts.
-NO_STREAM_USAGE = pytest.mark.xfail(strict=True, reason="llama.cpp's stream has no usage; an Anthropic "
-                                    "client is told 0 tokens (open: estimate, or count with the GGUF's tokenizer)")
+# gateway counts with the GGUF's tokenizer (the llamacpp model's `tokenizer`) and says so.
+COUNTED_BY_GATEWAY = {("llamacpp", True): "tokenizer"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +34,7 @@ class Answer:
     input_tokens: int | None  # None: the answer carried no usage
     output_tokens: int | None
     stop: str  # OpenAI's finish_reason words, whichever wire answered
+    estimated: str | None = None  # the usage's flashstack_estimate: the gateway counted, not the upstream
 
 
 _ANTHROPIC_STOP = {"end_turn": "stop", "max_tokens": "length", "stop_sequence": "stop", "tool_use": "tool_calls"}
@@ -59,20 +59,25 @@ def ask_openai(client: openai.OpenAI, model: str, stream: bool, content: str = Q
         return Answer(text, None, None, finish)
     assert chunks[-1].usage is not None, "the usage chunk comes last"
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    return Answer(text, usage.prompt_tokens, usage.completion_tokens, finish)
+    return Answer(text, usage.prompt_tokens, usage.completion_tokens, finish,
+                  (usage.model_extra or {}).get(ESTIMATE_FIELD))
 
 
 def ask_anthropic(client: anthropic.Anthropic, model: str, stream: bool, content: str = QUESTION) -> Answer:
     # This SDK has no `temperature` argument any more; the Messages API still takes the field.
     kwargs = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
                   extra_body={"temperature": 0})
+    estimated = None
     if stream:
         with client.messages.stream(**kwargs) as s:
+            for event in s:
+                if event.type == "message_delta":  # the SDK's final message keeps no unknown usage field
+                    estimated = (event.usage.model_extra or {}).get(ESTIMATE_FIELD)
             r = s.get_final_message()
     else:
         r = client.messages.create(**kwargs)
     text = "".join(b.text for b in r.content if b.type == "text")
-    return Answer(text, r.usage.input_tokens, r.usage.output_tokens, _ANTHROPIC_STOP[r.stop_reason])
+    return Answer(text, r.usage.input_tokens, r.usage.output_tokens, _ANTHROPIC_STOP[r.stop_reason], estimated)
 
 
 def openai_at(url: str) -> openai.OpenAI:
@@ -111,30 +116,34 @@ def gw_anthropic(peer_gateway) -> anthropic.Anthropic:
 @pytest.mark.parametrize("model", MODELS)
 def test_openai_sdk_gets_the_peers_answer(request, gw_openai, model, stream):
     got = ask_openai(gw_openai, model, stream)
-    want = direct_answer(request, model, stream)
     assert "paris" in got.text.lower(), got  # a trained model's real answer, not an echo
-    assert got == want
-    if model != "llamacpp" or not stream:
-        assert got.input_tokens and got.output_tokens, "the peer counted: so does the client"
+    assert_same_answer(request, got, model, stream)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["sync", "stream"])
 @pytest.mark.parametrize("model", MODELS)
 def test_anthropic_sdk_gets_the_peers_answer(request, gw_anthropic, model, stream):
-    if model == "llamacpp" and stream:
-        request.applymarker(NO_STREAM_USAGE)
     got = ask_anthropic(gw_anthropic, model, stream)
-    want = direct_answer(request, model, stream)
     assert "paris" in got.text.lower(), got
+    assert_same_answer(request, got, model, stream)
+
+
+def assert_same_answer(request: pytest.FixtureRequest, got: Answer, model: str, stream: bool) -> None:
+    """The peer's own text, stop reason and counts; where its stream had no counts (llama.cpp), the
+    gateway's count equals the peer's own in its non-stream answer, and is marked as the gateway's."""
+    want = direct_answer(request, model, stream)
     assert (got.text, got.stop) == (want.text, want.stop)
-    if want.input_tokens is None:  # the peer's stream had no counts: the right ones are its non-stream answer's
+    assert got.estimated == COUNTED_BY_GATEWAY.get((model, stream)), got
+    if want.input_tokens is None:
         want = direct_answer(request, model, False)
     assert (got.input_tokens, got.output_tokens) == (want.input_tokens, want.output_tokens)
+    assert got.input_tokens and got.output_tokens, "counted: never 0"
 
 
-def test_engine_server_and_in_process_engine_answer_alike(gw_openai):
+@pytest.mark.parametrize("stream", [False, True], ids=["sync", "stream"])
+def test_engine_server_and_in_process_engine_answer_alike(gw_openai, stream):
     """`flashstack engine serve` over HTTP and the `local` provider run one engine: greedy, one answer."""
-    assert ask_openai(gw_openai, "engine", False) == ask_openai(gw_openai, "local", False)
+    assert ask_openai(gw_openai, "engine", stream) == ask_openai(gw_openai, "local", stream)
 
 
 # A prompt longer than every peer's context (llama.cpp here: 2048 tokens; the engine: the GGUF's 8192).
