@@ -22,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import graph_buckets
-from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.gguf import is_gguf, open_gguf
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.loader import (
     checkpoint_tensor_count,
     load_model,
@@ -71,7 +71,9 @@ class LLMEngine:
         # Tensor parallel: ranks 1..N-1 start loading their shards while this rank loads its own.
         self.workers = launch(config, self.device) if config.tensor_parallel_size > 1 else None
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
-        has_tokenizer = open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
+        has_tokenizer = (
+            open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
+        )
         self.tokenizer = Tokenizer(path) if has_tokenizer else None
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
@@ -132,7 +134,11 @@ class LLMEngine:
         return int(num_blocks)
 
     def _use_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.runner.backend.name == "triton"
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.runner.backend.name == "triton"
+        )
 
     def _capture_graphs(self) -> None:
         with _progress(self.config.show_progress) as progress:
@@ -153,22 +159,36 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _profile_activations(self) -> int:
-        """Peak activation bytes of the largest step, measured by running it once on dummy tokens."""
+        """Peak activation bytes of the largest step, measured by running it
+        once on dummy tokens."""
         cfg, a = self.config, self.model.args
         n = min(cfg.max_num_batched_tokens, self._declared_max_len())
         if self.workers is not None:  # the other ranks run the same forward: its collectives match
             self.workers.mirror_profile(n)
         blocks = -(-n // cfg.block_size)
         caches = [
-            torch.zeros(blocks, 2, cfg.block_size, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(
+                blocks,
+                2,
+                cfg.block_size,
+                a.num_kv_heads,
+                a.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
             for _ in range(a.num_layers)
         ]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=dev), block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(n, device=dev),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
             context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            block_size=cfg.block_size, max_query_len=n, max_context_len=n, query_lens_host=[n], context_lens_host=[n],
+            block_size=cfg.block_size,
+            max_query_len=n,
+            max_context_len=n,
+            query_lens_host=[n],
+            context_lens_host=[n],
         )
         backend = get_attention_backend(cfg.attention_backend, dev, cfg.kernels)
         torch.cuda.synchronize(dev)
@@ -177,7 +197,7 @@ class LLMEngine:
         ids = torch.zeros(n, dtype=torch.int64, device=dev)
         ops = select_ops(dev, backend, self.model.args.head_dim)
         hidden = self.model(ids, torch.arange(n, device=dev), meta, caches, ops)
-        self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs):], ops)
+        self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs) :], ops)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
         del caches, hidden
@@ -310,13 +330,17 @@ class LLMEngine:
             self._in_flight = None  # every sequence in it ended meanwhile: nothing to read back
         return deltas
 
-    def _apply(self, batch: ScheduledBatch, sampled: list[int | None], deltas: list[StreamDelta]) -> None:
+    def _apply(
+        self, batch: ScheduledBatch, sampled: list[int | None], deltas: list[StreamDelta]
+    ) -> None:
         """Step bookkeeping: computed counts, new tokens, stops, stream deltas."""
         if any(s.is_finished for s in batch.seqs):
             # A lookahead step also ran the sequences that the step before it ended (or that were
             # aborted since): their rows are dropped.
             keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
-            batch = ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_new_tokens[i] for i in keep])
+            batch = ScheduledBatch(
+                [batch.seqs[i] for i in keep], [batch.num_new_tokens[i] for i in keep]
+            )
             sampled = [sampled[i] for i in keep]
         self.scheduler.postprocess(batch, sampled)
         now = time.monotonic()
@@ -380,11 +404,17 @@ class EngineStats:
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineStats:
-        """`engine`'s counters now (len() of lists another thread mutates is atomic under the GIL)."""
+        """`engine`'s counters now (len() of lists another thread mutates is
+        atomic under the GIL)."""
         sched, blocks = engine.scheduler, engine.block_manager
         return cls(
-            len(sched.running), len(sched.waiting) + len(sched.swapped), blocks.num_used_blocks,
-            blocks.num_blocks, blocks.block_size, blocks.num_prefix_queries, blocks.num_prefix_hits,
+            len(sched.running),
+            len(sched.waiting) + len(sched.swapped),
+            blocks.num_used_blocks,
+            blocks.num_blocks,
+            blocks.block_size,
+            blocks.num_prefix_queries,
+            blocks.num_prefix_hits,
             sched.num_preemptions,
         )
 
