@@ -41,10 +41,21 @@ from bench._shapes import LLAMA3_8B, QWEN3_0_6B, random_hf_model, save_checkpoin
 
 # A CPU-sized Llama for the smoke run: every server path, seconds not minutes.
 TINY: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=2048, hidden_size=64,
-    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=2048,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
 )
 SHAPES = {"tiny": TINY, "qwen3-0.6b": QWEN3_0_6B, "llama3-8b": LLAMA3_8B}
 
@@ -85,9 +96,13 @@ class Workload:
     outputs: list[int]
 
 
-def workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int = 0) -> Workload:
+def workload(
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int = 0
+) -> Workload:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(n)]
+    prompts = [
+        [rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(n)
+    ]
     return Workload(prompts, [rng.randint(*output_len) for _ in range(n)])
 
 
@@ -103,9 +118,18 @@ class Result:
     error: str = ""
 
 
-async def one_request(client: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client: Any, url: str, model: str, prompt: list[int], max_tokens: int
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.6,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = Result()
     start = time.perf_counter()
     last = start
@@ -144,34 +168,61 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def summarize(results: list[Result], wall: float, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
+def summarize(
+    results: list[Result], wall: float, slo_ttft: float, slo_tpot: float
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [g for r in ok for g in r.itl]
     ttft = [r.ttft for r in ok]
-    good = sum(1 for r, t in zip(ok, tpot) if r.ttft <= slo_ttft and t <= slo_tpot) if len(tpot) == len(ok) else 0
+    good = (
+        sum(1 for r, t in zip(ok, tpot) if r.ttft <= slo_ttft and t <= slo_tpot)
+        if len(tpot) == len(ok)
+        else 0
+    )
     tokens = sum(r.output_tokens for r in ok)
     ms = lambda v: round(v * 1e3, 2)  # noqa: E731
-    out = {"requests": len(results), "completed": len(ok), "wall_s": round(wall, 2),
-           "output_tokens": tokens, "output_tok_per_s": round(tokens / wall, 1),
-           "request_per_s": round(len(ok) / wall, 2), "goodput_req_per_s": round(good / wall, 2),
-           "ttft_ms_p50": ms(_pct(ttft, 50)), "ttft_ms_p99": ms(_pct(ttft, 99)),
-           "tpot_ms_p50": ms(_pct(tpot, 50)), "tpot_ms_p99": ms(_pct(tpot, 99)),
-           "itl_ms_p50": ms(_pct(itl, 50)), "itl_ms_p99": ms(_pct(itl, 99))}
+    out = {
+        "requests": len(results),
+        "completed": len(ok),
+        "wall_s": round(wall, 2),
+        "output_tokens": tokens,
+        "output_tok_per_s": round(tokens / wall, 1),
+        "request_per_s": round(len(ok) / wall, 2),
+        "goodput_req_per_s": round(good / wall, 2),
+        "ttft_ms_p50": ms(_pct(ttft, 50)),
+        "ttft_ms_p99": ms(_pct(ttft, 99)),
+        "tpot_ms_p50": ms(_pct(tpot, 50)),
+        "tpot_ms_p99": ms(_pct(tpot, 99)),
+        "itl_ms_p50": ms(_pct(itl, 50)),
+        "itl_ms_p99": ms(_pct(itl, 99)),
+    }
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         out["errors"] = errors[:5]
     return out
 
 
-async def run_rate(url: str, model: str, work: Workload, rate: float, concurrency: int | None,
-                   seconds: float, slo: tuple[float, float], seed: int = 0) -> dict[str, Any]:
+async def run_rate(
+    url: str,
+    model: str,
+    work: Workload,
+    rate: float,
+    concurrency: int | None,
+    seconds: float,
+    slo: tuple[float, float],
+    seed: int = 0,
+) -> dict[str, Any]:
     """Requests arriving as a Poisson process of `rate` per second (inf: all at once), at most
     `concurrency` in flight; a finite rate sends about `seconds` worth of them, a capped
     concurrency c the first 4c (enough for steady state, not the whole workload c at a time)."""
     import httpx
 
-    n = len(work.prompts) if math.isinf(rate) else max(1, min(len(work.prompts), round(rate * seconds)))
+    n = (
+        len(work.prompts)
+        if math.isinf(rate)
+        else max(1, min(len(work.prompts), round(rate * seconds)))
+    )
     if concurrency:
         n = min(n, 4 * concurrency)
     rng = random.Random(seed)
@@ -208,10 +259,27 @@ def start_server(model: Path, args: argparse.Namespace) -> tuple[subprocess.Pope
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "flashstack.cli", "engine", "serve", "--model", str(model),
-           "--port", str(port), "--device", args.device, "--dtype", args.dtype,
-           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--served-model-name", "bench"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashstack.cli",
+        "engine",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--served-model-name",
+        "bench",
+    ]
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     cmd += args.server_arg
@@ -235,19 +303,37 @@ def _sampler(pid: int | None, path: Path | None) -> subprocess.Popen | None:
     """py-spy sampling the server's GIL holders during the burst: where its host time goes."""
     if pid is None or path is None:
         return None
-    cmd = ["py-spy", "record", "--pid", str(pid), "--rate", "200", "--gil", "--threads",
-           "--format", "raw", "--nonblocking", "-o", str(path)]
+    cmd = [
+        "py-spy",
+        "record",
+        "--pid",
+        str(pid),
+        "--rate",
+        "200",
+        "--gil",
+        "--threads",
+        "--format",
+        "raw",
+        "--nonblocking",
+        "-o",
+        str(path),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
 
-def served(url: str, work: Workload, warm: Workload, args: argparse.Namespace,
-           pid: int | None = None) -> list[dict[str, Any]]:
+def served(
+    url: str, work: Workload, warm: Workload, args: argparse.Namespace, pid: int | None = None
+) -> list[dict[str, Any]]:
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    asyncio.run(run_rate(url, args.served_name, warm, math.inf, None, 0, slo))  # compile, warm caches
+    asyncio.run(
+        run_rate(url, args.served_name, warm, math.inf, None, 0, slo)
+    )  # compile, warm caches
     runs = []
     for rate in args.rates:
         spy = _sampler(pid, args.py_spy) if math.isinf(rate) else None
-        runs.append(asyncio.run(run_rate(url, args.served_name, work, rate, None, args.rate_seconds, slo)))
+        runs.append(
+            asyncio.run(run_rate(url, args.served_name, work, rate, None, args.rate_seconds, slo))
+        )
         if spy is not None:
             spy.send_signal(2)  # SIGINT: py-spy writes what it sampled
             spy.wait(30)
@@ -258,19 +344,31 @@ def served(url: str, work: Workload, warm: Workload, args: argparse.Namespace,
     return runs
 
 
-def offline(model: Path, work: Workload, warm: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def offline(
+    model: Path, work: Workload, warm: Workload, args: argparse.Namespace
+) -> dict[str, Any]:
     import torch
 
     from flashstack.engine import LLM, SamplingParams
 
-    kw = dict(max_num_seqs=args.max_num_seqs, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, show_progress=False)
+    kw = dict(
+        max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        show_progress=False,
+    )
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     llm = LLM(str(model), **kw)
-    llm.generate(warm.prompts, [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in warm.outputs])
+    llm.generate(
+        warm.prompts,
+        [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in warm.outputs],
+    )
     llm.engine.block_manager.reset_prefix_cache()  # the server's runs start from an empty cache too
-    sampling = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in work.outputs]
+    sampling = [
+        SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in work.outputs
+    ]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t = time.perf_counter()
@@ -280,7 +378,11 @@ def offline(model: Path, work: Workload, warm: Workload, args: argparse.Namespac
     tokens = sum(len(o.token_ids) for o in outs)
     del llm
     gc.collect()
-    return {"seconds": round(sec, 2), "output_tokens": tokens, "output_tok_per_s": round(tokens / sec, 1)}
+    return {
+        "seconds": round(sec, 2),
+        "output_tokens": tokens,
+        "output_tok_per_s": round(tokens / sec, 1),
+    }
 
 
 def _rate(text: str) -> float:
@@ -290,35 +392,57 @@ def _rate(text: str) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=[*SHAPES, "smollm2"], default="qwen3-0.6b")
-    ap.add_argument("--url", help="benchmark this running server instead of starting one (no offline run)")
+    ap.add_argument(
+        "--url", help="benchmark this running server instead of starting one (no offline run)"
+    )
     ap.add_argument("--served-name", default="bench", help="the model name to request (with --url)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(100, 512), metavar=("MIN", "MAX"))
-    ap.add_argument("--rates", type=_rate, nargs="+", default=[1, 4, 16, math.inf],
-                    help="Poisson request rates per second; inf (or burst): all at once")
-    ap.add_argument("--rate-seconds", type=float, default=16.0, help="a finite rate sends about this long")
-    ap.add_argument("--concurrency", type=int, nargs="*", default=[32],
-                    help="also the whole workload at once, with at most this many in flight")
+    ap.add_argument(
+        "--rates",
+        type=_rate,
+        nargs="+",
+        default=[1, 4, 16, math.inf],
+        help="Poisson request rates per second; inf (or burst): all at once",
+    )
+    ap.add_argument(
+        "--rate-seconds", type=float, default=16.0, help="a finite rate sends about this long"
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[32],
+        help="also the whole workload at once, with at most this many in flight",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    ap.add_argument("--server-arg", action="append", default=[], help="an extra `engine serve` argument")
+    ap.add_argument(
+        "--server-arg", action="append", default=[], help="an extra `engine serve` argument"
+    )
     ap.add_argument("--server-timeout-s", type=float, default=600.0)
     ap.add_argument("--skip-offline", action="store_true")
-    ap.add_argument("--py-spy", type=Path, help="sample the server with py-spy during the burst into this file")
+    ap.add_argument(
+        "--py-spy", type=Path, help="sample the server with py-spy during the burst into this file"
+    )
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    result: dict[str, Any] = {"shape": args.shape, "num_prompts": args.num_prompts,
-                              "prompt_len": list(args.prompt_len), "output_len": list(args.output_len)}
+    result: dict[str, Any] = {
+        "shape": args.shape,
+        "num_prompts": args.num_prompts,
+        "prompt_len": list(args.prompt_len),
+        "output_len": list(args.output_len),
+    }
 
     def dump() -> None:
         text = json.dumps(result, indent=2)
@@ -349,7 +473,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["offline"] = off = offline(model, work, warm, args)
         burst = [r for r in result["served"] if r["rate"] == "inf" and r["max_concurrency"] is None]
         if burst:
-            result["served_over_offline"] = round(burst[-1]["output_tok_per_s"] / off["output_tok_per_s"], 3)
+            result["served_over_offline"] = round(
+                burst[-1]["output_tok_per_s"] / off["output_tok_per_s"], 3
+            )
     dump()
     return result
 

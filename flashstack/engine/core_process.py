@@ -19,7 +19,6 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-from queue import SimpleQueue
 import threading
 import time
 import traceback
@@ -27,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from pathlib import Path
+from queue import SimpleQueue
 from typing import Any
 
 from flashstack.engine.llm import EngineInfo, EngineStats, Prompt, model_name
@@ -78,7 +78,9 @@ class _Core:
         if self._grammars is None:
             from flashstack.engine.guided import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.engine.tokenizer, self.engine.model.args.vocab_size)
+            self._grammars = GrammarCompiler(
+                self.engine.tokenizer, self.engine.model.args.vocab_size
+            )
         return self._grammars.compile(spec)
 
     def step(self) -> None:
@@ -91,14 +93,26 @@ class _Core:
             self.errors += [(rid, f"engine step failed:\n{failed}") for rid in rids]
             deltas = []
         if deltas or self.errors:
-            self.outbox.put(("step", [_pack(d) for d in deltas], self.errors, EngineStats.of(self.engine)))
+            self.outbox.put(
+                ("step", [_pack(d) for d in deltas], self.errors, EngineStats.of(self.engine))
+            )
             self.errors = []
 
 
 def _pack(d: StreamDelta) -> tuple[Any, ...]:
     # A tuple unpickles in C; a slots dataclass goes through dataclasses' Python __setstate__.
-    return (d.request_id, d.token_ids, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens,
-            d.logprobs, d.stop_reason, d.num_cached_tokens, d.times)
+    return (
+        d.request_id,
+        d.token_ids,
+        d.text,
+        d.finish_reason,
+        d.prompt_tokens,
+        d.completion_tokens,
+        d.logprobs,
+        d.stop_reason,
+        d.num_cached_tokens,
+        d.times,
+    )
 
 
 class _Outbox:
@@ -172,7 +186,8 @@ class EngineCoreClient:
         req_recv, self._requests = ctx.Pipe(duplex=False)
         self._outputs, out_send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
-            target=_core_main, args=(str(model), kwargs, req_recv, out_send, os.getpid()),
+            target=_core_main,
+            args=(str(model), kwargs, req_recv, out_send, os.getpid()),
             name="flashstack-engine-core",
         )
         self._proc.start()
@@ -277,7 +292,9 @@ class EngineCoreClient:
             except (EOFError, OSError):
                 if not self._closed:
                     code = self._proc.exitcode
-                    self._loop.call_soon_threadsafe(self._fail, f"the engine core exited (code {code})")
+                    self._loop.call_soon_threadsafe(
+                        self._fail, f"the engine core exited (code {code})"
+                    )
                 return
             self._loop.call_soon_threadsafe(self._dispatch, msg)
 
@@ -292,7 +309,11 @@ class EngineCoreClient:
         for rid, message in errors:
             queue = queues.get(rid)
             if queue is not None:
-                exc = EngineCoreError(message) if message.startswith("engine step failed") else ValueError(message)
+                exc = (
+                    EngineCoreError(message)
+                    if message.startswith("engine step failed")
+                    else ValueError(message)
+                )
                 queue.put_nowait(exc)
 
     def _fail(self, message: str) -> None:

@@ -16,12 +16,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashstack.engine.core_process import EngineCoreClient
+from flashstack.engine.guided import GrammarCompiler, GrammarError, Guide, GuideSpec
 from flashstack.engine.lifecycle import Drain, DrainingServer, EdgeMiddleware, ServeOptions
 from flashstack.engine.llm import AsyncLLM
 from flashstack.engine.metrics import ServerMetrics
 from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
-from flashstack.engine.guided import GrammarCompiler, GrammarError, Guide, GuideSpec
 from flashstack.engine.server_tools import RequestError, ToolPlan, guide_spec, plan_tools
 
 
@@ -200,7 +200,8 @@ class _TextEvents:
     def event(self, index: int, text: str, finish: str | None) -> str:
         """The chunk `_sse` would write for this choice's delta, byte for byte."""
         reason = "null" if finish is None else json.dumps(finish)
-        return f'{self.head}{index},"text":{json.dumps(text)},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+        text = json.dumps(text)
+        return f'{self.head}{index},"text":{text},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
 
 
 def _message_text(m: ChatMessage) -> dict[str, Any]:
@@ -671,7 +672,9 @@ def _detokenize(h: _Handler, req: DetokenizeRequest) -> dict[str, str]:
 
 
 def build_app(
-    engine: AsyncLLM | EngineCoreClient, model_name: str | None = None, options: ServeOptions | None = None
+    engine: AsyncLLM | EngineCoreClient,
+    model_name: str | None = None,
+    options: ServeOptions | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name` (default: dir name)."""
     options = options or ServeOptions()

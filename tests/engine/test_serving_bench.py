@@ -14,11 +14,32 @@ from bench.engine_serving import Result, main, summarize
 
 def test_serving_bench_smoke(tmp_path) -> None:
     out = tmp_path / "serving.json"
-    result = main([
-        "--shape", "tiny", "--device", "cpu", "--num-prompts", "4", "--prompt-len", "8", "24",
-        "--output-len", "3", "8", "--rates", "inf", "--concurrency", "2", "--max-model-len", "256",
-        "--max-num-seqs", "8", "--json", str(out),
-    ])
+    result = main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--num-prompts",
+            "4",
+            "--prompt-len",
+            "8",
+            "24",
+            "--output-len",
+            "3",
+            "8",
+            "--rates",
+            "inf",
+            "--concurrency",
+            "2",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == result
     burst, capped = result["served"]
     # ignore_eos: both paths produce exactly the workload's output lengths
@@ -41,12 +62,35 @@ def test_goodput_counts_only_requests_within_both_slos() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_serving_bench_smoke_on_gpu(tmp_path) -> None:
-    result = main([
-        "--shape", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--num-prompts", "16",
-        "--prompt-len", "16", "64", "--output-len", "8", "32", "--rates", "32", "inf",
-        "--rate-seconds", "0.5", "--concurrency", "4", "--max-model-len", "512",
-        "--gpu-memory-utilization", "0.3",
-    ])
+    result = main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--num-prompts",
+            "16",
+            "--prompt-len",
+            "16",
+            "64",
+            "--output-len",
+            "8",
+            "32",
+            "--rates",
+            "32",
+            "inf",
+            "--rate-seconds",
+            "0.5",
+            "--concurrency",
+            "4",
+            "--max-model-len",
+            "512",
+            "--gpu-memory-utilization",
+            "0.3",
+        ]
+    )
     assert all(r["completed"] == r["requests"] for r in result["served"])
     assert result["served"][1]["output_tokens"] == result["offline"]["output_tokens"]
     assert result["served_over_offline"] > 0

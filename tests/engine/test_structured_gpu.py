@@ -45,7 +45,9 @@ def test_json_schema_under_cuda_graphs(tiny_model_dir) -> None:
     guide = GrammarCompiler(llm.tokenizer, llm.engine.model.args.vocab_size).compile(
         GuideSpec(json_schema=RECORD)
     )
-    guided = [SamplingParams(temperature=0.8, seed=i, max_tokens=160, guide=guide) for i in range(6)]
+    guided = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=160, guide=guide) for i in range(6)
+    ]
     free = [SamplingParams(temperature=0.8, seed=9, max_tokens=40, ignore_eos=True)] * 2
     prompts = ["Give me a record:", "def f():", "JSON please", "x", "{", "record", "free", "text"]
     outs = llm.generate(prompts, guided + free)
