@@ -24,6 +24,9 @@ from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.server_tools import RequestError, ToolPlan, guide_spec, plan_tools
 
+# The gateway's OpenAI wire types, so both servers read `stream_options` alike (issue 27).
+from flashstack.gateway.wire.openai import StreamOptions
+
 
 class APIError(Exception):
     """An error returned to the client as OpenAI's `{"error": {...}}`."""
@@ -44,12 +47,6 @@ class APIError(Exception):
             param,
             code,
         )
-
-
-class StreamOptions(BaseModel):
-    """`stream_options` as the OpenAI API defines it."""
-
-    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
