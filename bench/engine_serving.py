@@ -1,21 +1,4 @@
-"""Serving benchmark in the manner of vLLM's benchmark_serving.py: streaming /v1/completions against
-`flashstack engine serve` (started here, or --url), at Poisson request rates from 1/s up to a burst
-(every request at once), and offline `LLM.generate` on the same workload in the same run.
-
-    PYTHONPATH=. python3 bench/engine_serving.py --shape qwen3-0.6b --json out.json
-    PYTHONPATH=. python3 bench/engine_serving.py --shape tiny --device cpu --num-prompts 6 \\
-        --prompt-len 8 32 --output-len 4 12 --rates inf --concurrency 2   # the CPU smoke run
-
-Random-weight shapes (bench/_shapes.py) get a word-level tokenizer (token i is the word `w{i}`),
-so the server detokenizes and streams real text; SmolLM2 is the trained GGUF of
-flashstack/engine/bundled.py. Prompts are token ids (identical for both paths); every request
-sets temperature 0.6 and ignore_eos, so the output lengths are the workload's.
-
-Per run: TTFT (request sent to first text), TPOT ((last - first) / (tokens - 1)), ITL (gaps
-between streamed events), p50 and p99; output tok/s over the run's wall time; goodput = requests
-per second meeting both --slo-ttft-ms and --slo-tpot-ms. The burst's output tok/s over offline's
-is `served_over_offline`.
-"""
+"""Served vs offline tokens/s, TTFT, TPOT, ITL: docs/benchmarks.md, "Engine serving"."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Small models' batch-1 decode step, kernel by kernel and host part by part: docs/benchmarks.md,
-"engine small-model profile (#30)"."""
+"""Small models' batch-1 decode step by kernel: docs/benchmarks.md, "Engine small-model profile"."""
 
 from __future__ import annotations
 
