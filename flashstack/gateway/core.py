@@ -235,6 +235,9 @@ class ChatResponse:
     stop_sequence: str | None = None
     created: int = 0
     raw: Raw | None = None
+    # The reply message's own keys no field above models, in `raw`'s wire (OpenAI's refusal,
+    # annotations, audio, …): set where a session stores a same-wire reply whole, to send it back.
+    extra: Extra = field(default_factory=dict)
 
     def text(self) -> str:
         return "".join(p.text for p in self.content if isinstance(p, Text))

@@ -395,7 +395,7 @@ def _turn_rows(
     ]
     if reply is not None and failure is None:
         # Replayed as its client got it: Anthropic's content is a list of blocks, OpenAI's a string.
-        answer = Message("assistant", reply.content, plain=wire != codec.ANTHROPIC)
+        answer = Message("assistant", reply.content, reply.extra, plain=wire != codec.ANTHROPIC)
         row = _row(session_id, turn_id, seq + len(rows), created, answer, status, None, wire)
         row.update(
             model=reply.model, stop_reason=reply.stop_reason.value,
@@ -512,6 +512,7 @@ def reply_json(reply: ChatResponse, message_id: str) -> dict[str, Any]:
         "id": reply.id, "model": reply.model, "content": codec.parts_json(reply.content),
         "stop_reason": reply.stop_reason.value, "stop_sequence": reply.stop_sequence,
         "usage": codec.usage_json(reply.usage), "created": reply.created, "message_id": message_id,
+        "extra": reply.extra,
     }
 
 
@@ -519,4 +520,5 @@ def reply_from_json(d: dict[str, Any]) -> ChatResponse:
     return ChatResponse(
         d["id"], d["model"], codec.parts_from_json(d["content"]), StopReason(d["stop_reason"]),
         codec.usage_from_json(d["usage"]), d.get("stop_sequence"), d.get("created", 0),
+        extra=d.get("extra") or {},
     )

@@ -50,6 +50,7 @@ from flashstack.gateway.router import RouteTrace
 from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.db import Database
 from flashstack.gateway.translate import anthropic as anthropic_t
+from flashstack.gateway.translate import openai as openai_t
 from flashstack.gateway.spend import budgets_from_config
 from flashstack.gateway.sessions.store import (
     Failure,
@@ -421,12 +422,13 @@ class _ReplyBuilder:
         self.usage = Usage()
         self.blocks: dict[int, Part] = {}
         self.args: dict[int, list[str]] = {}
-        self.message: anthropic_t.MessageAccumulator | None = None  # an Anthropic upstream's, whole
+        # The upstream's own message, whole, where the client speaks its wire (the events carry it).
+        self.message: anthropic_t.MessageAccumulator | openai_t.MessageAccumulator | None = None
 
     def feed(self, ev: Event) -> None:
         raw = getattr(ev, "raw", None)
-        if raw is not None and raw.wire == anthropic_t.WIRE:  # kept for a client of that wire
-            self.message = self.message or anthropic_t.MessageAccumulator()
+        if raw is not None and raw.wire in _ACCUMULATORS:
+            self.message = self.message or _ACCUMULATORS[raw.wire]()
             for name, data in raw.items:
                 self.message.feed(name, data)
         if isinstance(ev, Start):
@@ -450,17 +452,27 @@ class _ReplyBuilder:
     def response(self, finish: Finish) -> ChatResponse:
         for index, fragments in self.args.items():  # a tool call the stream never closed
             self.blocks[index].arguments = "".join(fragments)  # type: ignore[union-attr]
-        whole = self.message.content() if self.message is not None else None
-        content = whole if whole is not None else [self.blocks[i] for i in sorted(self.blocks)]
+        whole = self.message.reply() if self.message is not None else None
+        content = whole.parts if whole is not None else [self.blocks[i] for i in sorted(self.blocks)]
         usage = _total(self.usage, finish.usage)
-        return ChatResponse(self.id, self.model, content, finish.stop_reason, usage, finish.stop_sequence)
+        return ChatResponse(self.id, self.model, content, finish.stop_reason, usage, finish.stop_sequence,
+                            extra=whole.extra if whole is not None else {})
+
+
+_ACCUMULATORS = {anthropic_t.WIRE: anthropic_t.MessageAccumulator, openai_t.WIRE: openai_t.MessageAccumulator}
 
 
 def _whole(resp: ChatResponse) -> ChatResponse:
-    """`resp` as stored: an Anthropic upstream's reply to a client of that wire with every block whole."""
-    if resp.raw is None or resp.raw.wire != anthropic_t.WIRE:
+    """`resp` as stored: an upstream's reply to a client of its wire whole (every block and key)."""
+    if resp.raw is None:
         return resp
-    return dataclasses.replace(resp, content=anthropic_t.whole_content(resp.raw.items[0][1].get("content") or []))
+    body = resp.raw.items[0][1]
+    if resp.raw.wire == anthropic_t.WIRE:
+        return dataclasses.replace(resp, content=anthropic_t.whole_content(body.get("content") or []))
+    if resp.raw.wire == openai_t.WIRE:
+        message = openai_t.whole_reply(body)
+        return dataclasses.replace(resp, content=message.parts, extra=message.extra)
+    return resp
 
 
 def _output_bytes(resp: ChatResponse) -> int:
@@ -522,6 +534,9 @@ def replay_events(resp: ChatResponse, wire: str | None = None) -> list[Event]:
     """A stored reply as the stream that would have carried it (idempotent stream replays); to an
     Anthropic client each block goes as its own events, every key and block type included."""
     events: list[Event] = [Start(resp.id, resp.model, Usage(input_tokens=resp.usage.input_tokens))]
+    reasoning = resp.extra.get("reasoning_content") or resp.extra.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:  # an OpenAI reply's, stored as its message key
+        events += [ThinkingDelta(len(resp.content), reasoning), BlockStop(len(resp.content))]
     for i, part in enumerate(resp.content):
         block: list[Event] = []
         if isinstance(part, Text):

@@ -716,14 +716,14 @@ class MessageAccumulator:
         elif kind == "input_json_delta":
             self._json.setdefault(index, []).append(delta.get("partial_json", ""))
 
-    def content(self) -> list[Part] | None:
-        """The message's content (None if a tool's streamed input is not JSON: the caller keeps its own)."""
+    def reply(self) -> Message | None:
+        """The message (None if a tool's streamed input is not JSON: the caller keeps its own)."""
         for index, fragments in self._json.items():
             try:
                 self.blocks[index]["input"] = orjson.loads("".join(fragments) or "{}")
             except orjson.JSONDecodeError:
                 return None
-        return whole_content([self.blocks[i] for i in sorted(self.blocks)])
+        return Message("assistant", whole_content([self.blocks[i] for i in sorted(self.blocks)]), plain=False)
 
 
 def part_events(index: int, part: Part) -> list[tuple[str, dict[str, Any]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections.abc import Iterator
@@ -108,7 +109,7 @@ def to_canonical(req: w.ChatCompletionRequest, body: dict[str, Any]) -> ChatRequ
             parts = _user_parts(m.content, raw.get("content"), param)
             messages.append(Message("user", parts, _extra(raw, _MSG_KEYS), isinstance(m.content, str)))
         elif isinstance(m, w.AssistantMessage):
-            messages.append(_assistant_message(m, raw))
+            messages.append(assistant_message(raw))
         elif isinstance(m, w.ToolMessage):
             messages.append(Message("user", [_tool_result(m, raw)]))
     if not messages:
@@ -198,7 +199,9 @@ def _image_extra(rp: dict[str, Any]) -> dict[str, Any]:
     return extra
 
 
-def _assistant_message(m: w.AssistantMessage, raw: dict[str, Any]) -> Message:
+def assistant_message(raw: dict[str, Any]) -> Message:
+    """An assistant message's JSON as canonical parts, its every other key in `extra`: a client's own
+    (validated), or an upstream's reply a session stores to send back on this wire as it came."""
     parts: list[Part] = []
     content = raw.get("content")
     if isinstance(content, str) and content:
@@ -209,10 +212,13 @@ def _assistant_message(m: w.AssistantMessage, raw: dict[str, Any]) -> Message:
                 parts.append(Text(rp.get("text", ""), rp.get("cache_control"), _extra(rp, _TEXT_PART_KEYS)))
             else:
                 parts.append(Opaque(WIRE, rp))
-    for tc, rtc in zip(m.tool_calls or [], raw.get("tool_calls") or []):
-        parts.append(ToolCall(tc.id, tc.function.name, tc.function.arguments or "{}", extra=_extra(rtc, _CALL_KEYS)))
+    calls = raw.get("tool_calls") or []
+    for rtc in calls:
+        fn = rtc.get("function") or {}
+        parts.append(ToolCall(rtc.get("id") or _call_id(), fn.get("name", ""), fn.get("arguments") or "{}",
+                              extra=_extra(rtc, _CALL_KEYS)))
     # content and tool_calls stay in extra when they rendered to nothing ("", null, []): sent back as they came.
-    modelled = {"role"} | ({"content"} if content else set()) | ({"tool_calls"} if m.tool_calls else set())
+    modelled = {"role"} | ({"content"} if content else set()) | ({"tool_calls"} if calls else set())
     return Message("assistant", parts, _extra(raw, frozenset(modelled)), isinstance(content, str))
 
 
@@ -284,13 +290,14 @@ def response_json(resp: ChatResponse, model: str) -> dict[str, Any]:
         body["model"] = model
         return body
     text = "".join(p.text for p in resp.content if isinstance(p, Text))
-    tool_calls = [_tool_call_json(p) for p in resp.content if isinstance(p, ToolCall)]
+    tool_calls = [_stored_call_json(p) for p in resp.content if isinstance(p, ToolCall)]
     message: dict[str, Any] = {"role": "assistant", "content": text or None, "refusal": None}
     if tool_calls:
         message["tool_calls"] = tool_calls
     reasoning = "".join(p.text for p in resp.content if isinstance(p, Thinking))
     if reasoning:
         message["reasoning_content"] = reasoning
+    message.update(resp.extra)  # a stored same-wire reply's own keys (an idempotent replay)
     return {
         "id": resp.id if resp.id.startswith("chatcmpl") else completion_id(),
         "object": "chat.completion",
@@ -310,6 +317,10 @@ def response_json(resp: ChatResponse, model: str) -> dict[str, Any]:
 
 def _tool_call_json(p: ToolCall) -> dict[str, Any]:
     return {"id": p.id, "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
+
+
+def _stored_call_json(p: ToolCall) -> dict[str, Any]:
+    return {**p.extra, **_tool_call_json(p)}
 
 
 def error_json(err: GatewayError) -> dict[str, Any]:
@@ -514,7 +525,7 @@ def _message_json(m: Message, same: bool, req: ChatRequest | None) -> Iterator[d
 
 def _assistant_json(m: Message, extra: dict[str, Any], same: bool, req: ChatRequest | None) -> dict[str, Any]:
     parts = [q for q in (_part_json(p, same, req) for p in m.parts if not isinstance(p, ToolCall)) if q is not None]
-    calls = [{**(p.extra if same else {}), **_tool_call_json(p)} for p in m.parts if isinstance(p, ToolCall)]
+    calls = [_stored_call_json(p) if same else _tool_call_json(p) for p in m.parts if isinstance(p, ToolCall)]
     if not same and req is not None and any(isinstance(p, ToolCall) and p.cache_control for p in m.parts):
         req.exchange.dropped.add("messages[].content[].cache_control")
     msg: dict[str, Any] = {**extra, "role": "assistant"}
@@ -655,6 +666,55 @@ def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: se
         created=body.get("created") or int(time.time()),
         raw=Raw(WIRE, [("", body)]) if keep_raw else None,
     )
+
+
+def whole_reply(body: dict[str, Any]) -> Message:
+    """A ChatCompletion's (first) message whole: what a session stores of a same-wire reply."""
+    return assistant_message((body.get("choices") or [{}])[0].get("message") or {})
+
+
+# Delta keys whose value is replaced, not appended to, when a stream is gathered into its message.
+_WHOLE_KEYS = frozenset({"role", "type", "id", "index", "expires_at"})
+
+
+class MessageAccumulator:
+    """A stream's chunks gathered into the (first choice's) message they carry, every key kept: what a
+    session stores of a same-wire stream. Strings are appended (content, refusal, reasoning, audio
+    data), lists extended (annotations), objects merged; tool calls are merged by their index."""
+
+    def __init__(self) -> None:
+        self.message: dict[str, Any] = {}
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def feed(self, name: str, data: dict[str, Any]) -> None:
+        for choice in data.get("choices") or []:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                delta = dict(choice.get("delta") or {})
+                for call in delta.pop("tool_calls", None) or []:
+                    k = call.get("index", 0)
+                    _merge(self._calls.setdefault(k, {}), call)
+                _merge(self.message, delta)
+
+    def reply(self) -> Message:
+        message = dict(self.message)
+        if self._calls:
+            message["tool_calls"] = [
+                {k: v for k, v in self._calls[i].items() if k != "index"} for i in sorted(self._calls)
+            ]
+        return assistant_message(message)
+
+
+def _merge(into: dict[str, Any], delta: dict[str, Any]) -> None:
+    for k, v in delta.items():
+        have = into.get(k)
+        if isinstance(have, str) and isinstance(v, str) and k not in _WHOLE_KEYS:
+            into[k] = have + v
+        elif isinstance(have, dict) and isinstance(v, dict):
+            _merge(have, v)
+        elif isinstance(have, list) and isinstance(v, list):
+            have.extend(copy.deepcopy(v))
+        elif v is not None or k not in into:
+            into[k] = copy.deepcopy(v)  # the chunk itself goes on to the client untouched
 
 
 def upstream_error(status: int, body: Any, retry_after: float | None = None) -> GatewayError:
