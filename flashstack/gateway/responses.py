@@ -86,7 +86,7 @@ async def _serve(request: Request, router: Router, limits: chat.Limits, trace: R
                 events = await turn.route(router).open_stream(req, trace)
                 if req.response_format is not None:
                     events = chat._validated(events, req)
-                encoder = t.StreamEncoder(parsed.model, opts)
+                encoder = t.StreamEncoder(parsed.model, opts, req.exchange.dropped)
                 events = _stored(turn.watch(events), encoder, saver)
                 stream = sse(events, encoder.encode, limits.stream_queue_size, None, limits.ping_interval)
                 headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **fields.response_headers(req),

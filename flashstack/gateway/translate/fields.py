@@ -515,17 +515,22 @@ with its first content event, so they name what the upstream had sent by then (O
 `system_fingerprint` and `service_tier` ride on every chunk; Anthropic's `message_start` carries the
 usage and the container). What comes later (later tokens' logprobs, the final usage, citations) is
 named in the stream's final event: across wires it carries `"flashstack_dropped": "<the header's
-comma-separated list, complete>"`, on the chunk with the `finish_reason` (OpenAI) or on
-`message_delta` (Anthropic); both SDKs keep it (`chunk.model_extra`, `event.model_extra`).
+comma-separated list, complete>"`, on the chunk with the `finish_reason` (OpenAI), on
+`message_delta` (Anthropic), or on `response.completed` / `response.incomplete` (Responses; beside
+its `response` object, which stays the one `GET /v1/responses/{id}` returns); the SDKs keep it
+(`chunk.model_extra`, `event.model_extra`).
 
 Sessions store every field of each message as its wire gave it: the parts (text, images, tool calls
 and results, thinking with its signature, redacted thinking, verbatim blocks of types the gateway does
 not model such as documents) with their `cache_control` and every other key, the message's own keys,
 and whether its content was a string or a list. A history replayed from a session reaches the
-upstream as the client sent it, and a stored reply as the client received it (from an Anthropic
-upstream to an Anthropic client, streamed or not: every block with every key, citations, redacted
-thinking and server tools' blocks included; otherwise its text, thinking with its signature and tool
-calls, a list of blocks for Anthropic, a string for OpenAI). A session used from both wires sends a message's wire-only fields (OpenAI's
+upstream as the client sent it, and a stored reply as the client received it: from an upstream of
+the client's wire, streamed or not, whole (Anthropic: every block with every key, citations, redacted
+thinking and server tools' blocks included; OpenAI: the message with every key, `refusal`,
+`annotations`, `audio`, `reasoning_content` and unknown ones included, and each tool call's own
+keys); across wires its text, thinking with its signature and tool calls, a list of blocks for
+Anthropic, a string for OpenAI. An idempotent retry (the same `Idempotency-Key`) gets that stored
+reply again, streamed or not, every block included. A session used from both wires sends a message's wire-only fields (OpenAI's
 `name`, an image's `detail`, any unknown key; `cache_control` towards OpenAI) to its own wire only:
 to the other they are dropped and named in `x-flashstack-dropped` (`messages[].name`,
 `messages[].content[].image_url.detail`, …).
@@ -593,7 +598,8 @@ wire_api = "responses"
 ```
 
 On a CPU the first request also loads the engine: a `ttft_timeout` above the default 30 s for the
-local model keeps Codex from retrying it.
+local model keeps Codex from retrying it. Codex sends no `temperature`: the model's
+`default_temperature: 0` makes its answers greedy.
 
 ## `POST /v1/embeddings` and `POST /v1/completions`
 

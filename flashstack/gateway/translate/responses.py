@@ -483,9 +483,10 @@ class StreamEncoder:
     thinking a `reasoning` item with one summary part, a tool call a `function_call`.
     """
 
-    def __init__(self, model: str, opts: Options) -> None:
+    def __init__(self, model: str, opts: Options, dropped: set[str] | None = None) -> None:
         self.model = model
         self.opts = opts
+        self.dropped = dropped  # the exchange's: named again, complete, on a translated stream's final event
         self.id = new_id("resp")
         self.created = int(time.time())
         self.seq = 0
@@ -521,7 +522,9 @@ class StreamEncoder:
             yield from self._closing
             self._closing = []
             kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-            yield self._event(kind, response=body)
+            # Beside the response object, not in it: that object is what the store keeps and returns.
+            named = {fields.DROPPED_FIELD: ",".join(sorted(self.dropped))} if self.dropped else {}
+            yield self._event(kind, response=body, **named)
         elif isinstance(ev, Error):
             yield from self.fail(ev.error)
 

@@ -165,6 +165,23 @@ def test_optimisation_hints_are_dropped_and_named(gateway, keys, upstream):
     assert "response.system_fingerprint" in r.headers["x-flashstack-dropped"].split(",")
 
 
+def test_a_stream_names_what_it_dropped_in_its_final_event(gateway, keys, upstream):
+    body = {"model": "oai", "input": "hi", "prompt_cache_key": "k1", "stream": True}
+    headers = {"authorization": f"Bearer {keys[0]}"}
+    with httpx.stream("POST", gateway.url + "/v1/responses", json=body, headers=headers, timeout=20) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    # Complete at the end: the header went out before the upstream's last chunk (its usage, its fingerprint).
+    named = final["flashstack_dropped"].split(",")
+    assert {"prompt_cache_key", "response.system_fingerprint"} <= set(named)
+    assert set(r.headers["x-flashstack-dropped"].split(",")) <= set(named)
+    assert "flashstack_dropped" not in final["response"]  # the stored object is the API's own
+    stored = httpx.get(f"{gateway.url}/v1/responses/{final['response']['id']}", headers=headers)
+    assert stored.status_code == 200 and "flashstack_dropped" not in stored.json()
+
+
 def test_malformed_requests_get_openai_errors(gateway, keys, upstream):
     auth = {"authorization": f"Bearer {keys[0]}"}
     for body, param in [({"model": "oai"}, "input"), ({"model": "oai", "input": 5}, "input"),
