@@ -115,7 +115,7 @@ def resolve_config(path: Path | None, local_models: list[Path] | None = None) ->
     for m in local_models or []:
         config.models.append(_local_model(m))
     if path is None and not config.models:
-        from flashstack.gateway.discovery import discover_models
+        from flashstack.gateway.routing.discovery import discover_models
 
         config.models.extend(discover_models())
         config.models.extend(_embedded_local_models(config))

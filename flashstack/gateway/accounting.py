@@ -21,7 +21,7 @@ from flashstack.gateway import chat, tokens
 from flashstack.gateway.auth import ANONYMOUS, UNLIMITED, Auth, Caller, Reservation
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Message, Text, Usage
 from flashstack.gateway.requestlog import RequestLog, RequestRecord
-from flashstack.gateway.router import RouteTrace
+from flashstack.gateway.routing import RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.streaming import EventStream
 

@@ -26,7 +26,7 @@ from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.compress import Compressor
-from flashstack.gateway.router import Router
+from flashstack.gateway.routing import Router
 from flashstack.gateway.sessions import api as sessions_api
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import open_sessions

@@ -28,7 +28,7 @@ from flashstack.gateway.core import (
     invalid_request,
 )
 from flashstack.gateway.requestlog import RequestLog, RequestRecord
-from flashstack.gateway.router import Router, RouteTrace
+from flashstack.gateway.routing import Router, RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import Turn
 from flashstack.gateway.streaming import EventStream, sse

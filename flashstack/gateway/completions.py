@@ -34,7 +34,7 @@ from flashstack.gateway.core import (
 )
 from flashstack.gateway.providers.local import LocalProvider
 from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
-from flashstack.gateway.router import Deployment, Router, RouteTrace
+from flashstack.gateway.routing import Deployment, Router, RouteTrace
 from flashstack.gateway.streaming import EventStream, pulled
 from flashstack.gateway.translate.openai import FINISH_REASON, error_json
 

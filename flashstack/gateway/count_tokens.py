@@ -18,7 +18,7 @@ from flashstack.gateway import chat
 from flashstack.gateway.auth import may_use
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.providers.anthropic import AnthropicProvider
-from flashstack.gateway.router import Router
+from flashstack.gateway.routing import Router
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.translate import fields
 

@@ -20,7 +20,7 @@ from flashstack.gateway.accounting import Accounting, usage_of
 from flashstack.gateway.compress import Compressor
 from flashstack.gateway.core import ErrorKind, GatewayError, Usage, invalid_request
 from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
-from flashstack.gateway.router import Deployment, Router, RouteTrace
+from flashstack.gateway.routing import Deployment, Router, RouteTrace
 
 MINILM = "minilm"
 MINILM_DIMENSIONS = 384

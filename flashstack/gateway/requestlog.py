@@ -20,7 +20,7 @@ import orjson
 from flashstack.config import Config
 from flashstack.gateway import telemetry
 from flashstack.gateway.core import ChatRequest, GatewayError, Usage
-from flashstack.gateway.router import RouteTrace
+from flashstack.gateway.routing import RouteTrace
 from flashstack.gateway.spend import PriceTable, SpendStore
 
 log = logging.getLogger("flashstack.requests")

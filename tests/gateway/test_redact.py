@@ -8,7 +8,7 @@ from flashstack import cli
 from flashstack.config import Config, ConfigError, ModelConfig
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.redact import Redactor, redact_url, secrets_of
-from flashstack.gateway.router import Router
+from flashstack.gateway.routing import Router
 
 AZURE = "https://res.openai.azure.com/openai/deployments/d?api-version=2024-06-01&api-key=azure-secret-31f"
 PROXY = "http://alice:s3cret-pw@proxy.internal:8080/v1?sig=sas-sig-77&token=tok-9a8b"

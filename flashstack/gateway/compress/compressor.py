@@ -30,7 +30,7 @@ from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, invali
 
 if TYPE_CHECKING:
     from flashstack.gateway.compress.embed import Embedder
-    from flashstack.gateway.router import Router
+    from flashstack.gateway.routing import Router
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from flashstack.gateway.core import ChatRequest, Message, Text
 
 if TYPE_CHECKING:
     from flashstack.gateway.providers.local import LocalProvider
-    from flashstack.gateway.router import Router
+    from flashstack.gateway.routing import Router
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from flashstack.gateway.compress.planner import clip
 from flashstack.gateway.core import ChatRequest, GatewayError, Message, Text
 
 if TYPE_CHECKING:
-    from flashstack.gateway.router import Router
+    from flashstack.gateway.routing import Router
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from flashstack.gateway.core import (
     invalid_request,
 )
 from flashstack.gateway.requestlog import RequestLog
-from flashstack.gateway.router import Router, RouteTrace
+from flashstack.gateway.routing import Router, RouteTrace
 from flashstack.gateway.sessions.store import Order, message_json
 from flashstack.gateway.sessions.turns import Idempotency, Sessions
 

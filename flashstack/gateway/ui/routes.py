@@ -24,7 +24,7 @@ from flashstack.gateway import chat
 from flashstack.gateway.auth import UPDATABLE, KeyStore, check_key_fields
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.requestlog import RequestLog
-from flashstack.gateway.router import Router
+from flashstack.gateway.routing import Router
 from flashstack.gateway.sessions.db import messages, sessions
 from flashstack.gateway.sessions.store import message_json, session_json
 from flashstack.gateway.spend import SpendStore, periods

@@ -16,7 +16,7 @@ from flashstack.gateway.app import create_app
 from flashstack.gateway.compress import SUMMARY_HEADER, Compressor
 from flashstack.gateway.compress.budget import Budget
 from flashstack.gateway.core import ChatRequest, Message, Text
-from flashstack.gateway.router import Router
+from flashstack.gateway.routing import Router
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY
 

@@ -3,7 +3,7 @@ through whole); a server at OPENAI_BASE_URL is taken for a chat-completions one.
 
 from __future__ import annotations
 
-from flashstack.gateway import discovery
+from flashstack.gateway.routing import discovery
 
 
 def test_only_openai_itself_is_taken_to_serve_responses(monkeypatch):

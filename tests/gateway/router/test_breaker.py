@@ -9,8 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flashstack.gateway.state import BreakerState, MemoryState, RedisState, TripPolicy
-from tests.gateway.router.conftest import ask, breaker_of, deployment, gateway, new_tag, openai_client
+from flashstack.gateway.routing.state import BreakerState, MemoryState, RedisState, TripPolicy
+from tests.gateway.router.conftest import (
+    ask,
+    breaker_of,
+    deployment,
+    gateway,
+    new_tag,
+    openai_client,
+)
 
 POLICY = TripPolicy(failures=3, failure_rate=0.5, window=30, min_requests=6)
 REDIS_URL = "redis://127.0.0.1:6379/0"

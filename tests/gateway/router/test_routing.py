@@ -13,8 +13,15 @@ import httpx
 import openai
 import pytest
 
-from flashstack.gateway import balancer
-from tests.gateway.router.conftest import ask, breaker_of, deployment, gateway, new_tag, openai_client
+from flashstack.gateway.routing import balancer
+from tests.gateway.router.conftest import (
+    ask,
+    breaker_of,
+    deployment,
+    gateway,
+    new_tag,
+    openai_client,
+)
 from tests.gateway.router.faulty import FaultyUpstream
 
 
@@ -222,7 +229,7 @@ def test_unreachable_redis_degrades_to_serving_with_a_warning(ups, caplog):
 
 def test_a_fallback_naming_an_unknown_model_is_a_config_error(ups):
     from flashstack.config import ConfigError, RouterConfig
-    from flashstack.gateway.router import Router
+    from flashstack.gateway.routing import Router
 
     with pytest.raises(ConfigError, match="'gtp'.*not a configured model"):
         Router([deployment("gpt", ups["a"], fallbacks=["gtp"])], RouterConfig())

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from flashstack.config import RouterConfig
 from flashstack.gateway.core import GatewayError
-from flashstack.gateway.state import MemoryState, Snapshot, StateStore, TripPolicy
+from flashstack.gateway.routing.state import MemoryState, Snapshot, StateStore, TripPolicy
 
 log = logging.getLogger("flashstack.router")
 T = TypeVar("T")
