@@ -21,7 +21,7 @@ from flashstack.gateway.auth import Caller
 from flashstack.gateway.core import ChatRequest, ErrorKind, Event, Finish, GatewayError, invalid_request
 from flashstack.gateway.requestlog import RequestLog, RequestRecord
 from flashstack.gateway.responses_store import ResponseStore
-from flashstack.gateway.router import Router, RouteTrace
+from flashstack.gateway.routing import Router, RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.streaming import EventStream, sse
 from flashstack.gateway.translate import fields

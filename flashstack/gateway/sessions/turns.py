@@ -46,7 +46,7 @@ from flashstack.gateway.core import (
     Usage,
     invalid_request,
 )
-from flashstack.gateway.router import RouteTrace
+from flashstack.gateway.routing import RouteTrace
 from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.db import Database
 from flashstack.gateway.translate import anthropic as anthropic_t
