@@ -14,10 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashstack.config import CompressionConfig, ModelConfig  # noqa: E402
 from flashstack.gateway import tokens  # noqa: E402
 from flashstack.gateway.compress import Compressor  # noqa: E402
 from flashstack.gateway.compress.clustering import dbscan_labels  # noqa: E402
+from flashstack.gateway.config import CompressionConfig, ModelConfig  # noqa: E402
 from flashstack.gateway.core import ChatRequest, Message, Text  # noqa: E402
 
 TOPICS: dict[str, dict[str, list[str]]] = {

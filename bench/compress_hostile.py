@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 SERVE = """
 import sys, uvicorn
 from pathlib import Path
-from flashstack.config import CompressionConfig, Config, ModelConfig, ServerConfig
+from flashstack.gateway.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.app import create_app
 
 cache = Path(sys.argv[2])

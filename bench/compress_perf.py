@@ -148,10 +148,10 @@ def pipeline(threads: int, repeat: int, cache_dir: Path) -> dict[str, object]:
     embeddings."""
     from compress_eval import conversation
 
-    from flashstack.config import CompressionConfig, ModelConfig
     from flashstack.gateway import tokens
     from flashstack.gateway.compress import Compressor
     from flashstack.gateway.compress.clustering import dbscan_labels
+    from flashstack.gateway.config import CompressionConfig, ModelConfig
 
     cfg = ModelConfig(name="m", provider="openai", model="gpt-4-0613", api_base="http://unused")
     counter = tokens.counter_for(cfg)

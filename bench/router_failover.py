@@ -11,8 +11,8 @@ import time
 
 import httpx
 
-from flashstack.config import Config, ModelConfig, RouterConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, RouterConfig
 from tests.fakes import openai_upstream
 from tests.fakes.server import FakeServer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashstack.config import TLSConfig  # noqa: E402
+from flashstack.gateway.config import TLSConfig  # noqa: E402
 from flashstack.gateway.tls import CertBundle, ServerTLS  # noqa: E402
 from tests.fakes.server import FakeServer  # noqa: E402
 from tests.gateway.tls.certs import client_context, issue, make_ca  # noqa: E402

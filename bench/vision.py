@@ -47,7 +47,7 @@ def timeit(
 def vision_config(gpu: str) -> Any:
     """VisionConfig when pydantic is there; the same fields otherwise (the GPU box may lack it)."""
     try:
-        from flashstack.config import VisionConfig
+        from flashstack.gateway.config import VisionConfig
 
         return VisionConfig(gpu=gpu, max_image_bytes=64 * MB)
     except ImportError:

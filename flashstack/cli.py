@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flashstack.config import Config, ConfigError, ModelConfig, load_config
+from flashstack.gateway.config import Config, ConfigError, ModelConfig, load_config
 from flashstack.gateway.redact import redact_url
 
 console = Console(stderr=True)
@@ -197,7 +197,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _server_tls(config: Config, args: argparse.Namespace):  # -> ServerTLS | None
     """Server TLS from the config's server.tls block, with --tls-* flags taking precedence."""
-    from flashstack.config import TLSConfig
+    from flashstack.gateway.config import TLSConfig
     from flashstack.gateway.tls import ServerTLS
 
     flags = {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca}

@@ -14,8 +14,8 @@ from uvicorn.config import Config as UvicornConfig
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from flashstack.config import Config, ServerConfig
 from flashstack.gateway.browser_guard import BrowserGuard
+from flashstack.gateway.config import Config, ServerConfig
 from flashstack.gateway.server_limits import ConnectionLimits, limited_protocol
 
 BODY = b'{"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}'

@@ -16,20 +16,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from flashstack.config import Config
 from flashstack.gateway import chat, completions, count_tokens, embeddings, responses, spend
-from flashstack.gateway.requestlog import RequestLog
-from flashstack.gateway.spend import SpendStore
-from flashstack.gateway.telemetry import Tracing
-from flashstack.gateway.ui.routes import add_console_routes
-from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
-from flashstack.gateway.core import ErrorKind, GatewayError
+from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.compress import Compressor
+from flashstack.gateway.config import Config
+from flashstack.gateway.core import ErrorKind, GatewayError
+from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.routing import Router
 from flashstack.gateway.sessions import api as sessions_api
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import open_sessions
+from flashstack.gateway.spend import SpendStore
+from flashstack.gateway.telemetry import Tracing
+from flashstack.gateway.ui.routes import add_console_routes
 
 _STARTED = int(time.time())
 log = logging.getLogger("flashstack.gateway")

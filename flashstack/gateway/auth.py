@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 import orjson
 
-from flashstack.config import AuthConfig
 from flashstack.gateway import tokens
+from flashstack.gateway.config import AuthConfig
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Usage, invalid_request
 from flashstack.gateway.sessions.db import Database, api_keys
-from flashstack.gateway.spend import NANO, Budget, Budgets, BudgetHold
+from flashstack.gateway.spend import NANO, Budget, BudgetHold, Budgets
 
 WINDOW = 60.0  # seconds: limits are per minute
 # A hold outlives any request (a replica that died mid-request leaves its holds; they expire then).
@@ -683,7 +683,7 @@ async def keys_command(config: Any, args: Any) -> list[str]:
             return [orjson.dumps(k).decode() for k in await keys.list()]
         return [orjson.dumps(await keys.revoke(args.key_id)).decode()]
     except GatewayError as e:
-        from flashstack.config import ConfigError
+        from flashstack.gateway.config import ConfigError
 
         raise ConfigError(e.message) from None
     finally:

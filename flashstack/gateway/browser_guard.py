@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.types import Scope
 
-from flashstack.config import Config
+from flashstack.gateway.config import Config
 from flashstack.gateway.core import ErrorKind, GatewayError
 
 # Content types a browser may POST cross-site without a preflight (the Fetch standard's list).

@@ -9,12 +9,12 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect, Request
 from starlette.background import BackgroundTask, BackgroundTasks
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from flashstack.config import ModelConfig, ServerConfig, VisionConfig
 from flashstack.gateway import compress, overhead, tokens, validation, vision
+from flashstack.gateway.config import ModelConfig, ServerConfig, VisionConfig
 from flashstack.gateway.content_encoding import BodyDecoder
 from flashstack.gateway.core import (
     ChatRequest,

@@ -13,9 +13,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flashstack.config import ModelConfig
 from flashstack.gateway import chat
 from flashstack.gateway.auth import may_use
+from flashstack.gateway.config import ModelConfig
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.providers.anthropic import AnthropicProvider
 from flashstack.gateway.routing import Router

@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from flashstack.config import Config
 from flashstack.gateway import telemetry
+from flashstack.gateway.config import Config
 from flashstack.gateway.core import ChatRequest, GatewayError, Usage
 from flashstack.gateway.routing import RouteTrace
 from flashstack.gateway.spend import PriceTable, SpendStore

@@ -30,8 +30,8 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from flashstack.config import ServerConfig
 from flashstack.gateway import chat
+from flashstack.gateway.config import ServerConfig
 from flashstack.gateway.core import ErrorKind, GatewayError
 
 if TYPE_CHECKING:

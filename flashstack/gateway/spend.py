@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
-from flashstack.config import ModelConfig, ModelPrice
+from flashstack.gateway.config import ModelConfig, ModelPrice
 from flashstack.gateway.core import ErrorKind, GatewayError, Usage
 from flashstack.gateway.sessions.db import Database, requests
 

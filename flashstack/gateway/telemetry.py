@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from flashstack.config import ModelConfig, TelemetryConfig
+from flashstack.gateway.config import ModelConfig, TelemetryConfig
 from flashstack.gateway.core import ChatRequest, GatewayError, Usage
 
 # The attempt span whose HTTP request is being sent (and its tracer). A context variable, not an

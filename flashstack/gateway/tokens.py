@@ -19,8 +19,16 @@ from typing import Any
 
 import orjson
 
-from flashstack.config import ModelConfig
-from flashstack.gateway.core import ChatRequest, Image, Message, Text, Thinking, ToolCall, ToolResult
+from flashstack.gateway.config import ModelConfig
+from flashstack.gateway.core import (
+    ChatRequest,
+    Image,
+    Message,
+    Text,
+    Thinking,
+    ToolCall,
+    ToolResult,
+)
 
 log = logging.getLogger("flashstack.gateway.tokens")
 

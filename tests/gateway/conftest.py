@@ -6,8 +6,8 @@ import anthropic
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig, RouterConfig, ServerConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, RouterConfig, ServerConfig
 from flashstack.gateway.server_limits import uvicorn_options
 from tests.fakes import anthropic_upstream, ollama_upstream, openai_upstream
 from tests.fakes.server import FakeServer

@@ -11,7 +11,7 @@ HEAVY = ["numpy", "jsonschema", "cryptography", "tiktoken", "sklearn", "onnxrunt
 
 SCRIPT = """
 import asyncio, json, sys, tempfile
-from flashstack.config import CompressionConfig, ModelConfig
+from flashstack.gateway.config import CompressionConfig, ModelConfig
 from flashstack.gateway import app, compress
 from flashstack.gateway.core import ChatRequest, Message, Text
 

@@ -17,8 +17,8 @@ import openai
 import psutil
 import pytest
 
-from flashstack.config import Config, ModelConfig, RouterConfig, UpstreamLimits
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, RouterConfig, UpstreamLimits
 from flashstack.gateway.providers.http import LineSplitter, LineTooLong
 from tests.fakes import hostile_upstream
 from tests.fakes.server import FakeServer

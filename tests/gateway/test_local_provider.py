@@ -8,10 +8,10 @@ import anthropic
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig
 from flashstack.engine import LLM, SamplingParams
 from flashstack.engine.tiny import ensure_tiny_model
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig
 from tests.fakes.server import FakeServer
 
 PROMPT = "Hello there"

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig
 from tests.fakes.server import FakeServer
 
 HEADER = "x-flashstack-overhead-ms"

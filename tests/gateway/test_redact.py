@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flashstack import cli
-from flashstack.config import Config, ConfigError, ModelConfig
+from flashstack.gateway.config import Config, ConfigError, ModelConfig
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.redact import Redactor, redact_url, secrets_of
 from flashstack.gateway.routing import Router
@@ -77,7 +77,7 @@ def test_httpx_request_logs_lose_the_api_base_query_credentials(caplog):
 
 
 def test_userinfo_with_an_api_key_is_refused_by_load_config(tmp_path):
-    from flashstack.config import load_config
+    from flashstack.gateway.config import load_config
 
     path = tmp_path / "flashstack.yaml"
     path.write_text(f"models:\n  - {{name: proxied, provider: openai, model: m, api_key: k, api_base: '{PROXY}'}}\n")

@@ -15,8 +15,8 @@ import httpx
 import orjson
 import pytest
 
-from flashstack.config import CompressionConfig, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import CompressionConfig, ModelConfig
 from flashstack.gateway.sessions.turns import _failure
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY, gateway_config

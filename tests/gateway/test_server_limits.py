@@ -19,9 +19,9 @@ import httpx
 import psutil
 import pytest
 
-from flashstack.config import AuthConfig, Config
 from flashstack.gateway.app import create_app
 from flashstack.gateway.browser_guard import BrowserGuard
+from flashstack.gateway.config import AuthConfig, Config
 from flashstack.gateway.server_limits import uvicorn_options
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import gateway_config
@@ -282,7 +282,7 @@ def test_a_low_descriptor_limit_shrinks_the_connection_cap_with_a_warning():
     code = """
 import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (600, 600))
-from flashstack.config import ServerConfig
+from flashstack.gateway.config import ServerConfig
 from flashstack.gateway.server_limits import uvicorn_options
 limits = uvicorn_options(ServerConfig(max_connections=4096))["http"].limits
 print(limits.max_connections, limits.overflow, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
@@ -297,7 +297,7 @@ def test_the_descriptor_limit_is_raised_to_what_the_cap_needs():
     code = """
 import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (300, 20000))
-from flashstack.config import ServerConfig
+from flashstack.gateway.config import ServerConfig
 from flashstack.gateway.server_limits import uvicorn_options
 limits = uvicorn_options(ServerConfig(max_connections=1000))["http"].limits
 print(limits.max_connections, limits.overflow, resource.getrlimit(resource.RLIMIT_NOFILE)[0])

@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig
 from flashstack.gateway.providers.http import LineSplitter
 from tests.fakes.server import FakeServer
 

@@ -15,10 +15,17 @@ import openai
 import orjson
 import pytest
 
-from flashstack.config import AuthConfig, Config, ModelConfig, RouterConfig, ServerConfig, SpendConfig
 from flashstack.engine.bundled import smollm2_path
 from flashstack.gateway import tokens
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import (
+    AuthConfig,
+    Config,
+    ModelConfig,
+    RouterConfig,
+    ServerConfig,
+    SpendConfig,
+)
 from flashstack.gateway.core import ESTIMATE_FIELD
 from flashstack.gateway.server_limits import uvicorn_options
 from flashstack.gateway.spend import DEFAULT_PRICES

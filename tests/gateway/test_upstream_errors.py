@@ -6,8 +6,8 @@ import anthropic
 import openai
 import pytest
 
-from flashstack.config import ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import ModelConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY, gateway_config
 

@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from flashstack.config import CompressionConfig, Config, ModelConfig, RouterConfig, ServerConfig
 from flashstack.engine.bundled import smollm2_path
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import (
+    CompressionConfig,
+    Config,
+    ModelConfig,
+    RouterConfig,
+    ServerConfig,
+)
 from flashstack.gateway.server_limits import uvicorn_options
 from tests.fakes.server import FakeServer
 from tests.peers.processes import PeerProcess, peer_executable

@@ -19,8 +19,14 @@ import httpx
 import orjson
 import pytest
 
-from flashstack.config import ModelConfig, RouterConfig
-from tests.peers.conftest import ENGINE_MODEL, LLAMACPP_MODEL, LLAMACPP_START_S, llamacpp_process, start_gateway
+from flashstack.gateway.config import ModelConfig, RouterConfig
+from tests.peers.conftest import (
+    ENGINE_MODEL,
+    LLAMACPP_MODEL,
+    LLAMACPP_START_S,
+    llamacpp_process,
+    start_gateway,
+)
 
 STREAMS = 50
 MAX_TOKENS = 16  # small: 49 streams land on the engine at once, on 2 shared cores

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from flashstack.config import RouterConfig
+from flashstack.gateway.config import RouterConfig
 from flashstack.gateway.providers import build_provider
 from tests.peers.conftest import ENGINE_MODEL, LITELLM_MODEL, LLAMACPP_MODEL, peer_models
 

@@ -17,7 +17,7 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from flashstack.config import ModelConfig
+from flashstack.gateway.config import ModelConfig
 from tests.fakes import openai_upstream
 from tests.gateway.tls.certs import issue, make_ca
 from tests.peers.conftest import PLAIN_ROUTING, start_gateway

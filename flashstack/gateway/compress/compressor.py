@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flashstack.config import CompressionConfig, CompressionMode, ModelConfig
 from flashstack.gateway import tokens
 from flashstack.gateway.compress.budget import Budget, BudgetExceeded
 from flashstack.gateway.compress.local_summarizer import LoadState, LocalSummarizer
@@ -26,6 +25,7 @@ from flashstack.gateway.compress.outcome import Fallback, Outcome, context_lengt
 from flashstack.gateway.compress.plan import apply, outcome_of
 from flashstack.gateway.compress.planner import Planner
 from flashstack.gateway.compress.summaries import ModelSummaries
+from flashstack.gateway.config import CompressionConfig, CompressionMode, ModelConfig
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, invalid_request
 
 if TYPE_CHECKING:

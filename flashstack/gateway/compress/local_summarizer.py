@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from flashstack.config import CompressionConfig, ConfigError, ModelConfig
+from flashstack.gateway.config import CompressionConfig, ConfigError, ModelConfig
 from flashstack.gateway.core import ChatRequest, Message, Text
 
 if TYPE_CHECKING:

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from flashstack.config import CompressionMode
 from flashstack.gateway import tokens
 from flashstack.gateway.compress.budget import Budget
 from flashstack.gateway.compress.options import session_mode
 from flashstack.gateway.compress.units import chunks, message_texts
+from flashstack.gateway.config import CompressionMode
 from flashstack.gateway.core import Message
 
 if TYPE_CHECKING:

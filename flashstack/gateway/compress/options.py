@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flashstack.config import CompressionMode
+from flashstack.gateway.config import CompressionMode
 from flashstack.gateway.core import ChatRequest, invalid_request
 
 MODES: tuple[CompressionMode, ...] = ("auto", "off", "truncate")

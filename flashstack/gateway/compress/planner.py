@@ -12,13 +12,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from flashstack.config import CompressionConfig, CompressionMode
 from flashstack.gateway import tokens
 from flashstack.gateway.compress.budget import Budget, BudgetExceeded
 from flashstack.gateway.compress.clustering import Cluster, clusters_of
 from flashstack.gateway.compress.outcome import context_length_exceeded
 from flashstack.gateway.compress.plan import SUMMARY_HEADER, Plan
 from flashstack.gateway.compress.units import Unit, chunks, query_index, split_sentences, unit_spans
+from flashstack.gateway.config import CompressionConfig, CompressionMode
 from flashstack.gateway.core import ChatRequest, Message
 
 if TYPE_CHECKING:

@@ -14,7 +14,6 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from flashstack.config import CompressionConfig
 from flashstack.gateway import tokens
 from flashstack.gateway.compress.budget import Budget
 from flashstack.gateway.compress.clustering import Cluster
@@ -22,6 +21,7 @@ from flashstack.gateway.compress.local_summarizer import SUMMARIZE_PROMPT, Local
 from flashstack.gateway.compress.outcome import SummarizerFallback
 from flashstack.gateway.compress.plan import Plan
 from flashstack.gateway.compress.planner import clip
+from flashstack.gateway.config import CompressionConfig
 from flashstack.gateway.core import ChatRequest, GatewayError, Message, Text
 
 if TYPE_CHECKING:

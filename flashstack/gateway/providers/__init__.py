@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flashstack.config import ModelConfig, UpstreamLimits
+from flashstack.gateway.config import ModelConfig, UpstreamLimits
 from flashstack.gateway.providers.base import Health, Provider
 from flashstack.gateway.redact import Redactor
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from flashstack.config import ModelConfig, UpstreamLimits
+from flashstack.gateway.config import ModelConfig, UpstreamLimits
 from flashstack.gateway.core import ChatRequest, ChatResponse, Event
 from flashstack.gateway.providers import shape
 from flashstack.gateway.providers.base import Health, probe_health
-from flashstack.gateway.providers.http import event_json, make_client, open_stream, post_json, sse_events
+from flashstack.gateway.providers.http import (
+    event_json,
+    make_client,
+    open_stream,
+    post_json,
+    sse_events,
+)
 from flashstack.gateway.providers.upstream import Upstream
 from flashstack.gateway.redact import Redactor
 from flashstack.gateway.translate import anthropic as t

@@ -17,8 +17,8 @@ import httpx
 import orjson
 
 from flashstack import __version__
-from flashstack.config import ModelConfig
 from flashstack.gateway import overhead, telemetry
+from flashstack.gateway.config import ModelConfig
 from flashstack.gateway.core import ErrorKind, Exchange, GatewayError, error_for_status
 from flashstack.gateway.providers.aiohttp_transport import AiohttpTransport, as_httpx
 from flashstack.gateway.providers.upstream import ErrorDecoder, Upstream

@@ -8,8 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from flashstack.config import ModelConfig
 from flashstack.gateway import telemetry
+from flashstack.gateway.config import ModelConfig
 from flashstack.gateway.core import (
     BlockStop,
     ChatRequest,

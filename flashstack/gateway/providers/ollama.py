@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from flashstack.config import ModelConfig, UpstreamLimits
+from flashstack.gateway.config import ModelConfig, UpstreamLimits
 from flashstack.gateway.core import (
     BlockStop,
     ChatRequest,

@@ -5,11 +5,25 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from flashstack.config import ModelConfig, UpstreamLimits
-from flashstack.gateway.core import ChatRequest, ChatResponse, ErrorKind, Event, Exchange, Finish, GatewayError
+from flashstack.gateway.config import ModelConfig, UpstreamLimits
+from flashstack.gateway.core import (
+    ChatRequest,
+    ChatResponse,
+    ErrorKind,
+    Event,
+    Exchange,
+    Finish,
+    GatewayError,
+)
 from flashstack.gateway.providers import shape
 from flashstack.gateway.providers.base import Health, probe_health
-from flashstack.gateway.providers.http import event_json, make_client, open_stream, post_json, sse_events
+from flashstack.gateway.providers.http import (
+    event_json,
+    make_client,
+    open_stream,
+    post_json,
+    sse_events,
+)
 from flashstack.gateway.providers.upstream import Upstream
 from flashstack.gateway.providers.usage import AnswerText, counted_finish
 from flashstack.gateway.redact import Redactor

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from flashstack.config import ModelConfig, UpstreamLimits
+from flashstack.gateway.config import ModelConfig, UpstreamLimits
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.redact import Redactor, excerpt, secrets_of
 

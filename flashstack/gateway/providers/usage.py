@@ -15,10 +15,19 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from flashstack.config import ModelConfig
 from flashstack.gateway import tokens
-from flashstack.gateway.core import ChatRequest, Event, Finish, GatewayError, TextDelta, ThinkingDelta, ToolArgsDelta, \
-    ToolCallStart, Usage
+from flashstack.gateway.config import ModelConfig
+from flashstack.gateway.core import (
+    ChatRequest,
+    Event,
+    Finish,
+    GatewayError,
+    TextDelta,
+    ThinkingDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+    Usage,
+)
 
 log = logging.getLogger("flashstack.gateway")
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from flashstack.config import RouterConfig
+from flashstack.gateway.config import RouterConfig
 from flashstack.gateway.core import GatewayError
 from flashstack.gateway.routing.state import MemoryState, Snapshot, StateStore, TripPolicy
 

@@ -6,7 +6,7 @@ import os
 
 import httpx
 
-from flashstack.config import ModelConfig
+from flashstack.gateway.config import ModelConfig
 
 ANTHROPIC_MODELS = ("claude-sonnet-4-5", "claude-opus-4-1", "claude-haiku-4-5")
 OPENAI_DEFAULT_MODELS = ("gpt-4o", "gpt-4o-mini")

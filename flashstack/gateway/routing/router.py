@@ -19,8 +19,8 @@ from typing import TypeVar
 
 import orjson
 
-from flashstack.config import ConfigError, ModelConfig, RouterConfig
 from flashstack.gateway import telemetry
+from flashstack.gateway.config import ConfigError, ModelConfig, RouterConfig
 from flashstack.gateway.core import (
     ChatRequest,
     ChatResponse,

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from flashstack.config import Config, ConfigError
+from flashstack.gateway.config import Config, ConfigError
 
 meta = sa.MetaData()
 

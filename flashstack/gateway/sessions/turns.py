@@ -19,9 +19,10 @@ from typing import Any
 
 import orjson
 
-from flashstack.config import Config, StoreConfig
 from flashstack.gateway.auth import UNLIMITED, Auth, Caller, Reservation
+from flashstack.gateway.config import Config, StoreConfig
 from flashstack.gateway.core import (
+    SAME_RAW,
     BlockStop,
     ChatRequest,
     ChatResponse,
@@ -33,7 +34,6 @@ from flashstack.gateway.core import (
     Message,
     Part,
     Raw,
-    SAME_RAW,
     Start,
     StopReason,
     Text,
@@ -49,9 +49,6 @@ from flashstack.gateway.core import (
 from flashstack.gateway.routing import RouteTrace
 from flashstack.gateway.sessions import codec
 from flashstack.gateway.sessions.db import Database
-from flashstack.gateway.translate import anthropic as anthropic_t
-from flashstack.gateway.translate import openai as openai_t
-from flashstack.gateway.spend import budgets_from_config
 from flashstack.gateway.sessions.store import (
     Failure,
     SessionStore,
@@ -60,6 +57,9 @@ from flashstack.gateway.sessions.store import (
     reply_too_large,
     session_busy,
 )
+from flashstack.gateway.spend import budgets_from_config
+from flashstack.gateway.translate import anthropic as anthropic_t
+from flashstack.gateway.translate import openai as openai_t
 
 log = logging.getLogger("flashstack.sessions")
 

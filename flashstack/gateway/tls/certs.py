@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashstack.config import ConfigError, TLSConfig
+from flashstack.gateway.config import ConfigError, TLSConfig
 
 # TLS 1.2 suites: forward secret AEAD only (TLS 1.3's are all modern and stay at their default).
 TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL:!eNULL:!MD5:!SHA1:!DSS"

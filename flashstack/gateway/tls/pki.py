@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import hvac
 import requests
 
-from flashstack.config import VaultConfig
+from flashstack.gateway.config import VaultConfig
 
 
 class VaultError(RuntimeError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from flashstack.config import TLSConfig
+from flashstack.gateway.config import TLSConfig
 from flashstack.gateway.tls.certs import CertBundle, server_context
 from flashstack.gateway.tls.connection import tls_http_protocol
 from flashstack.gateway.tls.sources import CertSource, FileCertSource, VaultCertSource

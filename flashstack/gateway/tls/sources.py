@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from flashstack.config import VaultConfig
+from flashstack.gateway.config import VaultConfig
 from flashstack.gateway.tls.certs import CertBundle, TLSError, load_cert_files
 
 log = logging.getLogger("flashstack.tls")

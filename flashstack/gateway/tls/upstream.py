@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from flashstack.config import ModelConfig
+from flashstack.gateway.config import ModelConfig
 from flashstack.gateway.tls.certs import TLSError, load_pem_pair
 
 log = logging.getLogger("flashstack.tls")

@@ -19,9 +19,9 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flashstack.config import Config
 from flashstack.gateway import chat
 from flashstack.gateway.auth import UPDATABLE, KeyStore, check_key_fields
+from flashstack.gateway.config import Config
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.routing import Router

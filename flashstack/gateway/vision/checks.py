@@ -19,7 +19,7 @@ from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.vision import gpu
 
 if TYPE_CHECKING:
-    from flashstack.config import VisionConfig
+    from flashstack.gateway.config import VisionConfig
 
 _PIL_FORMAT = {"image/jpeg": "JPEG", "image/png": "PNG", "image/gif": "GIF", "image/webp": "WEBP"}
 # Pillow's own bomb guard, as a second line behind the header check in `inspect` (which uses the

@@ -18,7 +18,7 @@ import httpx
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 
 if TYPE_CHECKING:
-    from flashstack.config import ImageURLConfig
+    from flashstack.gateway.config import ImageURLConfig
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _REDIRECTS = (301, 302, 303, 307, 308)

@@ -29,7 +29,7 @@ from flashstack.gateway.vision.scaling import (
 )
 
 if TYPE_CHECKING:
-    from flashstack.config import ModelConfig, VisionConfig
+    from flashstack.gateway.config import ModelConfig, VisionConfig
 
 log = logging.getLogger("flashstack.gateway.vision")
 

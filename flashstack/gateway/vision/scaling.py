@@ -13,7 +13,7 @@ from PIL import ImageOps
 from flashstack.gateway.vision.checks import ImageInfo, too_large
 
 if TYPE_CHECKING:
-    from flashstack.config import ImageTargetLimits, ModelConfig, VisionConfig
+    from flashstack.gateway.config import ImageTargetLimits, ModelConfig, VisionConfig
 
 JPEG_QUALITY = 90
 

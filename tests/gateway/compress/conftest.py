@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from flashstack.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.app import create_app
 from flashstack.gateway.compress import Compressor
+from flashstack.gateway.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.core import ChatRequest, Message, Text, ToolCall, ToolResult
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY

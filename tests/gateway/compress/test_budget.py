@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flashstack.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.app import create_app
 from flashstack.gateway.compress import Compressor
 from flashstack.gateway.compress.budget import Budget, BudgetExceeded
+from flashstack.gateway.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.core import ChatRequest, Message, Text
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY
@@ -153,7 +153,7 @@ def test_requests_while_the_model_loads_are_truncated_then_compressed(upstreams,
 
 FAILED_BUILD = """
 import json, sys
-from flashstack.config import CompressionConfig
+from flashstack.gateway.config import CompressionConfig
 from flashstack.gateway.compress import Compressor
 
 c = Compressor(CompressionConfig(cache_dir=sys.argv[1]), sys.argv[1])

@@ -10,11 +10,11 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from flashstack.config import CompressionConfig, Config, ConfigError, ModelConfig
 from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
 from flashstack.gateway.app import create_app
 from flashstack.gateway.compress import SUMMARY_HEADER, Compressor
 from flashstack.gateway.compress.budget import Budget
+from flashstack.gateway.config import CompressionConfig, Config, ConfigError, ModelConfig
 from flashstack.gateway.core import ChatRequest, Message, Text
 from flashstack.gateway.routing import Router
 from tests.fakes.server import FakeServer

@@ -104,8 +104,8 @@ async def test_unfittable_conversation_is_refused(compressor):
 
 
 async def test_fast_path_does_not_load_the_model(compressor):
-    from flashstack.config import CompressionConfig
     from flashstack.gateway.compress import Compressor
+    from flashstack.gateway.config import CompressionConfig
 
     c = Compressor(CompressionConfig(), "/nonexistent")  # loading would fail: no model under /nonexistent
     req = ChatRequest(model="m", messages=[Message("user", [Text("hello")])])
@@ -154,8 +154,8 @@ class StubRouter:
 
 
 async def test_llm_summaries_are_used_and_cached(embedder):
-    from flashstack.config import CompressionConfig
     from flashstack.gateway.compress import Compressor
+    from flashstack.gateway.config import CompressionConfig
 
     from .conftest import MODELS_DIR
 
@@ -171,8 +171,8 @@ async def test_llm_summaries_are_used_and_cached(embedder):
 
 
 async def test_llm_summary_too_long_falls_back_to_extractive(embedder):
-    from flashstack.config import CompressionConfig
     from flashstack.gateway.compress import Compressor
+    from flashstack.gateway.config import CompressionConfig
 
     from .conftest import MODELS_DIR
 

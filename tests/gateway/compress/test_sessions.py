@@ -7,11 +7,11 @@ import httpx
 import openai
 import pytest
 
-from flashstack.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.app import create_app
 from flashstack.gateway.compress import Compressor
 from flashstack.gateway.compress.planner import Planner
 from flashstack.gateway.compress.units import message_texts
+from flashstack.gateway.config import CompressionConfig, Config, ModelConfig, ServerConfig
 from flashstack.gateway.core import Message, Text
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY

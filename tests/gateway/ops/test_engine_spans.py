@@ -10,9 +10,9 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from flashstack.config import Config, ModelConfig, RouterConfig
 from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, RouterConfig
 from flashstack.gateway.telemetry import Tracing
 from tests.fakes.server import FakeServer
 

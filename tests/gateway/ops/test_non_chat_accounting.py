@@ -12,7 +12,8 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from flashstack.config import (
+from flashstack.gateway.app import create_app
+from flashstack.gateway.config import (
     AuthConfig,
     CompressionConfig,
     Config,
@@ -20,7 +21,6 @@ from flashstack.config import (
     RouterConfig,
     SpendConfig,
 )
-from flashstack.gateway.app import create_app
 from flashstack.gateway.spend import DEFAULT_PRICES
 from flashstack.gateway.telemetry import Tracing
 from tests.fakes.server import FakeServer

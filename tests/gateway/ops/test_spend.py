@@ -10,7 +10,15 @@ import uuid
 import httpx
 import pytest
 
-from flashstack.config import AuthConfig, Config, ModelConfig, ModelPrice, RouterConfig, ServerConfig, SpendConfig
+from flashstack.gateway.config import (
+    AuthConfig,
+    Config,
+    ModelConfig,
+    ModelPrice,
+    RouterConfig,
+    ServerConfig,
+    SpendConfig,
+)
 from flashstack.gateway.core import Usage
 from flashstack.gateway.spend import DEFAULT_PRICES, FREE, Price, PriceTable, default_price
 from tests.fakes.server import FakeServer

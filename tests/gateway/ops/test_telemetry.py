@@ -16,9 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from flashstack.config import Config, ModelConfig, RouterConfig, TelemetryConfig
 from flashstack.gateway import telemetry
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, RouterConfig, TelemetryConfig
 from flashstack.gateway.telemetry import Tracing
 from tests.fakes.server import FakeServer
 from tests.gateway.ops import metered_upstream

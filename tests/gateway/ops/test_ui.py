@@ -20,8 +20,8 @@ import httpx
 import pytest
 import uvicorn
 
-from flashstack.config import AuthConfig, Config, ModelConfig, RouterConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import AuthConfig, Config, ModelConfig, RouterConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.ops import metered_upstream
 from tests.gateway.sessions.support import MASTER_KEY, auth_headers, create_key

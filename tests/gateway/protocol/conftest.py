@@ -7,8 +7,8 @@ import anthropic
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig, RouterConfig, StoreConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, RouterConfig, StoreConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol import canned, samples
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
-from tests.npm_cli import npm_binary
+from flashstack.gateway.config import Config, ModelConfig
 from tests.fakes import anthropic_upstream, openai_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
+from tests.npm_cli import npm_binary
 
 VERSION = "2.1.332"
 PER_RUN_ID = re.compile(rb"[0-9a-f]{64}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|toolu_[0-9A-Za-z]+|msg_[0-9A-Za-z]+")

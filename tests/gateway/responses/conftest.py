@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
-from flashstack.config import AuthConfig, Config, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import AuthConfig, Config, ModelConfig
 from tests.fakes import anthropic_upstream, openai_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING

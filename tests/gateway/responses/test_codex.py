@@ -26,13 +26,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from flashstack.config import Config, ModelConfig
 from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
 from flashstack.gateway.app import create_app
-from tests.npm_cli import npm_binary
+from flashstack.gateway.config import Config, ModelConfig
 from tests.fakes import responses_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
+from tests.npm_cli import npm_binary
 
 VERSION = "0.171.0"
 

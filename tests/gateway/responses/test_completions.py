@@ -9,8 +9,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
 

@@ -9,8 +9,8 @@ import openai
 import pytest
 from fastapi import FastAPI, Request
 
-from flashstack.config import AuthConfig, CompressionConfig, Config, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import AuthConfig, CompressionConfig, Config, ModelConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.compress.conftest import MODELS_DIR
 from tests.gateway.protocol.conftest import ROUTING

@@ -6,9 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig
 from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
 

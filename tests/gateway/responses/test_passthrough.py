@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig
 from tests.fakes import responses_upstream
 from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig, RouterConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, RouterConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.router.faulty import FaultyUpstream
 

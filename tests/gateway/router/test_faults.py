@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from flashstack.config import ModelConfig
+from flashstack.gateway.config import ModelConfig
 from tests.gateway.router.conftest import (
     anthropic_client,
     ask,

@@ -228,7 +228,7 @@ def test_unreachable_redis_degrades_to_serving_with_a_warning(ups, caplog):
 
 
 def test_a_fallback_naming_an_unknown_model_is_a_config_error(ups):
-    from flashstack.config import ConfigError, RouterConfig
+    from flashstack.gateway.config import ConfigError, RouterConfig
     from flashstack.gateway.routing import Router
 
     with pytest.raises(ConfigError, match="'gtp'.*not a configured model"):

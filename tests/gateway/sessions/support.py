@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import yaml
 
-from flashstack.config import AuthConfig, Config, ModelConfig, ServerConfig, StoreConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import AuthConfig, Config, ModelConfig, ServerConfig, StoreConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from flashstack.config import ConfigError
+from flashstack.gateway.config import ConfigError
 from flashstack.gateway.core import ChatResponse, Message, StopReason, Text, Usage
-from flashstack.gateway.sessions.db import SCHEMA_VERSION, Database
 from flashstack.gateway.sessions import store as store_module
+from flashstack.gateway.sessions.db import SCHEMA_VERSION, Database
 from flashstack.gateway.sessions.store import LeaseLost, SessionStore
 
 

@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from flashstack.config import Config, ModelConfig, ServerConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, ServerConfig
 from flashstack.gateway.tls import ServerTLS, client_identity
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import API_KEY

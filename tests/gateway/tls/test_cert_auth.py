@@ -8,8 +8,15 @@ import types
 import httpx
 import pytest
 
-from flashstack.config import AuthConfig, Config, ModelConfig, ServerConfig, StoreConfig, TLSConfig
 from flashstack.gateway.auth import KeyStore
+from flashstack.gateway.config import (
+    AuthConfig,
+    Config,
+    ModelConfig,
+    ServerConfig,
+    StoreConfig,
+    TLSConfig,
+)
 from flashstack.gateway.sessions.db import Database, migrate
 from flashstack.gateway.tls import ServerTLS
 from tests.fakes.server import FakeServer

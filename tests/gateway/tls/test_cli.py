@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from flashstack.cli import _server_tls
-from flashstack.config import Config, ConfigError, TLSConfig, VaultConfig
+from flashstack.gateway.config import Config, ConfigError, TLSConfig, VaultConfig
 from tests.gateway.conftest import API_KEY
 from tests.gateway.tls.certs import client_context
 from tests.gateway.tls.openbao import free_port

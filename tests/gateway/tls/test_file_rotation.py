@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from flashstack.config import TLSConfig
+from flashstack.gateway.config import TLSConfig
 from flashstack.gateway.tls import ServerTLS
 from tests.gateway.tls.certs import Issued, client_context, issue, peer_serial
 from tests.gateway.tls.conftest import PKI, TLSGateway

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from flashstack.config import ConfigError, TLSConfig
+from flashstack.gateway.config import ConfigError, TLSConfig
 from flashstack.gateway.tls import ServerTLS
 from tests.gateway.tls.certs import client_context
 from tests.gateway.tls.conftest import CLIENT_NAME, PKI, TLSGateway

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from flashstack.config import Config, ModelConfig, ServerConfig, TLSConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig, ServerConfig, TLSConfig
 from flashstack.gateway.server_limits import uvicorn_options
 from flashstack.gateway.tls import ServerTLS
 from tests.fakes.server import FakeServer

@@ -8,8 +8,8 @@ import time
 import openai
 import pytest
 
-from flashstack.config import Config, ModelConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import Config, ModelConfig
 from flashstack.gateway.tls import TLSError, upstream_ssl_context
 from tests.fakes import openai_upstream
 from tests.fakes.server import FakeServer
@@ -67,7 +67,7 @@ def test_unreadable_upstream_tls_files_name_the_model(tmp_path):
 
 
 def test_rotated_client_certificate_files_are_used_for_new_upstream_connections(pki, tmp_path, monkeypatch):
-    from flashstack.config import TLSConfig
+    from flashstack.gateway.config import TLSConfig
     from flashstack.gateway.tls import ReloadingClientContext, ServerTLS, client_identity
     from tests.gateway.tls.certs import issue
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from flashstack.config import TLSConfig, VaultConfig
+from flashstack.gateway.config import TLSConfig, VaultConfig
 from flashstack.gateway.tls import ServerTLS, TLSError
 from flashstack.gateway.tls.pki import VaultError, VaultIssuer
 from tests.gateway.tls.certs import peer_serial

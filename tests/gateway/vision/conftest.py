@@ -10,8 +10,8 @@ from starlette.applications import Starlette
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from flashstack.config import ImageTargetLimits, ImageURLConfig, VisionConfig
 from flashstack.gateway.app import create_app
+from flashstack.gateway.config import ImageTargetLimits, ImageURLConfig, VisionConfig
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import gateway_config
 from tests.gateway.vision.images import image_bytes

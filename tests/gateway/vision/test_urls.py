@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from flashstack.config import ImageURLConfig
+from flashstack.gateway.config import ImageURLConfig
 from flashstack.gateway.core import GatewayError
 from flashstack.gateway.vision.fetch import fetch_image, host_allowed, is_public
 from tests.gateway.vision.conftest import MAX_IMAGE_BYTES

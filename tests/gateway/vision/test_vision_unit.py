@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from flashstack.config import ImageTargetLimits, ModelConfig, VisionConfig
+from flashstack.gateway.config import ImageTargetLimits, ModelConfig, VisionConfig
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.vision import checks, pipeline, scaling
 from flashstack.gateway.vision import gpu as vision_gpu

@@ -1,4 +1,4 @@
-"""One Config for the whole stack: a YAML file plus FLASHSTACK_* environment variables.
+"""The gateway's config: a YAML file plus FLASHSTACK_* environment variables.
 
 Values of the form ``env:NAME`` are read from the environment when the config is loaded, so
 secrets stay out of the file.
