@@ -22,6 +22,61 @@ class ConfigError(ValueError):
     """The configuration cannot be used; the message says which field and how to fix it."""
 
 
+# ---- the in-process engine (provider: local) --------------------------------------------------
+
+
+class KernelSwitches(BaseModel):
+    """`engine.kernels`: the engine's kernel variants (flashstack.engine.config.KernelOptions);
+    unset fields take the engine's defaults, the fastest measured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    triton_gemv: bool | None = None
+    pdl: bool | None = None
+    decode_qkv: bool | None = None
+    decode_tma: bool | None = None
+    attention_pdl: bool | None = None
+    tp_all_reduce: Literal["push", "nccl"] | None = None
+    tp_all_reduce_block: int | None = Field(None, ge=64)
+    tp_all_reduce_warps: Literal[1, 2, 4, 8, 16] | None = None
+    tp_timeout_s: float | None = Field(None, gt=0)
+
+
+class EngineOptions(BaseModel):
+    """`engine` of a `provider: local` model: the in-process engine's options
+    (flashstack.engine.config.EngineConfig, less the model path); unset fields take its defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    dtype: str | None = None  # auto, float16, bfloat16, float32
+    device: str | None = None  # auto, cpu, cuda, cuda:N
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
+    num_kv_blocks: int | None = Field(None, gt=0)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    attention_backend: str | None = None
+    enforce_eager: bool | None = None
+    async_scheduling: bool | None = None
+    show_progress: bool | None = None
+    seed: int | None = None
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    preemption_mode: Literal["auto", "swap", "recompute"] | None = None
+    swap_space_gb: float | None = Field(None, ge=0)
+    swap_bandwidth_gbps: float | None = Field(None, gt=0)
+    recompute_tflops: float | None = Field(None, gt=0)
+    kernels: KernelSwitches | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The options set, as EngineConfig's keyword arguments."""
+        return self.model_dump(exclude_none=True)
+
+
 class ModelConfig(BaseModel):
     """One deployment of a model: what clients call it, and where it really runs."""
 
@@ -59,8 +114,8 @@ class ModelConfig(BaseModel):
     tls_client_cert: Path | None = None  # PEM certificate (chain) presented to the upstream
     tls_client_key: Path | None = None  # its PEM private key
     tls_ca_bundle: Path | None = None  # verify the upstream against this CA instead of the system store
-    # Extra fields the local engine takes (block_size, max_num_seqs, dtype, device, ...).
-    engine: dict[str, Any] = Field(default_factory=dict)
+    # provider local: the in-process engine's options (block_size, max_num_seqs, dtype, device, ...).
+    engine: EngineOptions = Field(default_factory=EngineOptions)
 
     @field_validator("api_base")
     @classmethod

@@ -53,7 +53,7 @@ class LocalProvider:
                 if self._engine is None:
                     from flashstack.engine import AsyncLLM
 
-                    options = {"enable_prefix_caching": True, **self.cfg.engine}
+                    options = {"enable_prefix_caching": True, **self.cfg.engine.engine_kwargs()}
                     self._engine = await asyncio.to_thread(AsyncLLM, self.cfg.model, **options)
         return self._engine
 

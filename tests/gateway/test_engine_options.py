@@ -1,0 +1,44 @@
+"""A local model's `engine` options: typed in the gateway's config, the engine's own names."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from flashstack.gateway.config import ConfigError, EngineOptions, KernelSwitches, load_config
+
+
+def test_options_are_the_engines_own(tmp_path):
+    engine_config = pytest.importorskip("flashstack.engine.config")
+    engine = {f.name for f in fields(engine_config.EngineConfig)} - {"model", "hf_config"}
+    kernels = {f.name for f in fields(engine_config.KernelOptions)}
+    assert set(EngineOptions.model_fields) == engine
+    assert set(KernelSwitches.model_fields) == kernels
+
+
+def test_only_the_options_set_reach_the_engine(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "models:\n"
+        "  - {name: m, provider: local, model: x.gguf,\n"
+        "     engine: {block_size: 16, device: cpu, kernels: {pdl: false}}}\n"
+    )
+    options = load_config(path).models[0].engine.engine_kwargs()
+    assert options == {"block_size": 16, "device": "cpu", "kernels": {"pdl": False}}
+
+
+@pytest.mark.parametrize(
+    ("engine", "named"),
+    [
+        ("{blok_size: 16}", "engine.blok_size"),
+        ("{block_size: 0}", "engine.block_size"),
+        ("{preemption_mode: sometimes}", "engine.preemption_mode"),
+        ("{kernels: {pdll: false}}", "engine.kernels.pdll"),
+    ],
+)
+def test_a_bad_option_is_a_config_error_naming_it(tmp_path, engine, named):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"models:\n  - {{name: m, provider: local, model: x.gguf, engine: {engine}}}\n")
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(path)
