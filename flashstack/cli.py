@@ -182,8 +182,7 @@ def _serve(args: argparse.Namespace) -> None:
     port = args.port or config.server.port
     tls = _server_tls(config, args)
     _print_models(config, host, port, from_file=args.config is not None, scheme="https" if tls else "http")
-    app = create_app(config)
-    app.state.tls = tls  # readiness reports the certificate (gateway/tls/)
+    app = create_app(config, tls=tls)  # readiness reports the certificate
     # Header, timeout and connection limits live in the HTTP protocol class (gateway/server_limits.py).
     options = uvicorn_options(config.server, tls.start() if tls else None)
     try:

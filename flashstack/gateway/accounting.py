@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
@@ -20,10 +20,13 @@ from starlette.responses import Response
 from flashstack.gateway import chat, tokens
 from flashstack.gateway.auth import ANONYMOUS, UNLIMITED, Auth, Caller, Reservation
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, Message, Text, Usage
-from flashstack.gateway.requestlog import RequestLog, RequestRecord
+from flashstack.gateway.requestlog import RequestRecord
 from flashstack.gateway.routing import RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.streaming import EventStream
+
+if TYPE_CHECKING:
+    from flashstack.gateway.services import Services
 
 log = logging.getLogger("flashstack.gateway")
 
@@ -33,6 +36,7 @@ class Accounting:
     """One request's caller, its log record and trace, and what it holds against its key."""
 
     request: Request
+    auth: Auth
     trace: RouteTrace
     record: RequestRecord
     operation: str  # "embeddings" | "text_completion" (GenAI operation names)
@@ -42,7 +46,7 @@ class Accounting:
 
     async def authenticate(self) -> Caller:
         """The caller (401 when auth is on and the key is not valid)."""
-        self.caller = await session_hooks.authenticate(self.request)
+        self.caller = await session_hooks.authenticate(self.request, self.auth)
         self.record.key_id = self.caller.key_id
         return self.caller
 
@@ -53,9 +57,8 @@ class Accounting:
         req = ChatRequest(model=model, messages=[Message("user", [Text(_text_of(prompt))])],
                           max_tokens=max_tokens, stream=stream)
         self.record.request(req, operation=self.operation)
-        auth: Auth = self.request.app.state.auth
-        auth.check_model(self.caller, model)
-        self.reservation = await auth.admit(self.caller, req)
+        self.auth.check_model(self.caller, model)
+        self.reservation = await self.auth.admit(self.caller, req)
         self.record.charged = self.reservation.budget
         return req
 
@@ -115,12 +118,12 @@ def _count(fields: dict[str, Any], name: str) -> int:
 Handler = Callable[[Accounting], Awaitable[Response]]
 
 
-async def serve(request: Request, operation: str, handler: Handler) -> Response:
+async def serve(request: Request, services: Services, operation: str, handler: Handler) -> Response:
     """Run `handler` with the request's accounting; the request log gets the request when it ends."""
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
-    requests: RequestLog = request.app.state.requests
+    requests = services.requests
     record = requests.begin(trace, chat.OPENAI.name, request.method, request.url.path, request.headers)
-    acct = Accounting(request, trace, record, operation)
+    acct = Accounting(request, services.auth, trace, record, operation)
     try:
         response = await handler(acct)
     except GatewayError as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -19,51 +18,39 @@ from starlette.types import Receive, Scope, Send
 from flashstack.gateway import chat, completions, count_tokens, embeddings, responses, spend
 from flashstack.gateway.auth import ANONYMOUS, Caller, may_use
 from flashstack.gateway.browser_guard import BrowserGuard
-from flashstack.gateway.compress import Compressor
 from flashstack.gateway.config import Config
 from flashstack.gateway.core import ErrorKind, GatewayError
-from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.routing import Router
+from flashstack.gateway.services import Services
 from flashstack.gateway.sessions import api as sessions_api
 from flashstack.gateway.sessions import hooks as session_hooks
-from flashstack.gateway.sessions.turns import open_sessions
 from flashstack.gateway.spend import SpendStore
 from flashstack.gateway.telemetry import Tracing
+from flashstack.gateway.tls import ServerTLS
 from flashstack.gateway.ui.routes import add_console_routes
 
 _STARTED = int(time.time())
 log = logging.getLogger("flashstack.gateway")
 
 
-def create_app(config: Config, router: Router | None = None, tracing: Tracing | None = None) -> FastAPI:
-    """The gateway's ASGI app for `config` (`tracing`: spans go there instead of telemetry's exporter)."""
+def create_app(
+    config: Config,
+    router: Router | None = None,
+    tracing: Tracing | None = None,
+    tls: ServerTLS | None = None,
+) -> FastAPI:
+    """The gateway's ASGI app for `config` (`tracing`: spans go there instead of telemetry's
+    exporter; `tls`: the server TLS `serve` listens with, for readiness)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.router = router or Router(config.models, config.router, secrets=[config.auth.master_key])
-        app.state.router.start()  # background health probes
-        # Context compression. Its embedding model loads in a thread of its own, now with `preload`
-        # (readiness is 503 until then), else once a request first needs it; requests never wait for it.
-        app.state.compressor = Compressor(config.compression, config.state_dir, app.state.router)
-        if config.compression.preload:
-            app.state.compressor.start_loading()
-        # Sessions, API keys and rate limits: the database is migrated before the first request.
-        app.state.sessions = await open_sessions(config)
-        app.state.auth = app.state.sessions.auth
-        # The request log (a cost row per request, in the same database) and, when on, its traces.
-        app.state.requests = RequestLog.from_config(config, SpendStore(app.state.sessions.store.db),
-                                                    tracing or Tracing.from_config(config.telemetry, os.environ))
-        for name in app.state.requests.prices.unpriced:
-            log.warning("model %r has no price (spend.prices): its requests count as costing $0", name)
+    async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
+        app.services = await Services.start(config, router, tracing, tls)
         # Everything loaded so far lives as long as the process: out of the collector's sight, a full
         # collection scans only what requests allocate (it took ~65 ms, the p99 under load).
         gc.collect()
         gc.freeze()
         yield
-        await app.state.requests.aclose()
-        await app.state.sessions.aclose()
-        await app.state.compressor.aclose()
-        await app.state.router.aclose()
+        await app.services.aclose()
 
     app = GatewayApp(title="flashstack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.browser_guard = BrowserGuard.from_config(config)
@@ -76,10 +63,10 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
     add_console_routes(app, config)  # /ui: the operator's console (master key only)
 
     async def chat_completions(request: Request) -> Response:
-        return await chat.handle(chat.OPENAI, request, request.app.state.router, limits)
+        return await chat.handle(chat.OPENAI, request, app.services, limits)
 
     async def messages(request: Request) -> Response:
-        return await chat.handle(chat.ANTHROPIC, request, request.app.state.router, limits)
+        return await chat.handle(chat.ANTHROPIC, request, app.services, limits)
 
     # Plain Starlette routes (other methods get their 405 there), and served straight from
     # GatewayApp.__call__ when POSTed: these handlers use none of the middleware and catch their
@@ -90,28 +77,28 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
 
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request) -> Response:
-        return await embeddings.handle(request, request.app.state.router, request.app.state.compressor, limits)
+        return await embeddings.handle(request, app.services, limits)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        return await completions.handle(request, request.app.state.router, limits)
+        return await completions.handle(request, app.services, limits)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> Response:
-        return await count_tokens.handle(request, request.app.state.router, limits)
+        return await count_tokens.handle(request, app.services, limits)
     app.chat_routes = {**app.chat_routes, "/v1/chat/completions": chat_completions, "/v1/messages": messages}
 
     # With auth on, every route but liveness needs a key (401 in the caller's format, by the handler
     # of GatewayError below); a key limited to some models sees only those.
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        caller = await session_hooks.authenticate(request)
-        return chat.json_response(models_json(request.app.state.router, caller))
+        caller = await session_hooks.authenticate(request, app.services.auth)
+        return chat.json_response(models_json(app.services.router, caller))
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> Response:
-        caller = await session_hooks.authenticate(request)
-        router: Router = request.app.state.router
+        caller = await session_hooks.authenticate(request, app.services.auth)
+        router: Router = app.services.router
         listed = model_id in router.groups or model_id == embeddings.MINILM
         if not listed or not may_use(caller, model_id):
             err = GatewayError(ErrorKind.NOT_FOUND, f"model {model_id!r} does not exist", param="model",
@@ -125,25 +112,25 @@ def create_app(config: Config, router: Router | None = None, tracing: Tracing | 
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        await session_hooks.authenticate(request)
-        body = await request.app.state.router.render_metrics()
-        body += request.app.state.compressor.render_metrics()  # flashstack_compression_*
+        await session_hooks.authenticate(request, app.services.auth)
+        body = await app.services.router.render_metrics()
+        body += app.services.compressor.render_metrics()  # flashstack_compression_*
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health/readiness")
     async def readiness(request: Request) -> Response:
-        caller = await session_hooks.authenticate(request)
-        report = await request.app.state.router.readiness()
+        caller = await session_hooks.authenticate(request, app.services.auth)
+        report = await app.services.router.readiness()
         ready = all(any(d["ok"] for d in deps) for deps in report.values()) if report else False
         body: dict[str, object] = {"models": report}
-        tls = getattr(request.app.state, "tls", None)  # gateway/tls/ ServerTLS, set by `serve`
+        tls = app.services.tls  # the ServerTLS `serve` listens with
         if tls is not None:  # a renewal failing is a warning; only an expired certificate is unready
             body["tls"] = tls_report = tls.status()
             ready = ready and tls_report["status"] != "expired"
-        compression = request.app.state.compressor.state  # idle | loading | ready | failed
+        compression = app.services.compressor.state  # idle | loading | ready | failed
         body["compression"] = states = {"embedding_model": compression}
         ready = ready and compression != "loading"  # failed: requests are truncated, still served
-        if (summarizer := request.app.state.compressor.summarizer_state) is not None:
+        if (summarizer := app.services.compressor.summarizer_state) is not None:
             states["summarizer"] = summarizer  # failed: summaries stay extractive
             ready = ready and summarizer != "loading"
         # Deployment ids and probe errors name upstreams: the detail is the master key's (or auth off).
@@ -179,6 +166,7 @@ class GatewayApp(FastAPI):
 
     chat_routes: dict[str, Callable[[Request], Awaitable[Response]]] = {}
     browser_guard: BrowserGuard | None = None  # auth off: foreign Host / Origin refused (browser_guard.py)
+    services: Services  # built by the lifespan, before the first request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.browser_guard is not None:
@@ -208,82 +196,82 @@ def _add_responses_routes(app: GatewayApp, limits: chat.Limits) -> None:
     """The OpenAI Responses API (responses.py): POST served like the chat routes, stored ones read back."""
 
     async def create_response(request: Request) -> Response:
-        return await responses.handle(request, request.app.state.router, limits)
+        return await responses.handle(request, app.services, limits)
 
     app.add_route("/v1/responses", create_response, methods=["POST"])
     app.chat_routes = {**app.chat_routes, "/v1/responses": create_response}
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> Response:
-        return await responses.get_response(request, response_id)
+        return await responses.get_response(request, app.services, response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:
-        return await responses.delete_response(request, response_id)
+        return await responses.delete_response(request, app.services, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, request: Request) -> Response:
-        return await responses.list_input_items(request, response_id)
+        return await responses.list_input_items(request, app.services, response_id)
 
 
-def _add_session_routes(app: FastAPI, limits: chat.Limits) -> None:
+def _add_session_routes(app: GatewayApp, limits: chat.Limits) -> None:
     """`/v1/sessions` (OpenAI Conversations-shaped) and `/v1/keys` (master key only)."""
 
     @app.post("/v1/sessions")
     async def create_session(request: Request) -> Response:
-        return await sessions_api.create_session(request, limits)
+        return await sessions_api.create_session(request, app.services, limits)
 
     @app.get("/v1/sessions")
     async def list_sessions(request: Request) -> Response:
-        return await sessions_api.list_sessions(request)
+        return await sessions_api.list_sessions(request, app.services)
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, request: Request) -> Response:
-        return await sessions_api.get_session(request, session_id)
+        return await sessions_api.get_session(request, app.services, session_id)
 
     @app.post("/v1/sessions/{session_id}")
     async def update_session(session_id: str, request: Request) -> Response:
-        return await sessions_api.update_session(request, session_id, limits)
+        return await sessions_api.update_session(request, app.services, session_id, limits)
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, request: Request) -> Response:
-        return await sessions_api.delete_session(request, session_id)
+        return await sessions_api.delete_session(request, app.services, session_id)
 
     @app.post("/v1/sessions/{session_id}/messages")
     async def post_session_message(session_id: str, request: Request) -> Response:
-        return await sessions_api.post_message(request, session_id, limits)
+        return await sessions_api.post_message(request, app.services, session_id, limits)
 
     @app.get("/v1/sessions/{session_id}/messages")
     async def list_session_messages(session_id: str, request: Request) -> Response:
-        return await sessions_api.list_messages(request, session_id)
+        return await sessions_api.list_messages(request, app.services, session_id)
 
     @app.post("/v1/keys")
     async def create_key(request: Request) -> Response:
-        return await sessions_api.create_key(request, limits)
+        return await sessions_api.create_key(request, app.services, limits)
 
     @app.get("/v1/keys")
     async def list_keys(request: Request) -> Response:
-        return await sessions_api.list_keys(request)
+        return await sessions_api.list_keys(request, app.services)
 
     @app.post("/v1/keys/{key_id}")
     async def update_key(key_id: str, request: Request) -> Response:
-        return await sessions_api.update_key(request, key_id, limits)
+        return await sessions_api.update_key(request, app.services, key_id, limits)
 
     @app.delete("/v1/keys/{key_id}")
     async def revoke_key(key_id: str, request: Request) -> Response:
-        return await sessions_api.revoke_key(request, key_id)
+        return await sessions_api.revoke_key(request, app.services, key_id)
 
     @app.get("/v1/keys/{key_id}/spend")
     async def key_spend(key_id: str, request: Request) -> Response:
         """The master key sees every key's spend; a key sees its own."""
-        caller = await session_hooks.authenticate(request)
-        auth = request.app.state.auth
+        caller = await session_hooks.authenticate(request, app.services.auth)
+        auth = app.services.auth
         if not caller.admin and caller.key_id != key_id:
             auth.require_admin(caller)
         key = await auth.keys.get(key_id)
         if key is None:
             raise GatewayError(ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id")
-        await request.app.state.requests.flush()  # rows still in the write buffer count too
+        await app.services.requests.flush()  # rows still in the write buffer count too
         return chat.json_response(await spend.key_spend(SpendStore(auth.keys.db), key))
 
 

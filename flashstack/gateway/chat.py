@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -27,7 +27,7 @@ from flashstack.gateway.core import (
     TextDelta,
     invalid_request,
 )
-from flashstack.gateway.requestlog import RequestLog, RequestRecord
+from flashstack.gateway.requestlog import RequestRecord
 from flashstack.gateway.routing import Router, RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.sessions.turns import Turn
@@ -37,6 +37,9 @@ from flashstack.gateway.translate import fields
 from flashstack.gateway.translate import openai as openai_t
 from flashstack.gateway.wire import anthropic as anthropic_w
 from flashstack.gateway.wire import openai as openai_w
+
+if TYPE_CHECKING:
+    from flashstack.gateway.services import Services
 
 log = logging.getLogger("flashstack.gateway")
 
@@ -90,13 +93,13 @@ class Limits:
     max_json_depth: int = DEFAULT_JSON_DEPTH  # server.max_json_depth
 
 
-async def handle(wire: WireFormat, request: Request, router: Router, limits: Limits) -> Response:
+async def handle(wire: WireFormat, request: Request, services: Services, limits: Limits) -> Response:
     """Serve one chat request; every failure becomes an error in the caller's format. The request
     log (and its trace) gets it when it ends: a stream when its last event went out."""
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))  # what routing did → headers
-    requests: RequestLog = request.app.state.requests
+    requests = services.requests
     record = requests.begin(trace, wire.name, request.method, request.url.path, request.headers)
-    response = await _serve(wire, request, router, limits, trace, record)
+    response = await _serve(wire, request, services, limits, trace, record)
     if isinstance(response, EventStream):
         response.background = BackgroundTasks([response.background, BackgroundTask(
             requests.end, record, 200, None, response.headers.get("x-flashstack-dropped"))])
@@ -105,12 +108,13 @@ async def handle(wire: WireFormat, request: Request, router: Router, limits: Lim
     return response
 
 
-async def _serve(wire: WireFormat, request: Request, router: Router, limits: Limits, trace: RouteTrace,
+async def _serve(wire: WireFormat, request: Request, services: Services, limits: Limits, trace: RouteTrace,
                  record: RequestRecord) -> Response:
     clock = overhead.start()  # → X-Flashstack-Overhead-Ms: this handler's time minus the upstreams'
     req: ChatRequest | None = None
+    router = services.router
     try:
-        caller = await session_hooks.authenticate(request)  # 401 before the body is read
+        caller = await session_hooks.authenticate(request, services.auth)  # 401 before the body is read
         record.key_id = caller.key_id
         body = await read_json(request, limits.max_body_bytes)
         # Cheapest first: nothing costly (schema checks, images, sessions, compression) for a request
@@ -119,18 +123,15 @@ async def _serve(wire: WireFormat, request: Request, router: Router, limits: Lim
         record.request(req, request.headers.get(session_hooks.SESSION_HEADER) or req.metadata.get("session_id"))
         req.headers = fields.client_headers(request.headers)  # anthropic-beta & co., for same-wire upstreams
         check_capabilities(req, router.config_of(req.model))  # unknown model → 404 before any work
-        compress.request_options(req)  # a bad `compression` field is a 400 before any session is touched
-        validation.check_request(req)
+        validation.check_request(req)  # a bad `compression` or schema: 400 before any session is touched
         # Images: decoded, checked and resized for the model's upstreams (in a thread when large).
         await vision.prepare(req, vision.target_configs(router, req.model), limits.vision)
         # 403/429 for the key; with X-Session-Id the session is locked and its history prepended.
-        own_messages = len(req.messages)
-        turn = await session_hooks.begin_turn(request, req, caller, body)
+        turn = await session_hooks.begin_turn(services, request, req, caller, body)
         record.charged = turn.reservation.budget
-        compress.shift_pinned(req, len(req.messages) - own_messages)
         async with turn.guard():  # a failure below is stored as the turn's error, never half a turn
             # Over the model's window: compress (or 400 context_length_exceeded), said in x-flashstack-* headers.
-            req, squeezed = await compress.for_request(request, req, router.config_of(req.model), turn)
+            req, squeezed = await services.compressor.prepare_context(req, turn)
             if req.stream:
                 response = await stream_response(wire, req, turn.route(router), limits, trace, turn)
                 return overhead.stamp(clock, squeezed.stamp(response))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +37,9 @@ from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
 from flashstack.gateway.routing import Deployment, Router, RouteTrace
 from flashstack.gateway.streaming import EventStream, pulled
 from flashstack.gateway.translate.openai import FINISH_REASON, error_json
+
+if TYPE_CHECKING:
+    from flashstack.gateway.services import Services
 
 DEFAULT_MAX_TOKENS = 16  # the API's default for completions
 # Fields the local engine honours; refused ones change what comes back, dropped ones only how.
@@ -65,8 +68,10 @@ class CompletionRequest(BaseModel):
 OPERATION = "text_completion"  # the GenAI operation name
 
 
-async def handle(request: Request, router: Router, limits: chat.Limits) -> Response:
-    return await accounting.serve(request, OPERATION, lambda acct: _serve(acct, router, limits))
+async def handle(request: Request, services: Services, limits: chat.Limits) -> Response:
+    return await accounting.serve(
+        request, services, OPERATION, lambda acct: _serve(acct, services.router, limits)
+    )
 
 
 async def _serve(acct: Accounting, router: Router, limits: chat.Limits) -> Response:

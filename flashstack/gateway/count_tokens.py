@@ -1,44 +1,50 @@
 """`POST /v1/messages/count_tokens`: what a Messages request would cost its model in input tokens.
 
-Anthropic upstreams answer it themselves (the body forwarded as sent, the model renamed); a local
-model counts with its own tokenizer and chat template; any other model says it cannot count.
+Anthropic upstreams answer it themselves (the body forwarded as sent, the model renamed); a model
+whose deployment has its own tokenizer (a local model's, or a `tokenizer` naming the GGUF or model
+directory its upstream serves) counts with it and its chat template, as the upstream would render
+the prompt; any other model says it cannot count.
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flashstack.gateway import chat
+from flashstack.gateway import chat, tokens
 from flashstack.gateway.auth import may_use
 from flashstack.gateway.config import ModelConfig
 from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.providers.anthropic import AnthropicProvider
+from flashstack.gateway.providers.usage import own_tokenizer, template_tokens
 from flashstack.gateway.routing import Router
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.translate import fields
+
+if TYPE_CHECKING:
+    from flashstack.gateway.services import Services
 
 log = logging.getLogger("flashstack.gateway")
 # count_tokens takes a Messages body without max_tokens; validation needs one, the upstream does not.
 _PLACEHOLDER_MAX_TOKENS = 1
 
 
-async def handle(request: Request, router: Router, limits: chat.Limits) -> Response:
+async def handle(request: Request, services: Services, limits: chat.Limits) -> Response:
     """Serve one count; every failure an Anthropic error."""
     wire = chat.ANTHROPIC
     try:
-        caller = await session_hooks.authenticate(request)
+        caller = await session_hooks.authenticate(request, services.auth)
         body = await chat.read_json(request, limits.max_body_bytes)
         req = _parse(body, limits)
         if not may_use(caller, req.model):
             raise GatewayError(ErrorKind.NOT_FOUND, f"model {req.model!r} does not exist", param="model",
                                code="model_not_found")
         req.headers = fields.client_headers(request.headers)
-        counted = await count(router, req)
+        counted = await count(services.router, req)
         return chat.json_response(counted, headers=fields.response_headers(req) or None)
     except GatewayError as e:
         return chat.error_response(wire, e)
@@ -62,28 +68,25 @@ async def count(router: Router, req: ChatRequest) -> dict[str, Any]:
         if isinstance(dep.provider, AnthropicProvider):
             return await dep.provider.count_tokens(req)
     for dep in deployments:
-        if dep.cfg.provider == "local":
-            return {"input_tokens": _local_count(dep.cfg, req)}
+        if tokens.tokenizer_path(dep.cfg) is not None:  # in a thread: a tokenizer may load
+            return {"input_tokens": await asyncio.to_thread(_own_count, dep.cfg, req)}
     providers = ", ".join(sorted({d.cfg.provider for d in deployments}))
     raise invalid_request(
         f"token counting is not available for model {req.model!r} (served by {providers}): only Anthropic "
-        "upstreams and local models count tokens", "model")
+        "upstreams, local models and deployments that name their model's `tokenizer` count tokens", "model")
 
 
-def _local_count(cfg: ModelConfig, req: ChatRequest) -> int:
-    from flashstack.gateway.providers.local import chat_messages
-
-    tokenizer = _tokenizer(cfg.model)
+def _own_count(cfg: ModelConfig, req: ChatRequest) -> int:
+    """`req`'s prompt tokens by the model's own tokenizer and chat template, tools included."""
+    tokenizer = own_tokenizer(cfg)
     if tokenizer is None:
-        raise invalid_request(f"local model {req.model!r} has no tokenizer to count with", "model")
-    return len(tokenizer.encode_chat(chat_messages(req)))
-
-
-@functools.cache
-def _tokenizer(model_dir: str) -> Any:
+        raise invalid_request(
+            f"model {req.model!r} has no tokenizer with a chat template to count with; check its deployment's "
+            "`tokenizer` (the gateway log says why it could not be loaded)", "model")
     try:
-        from flashstack.engine.tokenizer import Tokenizer
-
-        return Tokenizer(model_dir)
-    except Exception:  # no tokenizer files: the caller says so in the client's terms
-        return None
+        return template_tokens(tokenizer, req)
+    except GatewayError:
+        raise
+    except Exception as e:  # the template's own refusal (its raise_exception)
+        raise invalid_request(f"the chat template of model {req.model!r} cannot render this request: {e}",
+                              "messages") from None

@@ -9,7 +9,7 @@ model's OpenAI-compatible deployments.
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
@@ -21,6 +21,9 @@ from flashstack.gateway.compress import Compressor
 from flashstack.gateway.core import ErrorKind, GatewayError, Usage, invalid_request
 from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
 from flashstack.gateway.routing import Deployment, Router, RouteTrace
+
+if TYPE_CHECKING:
+    from flashstack.gateway.services import Services
 
 MINILM = "minilm"
 MINILM_DIMENSIONS = 384
@@ -42,9 +45,12 @@ class EmbeddingsRequest(BaseModel):
 OPERATION = "embeddings"  # the GenAI operation name
 
 
-async def handle(request: Request, router: Router, compressor: Compressor, limits: chat.Limits) -> Response:
+async def handle(request: Request, services: Services, limits: chat.Limits) -> Response:
     """One embeddings request; every failure is an OpenAI error body."""
-    return await accounting.serve(request, OPERATION, lambda acct: _serve(acct, router, compressor, limits))
+    return await accounting.serve(
+        request, services, OPERATION,
+        lambda acct: _serve(acct, services.router, services.compressor, limits),
+    )
 
 
 async def _serve(acct: Accounting, router: Router, compressor: Compressor, limits: chat.Limits) -> Response:

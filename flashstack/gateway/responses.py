@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from flashstack.gateway import chat, compress, overhead, validation, vision
+from flashstack.gateway import chat, overhead, validation, vision
 from flashstack.gateway.auth import Caller
 from flashstack.gateway.core import ChatRequest, ErrorKind, Event, Finish, GatewayError, invalid_request
-from flashstack.gateway.requestlog import RequestLog, RequestRecord
+from flashstack.gateway.requestlog import RequestRecord
 from flashstack.gateway.responses_store import ResponseStore
 from flashstack.gateway.routing import Router, RouteTrace
 from flashstack.gateway.sessions import hooks as session_hooks
@@ -28,15 +28,18 @@ from flashstack.gateway.translate import fields
 from flashstack.gateway.translate import responses as t
 from flashstack.gateway.wire import responses as w
 
+if TYPE_CHECKING:
+    from flashstack.gateway.services import Services
+
 log = logging.getLogger("flashstack.gateway")
 
 
-async def handle(request: Request, router: Router, limits: chat.Limits) -> Response:
+async def handle(request: Request, services: Services, limits: chat.Limits) -> Response:
     """Serve one Responses request; every failure is an OpenAI error body (or, streamed, event)."""
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
-    requests: RequestLog = request.app.state.requests
+    requests = services.requests
     record = requests.begin(trace, t.WIRE, request.method, request.url.path, request.headers)
-    response = await _serve(request, router, limits, trace, record)
+    response = await _serve(request, services, limits, trace, record)
     if isinstance(response, EventStream):
         response.background = BackgroundTasks([response.background, BackgroundTask(
             requests.end, record, 200, None, response.headers.get("x-flashstack-dropped"))])
@@ -57,16 +60,17 @@ class _Saver:
             await self.store.save(self.owner, items, self.history + items, body)
 
 
-async def _serve(request: Request, router: Router, limits: chat.Limits, trace: RouteTrace,
+async def _serve(request: Request, services: Services, limits: chat.Limits, trace: RouteTrace,
                  record: RequestRecord) -> Response:
     clock = overhead.start()
     req: ChatRequest | None = None
+    router = services.router
     try:
-        caller = await session_hooks.authenticate(request)
+        caller = await session_hooks.authenticate(request, services.auth)
         record.key_id = caller.key_id
         body = await chat.read_json(request, limits.max_body_bytes)
         parsed = _parse(body, limits.max_json_depth)
-        store = response_store(request)
+        store = response_store(services)
         history = await _history(store, caller, parsed.previous_response_id)
         req = t.to_canonical(parsed, body, history, passes_through(router, parsed.model))
         validation.check_tool_arguments(req, limits.max_json_depth)
@@ -74,14 +78,13 @@ async def _serve(request: Request, router: Router, limits: chat.Limits, trace: R
         record.request(req)
         req.headers = fields.client_headers(request.headers)
         chat.check_capabilities(req, router.config_of(req.model))
-        compress.request_options(req)
         validation.check_request(req)
         await vision.prepare(req, vision.target_configs(router, req.model), limits.vision)
-        turn = await session_hooks.begin_turn(request, req, caller, body)
+        turn = await session_hooks.begin_turn(services, request, req, caller, body)
         record.charged = turn.reservation.budget
         saver = _Saver(store, caller.owner, opts, history)
         async with turn.guard():
-            req, squeezed = await compress.for_request(request, req, router.config_of(req.model), turn)
+            req, squeezed = await services.compressor.prepare_context(req, turn)
             if req.stream:
                 events = await turn.route(router).open_stream(req, trace)
                 if req.response_format is not None:
@@ -162,29 +165,29 @@ async def _stored(events: AsyncIterator[Event], encoder: t.StreamEncoder, saver:
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def response_store(request: Request) -> ResponseStore:
-    return ResponseStore(request.app.state.sessions.store.db)
+def response_store(services: Services) -> ResponseStore:
+    return ResponseStore(services.sessions.store.db)
 
 
 # ---- GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items ------------------------
 
 
-async def get_response(request: Request, response_id: str) -> Response:
-    caller = await session_hooks.authenticate(request)
-    stored = await response_store(request).get(caller.owner, response_id)
+async def get_response(request: Request, services: Services, response_id: str) -> Response:
+    caller = await session_hooks.authenticate(request, services.auth)
+    stored = await response_store(services).get(caller.owner, response_id)
     return chat.json_response(stored.response)
 
 
-async def delete_response(request: Request, response_id: str) -> Response:
-    caller = await session_hooks.authenticate(request)
-    await response_store(request).delete(caller.owner, response_id)
+async def delete_response(request: Request, services: Services, response_id: str) -> Response:
+    caller = await session_hooks.authenticate(request, services.auth)
+    await response_store(services).delete(caller.owner, response_id)
     return chat.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
-async def list_input_items(request: Request, response_id: str) -> Response:
+async def list_input_items(request: Request, services: Services, response_id: str) -> Response:
     """The response's own input items, newest first unless `order=asc` (as the API lists them)."""
-    caller = await session_hooks.authenticate(request)
-    items = (await response_store(request).get(caller.owner, response_id)).input_items
+    caller = await session_hooks.authenticate(request, services.auth)
+    items = (await response_store(services).get(caller.owner, response_id)).input_items
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid_request("order must be asc or desc", "order")

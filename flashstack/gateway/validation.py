@@ -7,7 +7,15 @@ from typing import Any
 
 import orjson
 
-from flashstack.gateway.core import ChatRequest, ErrorKind, GatewayError, ResponseFormat, ToolCall, invalid_request
+from flashstack.gateway.compress.options import request_options
+from flashstack.gateway.core import (
+    ChatRequest,
+    ErrorKind,
+    GatewayError,
+    ResponseFormat,
+    ToolCall,
+    invalid_request,
+)
 
 # A model's output that breaks the requested format is not the caller's fault, but it is not a
 # transient upstream failure either: 422 tells SDKs not to retry and the caller what happened.
@@ -89,7 +97,9 @@ def _too_deep(limit: int, param: str | None, path: list[str]) -> GatewayError:
 
 
 def check_request(req: ChatRequest) -> None:
-    """Reject a json_schema response_format whose schema is not a valid JSON Schema."""
+    """Reject a bad `compression` field, and a json_schema response_format whose schema is not a
+    valid JSON Schema: 400s before any session is touched."""
+    request_options(req)
     rf = req.response_format
     if rf is None or rf.type != "json_schema":
         return

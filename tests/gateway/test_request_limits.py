@@ -162,7 +162,7 @@ def test_max_tokens_past_the_window_is_refused_first(gw, limits_gateway, path, m
         else:
             assert r.json()["error"]["type"] == "invalid_request_error"
     # The embedding model was never asked for: refusing max_tokens costs no load, no export, no RSS.
-    assert limits_gateway.app.state.compressor.state == "idle"
+    assert limits_gateway.app.services.compressor.state == "idle"
 
 
 # ---- routes and errors that must not say more than they should -------------------------------------

@@ -12,7 +12,7 @@ a model on the in-process engine (`local`, local_summarizer.py) where those come
 within a budget (budget.py); a session lends its stored embeddings and summaries (memory.py).
 """
 
-from flashstack.gateway.compress.compressor import Compressor, for_request
+from flashstack.gateway.compress.compressor import Compressor
 from flashstack.gateway.compress.memory import SessionMemory
 from flashstack.gateway.compress.options import (
     MODES,
@@ -32,7 +32,6 @@ __all__ = [
     "Outcome",
     "SessionMemory",
     "context_length_exceeded",
-    "for_request",
     "request_options",
     "session_mode",
     "shift_pinned",

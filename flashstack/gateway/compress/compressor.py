@@ -184,6 +184,14 @@ class Compressor:
             or self.cfg.mode
         )
 
+    async def prepare_context(self, req: ChatRequest, turn: Any) -> tuple[ChatRequest, Outcome]:
+        """`req` fitted to its model's window: itself, a compressed copy, or a 400
+        context_length_exceeded. `turn` (a sessions.turns.Turn) lends its session's mode, stored
+        embeddings and summaries."""
+        assert self.router is not None, "the request path's compressor routes: Services builds it so"
+        memory = SessionMemory.of(turn) if turn.in_session else None
+        return await self.maybe_compress(req, self.router.config_of(req.model), memory)
+
     async def maybe_compress(
         self, req: ChatRequest, cfg: ModelConfig, memory: SessionMemory | None = None
     ) -> tuple[ChatRequest, Outcome]:
@@ -344,17 +352,3 @@ class Compressor:
         if self.local is not None and not self.local.shared:
             await self.local.provider.aclose()
         self.close()
-
-
-async def for_request(
-    request: Any, req: ChatRequest, cfg: ModelConfig, turn: Any = None
-) -> tuple[ChatRequest, Outcome]:
-    """chat.py's hook: the app's compressor (app.state.compressor) applied to `req`, if any.
-
-    `turn` (a sessions.turns.Turn) lends the session's mode, stored embeddings and summaries.
-    """
-    compressor: Compressor | None = getattr(request.app.state, "compressor", None)
-    if compressor is None:
-        return req, Outcome("none", 0, 0)
-    memory = SessionMemory.of(turn) if turn is not None and turn.in_session else None
-    return await compressor.maybe_compress(req, cfg, memory)

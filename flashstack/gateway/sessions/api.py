@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask, BackgroundTasks
@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from flashstack.gateway.tls import client_identity
 from flashstack.gateway import chat, compress
-from flashstack.gateway.auth import Auth, Caller, may_use
+from flashstack.gateway.auth import Caller, may_use
 from flashstack.gateway.core import (
     ChatRequest,
     ErrorKind,
@@ -29,10 +29,12 @@ from flashstack.gateway.core import (
     Text,
     invalid_request,
 )
-from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.routing import Router, RouteTrace
 from flashstack.gateway.sessions.store import Order, message_json
-from flashstack.gateway.sessions.turns import Idempotency, Sessions
+from flashstack.gateway.sessions.turns import Idempotency
+
+if TYPE_CHECKING:
+    from flashstack.gateway.services import Services
 
 log = logging.getLogger("flashstack.sessions")
 
@@ -114,10 +116,6 @@ def wire_of(request: Request) -> chat.WireFormat:
     return chat.ANTHROPIC if "anthropic-version" in request.headers else chat.OPENAI
 
 
-def _service(request: Request) -> tuple[Sessions, Auth]:
-    return request.app.state.sessions, request.app.state.auth
-
-
 async def _parse(request: Request, model: type[_Body], limit: int, empty_ok: bool = False) -> tuple[Any, Any]:
     if empty_ok and request.headers.get("content-length") in ("0", None) and not await request.body():
         return model.model_validate({}), {}
@@ -152,13 +150,13 @@ def _check_model(router: Router, caller: Caller, model: str) -> None:
 
 
 @endpoint
-async def create_session(request: Request, limits: chat.Limits) -> Response:
-    sessions, auth = _service(request)
+async def create_session(request: Request, services: Services, limits: chat.Limits) -> Response:
+    sessions, auth = services.sessions, services.auth
     caller = await auth.authenticate(request.headers, client_identity(request))
     body, _ = await _parse(request, CreateSession, limits.max_body_bytes, empty_ok=True)
     compress.session_mode(body.metadata)  # 400 for a bad metadata.compression
     if body.model is not None:
-        _check_model(request.app.state.router, caller, body.model)
+        _check_model(services.router, caller, body.model)
     if body.system is not None and len(body.system.encode()) > sessions.config.max_message_bytes:
         raise _too_large("system", sessions.config.max_message_bytes)
     await auth.count_request(caller)  # a session costs a request of the key's rpm (429)
@@ -168,15 +166,15 @@ async def create_session(request: Request, limits: chat.Limits) -> Response:
 
 
 @endpoint
-async def get_session(request: Request, session_id: str) -> Response:
-    sessions, auth = _service(request)
+async def get_session(request: Request, services: Services, session_id: str) -> Response:
+    sessions, auth = services.sessions, services.auth
     caller = await auth.authenticate(request.headers, client_identity(request))
     return chat.json_response(await sessions.store.get(caller.owner, session_id))
 
 
 @endpoint
-async def update_session(request: Request, session_id: str, limits: chat.Limits) -> Response:
-    sessions, auth = _service(request)
+async def update_session(request: Request, services: Services, session_id: str, limits: chat.Limits) -> Response:
+    sessions, auth = services.sessions, services.auth
     caller = await auth.authenticate(request.headers, client_identity(request))
     body, _ = await _parse(request, UpdateSession, limits.max_body_bytes)
     compress.session_mode(body.metadata)  # 400 for a bad metadata.compression
@@ -184,15 +182,15 @@ async def update_session(request: Request, session_id: str, limits: chat.Limits)
 
 
 @endpoint
-async def delete_session(request: Request, session_id: str) -> Response:
-    sessions, auth = _service(request)
+async def delete_session(request: Request, services: Services, session_id: str) -> Response:
+    sessions, auth = services.sessions, services.auth
     caller = await auth.authenticate(request.headers, client_identity(request))
     return chat.json_response(await sessions.store.delete(caller.owner, session_id))
 
 
 @endpoint
-async def list_sessions(request: Request) -> Response:
-    sessions, auth = _service(request)
+async def list_sessions(request: Request, services: Services) -> Response:
+    sessions, auth = services.sessions, services.auth
     caller = await auth.authenticate(request.headers, client_identity(request))
     after, limit, order = _query_page(request, "desc")
     page = await sessions.store.list(caller.owner, after, limit, order)
@@ -200,8 +198,8 @@ async def list_sessions(request: Request) -> Response:
 
 
 @endpoint
-async def list_messages(request: Request, session_id: str) -> Response:
-    sessions, auth = _service(request)
+async def list_messages(request: Request, services: Services, session_id: str) -> Response:
+    sessions, auth = services.sessions, services.auth
     caller = await auth.authenticate(request.headers, client_identity(request))
     after, limit, order = _query_page(request, "asc")
     page = await sessions.store.list_messages(caller.owner, session_id, after, limit, order)
@@ -209,10 +207,10 @@ async def list_messages(request: Request, session_id: str) -> Response:
 
 
 @endpoint
-async def post_message(request: Request, session_id: str, limits: chat.Limits) -> Response:
+async def post_message(request: Request, services: Services, session_id: str, limits: chat.Limits) -> Response:
     """Append the user's message, run the model on the whole session, append and return its reply."""
-    sessions, auth = _service(request)
-    router: Router = request.app.state.router
+    sessions, auth = services.sessions, services.auth
+    router = services.router
     caller = await auth.authenticate(request.headers, client_identity(request))
     body, raw = await _parse(request, PostMessage, limits.max_body_bytes)
     parts = _content(body.content, sessions.config.max_message_bytes)
@@ -231,13 +229,13 @@ async def post_message(request: Request, session_id: str, limits: chat.Limits) -
     )
     await turn.admit(auth, req)  # 429 with retry-after; the history is part of what it costs
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
-    requests: RequestLog = request.app.state.requests  # the request log: its cost row, its trace
+    requests = services.requests  # the request log: its cost row, its trace
     record = requests.begin(trace, wire_of(request).name, request.method, request.url.path, request.headers)
     record.key_id, record.charged = caller.key_id, turn.reservation.budget
     record.request(req, session_id)
     try:
         async with turn.guard():
-            req, squeezed = await compress.for_request(request, req, router.config_of(model), turn)
+            req, squeezed = await services.compressor.prepare_context(req, turn)
             if req.stream:
                 response = await chat.stream_response(wire_of(request), req, turn.route(router), limits, trace, turn)
                 response.background = BackgroundTasks([response.background,
@@ -275,8 +273,8 @@ def _too_large(field: str, limit: int) -> GatewayError:
 
 
 @endpoint
-async def create_key(request: Request, limits: chat.Limits) -> Response:
-    _, auth = _service(request)
+async def create_key(request: Request, services: Services, limits: chat.Limits) -> Response:
+    _, auth = services.sessions, services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     body, _ = await _parse(request, CreateKey, limits.max_body_bytes)
     expires_at = body.expires_at
@@ -288,8 +286,8 @@ async def create_key(request: Request, limits: chat.Limits) -> Response:
 
 
 @endpoint
-async def list_keys(request: Request) -> Response:
-    _, auth = _service(request)
+async def list_keys(request: Request, services: Services) -> Response:
+    _, auth = services.sessions, services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     data = await auth.keys.list()
     return chat.json_response({
@@ -299,16 +297,16 @@ async def list_keys(request: Request) -> Response:
 
 
 @endpoint
-async def update_key(request: Request, key_id: str, limits: chat.Limits) -> Response:
+async def update_key(request: Request, services: Services, key_id: str, limits: chat.Limits) -> Response:
     """Change a key's limits or budgets: the fields sent change, null clears one."""
-    _, auth = _service(request)
+    _, auth = services.sessions, services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     _, body = await _parse(request, UpdateKey, limits.max_body_bytes)
     return chat.json_response(await auth.keys.update(key_id, body))
 
 
 @endpoint
-async def revoke_key(request: Request, key_id: str) -> Response:
-    _, auth = _service(request)
+async def revoke_key(request: Request, services: Services, key_id: str) -> Response:
+    _, auth = services.sessions, services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     return chat.json_response(await auth.keys.revoke(key_id))

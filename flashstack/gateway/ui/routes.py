@@ -12,10 +12,8 @@ import statistics
 import time
 from datetime import timedelta
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -29,6 +27,9 @@ from flashstack.gateway.sessions.db import messages, sessions
 from flashstack.gateway.sessions.store import message_json, session_json
 from flashstack.gateway.spend import SpendStore, periods
 from flashstack.gateway.ui.session import COOKIE, CSRF_HEADER, ConsoleSession, Signer
+
+if TYPE_CHECKING:
+    from flashstack.gateway.app import GatewayApp
 
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
 # The page runs only its own script and style: an injected <script> or inline handler does nothing.
@@ -78,7 +79,7 @@ def _off(config: Config) -> GatewayError:
     return GatewayError(ErrorKind.PERMISSION, f"the console is off: {why}", code="console_off")
 
 
-def add_console_routes(app: FastAPI, config: Config) -> None:
+def add_console_routes(app: GatewayApp, config: Config) -> None:
     """Mount /ui (the page) and /ui/api (its JSON) on `app`."""
     console = Console(config)
 
@@ -112,7 +113,7 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
         if not isinstance(key, str) or not key:
             raise invalid_request("send {\"key\": \"<the master key>\"}", "key")
         if not hmac.compare_digest(key.encode(), config.auth.master_key.encode()):  # type: ignore[union-attr]
-            if await request.app.state.auth.keys.find(key) is not None:
+            if await app.services.auth.keys.find(key) is not None:
                 raise GatewayError(ErrorKind.PERMISSION, "the console is the master key's; an API key sees "
                                    "its own spend at GET /v1/keys/{id}/spend")
             raise GatewayError(ErrorKind.AUTHENTICATION, "wrong master key", code="invalid_api_key")
@@ -132,19 +133,19 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
     @app.get("/ui/api/deployments")
     async def deployments(request: Request) -> Response:
         console.session(request)
-        router: Router = request.app.state.router
+        router: Router = app.services.router
         report = await router.readiness()
-        stats = deployment_stats(request.app.state.requests.ring)
+        stats = deployment_stats(app.services.requests.ring)
         for deps in report.values():
             for d in deps:
                 d.update(stats.get(str(d["deployment"]), {}))
-        return chat.json_response({"models": report, "window": len(request.app.state.requests.ring)})
+        return chat.json_response({"models": report, "window": len(app.services.requests.ring)})
 
     @app.get("/ui/api/requests")
     async def request_log(request: Request) -> Response:
         console.session(request)
         q = request.query_params
-        log: RequestLog = request.app.state.requests
+        log: RequestLog = app.services.requests
         raw = q.get("limit") or "100"
         limit = min(max(int(raw), 1), 1000) if raw.isdigit() else 100
         data = log.recent(limit, q.get("key") or None, q.get("model") or None, q.get("status") or None,
@@ -154,7 +155,7 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
     @app.get("/ui/api/requests/{record_id}")
     async def one_request(record_id: str, request: Request) -> Response:
         console.session(request)
-        found = request.app.state.requests.get(record_id)
+        found = app.services.requests.get(record_id)
         if found is None:
             raise GatewayError(ErrorKind.NOT_FOUND, f"request {record_id!r} is not in this replica's log",
                                code="not_found")
@@ -163,7 +164,7 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
     @app.get("/ui/api/sessions")
     async def session_list(request: Request) -> Response:
         console.session(request)
-        db = request.app.state.sessions.store.db
+        db = app.services.sessions.store.db
         q = sessions.select().order_by(sessions.c.created_at.desc(), sessions.c.id.desc()).limit(100)
         async with db.read() as conn:
             rows = (await conn.execute(q)).mappings().all()
@@ -172,7 +173,7 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
     @app.get("/ui/api/sessions/{session_id}")
     async def session_messages(session_id: str, request: Request) -> Response:
         console.session(request)
-        db = request.app.state.sessions.store.db
+        db = app.services.sessions.store.db
         async with db.read() as conn:
             row = (await conn.execute(sessions.select().where(sessions.c.id == session_id))).mappings().first()
             if row is None:
@@ -185,8 +186,8 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
     @app.get("/ui/api/keys")
     async def key_list(request: Request) -> Response:
         console.session(request)
-        keys: KeyStore = request.app.state.auth.keys
-        await request.app.state.requests.flush()
+        keys: KeyStore = app.services.auth.keys
+        await app.services.requests.flush()
         spent = await SpendStore(keys.db).by_key(periods()["month"].start)
         data = [{**k, "spent_month_usd": spent.get(k["id"], 0.0)} for k in await keys.list()]
         return chat.json_response({"data": data})
@@ -204,7 +205,7 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
         check_key_fields(body.get("name"), body.get("models"), body.get("rpm"), body.get("tpm"), None)
         if expires_in is not None and (not isinstance(expires_in, int | float) or expires_in <= 0):
             raise invalid_request("expires_in must be a positive number of seconds", "expires_in")
-        keys: KeyStore = request.app.state.auth.keys
+        keys: KeyStore = app.services.auth.keys
         created = await keys.create(body["name"], body.get("models"), body.get("rpm"), body.get("tpm"),
                                     time.time() + expires_in if expires_in else None,
                                     body.get("budget_day_usd"), body.get("budget_month_usd"))
@@ -216,20 +217,20 @@ def add_console_routes(app: FastAPI, config: Config) -> None:
         body = await chat.read_json(request, 64 * 1024)
         if not isinstance(body, dict):
             raise invalid_request(f"send a JSON object with any of: {', '.join(UPDATABLE)}")
-        return chat.json_response(await request.app.state.auth.keys.update(key_id, body))
+        return chat.json_response(await app.services.auth.keys.update(key_id, body))
 
     @app.delete("/ui/api/keys/{key_id}")
     async def key_revoke(key_id: str, request: Request) -> Response:
         console.session(request, change=True)
-        return chat.json_response(await request.app.state.auth.keys.revoke(key_id))
+        return chat.json_response(await app.services.auth.keys.revoke(key_id))
 
     @app.get("/ui/api/spend")
     async def spend_over_time(request: Request) -> Response:
         console.session(request)
         days = request.query_params.get("days", "31")
         n = min(int(days), 366) if days.isdigit() and int(days) > 0 else 31
-        await request.app.state.requests.flush()
-        store = SpendStore(request.app.state.auth.keys.db)
+        await app.services.requests.flush()
+        store = SpendStore(app.services.auth.keys.db)
         since = periods()["day"].start - timedelta(days=n - 1)
         return chat.json_response({"days": n, "since": since.strftime("%Y-%m-%d"), "data": await store.daily(None, since)})
 

@@ -138,7 +138,7 @@ async def _until_upstream_cancelled(upstreams, marker: str, n: int) -> None:
 
 def _window(gw, key_id: str) -> tuple[int, int]:
     """(tokens held, tokens counted) of `key_id` in the in-process gateway's limiter."""
-    return gw.app.state.auth.limiter.state(key_id)
+    return gw.app.services.auth.limiter.state(key_id)
 
 
 async def test_concurrent_requests_on_a_tpm_key_admit_only_what_fits(gw, upstreams):

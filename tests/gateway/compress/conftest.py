@@ -83,6 +83,6 @@ def small_gateway(upstreams):
         state_dir=MODELS_DIR.parent,
     )
     server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
-    assert server.app.state.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
+    assert server.app.services.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
     yield server
     server.stop()

@@ -65,7 +65,7 @@ def budgeted(upstreams):
     # Room for an ordinary cold 40-turn history (~3.2 k word pieces), not for 300 messages of new words
     # (their chunks alone are 153.6 k: ~8–20 s of both cores without a budget).
     server = gateway_for(upstreams, preload=True, max_embed_tokens=8_000, max_plan_seconds=8)
-    assert server.app.state.compressor.wait_loaded(60)
+    assert server.app.services.compressor.wait_loaded(60)
     yield server
     server.stop()
 
@@ -91,7 +91,7 @@ def test_a_pathological_request_is_truncated_within_its_budget(budgeted):
 def test_the_deadline_counts_from_arrival(upstreams):
     server = gateway_for(upstreams, preload=True, max_plan_seconds=0.2)
     try:
-        assert server.app.state.compressor.wait_loaded(60)
+        assert server.app.services.compressor.wait_loaded(60)
         start = time.monotonic()
         r = post(server.url, [*pathological(seed=1), *TAIL])
         assert r.headers["x-flashstack-compression-fallback"] == "budget"
@@ -132,7 +132,7 @@ def test_requests_while_the_model_loads_are_truncated_then_compressed(upstreams,
     monkeypatch.setattr(Compressor, "_load_embedder", slow_load)
     server = gateway_for(upstreams)  # preload off: the first request that needs the model starts the load
     try:
-        compressor = server.app.state.compressor
+        compressor = server.app.services.compressor
         assert compressor.state == "idle"
         start = time.monotonic()
         r = post(server.url, [*history(40), QUESTION])
@@ -172,7 +172,7 @@ def test_the_model_is_built_in_a_child_and_a_failed_build_leaves_truncation(tmp_
     assert "building the embedding model" in out.stderr and "failed" in out.stderr
     server = gateway_for(upstreams, preload=True, cache_dir=blocker)
     try:
-        assert not server.app.state.compressor.wait_loaded(60)
+        assert not server.app.services.compressor.wait_loaded(60)
         r = post(server.url, [*history(40), QUESTION])
         assert r.headers["x-flashstack-compression-fallback"] == "unavailable"
         assert httpx.get(server.url + "/health/readiness").json()["compression"] == {"embedding_model": "failed"}

@@ -155,8 +155,8 @@ def test_through_the_gateway_a_served_smollm2_writes_the_summaries(upstreams):
     )
     server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
     try:
-        assert server.app.state.compressor.wait_loaded(120)
-        assert server.app.state.compressor.local.shared  # the served model's engine, not a second copy
+        assert server.app.services.compressor.wait_loaded(120)
+        assert server.app.services.compressor.local.shared  # the served model's engine, not a second copy
         ready = httpx.get(server.url + "/health/readiness", timeout=10).json()
         assert ready["compression"] == {"embedding_model": "ready", "summarizer": "ready"}
         messages = [{"role": m.role, "content": m.parts[0].text} for m in conversation(n=40).messages]

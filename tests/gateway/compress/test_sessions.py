@@ -80,7 +80,7 @@ class Gateway:
 
     def start(self) -> Gateway:
         self.server = FakeServer(create_app(self.config), lifespan="on", loop="uvloop").start()
-        assert self.server.app.state.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
+        assert self.server.app.services.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
         return self
 
     def stop(self) -> None:

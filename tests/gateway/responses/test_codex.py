@@ -114,7 +114,7 @@ def test_codex_exec_answers_from_smollm2_on_the_local_engine(codex, tmp_path):
     with FakeServer(app, lifespan="on") as gateway:
         done = _run(codex, gateway.url, tmp_path / "codex-home", work, SMOLLM2_NAME,
                     prompt="What is the capital of France?", small=True, timeout=300)
-        served = [r.summary() for r in app.state.requests.ring]
+        served = [r.summary() for r in app.services.requests.ring]
     assert done.returncode == 0, done.stderr[-2000:]
     assert "paris" in done.stdout.lower(), done.stdout
     assert "unrecognized configuration setting" not in done.stderr  # SMALL_MODEL_CONFIG is all Codex's own

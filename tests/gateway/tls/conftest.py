@@ -71,8 +71,7 @@ def openai_upstream():
 
 def tls_app(config: Config, tls: ServerTLS) -> FastAPI:
     """The gateway app plus two probe routes: who am I (the mTLS identity) and a slow finite stream."""
-    app = create_app(config)
-    app.state.tls = tls
+    app = create_app(config, tls=tls)
     app.state.hits = 0
 
     @app.get("/_test/whoami")
