@@ -28,7 +28,7 @@ log = logging.getLogger("flashstack.gateway")
 
 @dataclass(slots=True)
 class Services:
-    """Routing, compression, sessions and keys, the request log, and the server's TLS if it has one."""
+    """Routing, compression, sessions and keys, the request log, the server's TLS if any."""
 
     router: Router
     compressor: Compressor
@@ -38,23 +38,33 @@ class Services:
     tls: ServerTLS | None = None  # readiness reports its certificate
 
     @classmethod
-    async def start(cls, config: Config, router: Router | None = None, tracing: Tracing | None = None,
-                    tls: ServerTLS | None = None) -> Services:
+    async def start(
+        cls,
+        config: Config,
+        router: Router | None = None,
+        tracing: Tracing | None = None,
+        tls: ServerTLS | None = None,
+    ) -> Services:
         """Every part for `config`, started (`router`, `tracing`: given instead of built)."""
         router = router or Router(config.models, config.router, secrets=[config.auth.master_key])
         router.start()  # background health probes
         # Context compression. Its embedding model loads in a thread of its own, now with `preload`
-        # (readiness is 503 until then), else once a request first needs it; requests never wait.
+        # (readiness is 503 until then), else once a request first needs it; no request waits.
         compressor = Compressor(config.compression, config.state_dir, router)
         if config.compression.preload:
             compressor.start_loading()
         # Sessions, API keys and rate limits: the database is migrated before the first request.
         sessions = await open_sessions(config)
-        # The request log (a cost row per request, in the same database) and, when on, its traces.
-        requests = RequestLog.from_config(config, SpendStore(sessions.store.db),
-                                          tracing or Tracing.from_config(config.telemetry, os.environ))
+        # The request log (a cost row per request, in the same database) and, when on, traces.
+        requests = RequestLog.from_config(
+            config,
+            SpendStore(sessions.store.db),
+            tracing or Tracing.from_config(config.telemetry, os.environ),
+        )
         for name in requests.prices.unpriced:
-            log.warning("model %r has no price (spend.prices): its requests count as costing $0", name)
+            log.warning(
+                "model %r has no price (spend.prices): its requests count as costing $0", name
+            )
         return cls(router, compressor, sessions, sessions.auth, requests, tls)
 
     async def aclose(self) -> None:

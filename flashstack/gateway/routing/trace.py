@@ -26,7 +26,8 @@ class RouteTrace:
     usage: Usage | None = None  # the upstream's, once its reply (or the stream's Finish) is in
     ttft_ms: float | None = None  # streams: to the first token of the serving attempt
     error: str | None = None  # streams: why the stream broke off after its first token
-    tracing: telemetry.Tracing | None = None  # with `span`, the request's trace: attempts are its children
+    # With `span`, the request's trace: attempts are its children.
+    tracing: telemetry.Tracing | None = None
     span: object = None
 
     @classmethod

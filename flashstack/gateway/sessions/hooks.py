@@ -41,7 +41,8 @@ async def begin_turn(
         raise invalid_request("metadata.session_id must be a string", "metadata.session_id")
     idem = Idempotency.of(request.headers, request.url.path + "\0" + session_id, body)
     turn = await sessions.open_turn(caller, session_id, list(req.messages), idem, req.wire)
-    # Stored from the other wire, a message's wire-only fields cannot go: named in x-flashstack-dropped.
+    # Stored from the other wire, a message's wire-only fields cannot go: named in
+    # x-flashstack-dropped.
     history = codec.for_wire(turn.history, req.wire, req.exchange.dropped)
     req.messages = history + req.messages
     shift_pinned(req, len(history))  # `compression.pinned` keeps naming the caller's own messages
