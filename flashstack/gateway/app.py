@@ -21,7 +21,7 @@ from flashstack.gateway.browser_guard import BrowserGuard
 from flashstack.gateway.config import Config
 from flashstack.gateway.core import ErrorKind, GatewayError
 from flashstack.gateway.routing import Router
-from flashstack.gateway.services import Services
+from flashstack.gateway.services import Services, ServicesApp
 from flashstack.gateway.sessions import api as sessions_api
 from flashstack.gateway.sessions import hooks as session_hooks
 from flashstack.gateway.spend import SpendStore
@@ -156,7 +156,7 @@ def create_app(
     return app
 
 
-class GatewayApp(FastAPI):
+class GatewayApp(ServicesApp):
     """FastAPI, except that POSTs to the chat endpoints skip its middleware stack and route table.
 
     Those layers (error and exception middleware, telemetry and body-limit hooks, exit stack, a
@@ -166,7 +166,6 @@ class GatewayApp(FastAPI):
 
     chat_routes: dict[str, Callable[[Request], Awaitable[Response]]] = {}
     browser_guard: BrowserGuard | None = None  # auth off: foreign Host / Origin refused (browser_guard.py)
-    services: Services  # built by the lifespan, before the first request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.browser_guard is not None:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fastapi import FastAPI
+
 from flashstack.gateway.auth import Auth
 from flashstack.gateway.compress import Compressor
 from flashstack.gateway.config import Config
@@ -73,3 +75,9 @@ class Services:
         await self.sessions.aclose()
         await self.compressor.aclose()
         await self.router.aclose()
+
+
+class ServicesApp(FastAPI):
+    """A FastAPI app whose lifespan builds its `Services` before the first request."""
+
+    services: Services

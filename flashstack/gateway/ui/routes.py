@@ -12,7 +12,7 @@ import statistics
 import time
 from datetime import timedelta
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,13 +23,11 @@ from flashstack.gateway.config import Config
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.requestlog import RequestLog
 from flashstack.gateway.routing import Router
+from flashstack.gateway.services import ServicesApp
 from flashstack.gateway.sessions.db import messages, sessions
 from flashstack.gateway.sessions.store import message_json, session_json
 from flashstack.gateway.spend import SpendStore, periods
 from flashstack.gateway.ui.session import COOKIE, CSRF_HEADER, ConsoleSession, Signer
-
-if TYPE_CHECKING:
-    from flashstack.gateway.app import GatewayApp
 
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
 # The page runs only its own script and style: an injected <script> or inline handler does nothing.
@@ -79,7 +77,7 @@ def _off(config: Config) -> GatewayError:
     return GatewayError(ErrorKind.PERMISSION, f"the console is off: {why}", code="console_off")
 
 
-def add_console_routes(app: GatewayApp, config: Config) -> None:
+def add_console_routes(app: ServicesApp, config: Config) -> None:
     """Mount /ui (the page) and /ui/api (its JSON) on `app`."""
     console = Console(config)
 
