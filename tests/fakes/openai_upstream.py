@@ -207,8 +207,8 @@ def _tool_call(reply: Reply) -> dict:
     }
 
 
-def complete(reply: Reply, completion_id: str, model: str) -> dict:
-    """The non-stream ChatCompletion."""
+def complete(reply: Reply, completion_id: str, model: str, usage: bool = True) -> dict:
+    """The non-stream ChatCompletion (without `usage` when told so)."""
     message: dict = {"role": "assistant", "content": None, "refusal": None, "annotations": []}
     if reply.tool_call:
         message["tool_calls"] = [_tool_call(reply)]
@@ -220,11 +220,10 @@ def complete(reply: Reply, completion_id: str, model: str) -> dict:
         "logprobs": None,
         "finish_reason": FINISH_REASONS[reply.stop_reason],
     }
-    return {
-        **_envelope(completion_id, model, "chat.completion"),
-        "choices": [choice],
-        "usage": _usage(reply, reply.output_tokens),
-    }
+    body = {**_envelope(completion_id, model, "chat.completion"), "choices": [choice]}
+    if usage:
+        body["usage"] = _usage(reply, reply.output_tokens)
+    return body
 
 
 async def stream(
@@ -275,12 +274,16 @@ async def stream(
 
 
 def create_app(
-    *, api_key: str | None = None, models: Sequence[str] = MODELS, stream_usage: bool = True
+    *,
+    api_key: str | None = None,
+    models: Sequence[str] = MODELS,
+    stream_usage: bool = True,
+    reply_usage: bool = True,
 ) -> FastAPI:
     """A fresh fake; `api_key` set → only that bearer key is accepted (else any non-empty one).
 
     `stream_usage` False: streams carry no usage whatever stream_options asks, as llama.cpp's
-    server.
+    server. `reply_usage` False: whole replies carry none either (a proxy that strips it).
     """
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     init_state(app)
@@ -305,7 +308,7 @@ def create_app(
             if reply.fail_after is not None:
                 return error_response(500, index)
             return JSONResponse(
-                complete(reply, completion_id, body["model"]),
+                complete(reply, completion_id, body["model"], reply_usage),
                 headers={"x-request-id": request_id(index)},
             )
         include_usage = stream_usage and bool(

@@ -1,10 +1,11 @@
-"""A stream whose upstream reports no usage (llama.cpp's server never does): the gateway counts.
+"""A reply whose upstream reports no usage (llama.cpp's server never does in a stream; a proxy may
+strip it from a whole reply): the gateway counts.
 
-The upstream is the recording OpenAI fake with its streams' usage turned off. With the model's own
+The upstream is the recording OpenAI fake with its usage turned off. With the model's own
 tokenizer configured (the SmolLM2 GGUF, what llama.cpp would serve) the counts are that tokenizer's:
 the prompt through the chat template, the answer re-encoded; without one, the gateway's counter.
-Either way the client is told in the usage's `flashstack_estimate`, and spend is charged the same
-counts.
+Either way the client is told in the usage's `flashstack_estimate` (chat, messages and responses),
+and spend is charged the same counts. That tokenizer also answers /v1/messages/count_tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def gguf() -> str:
 
 @pytest.fixture(scope="module")
 def upstreams():
-    servers = {"silent": FakeServer(openai_upstream.create_app(stream_usage=False)).start(),
+    silent = openai_upstream.create_app(stream_usage=False, reply_usage=False)
+    servers = {"silent": FakeServer(silent).start(),
                "counting": FakeServer(openai_upstream.create_app()).start()}
     yield servers
     for s in servers.values():
@@ -176,3 +178,48 @@ def test_spend_is_charged_the_gateways_counts(upstreams, gguf, tmp_path):
     price = DEFAULT_PRICES["gpt-4o-mini"]  # the upstream model's price, whatever counted its tokens
     assert smol["cost_usd"] == pytest.approx((prompt * price.input + output * price.output) / 1e6, rel=1e-9)
     assert report["budgets"]["day"]["spent_usd"] == pytest.approx(smol["cost_usd"], rel=1e-6)
+
+
+def test_a_responses_client_is_told_the_counts_are_the_gateways(gateway, gguf):
+    prompt, output = smollm2_counts(gguf)
+    expected = {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
+                ESTIMATE_FIELD: "tokenizer"}
+    body = {"model": "smol", "max_output_tokens": 20, "input": QUESTION, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/responses", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        events = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    done = next(e for e in events if e["type"] == "response.completed")
+    assert expected.items() <= done["response"]["usage"].items()
+    r = httpx.post(gateway.url + "/v1/responses", json={**body, "stream": False}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert expected.items() <= r.json()["usage"].items()
+
+
+@pytest.mark.parametrize("model, counter", [("smol", "tokenizer"), ("mini", "cl100k_base")])
+def test_a_whole_reply_without_usage_is_counted_and_marked(gateway, gguf, model, counter):
+    prompt, output = smollm2_counts(gguf) if counter == "tokenizer" else cl100k_counts()
+    body = {"model": model, "max_tokens": 20, "messages": [{"role": "user", "content": QUESTION}]}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": prompt, "completion_tokens": output,
+                                 "total_tokens": prompt + output, ESTIMATE_FIELD: counter}
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
+    usage = client.messages.create(**body).usage
+    assert (usage.input_tokens, usage.output_tokens) == (prompt, output)
+    assert usage.model_extra[ESTIMATE_FIELD] == counter
+
+
+def test_an_upstreams_own_usage_in_a_whole_reply_passes_unmarked(gateway):
+    body = {"model": "reported", "max_tokens": 20,
+            "messages": [{"role": "user", "content": QUESTION}]}
+    usage = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30).json()["usage"]
+    assert ESTIMATE_FIELD not in usage and usage["completion_tokens"] > 0
+
+
+def test_count_tokens_counts_with_the_deployments_tokenizer(gateway, gguf):
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": QUESTION}]
+    count = client.messages.count_tokens(model="smol", messages=messages)
+    assert count.input_tokens == smollm2_counts(gguf)[0]
+    with pytest.raises(anthropic.BadRequestError, match="not available for model 'mini'"):
+        client.messages.count_tokens(model="mini", messages=messages)

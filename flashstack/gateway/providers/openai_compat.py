@@ -25,7 +25,7 @@ from flashstack.gateway.providers.http import (
     sse_events,
 )
 from flashstack.gateway.providers.upstream import Upstream
-from flashstack.gateway.providers.usage import AnswerText, counted_finish
+from flashstack.gateway.providers.usage import AnswerText, counted_finish, counted_response
 from flashstack.gateway.redact import Redactor
 from flashstack.gateway.translate import openai as t
 from flashstack.gateway.translate import responses_upstream as rt
@@ -94,8 +94,12 @@ class OpenAICompatProvider:
             self.client, "/chat/completions", body, t.upstream_error, headers_for(request, t.WIRE),
             request.exchange), self.upstream)
         keep = request.wire == t.WIRE  # the client gets the upstream's body whole
-        return self.upstream.translate(lambda b: t.response_from_json(b, keep, request.exchange.dropped), reply,
-                                       "a chat completion")
+        resp = self.upstream.translate(
+            lambda b: t.response_from_json(b, keep, request.exchange.dropped), reply,
+            "a chat completion")
+        if not reply.get("usage"):  # counted, as a stream without usage is (a proxy may strip it)
+            resp = await counted_response(resp, self.cfg, request)
+        return resp
 
     async def _responses_stream(self, request: ChatRequest) -> AsyncIterator[Event]:
         """A Responses client's request to an upstream that serves the Responses API: whole, both ways."""

@@ -159,13 +159,18 @@ def _stripped_part(p: Part, wire: str, dropped: set[str]) -> Part:
     return dataclasses.replace(p, **changes)
 
 
-def usage_json(u: Usage) -> dict[str, int]:
-    return {
+def usage_json(u: Usage) -> dict[str, int | str]:
+    body: dict[str, int | str] = {
         "input_tokens": u.input_tokens,
         "output_tokens": u.output_tokens,
         "cache_read_input_tokens": u.cache_read_input_tokens,
         "cache_creation_input_tokens": u.cache_creation_input_tokens,
     }
+    if u.reasoning_tokens:
+        body["reasoning_tokens"] = u.reasoning_tokens
+    if u.estimated:  # the gateway's count: a replay says so as the first reply did
+        body["estimated"] = u.estimated
+    return body
 
 
 def usage_from_json(d: dict[str, Any] | None) -> Usage:

@@ -636,15 +636,17 @@ def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
 
 _ESTIMATED_USAGE = """## Usage the gateway counts
 
-An upstream stream that ends without usage (llama.cpp's server sends none, whatever
-`stream_options` asks) is counted by the gateway: the prompt with the model's own tokenizer and chat
-template where the gateway has them (a `local` model, or a deployment's `tokenizer:` naming the GGUF
-or model directory its upstream serves), the answer as its text re-encoded; otherwise with the
-gateway's token counter (cl100k_base, or bytes / 3.6 without it). The usage the client gets (OpenAI's
-usage chunk, when it asked with `stream_options.include_usage`; Anthropic's `message_delta` usage)
-then carries `"flashstack_estimate": "<counter>"`: `tokenizer` (the model's own), `cl100k_base`,
-`claude-estimate` or `estimate`. Without that field the counts are the upstream's. Spend, budgets
-and tpm limits are charged the same counts.
+An upstream reply that comes without usage, streamed or not (llama.cpp's server sends none in a
+stream, whatever `stream_options` asks; a proxy may strip it from a whole reply), is counted by the
+gateway: the prompt with the model's own tokenizer and chat template where the gateway has them (a
+`local` model, or a deployment's `tokenizer:` naming the GGUF or model directory its upstream
+serves), the answer as its text re-encoded; otherwise with the gateway's token counter (cl100k_base,
+or bytes / 3.6 without it). The usage the client gets (a chat completion's `usage`, or OpenAI's usage
+chunk when it asked with `stream_options.include_usage`; Anthropic's `usage` or `message_delta`
+usage; a Responses `response.usage`) then carries `"flashstack_estimate": "<counter>"`: `tokenizer`
+(the model's own), `cl100k_base`, `claude-estimate` or `estimate`. Without that field the counts are
+the upstream's. Spend, budgets and tpm limits are charged the same counts, and a session's
+idempotent replay of such a reply carries the same field.
 """
 
 
@@ -672,8 +674,9 @@ def render_markdown() -> str:
         "`x-request-id` is the gateway's own (its routing trace).\n",
         _ESTIMATED_USAGE,
         "## `POST /v1/messages/count_tokens`\n\nForwarded to Anthropic upstreams (body as sent, model "
-        "renamed); counted with the model's own tokenizer for local models (`provider: local`); "
-        "otherwise a 400 saying that counting is not available for that model.\n",
+        "renamed); counted with the model's own tokenizer and chat template (tools included) for local "
+        "models (`provider: local`) and for deployments naming their model's `tokenizer:` (the GGUF "
+        "llama.cpp serves); otherwise a 400 saying that counting is not available for that model.\n",
     ]
     return "\n".join(sections)
 

@@ -288,6 +288,8 @@ def response_json(resp: ChatResponse, model: str) -> dict[str, Any]:
     if resp.raw is not None and resp.raw.wire == WIRE:
         body = resp.raw.items[0][1]
         body["model"] = model
+        if resp.usage.estimated and not body.get("usage"):  # the upstream sent none: ours
+            body["usage"] = usage_json(resp.usage)
         return body
     text = "".join(p.text for p in resp.content if isinstance(p, Text))
     tool_calls = [_stored_call_json(p) for p in resp.content if isinstance(p, ToolCall)]

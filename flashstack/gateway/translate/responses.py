@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from flashstack.gateway.core import (
+    ESTIMATE_FIELD,
     BlockStop,
     ChatRequest,
     ChatResponse,
@@ -359,13 +360,16 @@ def new_id(prefix: str) -> str:
 def usage_json(u: Usage) -> dict[str, Any]:
     # Like chat's prompt_tokens, input_tokens include cached ones; canonical input_tokens do not.
     prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
-    return {
+    body: dict[str, Any] = {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": u.cache_read_input_tokens},
         "output_tokens": u.output_tokens,
         "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": prompt + u.output_tokens,
     }
+    if u.estimated:  # the gateway's count, not the upstream's (providers/usage.py)
+        body[ESTIMATE_FIELD] = u.estimated
+    return body
 
 
 def envelope(opts: Options, resp_id: str, model: str, created: int, status: str,
