@@ -532,11 +532,11 @@ async def _iterate(events: list[Event]) -> AsyncIterator[Event]:
 
 def replay_events(resp: ChatResponse, wire: str | None = None) -> list[Event]:
     """A stored reply as the stream that would have carried it (idempotent stream replays); to an
-    Anthropic client each block goes as its own events, every key and block type included."""
+    Anthropic or OpenAI client as that wire's events, every key and block type included."""
     events: list[Event] = [Start(resp.id, resp.model, Usage(input_tokens=resp.usage.input_tokens))]
-    reasoning = resp.extra.get("reasoning_content") or resp.extra.get("reasoning")
-    if isinstance(reasoning, str) and reasoning:  # an OpenAI reply's, stored as its message key
-        events += [ThinkingDelta(len(resp.content), reasoning), BlockStop(len(resp.content))]
+    reasoning = openai_t.stored_reasoning(resp.extra)
+    if reasoning is not None:  # an OpenAI reply's, stored as its message key
+        events += [ThinkingDelta(len(resp.content), reasoning[1]), BlockStop(len(resp.content))]
     for i, part in enumerate(resp.content):
         block: list[Event] = []
         if isinstance(part, Text):
@@ -552,4 +552,7 @@ def replay_events(resp: ChatResponse, wire: str | None = None) -> list[Event]:
                 ev.raw = SAME_RAW
         events += block
     events.append(Finish(resp.stop_reason or StopReason.END_TURN, resp.usage, resp.stop_sequence))
+    if wire == openai_t.WIRE:  # as the upstream's chunks were: every key of the message and calls
+        for ev in events:
+            ev.raw = Raw(openai_t.WIRE, [("", chunk) for chunk in openai_t.replay_chunks(resp, ev)])
     return events

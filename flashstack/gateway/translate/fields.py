@@ -530,7 +530,9 @@ thinking and server tools' blocks included; OpenAI: the message with every key, 
 `annotations`, `audio`, `reasoning_content` and unknown ones included, and each tool call's own
 keys); across wires its text, thinking with its signature and tool calls, a list of blocks for
 Anthropic, a string for OpenAI. An idempotent retry (the same `Idempotency-Key`) gets that stored
-reply again, streamed or not, every block included. A session used from both wires sends a message's wire-only fields (OpenAI's
+reply again, streamed or not, every block and key included (streamed to an OpenAI client, the
+message's other keys in one delta before the finish and each tool call's own keys in its first
+delta, as the upstream's chunks carried them). A session used from both wires sends a message's wire-only fields (OpenAI's
 `name`, an image's `detail`, any unknown key; `cache_control` towards OpenAI) to its own wire only:
 to the other they are dropped and named in `x-flashstack-dropped` (`messages[].name`,
 `messages[].content[].image_url.detail`, …).

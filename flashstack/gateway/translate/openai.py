@@ -706,6 +706,53 @@ class MessageAccumulator:
         return assistant_message(message)
 
 
+def stored_reasoning(extra: dict[str, Any]) -> tuple[str, str] | None:
+    """A stored same-wire reply's reasoning, as (its message key, its text): streamed as deltas."""
+    for key in ("reasoning_content", "reasoning"):
+        if isinstance(extra.get(key), str) and extra[key]:
+            return key, extra[key]
+    return None
+
+
+def replay_chunks(resp: ChatResponse, ev: Event) -> list[dict[str, Any]]:
+    """A stored reply's replayed event as the chunks an OpenAI upstream streams (an idempotent
+    stream replay): each tool call's own keys in its first delta, the message's other keys (refusal,
+    annotations, audio, unknown ones) in one delta before the finish, then the usage chunk, which
+    the encoder removes for a client that did not ask."""
+    created = resp.created or int(time.time())
+    base = {"id": resp.id, "object": "chat.completion.chunk", "created": created,
+            "model": resp.model}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {**base, "choices": [choice]}
+
+    reasoning = stored_reasoning(resp.extra)
+    if isinstance(ev, Start):
+        return [chunk({"role": "assistant", "content": resp.extra.get("content", "")})]
+    if isinstance(ev, TextDelta):
+        return [chunk({"content": ev.text})]
+    if isinstance(ev, ThinkingDelta):
+        return [chunk({reasoning[0] if reasoning else "reasoning_content": ev.text})]
+    if isinstance(ev, ToolCallStart | ToolArgsDelta):
+        k = sum(isinstance(p, ToolCall) for p in resp.content[:ev.index])
+        if isinstance(ev, ToolArgsDelta):
+            return [chunk({"tool_calls": [{"index": k, "function": {"arguments": ev.fragment}}]})]
+        own = resp.content[ev.index].extra  # type: ignore[union-attr]
+        call = {**own, "index": k, "id": ev.id, "type": "function",
+                "function": {"name": ev.name, "arguments": ""}}
+        return [chunk({"tool_calls": [call]})]
+    if isinstance(ev, Finish):
+        streamed = {"role", "content", *(reasoning[:1] if reasoning else ())}
+        rest = {k: v for k, v in resp.extra.items() if k not in streamed}
+        chunks = [chunk(rest)] if rest else []
+        chunks.append(chunk({}, FINISH_REASON[ev.stop_reason]))
+        if not ev.usage.estimated:  # an estimate's usage chunk the encoder adds itself
+            chunks.append({**base, "choices": [], "usage": usage_json(ev.usage)})
+        return chunks
+    return []
+
+
 def _merge(into: dict[str, Any], delta: dict[str, Any]) -> None:
     for k, v in delta.items():
         have = into.get(k)

@@ -256,3 +256,63 @@ def _openai_events(message: dict) -> list[tuple[str, dict]]:
         events += [chunk({"tool_calls": [{"index": k, "function": {"arguments": args[i:i + 5]}}]})
                    for i in range(0, len(args), 5)]
     return [*events, chunk({}, "tool_calls")]
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["no-usage", "usage"])
+def test_an_idempotent_openai_stream_replay_carries_every_key(
+    session_gateway, upstream, include_usage
+):
+    reply = samples.openai_response()
+    reply["choices"][0]["message"] = OPENAI_REPLY_MESSAGE
+    events = _openai_events(OPENAI_REPLY_MESSAGE)
+    upstream["openai"].app.state.reply = canned.Reply(body=reply, events=events)
+    with httpx.Client(base_url=session_gateway.url, headers=HEADERS, timeout=20) as c:
+        sid = c.post("/v1/sessions", json={"model": "oai"}).json()["id"]
+        body = {"model": "oai", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
+        headers = {"x-session-id": sid, "idempotency-key": f"replay-{sid}"}
+        sent = len(upstream["openai"].requests)
+        first, again = (_streamed_chunks(c, body, headers) for _ in range(2))
+    assert len(upstream["openai"].requests) == sent + 1  # the retry was answered from the store
+    assert _streamed_message(first) == OPENAI_REPLY_MESSAGE
+    assert _streamed_message(again) == _streamed_message(first)
+    assert [c["choices"][0]["finish_reason"] for c in again if c["choices"]][-1] == "tool_calls"
+    usages = [[c["usage"] for c in chunks if c.get("usage")] for chunks in (first, again)]
+    assert usages[1] == usages[0] and len(usages[0]) == include_usage
+    # The events carry no usage: the gateway counted, and the replay says so as the first reply did
+    assert all(u["flashstack_estimate"] for u in usages[1])
+
+
+def _streamed_chunks(c: httpx.Client, body: dict, headers: dict) -> list[dict]:
+    with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _streamed_message(chunks: list[dict]) -> dict:
+    """The message a client assembles from Chat Completions chunks: strings appended, lists
+    extended, any other key as its last non-null value; tool calls by their index."""
+    message: dict = {}
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = dict(choice["delta"])
+            for call in delta.pop("tool_calls", None) or []:
+                into = calls.setdefault(call["index"], {"function": {"arguments": ""}})
+                fn = call.get("function", {})
+                into["function"]["arguments"] += fn.get("arguments", "")
+                into["function"].update({k: v for k, v in fn.items() if k != "arguments"})
+                into.update({k: v for k, v in call.items() if k not in ("index", "function")})
+            for k, v in delta.items():
+                if isinstance(v, str) and isinstance(message.get(k), str) and k != "role":
+                    message[k] += v
+                elif isinstance(v, list) and isinstance(message.get(k), list):
+                    message[k] += v
+                elif v is not None or k not in message:
+                    message[k] = v
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message
