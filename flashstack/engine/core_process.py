@@ -29,6 +29,7 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
 
+from flashstack.engine.gguf import GGUFError
 from flashstack.engine.llm import EngineInfo, EngineStats, Prompt, model_name
 from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
@@ -146,6 +147,9 @@ def _core_main(
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     try:
         core = _Core(model, kwargs, out)
+    except GGUFError as exc:  # the user's file, not a crash: the parent raises it as it is
+        out.send(("bad_model", str(exc)))
+        return
     except BaseException:
         out.send(("fatal", traceback.format_exc()))
         return
@@ -197,6 +201,9 @@ class EngineCoreClient:
             self._proc.kill()
             raise EngineCoreError(f"the engine core did not start in {startup_timeout_s:.0f} s")
         msg = self._recv_or_exit()
+        if msg[0] == "bad_model":
+            self._proc.join(10)
+            raise GGUFError(msg[1])
         if msg[0] == "fatal":
             self._proc.join(10)
             raise EngineCoreError(f"the engine core failed to start:\n{msg[1]}")
