@@ -50,12 +50,21 @@ class Accounting:
         self.record.key_id = self.caller.key_id
         return self.caller
 
-    async def admit(self, model: str, prompt: str | list[str] | list[int] | list[list[int]],
-                    max_tokens: int, stream: bool = False) -> ChatRequest:
+    async def admit(
+        self,
+        model: str,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        max_tokens: int,
+        stream: bool = False,
+    ) -> ChatRequest:
         """Count the request against the key (403 for a model it may not use, 429 over its limits or
         budget), holding what it may cost; the canonical request that the router and spans see."""
-        req = ChatRequest(model=model, messages=[Message("user", [Text(_text_of(prompt))])],
-                          max_tokens=max_tokens, stream=stream)
+        req = ChatRequest(
+            model=model,
+            messages=[Message("user", [Text(_text_of(prompt))])],
+            max_tokens=max_tokens,
+            stream=stream,
+        )
         self.record.request(req, operation=self.operation)
         self.auth.check_model(self.caller, model)
         self.reservation = await self.auth.admit(self.caller, req)
@@ -63,7 +72,8 @@ class Accounting:
         return req
 
     async def finish(self, usage: Usage | None) -> None:
-        """Settle the key's holds with the reply's usage (its estimate when the upstream gave none)."""
+        """Settle the key's holds with the reply's usage (its estimate when the
+        upstream gave none)."""
         if usage is not None:
             self.trace.usage = usage
         self.reservation.served_by = self.trace.served_by
@@ -73,7 +83,9 @@ class Accounting:
         """Settle a request that ended without usage (free unless output had gone out)."""
         await self.reservation.abandon(self.output_bytes)
 
-    async def settled(self, chunks: AsyncIterator[bytes], usage: Callable[[], Usage | None]) -> AsyncIterator[bytes]:
+    async def settled(
+        self, chunks: AsyncIterator[bytes], usage: Callable[[], Usage | None]
+    ) -> AsyncIterator[bytes]:
         """`chunks`, counted as they go out; at their end the holds settle with `usage()`, or, cut
         short (the client left, the upstream broke off), as abandoned."""
         done = False
@@ -90,11 +102,15 @@ class Accounting:
 
 
 def _text_of(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
-    """The prompt as the text the key's limits are estimated from (a token id as BYTES_PER_TOKEN bytes)."""
+    """The prompt as the text the key's limits are estimated from (a token id as
+    BYTES_PER_TOKEN bytes)."""
     if isinstance(prompt, str):
         return prompt
     per_token = math.ceil(tokens.BYTES_PER_TOKEN)
-    parts = [p if isinstance(p, str) else "x" * (per_token * (len(p) if isinstance(p, list) else 1)) for p in prompt]
+    parts = [
+        p if isinstance(p, str) else "x" * (per_token * (len(p) if isinstance(p, list) else 1))
+        for p in prompt
+    ]
     return "\n".join(parts)
 
 
@@ -105,9 +121,13 @@ def usage_of(reply: Any) -> Usage | None:
         return None
     details = u.get("prompt_tokens_details")
     cached = _count(details, "cached_tokens") if isinstance(details, dict) else 0
-    # Canonical input tokens exclude the cached ones (core.Usage); OpenAI's prompt_tokens include them.
-    return Usage(input_tokens=max(0, _count(u, "prompt_tokens") - cached),
-                 output_tokens=_count(u, "completion_tokens"), cache_read_input_tokens=cached)
+    # Canonical input tokens exclude the cached ones (core.Usage); OpenAI's
+    # prompt_tokens include them.
+    return Usage(
+        input_tokens=max(0, _count(u, "prompt_tokens") - cached),
+        output_tokens=_count(u, "completion_tokens"),
+        cache_read_input_tokens=cached,
+    )
 
 
 def _count(fields: dict[str, Any], name: str) -> int:
@@ -119,10 +139,13 @@ Handler = Callable[[Accounting], Awaitable[Response]]
 
 
 async def serve(request: Request, services: Services, operation: str, handler: Handler) -> Response:
-    """Run `handler` with the request's accounting; the request log gets the request when it ends."""
+    """Run `handler` with the request's accounting; the request log gets the request
+    when it ends."""
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
     requests = services.requests
-    record = requests.begin(trace, chat.OPENAI.name, request.method, request.url.path, request.headers)
+    record = requests.begin(
+        trace, chat.OPENAI.name, request.method, request.url.path, request.headers
+    )
     acct = Accounting(request, services.auth, trace, record, operation)
     try:
         response = await handler(acct)
@@ -136,7 +159,9 @@ async def serve(request: Request, services: Services, operation: str, handler: H
     except Exception:
         log.exception("unexpected error serving a %s request", operation)
         await acct.abandon()
-        response = chat.error_response(chat.OPENAI, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log"))
+        response = chat.error_response(
+            chat.OPENAI, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log")
+        )
     response.headers.update(trace.headers())
     dropped = response.headers.get("x-flashstack-dropped")
     if isinstance(response, EventStream):

@@ -45,8 +45,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
         app.services = await Services.start(config, router, tracing, tls)
-        # Everything loaded so far lives as long as the process: out of the collector's sight, a full
-        # collection scans only what requests allocate (it took ~65 ms, the p99 under load).
+        # Everything loaded so far lives as long as the process: out of the collector's sight, a
+        # full collection scans only what requests allocate (it took ~65 ms, the p99 under load).
         gc.collect()
         gc.freeze()
         yield
@@ -55,8 +55,11 @@ def create_app(
     app = GatewayApp(title="flashstack gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.browser_guard = BrowserGuard.from_config(config)
     limits = chat.Limits(
-        config.server.max_body_bytes, config.server.stream_queue_size, config.server.stream_ping_interval,
-        vision=config.vision, max_json_depth=config.server.max_json_depth,
+        config.server.max_body_bytes,
+        config.server.stream_queue_size,
+        config.server.stream_ping_interval,
+        vision=config.vision,
+        max_json_depth=config.server.max_json_depth,
     )
 
     _add_session_routes(app, limits)
@@ -86,7 +89,12 @@ def create_app(
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> Response:
         return await count_tokens.handle(request, app.services, limits)
-    app.chat_routes = {**app.chat_routes, "/v1/chat/completions": chat_completions, "/v1/messages": messages}
+
+    app.chat_routes = {
+        **app.chat_routes,
+        "/v1/chat/completions": chat_completions,
+        "/v1/messages": messages,
+    }
 
     # With auth on, every route but liveness needs a key (401 in the caller's format, by the handler
     # of GatewayError below); a key limited to some models sees only those.
@@ -101,8 +109,12 @@ def create_app(
         router: Router = app.services.router
         listed = model_id in router.groups or model_id == embeddings.MINILM
         if not listed or not may_use(caller, model_id):
-            err = GatewayError(ErrorKind.NOT_FOUND, f"model {model_id!r} does not exist", param="model",
-                               code="model_not_found")
+            err = GatewayError(
+                ErrorKind.NOT_FOUND,
+                f"model {model_id!r} does not exist",
+                param="model",
+                code="model_not_found",
+            )
             return chat.error_response(_wire_of(request), err)
         return chat.json_response(model_json(model_id, router))
 
@@ -124,7 +136,8 @@ def create_app(
         ready = all(any(d["ok"] for d in deps) for deps in report.values()) if report else False
         body: dict[str, object] = {"models": report}
         tls = app.services.tls  # the ServerTLS `serve` listens with
-        if tls is not None:  # a renewal failing is a warning; only an expired certificate is unready
+        # a renewal failing is a warning; only an expired certificate is unready
+        if tls is not None:
             body["tls"] = tls_report = tls.status()
             ready = ready and tls_report["status"] != "expired"
         compression = app.services.compressor.state  # idle | loading | ready | failed
@@ -133,9 +146,12 @@ def create_app(
         if (summarizer := app.services.compressor.summarizer_state) is not None:
             states["summarizer"] = summarizer  # failed: summaries stay extractive
             ready = ready and summarizer != "loading"
-        # Deployment ids and probe errors name upstreams: the detail is the master key's (or auth off).
+        # Deployment ids and probe errors name upstreams: the detail is the master
+        # key's (or auth off).
         detail = body if caller.admin or caller == ANONYMOUS else {}
-        return chat.json_response({"status": "ready" if ready else "degraded", **detail}, 200 if ready else 503)
+        return chat.json_response(
+            {"status": "ready" if ready else "degraded", **detail}, 200 if ready else 503
+        )
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
@@ -144,13 +160,19 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:  # an unknown route, not a model: no model_not_found
-            err = GatewayError(ErrorKind.NOT_FOUND, f"{request.method} {request.url.path} is not a route of this "
-                               "gateway (it serves /v1/chat/completions, /v1/messages, /v1/responses, /v1/models, "
-                               "/v1/sessions)",
-                               code="not_found")
+            err = GatewayError(
+                ErrorKind.NOT_FOUND,
+                f"{request.method} {request.url.path} is not a route of this "
+                "gateway (it serves /v1/chat/completions, /v1/messages, /v1/responses, /v1/models, "
+                "/v1/sessions)",
+                code="not_found",
+            )
         else:
-            err = GatewayError(ErrorKind.INVALID_REQUEST, f"{request.method} {request.url.path}: {exc.detail}",
-                               status=exc.status_code)
+            err = GatewayError(
+                ErrorKind.INVALID_REQUEST,
+                f"{request.method} {request.url.path}: {exc.detail}",
+                status=exc.status_code,
+            )
         return chat.error_response(_wire_of(request), err)
 
     return app
@@ -165,7 +187,8 @@ class GatewayApp(ServicesApp):
     """
 
     chat_routes: dict[str, Callable[[Request], Awaitable[Response]]] = {}
-    browser_guard: BrowserGuard | None = None  # auth off: foreign Host / Origin refused (browser_guard.py)
+    # auth off: foreign Host / Origin refused (browser_guard.py)
+    browser_guard: BrowserGuard | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.browser_guard is not None:
@@ -188,11 +211,12 @@ class GatewayApp(ServicesApp):
 def _route_path(scope: Scope) -> str:
     """The path the route table would match: without the root path a proxy mounted us under."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _add_responses_routes(app: GatewayApp, limits: chat.Limits) -> None:
-    """The OpenAI Responses API (responses.py): POST served like the chat routes, stored ones read back."""
+    """The OpenAI Responses API (responses.py): POST served like the chat routes, stored
+    ones read back."""
 
     async def create_response(request: Request) -> Response:
         return await responses.handle(request, app.services, limits)
@@ -269,13 +293,17 @@ def _add_session_routes(app: GatewayApp, limits: chat.Limits) -> None:
             auth.require_admin(caller)
         key = await auth.keys.get(key_id)
         if key is None:
-            raise GatewayError(ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id")
+            raise GatewayError(
+                ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id"
+            )
         await app.services.requests.flush()  # rows still in the write buffer count too
         return chat.json_response(await spend.key_spend(SpendStore(auth.keys.db), key))
 
 
 def _wire_of(request: Request) -> chat.WireFormat:
-    is_anthropic = request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+    is_anthropic = (
+        request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+    )
     return chat.ANTHROPIC if is_anthropic else chat.OPENAI
 
 
@@ -298,7 +326,10 @@ def model_json(name: str, router: Router) -> dict[str, object]:
 
 
 def models_json(router: Router, caller: Caller = ANONYMOUS) -> dict[str, object]:
-    names = [*router.model_names(), *([embeddings.MINILM] if embeddings.MINILM not in router.groups else [])]
+    names = [
+        *router.model_names(),
+        *([embeddings.MINILM] if embeddings.MINILM not in router.groups else []),
+    ]
     data = [model_json(name, router) for name in names if may_use(caller, name)]
     return {
         "object": "list",

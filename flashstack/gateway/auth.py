@@ -75,7 +75,9 @@ class Hold:
 
 
 class Limiter(Protocol):
-    async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
+    async def admit(
+        self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None
+    ) -> float | None:
         """Count one request and take `hold` if the key's limits allow both; otherwise the seconds
         until they would (nothing is counted then)."""
 
@@ -97,7 +99,9 @@ class LocalLimiter:
         self.hold_ttl = hold_ttl
         self._keys: dict[str, _KeyWindow] = {}
 
-    async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
+    async def admit(
+        self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None
+    ) -> float | None:
         # No await in here: the check and the count are one step for every other task of this loop.
         now = time.monotonic()
         w = self._keys.setdefault(key_id, _KeyWindow())
@@ -143,7 +147,8 @@ class _KeyWindow:
     held: int = 0  # the sum of `holds`
 
     def trim(self, start: float, now: float) -> None:
-        """Drop what left the window at `start`, and holds past their expiry (a leak's safety net)."""
+        """Drop what left the window at `start`, and holds past their expiry (a
+        leak's safety net)."""
         while self.requests and self.requests[0] <= start:
             self.requests.popleft()
         while self.tokens and self.tokens[0][0] <= start:
@@ -154,11 +159,17 @@ class _KeyWindow:
 
 
 def token_wait(
-    entries: Iterable[tuple[float, int]], used: int, held: int, need: int, tpm: int, now: float, window: float
+    entries: Iterable[tuple[float, int]],
+    used: int,
+    held: int,
+    need: int,
+    tpm: int,
+    now: float,
+    window: float,
 ) -> float | None:
-    """None if `need` more tokens fit within `tpm` beside the `used` tokens of the window's `entries`
-    (oldest first) and the `held` ones, else the seconds until enough entries leave the window
-    (HOLD_RETRY when only requests in flight, whose end no clock can tell, stand in the way).
+    """None if `need` more tokens fit within `tpm` beside the `used` tokens of the window's
+    `entries` (oldest first) and the `held` ones, else the seconds until enough entries leave the
+    window (HOLD_RETRY when only requests in flight, whose end no clock can tell, stand in the way).
     The Lua script below is the same rule."""
     over = used + held + need - tpm
     if over <= 0:
@@ -204,10 +215,14 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 # KEYS: req, tok, hold, sum. ARGV: rpm (0 = none), tpm (0 = none), window ms, request member, hold
-# member ('' = none), hold tokens, hold ttl ms, HOLD_RETRY ms, key ttl ms. Redis' own clock, so replicas with
-# skewed clocks still share one window; one script, so the check and the count are one step.
-_ADMIT = _LUA_HELPERS + """
-local rpm, tpm, window, need = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[6])
+# member ('' = none), hold tokens, hold ttl ms, HOLD_RETRY ms, key ttl ms. Redis' own clock, so
+# replicas with skewed clocks still share one window; one script, so the check and the count are one
+# step.
+_ADMIT = (
+    _LUA_HELPERS
+    + """
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local window, need = tonumber(ARGV[3]), tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 if rpm > 0 and redis.call('ZCARD', KEYS[1]) >= rpm then
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
@@ -239,9 +254,12 @@ end
 touch(tonumber(ARGV[9]))
 return false
 """
+)
 
 # KEYS: req, tok, hold, sum. ARGV: hold member, used member ('' = none), key ttl ms.
-_SETTLE = _LUA_HELPERS + """
+_SETTLE = (
+    _LUA_HELPERS
+    + """
 local held = total(KEYS[3], 'hold')
 if redis.call('ZREM', KEYS[3], ARGV[1]) == 1 then
   redis.call('HSET', KEYS[4], 'hold', held - tokens_of(ARGV[1]))
@@ -254,12 +272,16 @@ end
 touch(tonumber(ARGV[3]))
 return 1
 """
+)
 
 
 class RedisLimiter:
-    """Sliding windows and holds in Redis, checked and counted atomically by one script per request."""
+    """Sliding windows and holds in Redis, checked and counted atomically by one
+    script per request."""
 
-    def __init__(self, url: str, prefix: str, window: float = WINDOW, hold_ttl: float = HOLD_TTL) -> None:
+    def __init__(
+        self, url: str, prefix: str, window: float = WINDOW, hold_ttl: float = HOLD_TTL
+    ) -> None:
         import redis.asyncio as redis
 
         self.redis = redis.from_url(url)
@@ -274,16 +296,29 @@ class RedisLimiter:
         base = f"{self.prefix}{{{key_id}}}"  # hash tag: one key's sets share a cluster slot
         return [f"{base}:req", f"{base}:tok", f"{base}:hold", f"{base}:sum"]
 
-    async def admit(self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None) -> float | None:
+    async def admit(
+        self, key_id: str, rpm: int | None, tpm: int | None, hold: Hold | None = None
+    ) -> float | None:
         member, need = (hold.member, hold.tokens) if hold is not None else ("", 0)
-        args = [rpm or 0, tpm or 0, self.window_ms, uuid.uuid4().hex, member, need, self.hold_ttl_ms,
-                int(HOLD_RETRY * 1000), self.key_ttl_ms]
+        args = [
+            rpm or 0,
+            tpm or 0,
+            self.window_ms,
+            uuid.uuid4().hex,
+            member,
+            need,
+            self.hold_ttl_ms,
+            int(HOLD_RETRY * 1000),
+            self.key_ttl_ms,
+        ]
         wait = await self._admit(keys=self._keys(key_id), args=args)
         return None if wait is None else max(float(wait) / 1000, 0.001)
 
     async def settle(self, key_id: str, hold: Hold, used: int) -> None:
         used_member = f"{uuid.uuid4().hex}:{used}" if used > 0 else ""
-        await self._settle(keys=self._keys(key_id), args=[hold.member, used_member, self.key_ttl_ms])
+        await self._settle(
+            keys=self._keys(key_id), args=[hold.member, used_member, self.key_ttl_ms]
+        )
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -295,10 +330,16 @@ class RedisLimiter:
 def request_tokens(req: ChatRequest, output_reserve: int) -> tuple[int, int]:
     """(prompt, prompt + output): the tokens `req` is expected to cost, estimated from its bytes
     (no tokenizer is loaded on this path) and its max_tokens, or `output_reserve` without one."""
-    n_bytes = len(tokens.fixed_text(req).encode()) + sum(len(tokens.message_text(m).encode()) for m in req.messages)
+    n_bytes = len(tokens.fixed_text(req).encode()) + sum(
+        len(tokens.message_text(m).encode()) for m in req.messages
+    )
     images = sum(tokens.image_count(m) for m in req.messages)
-    prompt = (math.ceil(n_bytes / tokens.BYTES_PER_TOKEN) + tokens.PER_IMAGE * images
-              + tokens.PER_MESSAGE * len(req.messages) + tokens.PER_REQUEST)
+    prompt = (
+        math.ceil(n_bytes / tokens.BYTES_PER_TOKEN)
+        + tokens.PER_IMAGE * images
+        + tokens.PER_MESSAGE * len(req.messages)
+        + tokens.PER_REQUEST
+    )
     return prompt, prompt + (req.max_tokens or output_reserve)
 
 
@@ -321,7 +362,8 @@ class Reservation:
         return self.hold is not None or self.budget is not None
 
     async def settle(self, used: int) -> None:
-        """Replace the hold by the tokens the request really used (0 when it failed before any output)."""
+        """Replace the hold by the tokens the request really used (0 when it failed
+        before any output)."""
         if self.settled or self.hold is None or self.limiter is None:
             return
         self.settled = True
@@ -331,7 +373,9 @@ class Reservation:
         """Settle a request that ended with its usage; an upstream that reported none is charged
         the estimate of what it produced, not nothing."""
         used = usage.input_tokens + usage.output_tokens
-        await self.settle(used or self.prompt_tokens + math.ceil(output_bytes / tokens.BYTES_PER_TOKEN))
+        await self.settle(
+            used or self.prompt_tokens + math.ceil(output_bytes / tokens.BYTES_PER_TOKEN)
+        )
         if self.budget is not None:
             await self.budget.settle(self._cost(usage, output_bytes))
 
@@ -343,12 +387,14 @@ class Reservation:
         reported = usage.input_tokens + usage.output_tokens + usage.cache_read_input_tokens
         if reported + usage.cache_creation_input_tokens:
             return price.cost(usage)
-        return price.cost(Usage(self.prompt_tokens, math.ceil(output_bytes / tokens.BYTES_PER_TOKEN)))
+        return price.cost(
+            Usage(self.prompt_tokens, math.ceil(output_bytes / tokens.BYTES_PER_TOKEN))
+        )
 
     async def abandon(self, output_bytes: int) -> None:
-        """Settle a request that ended without its usage: nothing if no output had gone out yet; after
-        output began (a stream the client cancelled, or the upstream cut off), the whole hold, or what
-        was produced if that is more — the upstream bills what it generated, seen or not."""
+        """Settle a request that ended without its usage: nothing if no output had gone out yet;
+        after output began (a stream the client cancelled, or the upstream cut off), the whole hold,
+        or what was produced if that is more — the upstream bills what it generated, seen or not."""
         if self.budget is not None:  # after output began: the most it could have cost
             await self.budget.settle(self.budget.need / NANO if output_bytes > 0 else 0.0)
         if self.hold is None:
@@ -364,9 +410,16 @@ def budget_bounds(req: ChatRequest, output_reserve: int) -> tuple[int, int]:
     """(prompt, output) tokens no upstream can exceed for `req`: every token is at least one byte of
     its text (images and framing counted as for tpm); the output is max_tokens, or `output_reserve`
     without one (then a bound only by convention: such a request may cost more than it held)."""
-    n_bytes = len(tokens.fixed_text(req).encode()) + sum(len(tokens.message_text(m).encode()) for m in req.messages)
+    n_bytes = len(tokens.fixed_text(req).encode()) + sum(
+        len(tokens.message_text(m).encode()) for m in req.messages
+    )
     images = sum(tokens.image_count(m) for m in req.messages)
-    prompt = n_bytes + tokens.PER_IMAGE * images + tokens.PER_MESSAGE * len(req.messages) + tokens.PER_REQUEST
+    prompt = (
+        n_bytes
+        + tokens.PER_IMAGE * images
+        + tokens.PER_MESSAGE * len(req.messages)
+        + tokens.PER_REQUEST
+    )
     return prompt, req.max_tokens or output_reserve
 
 
@@ -424,10 +477,18 @@ class KeyStore:
         check_budgets(budget_day_usd, budget_month_usd)
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         row = {
-            "id": "key_" + uuid.uuid4().hex[:16], "name": name, "key_hash": hash_key(secret),
-            "prefix": secret[:10], "models": orjson.dumps(models).decode() if models is not None else None,
-            "rpm": rpm, "tpm": tpm, "expires_at": expires_at, "created_at": time.time(), "revoked_at": None,
-            "budget_day_usd": budget_day_usd, "budget_month_usd": budget_month_usd,
+            "id": "key_" + uuid.uuid4().hex[:16],
+            "name": name,
+            "key_hash": hash_key(secret),
+            "prefix": secret[:10],
+            "models": orjson.dumps(models).decode() if models is not None else None,
+            "rpm": rpm,
+            "tpm": tpm,
+            "expires_at": expires_at,
+            "created_at": time.time(),
+            "revoked_at": None,
+            "budget_day_usd": budget_day_usd,
+            "budget_month_usd": budget_month_usd,
         }
         async with self.db.write() as conn:
             await conn.execute(api_keys.insert().values(**row))
@@ -435,18 +496,29 @@ class KeyStore:
 
     async def list(self) -> list[dict[str, Any]]:
         async with self.db.read() as conn:
-            rows = (await conn.execute(api_keys.select().order_by(api_keys.c.created_at))).mappings().all()
+            rows = (
+                (await conn.execute(api_keys.select().order_by(api_keys.c.created_at)))
+                .mappings()
+                .all()
+            )
         return [key_json(r) for r in rows]
 
     async def revoke(self, key_id: str) -> dict[str, Any]:
         async with self.db.write() as conn:
             await conn.execute(
-                api_keys.update().where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+                api_keys.update()
+                .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
                 .values(revoked_at=time.time())
             )
-            row = (await conn.execute(api_keys.select().where(api_keys.c.id == key_id))).mappings().first()
+            row = (
+                (await conn.execute(api_keys.select().where(api_keys.c.id == key_id)))
+                .mappings()
+                .first()
+            )
         if row is None:
-            raise GatewayError(ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id")
+            raise GatewayError(
+                ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id"
+            )
         return key_json(row)
 
     async def update(self, key_id: str, changes: dict[str, Any]) -> dict[str, Any]:
@@ -454,55 +526,90 @@ class KeyStore:
         its secret and what it spent stay. 404 for an unknown key, 400 for a revoked one."""
         unknown = sorted(set(changes) - set(UPDATABLE))
         if unknown:
-            raise invalid_request(f"{unknown[0]} cannot be changed; send any of {', '.join(UPDATABLE)}", unknown[0])
+            raise invalid_request(
+                f"{unknown[0]} cannot be changed; send any of {', '.join(UPDATABLE)}", unknown[0]
+            )
         if not changes:
             raise invalid_request(f"nothing to change: send any of {', '.join(UPDATABLE)}")
         row = await self.get(key_id)
         if row is None:
-            raise GatewayError(ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id")
+            raise GatewayError(
+                ErrorKind.NOT_FOUND, f"API key {key_id!r} does not exist", param="key_id"
+            )
         if row["revoked_at"] is not None:
-            raise invalid_request(f"API key {key_id} was revoked and cannot be changed; create a new one", "key_id")
-        check_key_fields(changes.get("name", row["name"]), changes.get("models"), changes.get("rpm"),
-                         changes.get("tpm"), changes.get("expires_at"))
+            raise invalid_request(
+                f"API key {key_id} was revoked and cannot be changed; create a new one", "key_id"
+            )
+        check_key_fields(
+            changes.get("name", row["name"]),
+            changes.get("models"),
+            changes.get("rpm"),
+            changes.get("tpm"),
+            changes.get("expires_at"),
+        )
         check_budgets(changes.get("budget_day_usd"), changes.get("budget_month_usd"))
         values = dict(changes)
         if "models" in values:
-            values["models"] = None if values["models"] is None else orjson.dumps(values["models"]).decode()
+            values["models"] = (
+                None if values["models"] is None else orjson.dumps(values["models"]).decode()
+            )
         async with self.db.write() as conn:
             await conn.execute(api_keys.update().where(api_keys.c.id == key_id).values(**values))
-            row = (await conn.execute(api_keys.select().where(api_keys.c.id == key_id))).mappings().first()
+            row = (
+                (await conn.execute(api_keys.select().where(api_keys.c.id == key_id)))
+                .mappings()
+                .first()
+            )
         return key_json(row)
 
     async def get(self, key_id: str) -> Any:
         async with self.db.read() as conn:
-            return (await conn.execute(api_keys.select().where(api_keys.c.id == key_id))).mappings().first()
+            return (
+                (await conn.execute(api_keys.select().where(api_keys.c.id == key_id)))
+                .mappings()
+                .first()
+            )
 
     async def find(self, secret: str) -> Any:
         async with self.db.read() as conn:
-            return (await conn.execute(
-                api_keys.select().where(api_keys.c.key_hash == hash_key(secret))
-            )).mappings().first()
+            return (
+                (
+                    await conn.execute(
+                        api_keys.select().where(api_keys.c.key_hash == hash_key(secret))
+                    )
+                )
+                .mappings()
+                .first()
+            )
 
 
-def check_key_fields(
-    name: Any, models: Any, rpm: Any, tpm: Any, expires_at: Any
-) -> None:
+def check_key_fields(name: Any, models: Any, rpm: Any, tpm: Any, expires_at: Any) -> None:
     if not isinstance(name, str) or not 1 <= len(name) <= 200:
         raise invalid_request("name must be a string of 1 to 200 characters", "name")
-    if models is not None and not (isinstance(models, list) and all(isinstance(m, str) for m in models)):
-        raise invalid_request("models must be a list of model names (or null for every model)", "models")
-    for field, v in (("rpm", rpm), ("tpm", tpm)):
+    if models is not None and not (
+        isinstance(models, list) and all(isinstance(m, str) for m in models)
+    ):
+        raise invalid_request(
+            "models must be a list of model names (or null for every model)", "models"
+        )
+    for name, v in (("rpm", rpm), ("tpm", tpm)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise invalid_request(f"{field} must be a positive integer (or null for no limit)", field)
-    if expires_at is not None and (isinstance(expires_at, bool) or not isinstance(expires_at, int | float)):
+            raise invalid_request(f"{name} must be a positive integer (or null for no limit)", name)
+    if expires_at is not None and (
+        isinstance(expires_at, bool) or not isinstance(expires_at, int | float)
+    ):
         raise invalid_request("expires_at must be a unix time in seconds", "expires_at")
 
 
 def check_budgets(day: Any, month: Any) -> None:
     for field_name, v in (("budget_day_usd", day), ("budget_month_usd", month)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e9):
-            raise invalid_request(f"{field_name} must be a positive number of US dollars (or null for none)",
-                                  field_name)
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e9
+        ):
+            raise invalid_request(
+                f"{field_name} must be a positive number of US dollars (or null for none)",
+                field_name,
+            )
 
 
 # ---- the gate -------------------------------------------------------------------------------
@@ -511,7 +618,9 @@ def check_budgets(day: Any, month: Any) -> None:
 class Auth:
     """Authenticates requests and enforces each key's models and limits."""
 
-    def __init__(self, config: AuthConfig, keys: KeyStore, limiter: Limiter, budgets: Budgets | None = None) -> None:
+    def __init__(
+        self, config: AuthConfig, keys: KeyStore, limiter: Limiter, budgets: Budgets | None = None
+    ) -> None:
         self.master_key = config.master_key
         self.client_cert_keys = dict(config.client_cert_keys)
         self.keys = keys
@@ -522,7 +631,9 @@ class Auth:
     @classmethod
     def from_config(cls, config: AuthConfig, db: Database, budgets: Budgets | None = None) -> Auth:
         limiter: Limiter = (
-            RedisLimiter(config.redis_url, config.redis_prefix) if config.redis_url else LocalLimiter()
+            RedisLimiter(config.redis_url, config.redis_prefix)
+            if config.redis_url
+            else LocalLimiter()
         )
         return cls(config, KeyStore(db), limiter, budgets)
 
@@ -540,10 +651,14 @@ class Auth:
         if not secret:
             key_id = self._key_for_certificate(identity)
             if key_id is None:
-                raise _unauthenticated("no API key: send Authorization: Bearer <key> or x-api-key: <key>")
+                raise _unauthenticated(
+                    "no API key: send Authorization: Bearer <key> or x-api-key: <key>"
+                )
             row = await self.keys.get(key_id)
             if row is None:
-                raise _unauthenticated(f"client certificate maps to API key {key_id!r}, which does not exist")
+                raise _unauthenticated(
+                    f"client certificate maps to API key {key_id!r}, which does not exist"
+                )
             return _caller_of(row)
         if hmac.compare_digest(secret.encode(), self.master_key.encode()):  # type: ignore[union-attr]
             return Caller(owner=MASTER, admin=True)
@@ -553,7 +668,8 @@ class Auth:
         return _caller_of(row)
 
     def _key_for_certificate(self, identity: Any) -> str | None:
-        """The key id the first matching `client_cert_keys` glob gives one of the certificate's names."""
+        """The key id the first matching `client_cert_keys` glob gives one of the
+        certificate's names."""
         if identity is None:
             return None
         for pattern, key_id in self.client_cert_keys.items():
@@ -572,20 +688,24 @@ class Auth:
             )
 
     async def admit(self, caller: Caller, req: ChatRequest) -> Reservation:
-        """Count `req` against the key's rpm, hold its estimated tokens against its tpm and the most it
-        can cost against its budgets (429 with retry-after if any is spent). A request estimated above
-        the whole tpm holds all of it: it waits for an idle minute instead of never being admitted."""
+        """Count `req` against the key's rpm, hold its estimated tokens against its tpm and the most
+        it can cost against its budgets (429 with retry-after if any is spent). A request estimated
+        above the whole tpm holds all of it: it waits for an idle minute instead of never
+        being admitted."""
         reservation = await self._admit_limits(caller, req)
         if caller.key_id is None or caller.budget is None or self.budgets is None:
             return reservation
         try:
-            budget = await self.budgets.reserve(caller.key_id, caller.budget, req.model,
-                                                *budget_bounds(req, self.output_reserve))
+            budget = await self.budgets.reserve(
+                caller.key_id, caller.budget, req.model, *budget_bounds(req, self.output_reserve)
+            )
         except BaseException:
             await reservation.settle(0)  # refused: the tpm hold goes back
             raise
         if reservation is UNLIMITED:
-            reservation = Reservation(key_id=caller.key_id, prompt_tokens=request_tokens(req, self.output_reserve)[0])
+            reservation = Reservation(
+                key_id=caller.key_id, prompt_tokens=request_tokens(req, self.output_reserve)[0]
+            )
         reservation.budget = budget
         return reservation
 
@@ -605,7 +725,9 @@ class Auth:
         if caller.key_id is not None and caller.rpm is not None:
             await self._admit(caller, caller.rpm, None, None)
 
-    async def _admit(self, caller: Caller, rpm: int | None, tpm: int | None, hold: Hold | None) -> None:
+    async def _admit(
+        self, caller: Caller, rpm: int | None, tpm: int | None, hold: Hold | None
+    ) -> None:
         wait = await self.limiter.admit(caller.key_id, rpm, tpm, hold)  # type: ignore[arg-type]
         if wait is not None:
             raise GatewayError(
@@ -620,7 +742,8 @@ class Auth:
         if not self.enabled:
             raise GatewayError(
                 ErrorKind.PERMISSION,
-                "key management is off: set auth.master_key (FLASHSTACK_AUTH__MASTER_KEY) to enable it",
+                "key management is off: set auth.master_key (FLASHSTACK_AUTH__MASTER_KEY) to "
+                "enable it",
             )
         if not caller.admin:
             raise GatewayError(ErrorKind.PERMISSION, "only the master key may manage API keys")
@@ -640,7 +763,14 @@ def _caller_of(row: Any) -> Caller:
     models = tuple(orjson.loads(row["models"])) if row["models"] else None
     day, month = row.get("budget_day_usd"), row.get("budget_month_usd")
     budget = Budget(day, month) if day is not None or month is not None else None
-    return Caller(owner=row["id"], key_id=row["id"], models=models, rpm=row["rpm"], tpm=row["tpm"], budget=budget)
+    return Caller(
+        owner=row["id"],
+        key_id=row["id"],
+        models=models,
+        rpm=row["rpm"],
+        tpm=row["tpm"],
+        budget=budget,
+    )
 
 
 def may_use(caller: Caller, model: str) -> bool:
@@ -659,7 +789,10 @@ def _unauthenticated(message: str) -> GatewayError:
 
 
 def _limits(caller: Caller) -> str:
-    parts = [f"{caller.rpm} requests/min" if caller.rpm else "", f"{caller.tpm} tokens/min" if caller.tpm else ""]
+    parts = [
+        f"{caller.rpm} requests/min" if caller.rpm else "",
+        f"{caller.tpm} tokens/min" if caller.tpm else "",
+    ]
     return ", ".join(p for p in parts if p)
 
 
@@ -674,10 +807,13 @@ async def keys_command(config: Any, args: Any) -> list[str]:
     keys = KeyStore(db)
     try:
         if args.action == "create":
-            models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+            models = (
+                [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+            )
             expires = time.time() + parse_duration(args.expires_in) if args.expires_in else None
-            created = await keys.create(args.name, models, args.rpm, args.tpm, expires, args.budget_day,
-                                        args.budget_month)
+            created = await keys.create(
+                args.name, models, args.rpm, args.tpm, expires, args.budget_day, args.budget_month
+            )
             return [orjson.dumps(created).decode()]
         if args.action == "list":
             return [orjson.dumps(k).decode() for k in await keys.list()]
@@ -697,7 +833,9 @@ def parse_duration(text: str) -> float:
     try:
         seconds = float(number) * units[unit]
     except ValueError:
-        raise invalid_request(f"--expires-in {text!r}: use seconds or a number with s, m, h or d") from None
+        raise invalid_request(
+            f"--expires-in {text!r}: use seconds or a number with s, m, h or d"
+        ) from None
     if seconds <= 0:
         raise invalid_request(f"--expires-in {text!r} must be positive")
     return seconds

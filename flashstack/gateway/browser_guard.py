@@ -36,8 +36,11 @@ class BrowserGuard:
         if config.auth.enabled:
             return None
         server = config.server
-        return cls(server.host.lower(), tuple(h.lower() for h in server.allowed_hosts),
-                   tuple(o.lower().rstrip("/") for o in server.allowed_origins))
+        return cls(
+            server.host.lower(),
+            tuple(h.lower() for h in server.allowed_hosts),
+            tuple(o.lower().rstrip("/") for o in server.allowed_origins),
+        )
 
     def check(self, scope: Scope) -> GatewayError | None:
         """The refusal for this request, or None to serve it."""
@@ -51,24 +54,33 @@ class BrowserGuard:
                 content_type = value.decode("latin-1")
         if host is not None and not self._host_allowed(_hostname(host)):
             return _refusal(
-                f"Host {host!r} is not a name this gateway answers to: without authentication it serves "
-                "only loopback, IP addresses and server.host. Add the name to server.allowed_hosts, "
-                "or set auth.master_key")
+                f"Host {host!r} is not a name this gateway answers to: without authentication it "
+                "serves only loopback, IP addresses and server.host. Add the name to "
+                "server.allowed_hosts, or set auth.master_key"
+            )
         if origin is not None and not self._origin_allowed(origin, host):
             return _refusal(
-                f"cross-origin request from {origin!r} refused: without authentication a web page may "
-                "not call the gateway. Add the origin to server.allowed_origins, or set auth.master_key")
+                f"cross-origin request from {origin!r} refused: without authentication a web page "
+                "may not call the gateway. Add the origin to server.allowed_origins, or set "
+                "auth.master_key"
+            )
         if scope["method"] == "POST" and content_type is not None and _is_simple(content_type):
             return GatewayError(
-                ErrorKind.INVALID_REQUEST, status=415, param="content-type",
+                ErrorKind.INVALID_REQUEST,
+                status=415,
+                param="content-type",
                 message=f"Content-Type {content_type.split(';')[0].strip()!r} is not accepted: "
-                        "send the JSON body with Content-Type: application/json")
+                "send the JSON body with Content-Type: application/json",
+            )
         return None
 
     def _host_allowed(self, name: str) -> bool:
         if name in ("localhost", self.bound_host) or name.endswith(".localhost") or _is_ip(name):
             return True  # rebinding needs a name: an IP address in Host cannot be one
-        return any(fnmatch.fnmatchcase(name, p) for p in self.allowed_hosts) or "*" in self.allowed_hosts
+        return (
+            any(fnmatch.fnmatchcase(name, p) for p in self.allowed_hosts)
+            or "*" in self.allowed_hosts
+        )
 
     def _origin_allowed(self, origin: str, host: str | None) -> bool:
         origin = origin.lower().rstrip("/")

@@ -93,44 +93,67 @@ class Limits:
     max_json_depth: int = DEFAULT_JSON_DEPTH  # server.max_json_depth
 
 
-async def handle(wire: WireFormat, request: Request, services: Services, limits: Limits) -> Response:
+async def handle(
+    wire: WireFormat, request: Request, services: Services, limits: Limits
+) -> Response:
     """Serve one chat request; every failure becomes an error in the caller's format. The request
     log (and its trace) gets it when it ends: a stream when its last event went out."""
-    trace = RouteTrace.from_header(request.headers.get("x-request-id"))  # what routing did → headers
+    # what routing did → headers
+    trace = RouteTrace.from_header(request.headers.get("x-request-id"))
     requests = services.requests
     record = requests.begin(trace, wire.name, request.method, request.url.path, request.headers)
     response = await _serve(wire, request, services, limits, trace, record)
     if isinstance(response, EventStream):
-        response.background = BackgroundTasks([response.background, BackgroundTask(
-            requests.end, record, 200, None, response.headers.get("x-flashstack-dropped"))])
+        response.background = BackgroundTasks(
+            [
+                response.background,
+                BackgroundTask(
+                    requests.end, record, 200, None, response.headers.get("x-flashstack-dropped")
+                ),
+            ]
+        )
     else:
-        await requests.end(record, response.status_code, dropped=response.headers.get("x-flashstack-dropped"))
+        await requests.end(
+            record, response.status_code, dropped=response.headers.get("x-flashstack-dropped")
+        )
     return response
 
 
-async def _serve(wire: WireFormat, request: Request, services: Services, limits: Limits, trace: RouteTrace,
-                 record: RequestRecord) -> Response:
+async def _serve(
+    wire: WireFormat,
+    request: Request,
+    services: Services,
+    limits: Limits,
+    trace: RouteTrace,
+    record: RequestRecord,
+) -> Response:
     clock = overhead.start()  # → X-Flashstack-Overhead-Ms: this handler's time minus the upstreams'
     req: ChatRequest | None = None
     router = services.router
     try:
-        caller = await session_hooks.authenticate(request, services.auth)  # 401 before the body is read
+        # 401 before the body is read
+        caller = await session_hooks.authenticate(request, services.auth)
         record.key_id = caller.key_id
         body = await read_json(request, limits.max_body_bytes)
-        # Cheapest first: nothing costly (schema checks, images, sessions, compression) for a request
-        # that a look at its fields refuses.
+        # Cheapest first: nothing costly (schema checks, images, sessions, compression) for a
+        # request that a look at its fields refuses.
         req = parse(wire, body, limits.max_json_depth)
-        record.request(req, request.headers.get(session_hooks.SESSION_HEADER) or req.metadata.get("session_id"))
-        req.headers = fields.client_headers(request.headers)  # anthropic-beta & co., for same-wire upstreams
+        record.request(
+            req, request.headers.get(session_hooks.SESSION_HEADER) or req.metadata.get("session_id")
+        )
+        # anthropic-beta & co., for same-wire upstreams
+        req.headers = fields.client_headers(request.headers)
         check_capabilities(req, router.config_of(req.model))  # unknown model → 404 before any work
-        validation.check_request(req)  # a bad `compression` or schema: 400 before any session is touched
+        # a bad `compression` or schema: 400 before any session is touched
+        validation.check_request(req)
         # Images: decoded, checked and resized for the model's upstreams (in a thread when large).
         await vision.prepare(req, vision.target_configs(router, req.model), limits.vision)
         # 403/429 for the key; with X-Session-Id the session is locked and its history prepended.
         turn = await session_hooks.begin_turn(services, request, req, caller, body)
         record.charged = turn.reservation.budget
         async with turn.guard():  # a failure below is stored as the turn's error, never half a turn
-            # Over the model's window: compress (or 400 context_length_exceeded), said in x-flashstack-* headers.
+            # Over the model's window: compress (or 400 context_length_exceeded), said in
+            # x-flashstack-* headers.
             req, squeezed = await services.compressor.prepare_context(req, turn)
             if req.stream:
                 response = await stream_response(wire, req, turn.route(router), limits, trace, turn)
@@ -139,19 +162,23 @@ async def _serve(wire: WireFormat, request: Request, services: Services, limits:
             if req.response_format is not None:
                 validation.check_output(req.response_format, resp.text())
             await turn.complete(resp)  # stored before the client sees the reply
-            headers = {**fields.response_headers(req), **trace.headers()}  # request ids, x-flashstack-dropped
+            # request ids, x-flashstack-dropped
+            headers = {**fields.response_headers(req), **trace.headers()}
             response = json_response(wire.response_json(resp, req.model), headers=headers)
             return overhead.stamp(clock, squeezed.stamp(response))
     except GatewayError as e:
         record.error = e.message
-        # An upstream's refusal keeps its request id and rate-limit headers: what a client backs off by.
+        # An upstream's refusal keeps its request id and rate-limit headers: what a
+        # client backs off by.
         upstream = fields.response_headers(req) if req is not None else {}
         return error_response(wire, e, {**upstream, **trace.headers()})
     except ClientDisconnect:
         return Response(status_code=499)
     except Exception:
         log.exception("unexpected error serving %s request", wire.name)
-        return error_response(wire, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log"))
+        return error_response(
+            wire, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log")
+        )
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -159,7 +186,8 @@ async def read_json(request: Request, limit: int) -> Any:
 
     A gzip or deflate Content-Encoding is decoded, the limit applying to the decoded body too.
     """
-    decoder = BodyDecoder.for_header(request.headers.get("content-encoding"), limit)  # 415 if unknown
+    # 415 if unknown
+    decoder = BodyDecoder.for_header(request.headers.get("content-encoding"), limit)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -178,7 +206,8 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 def check_capabilities(req: ChatRequest, cfg: ModelConfig) -> None:
-    """Refuse what the model cannot take, instead of silently dropping it (or paying to find out)."""
+    """Refuse what the model cannot take, instead of silently dropping it (or paying
+    to find out)."""
     window = tokens.context_window(cfg)
     if req.max_tokens is not None and window is not None and req.max_tokens >= window:
         raise compress.context_length_exceeded(
@@ -186,9 +215,7 @@ def check_capabilities(req: ChatRequest, cfg: ModelConfig) -> None:
             f"{window}-token context window; lower max_tokens",
             "max_tokens",
         )
-    if not cfg.supports_images and any(
-        isinstance(p, Image) for m in req.messages for p in m.parts
-    ):
+    if not cfg.supports_images and any(isinstance(p, Image) for m in req.messages for p in m.parts):
         raise invalid_request(
             f"model {req.model!r} does not accept images (supports_images: false in its config); "
             "remove the image parts or choose a vision model",
@@ -212,7 +239,8 @@ def parse(wire: WireFormat, body: Any, max_depth: int = DEFAULT_JSON_DEPTH) -> C
         parsed = wire.request_type.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    req = wire.to_canonical(parsed, body)  # the body too: what the canonical types do not model passes as sent
+    # the body too: what the canonical types do not model passes as sent
+    req = wire.to_canonical(parsed, body)
     validation.check_tool_arguments(req, max_depth)
     return req
 
@@ -239,18 +267,32 @@ def _validation_error(e: ValidationError) -> GatewayError:
 
 
 async def stream_response(
-    wire: WireFormat, req: ChatRequest, router: Router, limits: Limits, trace: RouteTrace, turn: Turn
+    wire: WireFormat,
+    req: ChatRequest,
+    router: Router,
+    limits: Limits,
+    trace: RouteTrace,
+    turn: Turn,
 ) -> Response:
     events = await router.open_stream(req, trace)  # failures before the first byte raise here
     if req.response_format is not None:
         events = _validated(events, req)
     events = turn.watch(events)  # the session turn is stored before the final event goes out
-    body = sse(events, wire.encoder(req).encode, limits.stream_queue_size, wire.ping, limits.ping_interval)
-    headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **fields.response_headers(req),
-               **trace.headers()}
+    body = sse(
+        events, wire.encoder(req).encode, limits.stream_queue_size, wire.ping, limits.ping_interval
+    )
+    headers = {
+        "cache-control": "no-cache",
+        "x-accel-buffering": "no",
+        **fields.response_headers(req),
+        **trace.headers(),
+    }
     # The background task runs even when the client left before the body began.
     return EventStream(
-        body, media_type="text/event-stream", headers=headers, background=BackgroundTask(turn.close_stream)
+        body,
+        media_type="text/event-stream",
+        headers=headers,
+        background=BackgroundTask(turn.close_stream),
     )
 
 
@@ -273,10 +315,14 @@ async def _validated(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIte
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+    return Response(
+        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
+    )
 
 
-def error_response(wire: WireFormat, err: GatewayError, headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    wire: WireFormat, err: GatewayError, headers: dict[str, str] | None = None
+) -> Response:
     headers = dict(headers or {})
     if err.retry_after:
         headers["retry-after"] = str(max(1, round(err.retry_after)))

@@ -43,11 +43,33 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 16  # the API's default for completions
 # Fields the local engine honours; refused ones change what comes back, dropped ones only how.
-_LOCAL_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream", "seed",
-                           "stream_options", "n"})
-_LOCAL_REFUSED = {"echo": "the prompt is not echoed", "logprobs": "no log-probabilities",
-                  "suffix": "no insertion", "best_of": "one completion only", "logit_bias": "tokens cannot be biased"}
-_HARMLESS: dict[str, tuple[Any, ...]] = {"echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},)}
+_LOCAL_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "stream",
+        "seed",
+        "stream_options",
+        "n",
+    }
+)
+_LOCAL_REFUSED = {
+    "echo": "the prompt is not echoed",
+    "logprobs": "no log-probabilities",
+    "suffix": "no insertion",
+    "best_of": "one completion only",
+    "logit_bias": "tokens cannot be biased",
+}
+_HARMLESS: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "logit_bias": ({},),
+}
 
 
 class CompletionRequest(BaseModel):
@@ -79,29 +101,56 @@ async def _serve(acct: Accounting, router: Router, limits: chat.Limits) -> Respo
     body = await chat.read_json(acct.request, limits.max_body_bytes)
     req = _parse(body)
     _deployment(router, req.model)  # 404 for an unknown model, 400 for a chat-only one
-    creq = await acct.admit(req.model, req.prompt, req.max_tokens or DEFAULT_MAX_TOKENS, bool(req.stream))
-    headers: dict[str, str] = {"cache-control": "no-cache"} if req.stream else {}  # the serving one adds its own
+    creq = await acct.admit(
+        req.model, req.prompt, req.max_tokens or DEFAULT_MAX_TOKENS, bool(req.stream)
+    )
+    # the serving one adds its own
+    headers: dict[str, str] = {"cache-control": "no-cache"} if req.stream else {}
     if not req.stream:
-        reply = await router.call(creq, acct.trace, OPERATION, _serves,
-                                  lambda dep: _whole(acct.trace, dep, req, body, headers))
+        reply = await router.call(
+            creq,
+            acct.trace,
+            OPERATION,
+            _serves,
+            lambda dep: _whole(acct.trace, dep, req, body, headers),
+        )
         await acct.finish(acct.trace.usage)
         return chat.json_response(reply, headers=headers or None)
-    chunks = await router.open_call(creq, acct.trace, OPERATION, _serves,
-                                    lambda dep: _streamed(acct.trace, dep, req, body, headers))
-    return EventStream(acct.settled(_ended_by_error(chunks, acct.trace), lambda: acct.trace.usage),
-                       media_type="text/event-stream", headers=headers)
+    chunks = await router.open_call(
+        creq,
+        acct.trace,
+        OPERATION,
+        _serves,
+        lambda dep: _streamed(acct.trace, dep, req, body, headers),
+    )
+    return EventStream(
+        acct.settled(_ended_by_error(chunks, acct.trace), lambda: acct.trace.usage),
+        media_type="text/event-stream",
+        headers=headers,
+    )
 
 
-async def _whole(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
-                 headers: dict[str, str]) -> Any:
+async def _whole(
+    trace: RouteTrace,
+    dep: Deployment,
+    req: CompletionRequest,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> Any:
     if isinstance(dep.provider, OpenAICompatProvider):
         return await _forward(trace, dep, req, body)
     return await _local(trace, dep, req, body, headers)
 
 
-def _streamed(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
-              headers: dict[str, str]) -> AsyncIterator[bytes]:
-    """The SSE lines a deployment streams; the router takes the first (a failure before it moves on)."""
+def _streamed(
+    trace: RouteTrace,
+    dep: Deployment,
+    req: CompletionRequest,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> AsyncIterator[bytes]:
+    """The SSE lines a deployment streams; the router takes the first (a failure before
+    it moves on)."""
     if isinstance(dep.provider, OpenAICompatProvider):
         return _forward_stream(trace, dep, req, body)
     return _local_stream(trace, dep, req, body, headers)
@@ -129,14 +178,19 @@ def _deployment(router: Router, model: str) -> Deployment:
     for dep in router.deployments(model):  # 404 for an unknown model
         if _serves(dep):
             return dep
-    raise invalid_request(f"model {model!r} is served over a chat-only API; /v1/completions needs an "
-                          "OpenAI-compatible or local model (or send it to /v1/chat/completions)", "model")
+    raise invalid_request(
+        f"model {model!r} is served over a chat-only API; /v1/completions needs an "
+        "OpenAI-compatible or local model (or send it to /v1/chat/completions)",
+        "model",
+    )
 
 
 # ---- an OpenAI-compatible upstream: the body as sent -----------------------------------------
 
 
-async def _forward(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any]) -> Any:
+async def _forward(
+    trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any]
+) -> Any:
     provider: OpenAICompatProvider = dep.provider  # type: ignore[assignment]
     reply = await provider.forward("/completions", {**body, "model": dep.cfg.model})
     trace.usage = usage_of(reply)
@@ -145,21 +199,26 @@ async def _forward(trace: RouteTrace, dep: Deployment, req: CompletionRequest, b
     return reply
 
 
-async def _forward_stream(trace: RouteTrace, dep: Deployment, req: CompletionRequest,
-                          body: dict[str, Any]) -> AsyncIterator[bytes]:
+async def _forward_stream(
+    trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any]
+) -> AsyncIterator[bytes]:
     """The upstream's events, `model` renamed to the one the client asked for, and its usage kept
     in `trace` (and taken out, when the client did not ask for it)."""
     provider: OpenAICompatProvider = dep.provider  # type: ignore[assignment]
     asked = bool((req.stream_options or {}).get("include_usage"))
     # Usage is asked for whatever the client asked: it is what the key is charged by.
-    sent = {**body, "model": dep.cfg.model, "stream_options": {**(req.stream_options or {}), "include_usage": True}}
+    sent = {
+        **body,
+        "model": dep.cfg.model,
+        "stream_options": {**(req.stream_options or {}), "include_usage": True},
+    }
     async for line in provider.forward_stream("/completions", sent):
         if (out := _relayed(line, req.model, asked, trace)) is not None:
             yield out
 
 
 def _relayed(line: bytes, model: str, include_usage: bool, trace: RouteTrace) -> bytes | None:
-    data = line[len(b"data: "):].strip()
+    data = line[len(b"data: ") :].strip()
     if data == b"[DONE]":
         return line
     try:
@@ -182,24 +241,43 @@ def _relayed(line: bytes, model: str, include_usage: bool, trace: RouteTrace) ->
 # ---- the local engine ------------------------------------------------------------------------
 
 
-def _local_request(req: CompletionRequest, body: dict[str, Any], headers: dict[str, str]) -> ChatRequest:
-    """The sampling fields the engine takes (400 for a field it cannot honour; the dropped ones named)."""
+def _local_request(
+    req: CompletionRequest, body: dict[str, Any], headers: dict[str, str]
+) -> ChatRequest:
+    """The sampling fields the engine takes (400 for a field it cannot honour; the
+    dropped ones named)."""
     for name, why in _LOCAL_REFUSED.items():
         value = body.get(name)
         if value is not None and value not in _HARMLESS.get(name, ()):
-            raise invalid_request(f"{name} cannot be served by local model {req.model!r} ({why}); remove it", name)
+            raise invalid_request(
+                f"{name} cannot be served by local model {req.model!r} ({why}); remove it", name
+            )
     if (req.n or 1) > 1:
-        raise invalid_request(f"local model {req.model!r} returns one completion per request; leave n out", "n")
+        raise invalid_request(
+            f"local model {req.model!r} returns one completion per request; leave n out", "n"
+        )
     dropped = sorted(k for k in body if k not in _LOCAL_FIELDS and k not in _LOCAL_REFUSED)
     if dropped:
         headers["x-flashstack-dropped"] = ",".join(dropped)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return ChatRequest(model=req.model, messages=[], max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
-                       temperature=req.temperature, top_p=req.top_p, stop=stop, seed=req.seed)
+    return ChatRequest(
+        model=req.model,
+        messages=[],
+        max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=stop,
+        seed=req.seed,
+    )
 
 
-async def _local_events(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
-                        headers: dict[str, str]) -> AsyncIterator[Event]:
+async def _local_events(
+    trace: RouteTrace,
+    dep: Deployment,
+    req: CompletionRequest,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> AsyncIterator[Event]:
     """The engine's events for the prompt, its usage kept in `trace` at the Finish."""
     creq = _local_request(req, body, headers)
     provider: LocalProvider = dep.provider  # type: ignore[assignment]
@@ -209,8 +287,13 @@ async def _local_events(trace: RouteTrace, dep: Deployment, req: CompletionReque
         yield ev
 
 
-async def _local(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
-                 headers: dict[str, str]) -> dict[str, Any]:
+async def _local(
+    trace: RouteTrace,
+    dep: Deployment,
+    req: CompletionRequest,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> dict[str, Any]:
     text, finish = [], None
     async for ev in _local_events(trace, dep, req, body, headers):
         if isinstance(ev, TextDelta):
@@ -221,10 +304,16 @@ async def _local(trace: RouteTrace, dep: Deployment, req: CompletionRequest, bod
     return _Encoder(req.model, False).body("".join(text), finish, finish.usage)
 
 
-async def _local_stream(trace: RouteTrace, dep: Deployment, req: CompletionRequest, body: dict[str, Any],
-                        headers: dict[str, str]) -> AsyncIterator[bytes]:
+async def _local_stream(
+    trace: RouteTrace,
+    dep: Deployment,
+    req: CompletionRequest,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> AsyncIterator[bytes]:
     events = _local_events(trace, dep, req, body, headers)
-    first = await anext(events)  # a refusal (a prompt too long) raises here: a 400, not a stream's error event
+    # a refusal (a prompt too long) raises here: a 400, not a stream's error event
+    first = await anext(events)
     encoder = _Encoder(req.model, bool((req.stream_options or {}).get("include_usage")))
     async for chunk in encoder.sse(_chain(first, events)):
         yield chunk
@@ -242,8 +331,9 @@ def _one_prompt(req: CompletionRequest) -> str | list[int]:
         return p  # type: ignore[return-value]
     if isinstance(p, list) and len(p) == 1:
         return p[0]  # type: ignore[return-value]
-    raise invalid_request(f"local model {req.model!r} takes one prompt per request (a string or token ids)",
-                          "prompt")
+    raise invalid_request(
+        f"local model {req.model!r} takes one prompt per request (a string or token ids)", "prompt"
+    )
 
 
 class _Encoder:
@@ -255,12 +345,19 @@ class _Encoder:
 
     def body(self, text: str, finish: Finish | None, usage: Usage | None) -> dict[str, Any]:
         reason = None if finish is None else _finish_reason(finish.stop_reason)
-        out: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
-                               "model": self.model,
-                               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}]}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}],
+        }
         if usage is not None:
-            out["usage"] = {"prompt_tokens": usage.input_tokens, "completion_tokens": usage.output_tokens,
-                            "total_tokens": usage.input_tokens + usage.output_tokens}
+            out["usage"] = {
+                "prompt_tokens": usage.input_tokens,
+                "completion_tokens": usage.output_tokens,
+                "total_tokens": usage.input_tokens + usage.output_tokens,
+            }
         return out
 
     async def sse(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:

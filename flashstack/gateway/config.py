@@ -113,8 +113,10 @@ class ModelConfig(BaseModel):
     # Upstream mTLS (gateway/tls/): our client certificate, and the CA that signs the upstream's.
     tls_client_cert: Path | None = None  # PEM certificate (chain) presented to the upstream
     tls_client_key: Path | None = None  # its PEM private key
-    tls_ca_bundle: Path | None = None  # verify the upstream against this CA instead of the system store
-    # provider local: the in-process engine's options (block_size, max_num_seqs, dtype, device, ...).
+    # verify the upstream against this CA instead of the system store
+    tls_ca_bundle: Path | None = None
+    # provider local: the in-process engine's options (block_size, max_num_seqs,
+    # dtype, device, ...).
     engine: EngineOptions = Field(default_factory=EngineOptions)
 
     @field_validator("api_base")
@@ -123,13 +125,19 @@ class ModelConfig(BaseModel):
         return v.rstrip("/") if v else v
 
     def check_credentials(self) -> None:
-        """A `user:password@` api_base is sent as basic auth: with an OpenAI api_key both would be the
-        Authorization header. Raised without the URL, which holds the password."""
-        if self.provider == "openai" and self.api_key and self.api_base and "@" in urlsplit(self.api_base).netloc:
+        """A `user:password@` api_base is sent as basic auth: with an OpenAI api_key both would be
+        the Authorization header. Raised without the URL, which holds the password."""
+        if (
+            self.provider == "openai"
+            and self.api_key
+            and self.api_base
+            and "@" in urlsplit(self.api_base).netloc
+        ):
             raise ConfigError(
-                f"model {self.name!r}: api_base carries credentials (user:password@) and api_key is set too; "
-                "both would be the Authorization header. Keep the key in api_key, or the proxy's "
-                "credentials in api_base, not both")
+                f"model {self.name!r}: api_base carries credentials (user:password@) and api_key "
+                "is set too; both would be the Authorization header. Keep the key in api_key, or "
+                "the proxy's credentials in api_base, not both"
+            )
 
 
 # ---- TLS (gateway/tls/) -------------------------------------------------------------------
@@ -141,7 +149,8 @@ class VaultConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     addr: str  # https://vault.example.com:8200
-    ca_bundle: Path | None = None  # CA that signs Vault's own TLS certificate; None: the system store
+    # CA that signs Vault's own TLS certificate; None: the system store
+    ca_bundle: Path | None = None
     namespace: str | None = None
     token_env: str = "VAULT_TOKEN"  # token auth: the variable that holds the token
     role_id_env: str = "VAULT_ROLE_ID"  # AppRole auth (used when the token variable is unset)
@@ -169,7 +178,8 @@ class TLSConfig(BaseModel):
     vault: VaultConfig | None = None  # instead of cert_file/key_file
     client_ca_file: Path | None = None  # mTLS: clients must present a certificate signed by this CA
     client_auth: Literal["required", "optional"] = "required"  # with client_ca_file
-    client_names: list[str] = Field(default_factory=list)  # allowed CN/SAN globs; []: any from the CA
+    # allowed CN/SAN globs; []: any from the CA
+    client_names: list[str] = Field(default_factory=list)
     min_version: Literal["TLSv1.2", "TLSv1.3"] = "TLSv1.2"
     watch_interval: float = Field(2.0, gt=0)  # seconds between checks of cert_file/key_file
     renew_at: float = Field(2 / 3, gt=0, lt=1)  # files: warn in readiness after this much lifetime
@@ -187,9 +197,13 @@ class TLSConfig(BaseModel):
         if self.key_file is not None and self.cert_file is None:
             raise ValueError("server.tls.key_file needs server.tls.cert_file (the PEM certificate)")
         if (self.client_ca_file or self.client_names) and not self.enabled:
-            raise ValueError("server.tls.client_ca_file needs a server certificate: cert_file or vault")
+            raise ValueError(
+                "server.tls.client_ca_file needs a server certificate: cert_file or vault"
+            )
         if self.client_names and not self.client_ca_file:
-            raise ValueError("server.tls.client_names needs server.tls.client_ca_file to verify against")
+            raise ValueError(
+                "server.tls.client_names needs server.tls.client_ca_file to verify against"
+            )
         return self
 
 
@@ -206,16 +220,20 @@ class ServerConfig(BaseModel):
     max_json_depth: int = Field(64, ge=8, le=200)
     # Connection limits (gateway/server_limits.py; docs/security.md, "Limits").
     max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers of one request → 431
-    header_timeout: float = Field(10.0, gt=0)  # seconds from connect (or a request's first byte) to its headers → 408
-    body_timeout: float = Field(30.0, gt=0)  # the body is checked once per window of this many seconds…
-    body_min_rate: float = Field(1024.0, ge=0)  # …and each window must bring this many bytes/s → 408
+    # seconds from connect (or a request's first byte) to its headers → 408
+    header_timeout: float = Field(10.0, gt=0)
+    # the body is checked once per window of this many seconds…
+    body_timeout: float = Field(30.0, gt=0)
+    # …and each window must bring this many bytes/s → 408
+    body_min_rate: float = Field(1024.0, ge=0)
     # Above the 5 s that httpx (and so both SDKs) keeps an idle connection: a client never reuses a
     # connection the server has just closed.
     keep_alive_timeout: float = Field(15.0, gt=0)
     max_connections: int = Field(4096, ge=1)  # open client connections; past it requests get 503
     # With auth off (no auth.master_key) a browser page must not drive the gateway: requests whose
-    # Host is not loopback, an IP address, `host` or one of these are refused (DNS rebinding), and so
-    # are requests with an Origin other than their own Host's or one of allowed_origins. "*": any.
+    # Host is not loopback, an IP address, `host` or one of these are refused (DNS rebinding), and
+    # so are requests with an Origin other than their own Host's or one of allowed_origins. "*":
+    # any.
     allowed_hosts: list[str] = Field(default_factory=list)  # "gateway.internal", "*.example.com"
     allowed_origins: list[str] = Field(default_factory=list)  # "https://app.example.com"
     # Anthropic-format streams: events buffered between the upstream reader and the client writer
@@ -228,15 +246,19 @@ class ServerConfig(BaseModel):
 class UpstreamLimits(BaseModel):
     """What the gateway reads from an upstream at most; past a cap the attempt fails with a 502.
 
-    Enforced while reading, so a hostile or broken upstream costs at most this much memory per request.
+    Enforced while reading, so a hostile or broken upstream costs at most this much
+    memory per request.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)  # a non-stream response (and a model list)
-    max_error_bytes: int = Field(64 * 1024, gt=0)  # an error response: read this much, ignore the rest
-    max_line_bytes: int = Field(1024 * 1024, gt=0)  # one stream line (SSE, NDJSON), one SSE event's data
-    error_excerpt_chars: int = Field(512, ge=0)  # upstream error text shown to clients, after redaction
+    # an error response: read this much, ignore the rest
+    max_error_bytes: int = Field(64 * 1024, gt=0)
+    # one stream line (SSE, NDJSON), one SSE event's data
+    max_line_bytes: int = Field(1024 * 1024, gt=0)
+    # upstream error text shown to clients, after redaction
+    error_excerpt_chars: int = Field(512, ge=0)
 
 
 class RouterConfig(BaseModel):
@@ -245,13 +267,16 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_retries: int = Field(2, ge=0)  # extra attempts inside one model group before its fallbacks
-    retry_backoff: float = Field(0.1, ge=0)  # seconds before the first retry of a deployment; doubles
+    # seconds before the first retry of a deployment; doubles
+    retry_backoff: float = Field(0.1, ge=0)
     retry_backoff_max: float = Field(2.0, ge=0)
-    max_retry_after: float = Field(5.0, ge=0)  # wait for a retry-after at most this long, else move on
+    # wait for a retry-after at most this long, else move on
+    max_retry_after: float = Field(5.0, ge=0)
     max_fallbacks: int = Field(5, ge=0, le=5)  # fallback hops after the requested model
     default_fallbacks: list[str] = Field(default_factory=list)
     strategy: Literal["weighted_random", "least_in_flight", "lowest_latency"] = "weighted_random"
-    ttft_timeout: float = Field(30.0, gt=0)  # stream: seconds to the first token before failing over
+    # stream: seconds to the first token before failing over
+    ttft_timeout: float = Field(30.0, gt=0)
     breaker_failures: int = Field(5, ge=1)  # consecutive failures that open a breaker
     breaker_failure_rate: float = Field(0.5, gt=0, le=1)  # ...or this failure rate over the window
     breaker_window: float = Field(30.0, gt=0)
@@ -262,7 +287,8 @@ class RouterConfig(BaseModel):
     health_check_timeout: float = Field(2.0, gt=0)
     redis_url: str | None = None  # shared breaker, cooldown and in-flight state across replicas
     redis_prefix: str = "flashstack:router:"
-    upstream_limits: UpstreamLimits = Field(default_factory=UpstreamLimits)  # caps on what upstreams send
+    # caps on what upstreams send
+    upstream_limits: UpstreamLimits = Field(default_factory=UpstreamLimits)
 
 
 # ---- vision (gateway/vision/) ---------------------------------------------------------------
@@ -279,7 +305,8 @@ class ImageTargetLimits(BaseModel):
 
 def _default_target_limits() -> dict[str, ImageTargetLimits]:
     # Anthropic: 1568 px long edge is the size it resizes to itself (8000 is the hard maximum), 5 MB
-    # per image. OpenAI takes 20 MB and scales server-side. Ollama and the engine take what they get.
+    # per image. OpenAI takes 20 MB and scales server-side. Ollama and the engine
+    # take what they get.
     return {
         "anthropic": ImageTargetLimits(max_long_edge=1568, max_bytes=5 * 1024 * 1024),
         "openai": ImageTargetLimits(max_bytes=20 * 1024 * 1024),
@@ -287,16 +314,19 @@ def _default_target_limits() -> dict[str, ImageTargetLimits]:
 
 
 class ImageURLConfig(BaseModel):
-    """Fetching http(s) image URLs: off by default, because the gateway would fetch for the caller."""
+    """Fetching http(s) image URLs: off by default, because the gateway would fetch
+    for the caller."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = False
-    allowed_hosts: list[str] = Field(default_factory=list)  # "cdn.example.com", "*.example.com"; [] = any
+    # "cdn.example.com", "*.example.com"; [] = any
+    allowed_hosts: list[str] = Field(default_factory=list)
     max_bytes: int = Field(10 * 1024 * 1024, gt=0)
     timeout: float = Field(5.0, gt=0)  # seconds for the whole fetch, redirects included
     max_redirects: int = Field(3, ge=0)
-    allow_private_addresses: bool = False  # loopback, private, link-local: only for trusted networks
+    # loopback, private, link-local: only for trusted networks
+    allow_private_addresses: bool = False
 
 
 class VisionConfig(BaseModel):
@@ -308,9 +338,11 @@ class VisionConfig(BaseModel):
     max_pixels: int = Field(64_000_000, gt=0)  # width × height from the header, before decoding
     max_images_per_request: int = Field(100, ge=0)
     urls: ImageURLConfig = Field(default_factory=ImageURLConfig)
-    targets: dict[str, ImageTargetLimits] = Field(default_factory=_default_target_limits)  # by provider
+    # by provider
+    targets: dict[str, ImageTargetLimits] = Field(default_factory=_default_target_limits)
     model_targets: dict[str, ImageTargetLimits] = Field(default_factory=dict)  # by model name; wins
-    gpu: Literal["auto", "off"] = "auto"  # nvJPEG for batches of JPEGs to resize, when CUDA is present
+    # nvJPEG for batches of JPEGs to resize, when CUDA is present
+    gpu: Literal["auto", "off"] = "auto"
     gpu_min_batch: int = Field(2, ge=1)  # fewer JPEGs to resize than this stay on the CPU
     offload_bytes: int = Field(256 * 1024, ge=0)  # base64 above this is checked in a worker thread
     max_concurrent: int = Field(4, ge=1)  # requests decoding images at once (bounds memory)
@@ -327,10 +359,13 @@ class StoreConfig(BaseModel):
     database_url: str | None = None  # None: sqlite+aiosqlite:///<state_dir>/flashstack.db (WAL)
     db_schema: str | None = None  # PostgreSQL only: tables live in this schema (created if missing)
     pool_size: int = Field(10, ge=1)  # PostgreSQL connections per replica (SQLite: one writer)
-    max_message_bytes: int = Field(1024 * 1024, gt=0)  # per session message, also via X-Session-Id; larger → 413
-    # The newest whole turns of a session's history that fit are sent upstream; older ones stay stored.
+    # per session message, also via X-Session-Id; larger → 413
+    max_message_bytes: int = Field(1024 * 1024, gt=0)
+    # The newest whole turns of a session's history that fit are sent upstream; older
+    # ones stay stored.
     max_history_bytes: int = Field(8 * 1024 * 1024, gt=0)
-    max_sessions_per_key: int | None = Field(10_000, ge=1)  # per API key (not the master key); None: no cap
+    # per API key (not the master key); None: no cap
+    max_sessions_per_key: int | None = Field(10_000, ge=1)
     lock_timeout: float = Field(120.0, gt=0)  # seconds a turn waits for its session before a 409
     lease_ttl: float = Field(30.0, gt=0)  # a crashed replica's session lock frees itself after this
 
@@ -343,7 +378,8 @@ class AuthConfig(BaseModel):
     master_key: str | None = None  # admin key (use env:NAME); None: no authentication at all
     redis_url: str | None = None  # shared rate limits across replicas; None: per process
     redis_prefix: str = "flashstack:limits:"
-    # tpm: a request without max_tokens holds its prompt estimate + this many tokens until it settles.
+    # tpm: a request without max_tokens holds its prompt estimate + this many tokens
+    # until it settles.
     reserve_output_tokens: int = Field(1024, ge=1)
     # mTLS: a verified client certificate whose CN or SAN matches a glob acts as that API key id
     # (when the request sends no key), e.g. {"svc-*.internal": "key_0123456789abcdef"}.
@@ -369,27 +405,33 @@ class ModelPrice(BaseModel):
 
 
 class SpendConfig(BaseModel):
-    """What requests cost (prices beside the built-in table) and the request log they are kept in."""
+    """What requests cost (prices beside the built-in table) and the request log
+    they are kept in."""
 
     model_config = ConfigDict(extra="forbid")
 
-    # By configured model name or upstream model id; wins over the built-in table. Local models cost 0 unless set.
+    # By configured model name or upstream model id; wins over the built-in table. Local models
+    # cost 0 unless set.
     prices: dict[str, ModelPrice] = Field(default_factory=dict)
     log_size: int = Field(1000, ge=0)  # the newest requests kept in memory for /ui (0: none)
     store_requests: bool = True  # a row per request (cost, tokens, route) in the sessions database
     flush_interval: float = Field(0.5, gt=0)  # seconds between batched writes of those rows
-    # Rows older than this are deleted (hourly); at least 32 days: a monthly budget is seeded from them.
+    # Rows older than this are deleted (hourly); at least 32 days: a monthly budget is
+    # seeded from them.
     retention_days: int = Field(400, ge=32)
 
 
 class TelemetryConfig(BaseModel):
-    """OpenTelemetry traces over OTLP/HTTP; off unless enabled or OTEL_EXPORTER_OTLP_*ENDPOINT is set."""
+    """OpenTelemetry traces over OTLP/HTTP; off unless enabled or
+    OTEL_EXPORTER_OTLP_*ENDPOINT is set."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool | None = None  # None: on when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set
-    endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; None: the OTEL_* variables' choice
-    headers: dict[str, str] = Field(default_factory=dict)  # sent with every export (use env:NAME for tokens)
+    # e.g. http://collector:4318/v1/traces; None: the OTEL_* variables' choice
+    endpoint: str | None = None
+    # sent with every export (use env:NAME for tokens)
+    headers: dict[str, str] = Field(default_factory=dict)
     service_name: str = "flashstack-gateway"
     sample_ratio: float = Field(1.0, ge=0, le=1)  # of traces the client did not already decide on
 
@@ -415,27 +457,38 @@ class CompressionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: CompressionMode = "auto"  # a request's `compression` field overrides it
-    model_modes: dict[str, CompressionMode] = Field(default_factory=dict)  # by model name; wins over mode
-    threshold: float = Field(0.85, gt=0, le=1)  # compress when prompt + output reserve > this × window
+    # by model name; wins over mode
+    model_modes: dict[str, CompressionMode] = Field(default_factory=dict)
+    # compress when prompt + output reserve > this × window
+    threshold: float = Field(0.85, gt=0, le=1)
     keep_last_turns: int = Field(4, ge=1)  # the newest messages, always kept verbatim
-    dbscan_eps: float = Field(0.35, gt=0, lt=2)  # cosine distance; picked with bench/compress_eval.py
-    # extractive: offline, no model call; llm: a routed model; local: a GGUF on the in-process engine
+    # cosine distance; picked with bench/compress_eval.py
+    dbscan_eps: float = Field(0.35, gt=0, lt=2)
+    # extractive: offline, no model call; llm: a routed model; local: a GGUF on the
+    # in-process engine
     summarizer: Literal["llm", "local", "extractive"] = "extractive"
     summarizer_model: str | None = None  # llm: a configured model name; None: the routed model
-    summarizer_path: Path | None = None  # local: a GGUF file or model directory; None: the bundled SmolLM2
+    # local: a GGUF file or model directory; None: the bundled SmolLM2
+    summarizer_path: Path | None = None
     summary_sentences: int = Field(3, ge=1)
     summary_max_tokens: int = Field(64, ge=8)  # local: tokens one summary may generate (greedy)
-    summary_input_tokens: int = Field(512, ge=64)  # local: cluster text it reads, most relevant units first
+    # local: cluster text it reads, most relevant units first
+    summary_input_tokens: int = Field(512, ge=64)
     embed_threads: int = Field(2, ge=1)
     embed_cache_size: int = Field(50_000, ge=0)  # embeddings kept in memory (1.5 KiB each)
     cache_dir: Path | None = None  # the built ONNX models; None: <state_dir>/models
     # The embedding model loads in a background thread, at start-up with preload (readiness is 503
-    # until it is loaded), else on the first request that needs it; until then such requests are truncated.
+    # until it is loaded), else on the first request that needs it; until then such
+    # requests are truncated.
     preload: bool = False
-    # One request's budget; past any of them it is truncated instead (x-flashstack-compression-fallback: budget).
-    max_units: int = Field(2_000, ge=1)  # old messages ranked and clustered (a tool call with its results is one)
-    max_embed_tokens: int = Field(65_536, ge=0)  # word pieces the embedding model reads; cached texts are free
-    max_plan_seconds: float = Field(10.0, gt=0)  # wall clock from arrival, waiting for the model's thread included
+    # One request's budget; past any of them it is truncated instead
+    # (x-flashstack-compression-fallback: budget). old messages ranked and clustered (a tool call
+    # with its results is one)
+    max_units: int = Field(2_000, ge=1)
+    # word pieces the embedding model reads; cached texts are free
+    max_embed_tokens: int = Field(65_536, ge=0)
+    # wall clock from arrival, waiting for the model's thread included
+    max_plan_seconds: float = Field(10.0, gt=0)
 
 
 class Config(BaseSettings):
@@ -480,7 +533,9 @@ def resolve_env_refs(value: Any) -> Any:
     if isinstance(value, str) and value.startswith("env:"):
         name = value[4:]
         if name not in os.environ:
-            raise ConfigError(f"config refers to env:{name}, but ${name} is not set; export it or edit the config")
+            raise ConfigError(
+                f"config refers to env:{name}, but ${name} is not set; export it or edit the config"
+            )
         return os.environ[name]
     return value
 

@@ -11,11 +11,16 @@ import zlib
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 
 # zlib's wbits: 16 + 15 reads gzip only; 32 + 15 detects a gzip or zlib header (HTTP's "deflate").
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": 32 + zlib.MAX_WBITS}
+_WBITS = {
+    "gzip": 16 + zlib.MAX_WBITS,
+    "x-gzip": 16 + zlib.MAX_WBITS,
+    "deflate": 32 + zlib.MAX_WBITS,
+}
 
 
 class BodyDecoder:
-    """Decompresses one request body chunk by chunk; refuses it once it decodes past `limit` bytes."""
+    """Decompresses one request body chunk by chunk; refuses it once it decodes past
+    `limit` bytes."""
 
     def __init__(self, encoding: str, limit: int) -> None:
         self.encoding = encoding
@@ -25,15 +30,19 @@ class BodyDecoder:
 
     @classmethod
     def for_header(cls, header: str | None, limit: int) -> BodyDecoder | None:
-        """The decoder a Content-Encoding header asks for; None for none or identity; 415 otherwise."""
+        """The decoder a Content-Encoding header asks for; None for none or identity;
+        415 otherwise."""
         encoding = (header or "").strip().lower()
         if encoding in ("", "identity"):
             return None
         if encoding not in _WBITS:
             raise GatewayError(
-                ErrorKind.INVALID_REQUEST, status=415, param="content-encoding",
-                message=f"Content-Encoding {header!r} is not supported; send the body uncompressed, "
-                        "or with a single gzip or deflate encoding")
+                ErrorKind.INVALID_REQUEST,
+                status=415,
+                param="content-encoding",
+                message=f"Content-Encoding {header!r} is not supported; send the body "
+                "uncompressed, or with a single gzip or deflate encoding",
+            )
         return cls(encoding, limit)
 
     def feed(self, data: bytes) -> bytes:
@@ -67,8 +76,11 @@ class BodyDecoder:
             raise GatewayError(
                 ErrorKind.REQUEST_TOO_LARGE,
                 f"request body decodes ({self.encoding}) to more than the gateway's limit of "
-                f"{self.limit} bytes (server.max_body_bytes)")
+                f"{self.limit} bytes (server.max_body_bytes)",
+            )
 
     def _corrupt(self, why: str) -> GatewayError:
-        return invalid_request(f"request body is not valid {self.encoding} (Content-Encoding): {why}",
-                               "content-encoding")
+        return invalid_request(
+            f"request body is not valid {self.encoding} (Content-Encoding): {why}",
+            "content-encoding",
+        )

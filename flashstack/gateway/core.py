@@ -31,8 +31,8 @@ class StopReason(enum.StrEnum):
 # ---- message parts -------------------------------------------------------------------------
 
 
-# `cache_control` is Anthropic's prompt-caching marker ({"type": "ephemeral", "ttl"?}), kept as sent;
-# an upstream without prompt caching drops it and names it in x-flashstack-dropped.
+# `cache_control` is Anthropic's prompt-caching marker ({"type": "ephemeral", "ttl"?}), kept as
+# sent; an upstream without prompt caching drops it and names it in x-flashstack-dropped.
 
 
 @dataclass(slots=True)
@@ -76,7 +76,8 @@ class ToolResult:
 
 @dataclass(slots=True)
 class Thinking:
-    """Reasoning the model showed; `signature` (Anthropic) must come back unchanged in later turns."""
+    """Reasoning the model showed; `signature` (Anthropic) must come back unchanged
+    in later turns."""
 
     text: str
     signature: str | None = None

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from flashstack.gateway.services import Services
 
 log = logging.getLogger("flashstack.gateway")
-# count_tokens takes a Messages body without max_tokens; validation needs one, the upstream does not.
+# count_tokens takes a Messages body without max_tokens; validation needs one, the
+# upstream does not.
 _PLACEHOLDER_MAX_TOKENS = 1
 
 
@@ -41,8 +42,12 @@ async def handle(request: Request, services: Services, limits: chat.Limits) -> R
         body = await chat.read_json(request, limits.max_body_bytes)
         req = _parse(body, limits)
         if not may_use(caller, req.model):
-            raise GatewayError(ErrorKind.NOT_FOUND, f"model {req.model!r} does not exist", param="model",
-                               code="model_not_found")
+            raise GatewayError(
+                ErrorKind.NOT_FOUND,
+                f"model {req.model!r} does not exist",
+                param="model",
+                code="model_not_found",
+            )
         req.headers = fields.client_headers(request.headers)
         counted = await count(services.router, req)
         return chat.json_response(counted, headers=fields.response_headers(req) or None)
@@ -50,12 +55,16 @@ async def handle(request: Request, services: Services, limits: chat.Limits) -> R
         return chat.error_response(wire, e)
     except Exception:
         log.exception("unexpected error counting tokens")
-        return chat.error_response(wire, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log"))
+        return chat.error_response(
+            wire, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log")
+        )
 
 
 def _parse(body: Any, limits: chat.Limits) -> ChatRequest:
     if isinstance(body, dict) and "max_tokens" not in body:
-        req = chat.parse(chat.ANTHROPIC, {**body, "max_tokens": _PLACEHOLDER_MAX_TOKENS}, limits.max_json_depth)
+        req = chat.parse(
+            chat.ANTHROPIC, {**body, "max_tokens": _PLACEHOLDER_MAX_TOKENS}, limits.max_json_depth
+        )
         req.extra.pop("max_tokens", None)
         return req
     return chat.parse(chat.ANTHROPIC, body, limits.max_json_depth)
@@ -72,8 +81,11 @@ async def count(router: Router, req: ChatRequest) -> dict[str, Any]:
             return {"input_tokens": await asyncio.to_thread(_own_count, dep.cfg, req)}
     providers = ", ".join(sorted({d.cfg.provider for d in deployments}))
     raise invalid_request(
-        f"token counting is not available for model {req.model!r} (served by {providers}): only Anthropic "
-        "upstreams, local models and deployments that name their model's `tokenizer` count tokens", "model")
+        f"token counting is not available for model {req.model!r} (served by {providers}): only "
+        "Anthropic upstreams, local models and deployments that name their model's `tokenizer` "
+        "count tokens",
+        "model",
+    )
 
 
 def _own_count(cfg: ModelConfig, req: ChatRequest) -> int:
@@ -81,12 +93,15 @@ def _own_count(cfg: ModelConfig, req: ChatRequest) -> int:
     tokenizer = own_tokenizer(cfg)
     if tokenizer is None:
         raise invalid_request(
-            f"model {req.model!r} has no tokenizer with a chat template to count with; check its deployment's "
-            "`tokenizer` (the gateway log says why it could not be loaded)", "model")
+            f"model {req.model!r} has no tokenizer with a chat template to count with; check its "
+            "deployment's `tokenizer` (the gateway log says why it could not be loaded)",
+            "model",
+        )
     try:
         return template_tokens(tokenizer, req)
     except GatewayError:
         raise
     except Exception as e:  # the template's own refusal (its raise_exception)
-        raise invalid_request(f"the chat template of model {req.model!r} cannot render this request: {e}",
-                              "messages") from None
+        raise invalid_request(
+            f"the chat template of model {req.model!r} cannot render this request: {e}", "messages"
+        ) from None

@@ -48,22 +48,31 @@ OPERATION = "embeddings"  # the GenAI operation name
 async def handle(request: Request, services: Services, limits: chat.Limits) -> Response:
     """One embeddings request; every failure is an OpenAI error body."""
     return await accounting.serve(
-        request, services, OPERATION,
+        request,
+        services,
+        OPERATION,
         lambda acct: _serve(acct, services.router, services.compressor, limits),
     )
 
 
-async def _serve(acct: Accounting, router: Router, compressor: Compressor, limits: chat.Limits) -> Response:
+async def _serve(
+    acct: Accounting, router: Router, compressor: Compressor, limits: chat.Limits
+) -> Response:
     await acct.authenticate()
     body = await chat.read_json(acct.request, limits.max_body_bytes)
     req = _parse(body)
     if req.model in router.groups:
         if not any(_serves(d) for d in router.deployments(req.model)):
-            raise invalid_request(f"model {req.model!r} has no OpenAI-compatible deployment, and only those serve "
-                                  f"embeddings; use {MINILM!r} or an OpenAI-compatible embedding model", "model")
+            raise invalid_request(
+                f"model {req.model!r} has no OpenAI-compatible deployment, and only those serve "
+                f"embeddings; use {MINILM!r} or an OpenAI-compatible embedding model",
+                "model",
+            )
         creq = await acct.admit(req.model, req.input, 1)
         trace = acct.trace
-        reply = await router.call(creq, trace, OPERATION, _serves, lambda dep: _forward(dep, body, trace))
+        reply = await router.call(
+            creq, trace, OPERATION, _serves, lambda dep: _forward(dep, body, trace)
+        )
         if isinstance(reply, dict) and "model" in reply:
             reply["model"] = req.model
         await acct.finish(trace.usage)
@@ -78,8 +87,12 @@ async def _serve(acct: Accounting, router: Router, compressor: Compressor, limit
         headers = {"x-flashstack-dropped": ",".join(dropped)} if dropped else None
         return chat.json_response(out, headers=headers)
     known = ", ".join([*router.model_names(), MINILM])
-    raise GatewayError(ErrorKind.NOT_FOUND, f"model {req.model!r} does not exist; available models: {known}",
-                       param="model", code="model_not_found")
+    raise GatewayError(
+        ErrorKind.NOT_FOUND,
+        f"model {req.model!r} does not exist; available models: {known}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _parse(body: Any) -> EmbeddingsRequest:
@@ -100,24 +113,39 @@ async def _forward(dep: Deployment, body: dict[str, Any], trace: RouteTrace) -> 
 async def _minilm(compressor: Compressor, req: EmbeddingsRequest) -> dict[str, Any]:
     texts = [req.input] if isinstance(req.input, str) else req.input
     if not texts or not all(isinstance(t, str) for t in texts):
-        raise invalid_request(f"{MINILM} takes text: input must be a string or a non-empty list of strings "
-                              "(token arrays are another tokenizer's ids)", "input")
+        raise invalid_request(
+            f"{MINILM} takes text: input must be a string or a non-empty list of strings "
+            "(token arrays are another tokenizer's ids)",
+            "input",
+        )
     if len(texts) > MAX_INPUTS:
-        raise invalid_request(f"input has {len(texts)} texts; at most {MAX_INPUTS} per request", "input")
+        raise invalid_request(
+            f"input has {len(texts)} texts; at most {MAX_INPUTS} per request", "input"
+        )
     if any(not t for t in texts):
         raise invalid_request("input must not contain empty strings", "input")
     if req.dimensions is not None and req.dimensions != MINILM_DIMENSIONS:
-        raise invalid_request(f"{MINILM} embeddings have {MINILM_DIMENSIONS} dimensions and cannot be shortened; "
-                              "leave dimensions out", "dimensions")
+        raise invalid_request(
+            f"{MINILM} embeddings have {MINILM_DIMENSIONS} dimensions and cannot be shortened; "
+            "leave dimensions out",
+            "dimensions",
+        )
     vectors, counts = await compressor.embed_texts(texts)  # type: ignore[arg-type]
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
-            for i, v in enumerate(vectors)]
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
     used = sum(counts)
-    return {"object": "list", "data": data, "model": MINILM, "usage": {"prompt_tokens": used, "total_tokens": used}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": MINILM,
+        "usage": {"prompt_tokens": used, "total_tokens": used},
+    }
 
 
 def _encoded(vector: Any, encoding: str) -> Any:
-    if encoding == "base64":  # little-endian float32, as api.openai.com sends it (and the SDK decodes it)
+    # little-endian float32, as api.openai.com sends it (and the SDK decodes it)
+    if encoding == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode()
     return vector.tolist()
-

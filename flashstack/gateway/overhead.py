@@ -1,4 +1,5 @@
-"""The gateway's own time per request, sent as `X-Flashstack-Overhead-Ms` for users to check in production.
+"""The gateway's own time per request, sent as `X-Flashstack-Overhead-Ms` for users to
+check in production.
 
 Non-stream: the handler's time minus the time spent waiting on upstreams. Stream: the time until the
 response (whose first event has arrived) is handed to the server, minus the upstreams' time to first

@@ -15,10 +15,27 @@ from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
 
 MASK = "***"
 # Query parameters whose values are credentials (Azure's api-key, Google's key, SAS sig, ...).
-SECRET_PARAMS = frozenset({
-    "api-key", "api_key", "apikey", "key", "token", "access_token", "auth", "authorization",
-    "sig", "signature", "secret", "client_secret", "password", "pass", "pwd", "x-api-key", "code",
-})
+SECRET_PARAMS = frozenset(
+    {
+        "api-key",
+        "api_key",
+        "apikey",
+        "key",
+        "token",
+        "access_token",
+        "auth",
+        "authorization",
+        "sig",
+        "signature",
+        "secret",
+        "client_secret",
+        "password",
+        "pass",
+        "pwd",
+        "x-api-key",
+        "code",
+    }
+)
 # Secrets shorter than this are not searched for: masking "ab" everywhere would garble text and
 # tell an attacker more than it hides.
 _MIN_SECRET = 4
@@ -45,7 +62,8 @@ def redact_url(url: str) -> str:
 
 
 def url_secrets(url: str | None) -> list[str]:
-    """The credentials inside `url`: userinfo (user and password) and secret query values, raw and decoded."""
+    """The credentials inside `url`: userinfo (user and password) and secret query values,
+    raw and decoded."""
     if not url:
         return []
     try:
@@ -55,8 +73,14 @@ def url_secrets(url: str | None) -> list[str]:
     found: list[str] = []
     if "@" in parts.netloc:
         userinfo = parts.netloc.rpartition("@")[0]
-        found += [userinfo, *userinfo.split(":", 1), base64.b64encode(unquote(userinfo).encode()).decode()]
-    found += [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k.lower() in SECRET_PARAMS]
+        found += [
+            userinfo,
+            *userinfo.split(":", 1),
+            base64.b64encode(unquote(userinfo).encode()).decode(),
+        ]
+    found += [
+        v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k.lower() in SECRET_PARAMS
+    ]
     raw = list(found)
     found += [unquote(s) for s in raw] + [quote(s, safe="") for s in raw]
     return found
@@ -98,7 +122,8 @@ class Redactor:
 
 def secrets_of(models: Iterable[object], *extra: str | None) -> list[str]:
     """What a set of ModelConfigs must never show a client, plus `extra`: each api_key, the
-    credentials in each api_base, and each api_base's host (an upstream may quote its own address)."""
+    credentials in each api_base, and each api_base's host (an upstream may quote its
+    own address)."""
     found: list[str] = [s for s in extra if s]
     for m in models:
         base = getattr(m, "api_base", None)

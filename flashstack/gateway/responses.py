@@ -18,7 +18,14 @@ from starlette.responses import Response
 
 from flashstack.gateway import chat, overhead, validation, vision
 from flashstack.gateway.auth import Caller
-from flashstack.gateway.core import ChatRequest, ErrorKind, Event, Finish, GatewayError, invalid_request
+from flashstack.gateway.core import (
+    ChatRequest,
+    ErrorKind,
+    Event,
+    Finish,
+    GatewayError,
+    invalid_request,
+)
 from flashstack.gateway.requestlog import RequestRecord
 from flashstack.gateway.responses_store import ResponseStore
 from flashstack.gateway.routing import Router, RouteTrace
@@ -41,17 +48,27 @@ async def handle(request: Request, services: Services, limits: chat.Limits) -> R
     record = requests.begin(trace, t.WIRE, request.method, request.url.path, request.headers)
     response = await _serve(request, services, limits, trace, record)
     if isinstance(response, EventStream):
-        response.background = BackgroundTasks([response.background, BackgroundTask(
-            requests.end, record, 200, None, response.headers.get("x-flashstack-dropped"))])
+        response.background = BackgroundTasks(
+            [
+                response.background,
+                BackgroundTask(
+                    requests.end, record, 200, None, response.headers.get("x-flashstack-dropped")
+                ),
+            ]
+        )
     else:
-        await requests.end(record, response.status_code, dropped=response.headers.get("x-flashstack-dropped"))
+        await requests.end(
+            record, response.status_code, dropped=response.headers.get("x-flashstack-dropped")
+        )
     return response
 
 
 class _Saver:
     """Keeps a finished response with what came before it, when the request asked to store it."""
 
-    def __init__(self, store: ResponseStore, owner: str, opts: t.Options, history: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, store: ResponseStore, owner: str, opts: t.Options, history: list[dict[str, Any]]
+    ) -> None:
         self.store, self.owner, self.opts, self.history = store, owner, opts, history
 
     async def save(self, body: dict[str, Any]) -> None:
@@ -60,8 +77,13 @@ class _Saver:
             await self.store.save(self.owner, items, self.history + items, body)
 
 
-async def _serve(request: Request, services: Services, limits: chat.Limits, trace: RouteTrace,
-                 record: RequestRecord) -> Response:
+async def _serve(
+    request: Request,
+    services: Services,
+    limits: chat.Limits,
+    trace: RouteTrace,
+    record: RequestRecord,
+) -> Response:
     clock = overhead.start()
     req: ChatRequest | None = None
     router = services.router
@@ -91,11 +113,21 @@ async def _serve(request: Request, services: Services, limits: chat.Limits, trac
                     events = chat._validated(events, req)
                 encoder = t.StreamEncoder(parsed.model, opts, req.exchange.dropped)
                 events = _stored(turn.watch(events), encoder, saver)
-                stream = sse(events, encoder.encode, limits.stream_queue_size, None, limits.ping_interval)
-                headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **fields.response_headers(req),
-                           **trace.headers()}
-                response = EventStream(stream, media_type="text/event-stream", headers=headers,
-                                       background=BackgroundTask(turn.close_stream))
+                stream = sse(
+                    events, encoder.encode, limits.stream_queue_size, None, limits.ping_interval
+                )
+                headers = {
+                    "cache-control": "no-cache",
+                    "x-accel-buffering": "no",
+                    **fields.response_headers(req),
+                    **trace.headers(),
+                }
+                response = EventStream(
+                    stream,
+                    media_type="text/event-stream",
+                    headers=headers,
+                    background=BackgroundTask(turn.close_stream),
+                )
                 return overhead.stamp(clock, squeezed.stamp(response))
             resp = await turn.route(router).complete(req, trace)
             if req.response_format is not None:
@@ -114,7 +146,9 @@ async def _serve(request: Request, services: Services, limits: chat.Limits, trac
         return Response(status_code=499)
     except Exception:
         log.exception("unexpected error serving a responses request")
-        return chat.error_response(chat.OPENAI, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log"))
+        return chat.error_response(
+            chat.OPENAI, GatewayError(ErrorKind.INTERNAL, "internal error; see the gateway log")
+        )
 
 
 def passes_through(router: Router, model: str) -> bool:
@@ -131,31 +165,48 @@ def _parse(body: Any, max_depth: int) -> w.ResponsesRequest:
 
 def _options(parsed: w.ResponsesRequest, body: dict[str, Any]) -> t.Options:
     items = [_with_id(item) for item in t.input_items(parsed)]
-    return t.Options(body, store=parsed.store is not False, include_encrypted=t.ENCRYPTED in (parsed.include or ()),
-                     previous_response_id=parsed.previous_response_id, items=items, namespaces=t.namespaces(body))
+    return t.Options(
+        body,
+        store=parsed.store is not False,
+        include_encrypted=t.ENCRYPTED in (parsed.include or ()),
+        previous_response_id=parsed.previous_response_id,
+        items=items,
+        namespaces=t.namespaces(body),
+    )
 
 
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def _with_id(item: dict[str, Any]) -> dict[str, Any]:
     """An input item as `input_items` lists it: with an id (the API gives every stored item one)."""
     kind = item.get("type", "message")
     out = {"id": t.new_id(_ID_PREFIX.get(kind, "item")), "type": kind, **item}
-    if kind == "message" and isinstance(item.get("content"), str):  # listed as parts, as the API lists it
+    # listed as parts, as the API lists it
+    if kind == "message" and isinstance(item.get("content"), str):
         part = "output_text" if item.get("role") == "assistant" else "input_text"
         out["content"] = [{"type": part, "text": item["content"]}]
     return out
 
 
-async def _history(store: ResponseStore, caller: Caller, previous: str | None) -> list[dict[str, Any]]:
+async def _history(
+    store: ResponseStore, caller: Caller, previous: str | None
+) -> list[dict[str, Any]]:
     if not previous:
         return []
     return (await store.get(caller.owner, previous)).items_after()
 
 
-async def _stored(events: AsyncIterator[Event], encoder: t.StreamEncoder, saver: _Saver) -> AsyncIterator[Event]:
-    """`events`, with the response stored before its Finish goes out (a broken stream stores nothing)."""
+async def _stored(
+    events: AsyncIterator[Event], encoder: t.StreamEncoder, saver: _Saver
+) -> AsyncIterator[Event]:
+    """`events`, with the response stored before its Finish goes out (a broken stream
+    stores nothing)."""
     try:
         async for ev in events:
             if isinstance(ev, Finish):
@@ -192,5 +243,12 @@ async def list_input_items(request: Request, services: Services, response_id: st
     if order not in ("asc", "desc"):
         raise invalid_request("order must be asc or desc", "order")
     data = items if order == "asc" else items[::-1]
-    return chat.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                               "last_id": data[-1]["id"] if data else None, "has_more": False})
+    return chat.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": False,
+        }
+    )

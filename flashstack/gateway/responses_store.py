@@ -29,8 +29,12 @@ class Stored:
 
 
 def not_found(response_id: str) -> GatewayError:
-    return GatewayError(ErrorKind.NOT_FOUND, f"response {response_id!r} does not exist (or is another key's)",
-                        param="previous_response_id", code="not_found")
+    return GatewayError(
+        ErrorKind.NOT_FOUND,
+        f"response {response_id!r} does not exist (or is another key's)",
+        param="previous_response_id",
+        code="not_found",
+    )
 
 
 class ResponseStore:
@@ -39,18 +43,29 @@ class ResponseStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def save(self, owner: str, input_items: list[dict[str, Any]], history: list[dict[str, Any]],
-                   response: dict[str, Any]) -> None:
-        row = {"id": response["id"], "owner": owner, "created_at": now_ms(),
-               "input_items": orjson.dumps(input_items).decode(), "history": orjson.dumps(history).decode(),
-               "response": orjson.dumps(response).decode()}
+    async def save(
+        self,
+        owner: str,
+        input_items: list[dict[str, Any]],
+        history: list[dict[str, Any]],
+        response: dict[str, Any],
+    ) -> None:
+        row = {
+            "id": response["id"],
+            "owner": owner,
+            "created_at": now_ms(),
+            "input_items": orjson.dumps(input_items).decode(),
+            "history": orjson.dumps(history).decode(),
+            "response": orjson.dumps(response).decode(),
+        }
         async with self.db.write() as conn:
             await conn.execute(sa.insert(responses).values(**row))
 
     async def get(self, owner: str, response_id: str) -> Stored:
         """The owner's stored response; 404 for an unknown id or another owner's."""
         query = sa.select(responses.c.input_items, responses.c.history, responses.c.response).where(
-            responses.c.id == response_id, responses.c.owner == owner)
+            responses.c.id == response_id, responses.c.owner == owner
+        )
         async with self.db.read() as conn:
             row = (await conn.execute(query)).first()
         if row is None:
@@ -59,7 +74,10 @@ class ResponseStore:
 
     async def delete(self, owner: str, response_id: str) -> None:
         async with self.db.write() as conn:
-            done = await conn.execute(sa.delete(responses).where(
-                responses.c.id == response_id, responses.c.owner == owner))
+            done = await conn.execute(
+                sa.delete(responses).where(
+                    responses.c.id == response_id, responses.c.owner == owner
+                )
+            )
         if done.rowcount == 0:
             raise not_found(response_id)

@@ -61,15 +61,23 @@ class ConnectionLimits:
     overflow: int  # connections above max_connections still accepted, to be told 503
 
     @classmethod
-    def from_config(cls, server: ServerConfig, descriptors_for: int | None = None) -> ConnectionLimits:
+    def from_config(
+        cls, server: ServerConfig, descriptors_for: int | None = None
+    ) -> ConnectionLimits:
         """The server's limits; with `descriptors_for`, the connections shrunk to fit that many."""
         cap = server.max_connections
         overflow = max(64, cap // 8)
         if descriptors_for is not None and descriptors_for < cap + overflow:
             cap = max(1, descriptors_for * 8 // 9)
             overflow = max(0, descriptors_for - cap)
-        return cls(server.max_header_bytes, server.header_timeout, server.body_timeout,
-                   server.body_min_rate, cap, overflow)
+        return cls(
+            server.max_header_bytes,
+            server.header_timeout,
+            server.body_timeout,
+            server.body_min_rate,
+            cap,
+            overflow,
+        )
 
     @property
     def body_window_bytes(self) -> int:
@@ -79,7 +87,9 @@ class ConnectionLimits:
 def uvicorn_options(server: ServerConfig, tls: ServerTLS | None = None) -> dict[str, Any]:
     """Keyword arguments for `uvicorn.Config` that serve with these limits (and `tls`, started)."""
     wanted = ConnectionLimits.from_config(server)
-    limits = ConnectionLimits.from_config(server, fit_descriptor_limit(wanted.max_connections + wanted.overflow))
+    limits = ConnectionLimits.from_config(
+        server, fit_descriptor_limit(wanted.max_connections + wanted.overflow)
+    )
     protocol = limited_protocol(limits)
     options: dict[str, Any] = {"http": protocol, "timeout_keep_alive": server.keep_alive_timeout}
     if tls is not None:
@@ -97,9 +107,13 @@ def fit_descriptor_limit(connections: int) -> int:
         soft = target
     if soft != resource.RLIM_INFINITY and soft < need:
         fit = max(1, (soft - FD_RESERVE) // FDS_PER_CONNECTION)
-        log.warning("server.max_connections needs %d file descriptors but the limit (ulimit -n) is %d: "
-                    "serving at most %d connections; raise the limit or lower server.max_connections",
-                    need, soft, fit)
+        log.warning(
+            "server.max_connections needs %d file descriptors but the limit (ulimit -n) is %d: "
+            "serving at most %d connections; raise the limit or lower server.max_connections",
+            need,
+            soft,
+            fit,
+        )
         return fit
     return connections
 
@@ -160,8 +174,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if len(data) <= room:
             self._head_bytes += len(data)
             super().data_received(data)
-            # Armed only for a head that one read did not complete: most requests never need the timer.
-            if self._in_head and self._head_bytes and self._timer is None and self._idle() and not self._refused:
+            # Armed only for a head that one read did not complete: most requests
+            # never need the timer.
+            if (
+                self._in_head
+                and self._head_bytes
+                and self._timer is None
+                and self._idle()
+                and not self._refused
+            ):
                 self._arm(self.limits.header_timeout, self._head_timed_out)
             return
         heads_done = self._heads_done
@@ -169,10 +190,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._refused:
             return
         if self._heads_done == heads_done:
-            self._refuse(GatewayError(
-                ErrorKind.REQUEST_TOO_LARGE, status=431,
-                message=f"request line and headers are larger than the gateway's limit of "
-                        f"{self.limits.max_header_bytes} bytes (server.max_header_bytes)"))
+            self._refuse(
+                GatewayError(
+                    ErrorKind.REQUEST_TOO_LARGE,
+                    status=431,
+                    message=f"request line and headers are larger than the gateway's limit of "
+                    f"{self.limits.max_header_bytes} bytes (server.max_header_bytes)",
+                )
+            )
             return
         super().data_received(data[room:])
 
@@ -187,10 +212,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._window_bytes = 0
         self._disarm()
         if self._over_capacity:
-            self._refuse(GatewayError(
-                ErrorKind.OVERLOADED, status=503, retry_after=1,
-                message=f"the gateway is serving its maximum of {self.limits.max_connections} connections "
-                        "(server.max_connections); retry shortly"))
+            self._refuse(
+                GatewayError(
+                    ErrorKind.OVERLOADED,
+                    status=503,
+                    retry_after=1,
+                    message="the gateway is serving its maximum of "
+                    f"{self.limits.max_connections} connections (server.max_connections); "
+                    "retry shortly",
+                )
+            )
             return
         super().on_headers_complete()
 
@@ -216,9 +247,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # Called from uvicorn's `except httptools.HttpParserError`; the parser's reason says more.
         exc = sys.exc_info()[1]
         reason = f": {exc}" if isinstance(exc, httptools.HttpParserError) and str(exc) else ""
-        self._refuse(GatewayError(
-            ErrorKind.INVALID_REQUEST,
-            f"malformed HTTP request{reason}; check the request line, header syntax and Content-Length"))
+        self._refuse(
+            GatewayError(
+                ErrorKind.INVALID_REQUEST,
+                f"malformed HTTP request{reason}; check the request line, header syntax and "
+                "Content-Length",
+            )
+        )
 
     # ---- timers --------------------------------------------------------------------------------
 
@@ -239,10 +274,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_bytes == 0:  # an idle connection: close without a word, as keep-alive does
             self.transport.close()
             return
-        self._refuse(GatewayError(
-            ErrorKind.TIMEOUT, status=408,
-            message=f"request headers did not arrive within {self.limits.header_timeout:g} s "
-                    "(server.header_timeout)"))
+        self._refuse(
+            GatewayError(
+                ErrorKind.TIMEOUT,
+                status=408,
+                message=f"request headers did not arrive within {self.limits.header_timeout:g} s "
+                "(server.header_timeout)",
+            )
+        )
 
     def _body_window_ended(self) -> None:
         self._timer = None
@@ -255,10 +294,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._window_bytes = 0
             self._arm(self.limits.body_timeout, self._body_window_ended)
             return
-        self._refuse(GatewayError(
-            ErrorKind.TIMEOUT, status=408,
-            message=f"request body arrived slower than {self.limits.body_min_rate:g} bytes/s over "
-                    f"{self.limits.body_timeout:g} s (server.body_min_rate, server.body_timeout)"))
+        self._refuse(
+            GatewayError(
+                ErrorKind.TIMEOUT,
+                status=408,
+                message=f"request body arrived slower than {self.limits.body_min_rate:g} bytes/s "
+                f"over {self.limits.body_timeout:g} s (server.body_min_rate, server.body_timeout)",
+            )
+        )
 
     # ---- refusing ------------------------------------------------------------------------------
 
@@ -269,7 +312,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle  # on a keep-alive connection, maybe the previous request's, complete
         in_flight = cycle is not None and not cycle.response_complete
         if in_flight:
-            cycle.disconnected = True  # the app's receive() sees a disconnect, its sends are dropped
+            # the app's receive() sees a disconnect, its sends are dropped
+            cycle.disconnected = True
             cycle.message_event.set()
         if not (in_flight and cycle.response_started):
             self.transport.write(self._error_bytes(err))
@@ -292,8 +336,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[err.status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
-        head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
-                 b"\r\nconnection: close\r\n"]
+        head += [
+            b"content-type: application/json\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\nconnection: close\r\n",
+        ]
         if err.retry_after:
             head += [b"retry-after: ", str(round(err.retry_after)).encode(), b"\r\n"]
         head += [b"\r\n", body]
@@ -302,6 +349,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _wire(self) -> chat.WireFormat:
         """The caller's wire format from what was parsed so far (the gateway's `_wire_of`)."""
         url = getattr(self, "url", b"") or b""
-        if url.startswith(b"/v1/messages") or any(n == b"anthropic-version" for n, _ in self.headers or ()):
+        if url.startswith(b"/v1/messages") or any(
+            n == b"anthropic-version" for n, _ in self.headers or ()
+        ):
             return chat.ANTHROPIC
         return chat.OPENAI

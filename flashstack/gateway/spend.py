@@ -1,4 +1,5 @@
-"""Spend: what each request cost, and per-key budgets (USD per UTC day / month) that stop a runaway client.
+"""Spend: what each request cost, and per-key budgets (USD per UTC day / month) that stop
+a runaway client.
 
 A request's cost is its upstream's own usage times the price of the deployment that served it, cache
 reads and writes at their own prices. A key with a budget holds an upper bound of the request's cost
@@ -46,19 +47,29 @@ class Price:
 
     def cost(self, usage: Usage) -> float:
         """USD for `usage` (canonical input tokens exclude the cached ones, as Anthropic counts)."""
-        return (usage.input_tokens * self.input + usage.output_tokens * self.output
-                + usage.cache_creation_input_tokens * self.cache_write
-                + usage.cache_read_input_tokens * self.cache_read) / 1e6
+        return (
+            usage.input_tokens * self.input
+            + usage.output_tokens * self.output
+            + usage.cache_creation_input_tokens * self.cache_write
+            + usage.cache_read_input_tokens * self.cache_read
+        ) / 1e6
 
     def bound(self, prompt_tokens: int, output_tokens: int) -> float:
-        """The most `prompt_tokens` in and `output_tokens` out can cost, however the prompt is cached."""
-        return (prompt_tokens * max(self.input, self.cache_write, self.cache_read)
-                + output_tokens * self.output) / 1e6
+        """The most `prompt_tokens` in and `output_tokens` out can cost, however the
+        prompt is cached."""
+        return (
+            prompt_tokens * max(self.input, self.cache_write, self.cache_read)
+            + output_tokens * self.output
+        ) / 1e6
 
     @classmethod
     def of(cls, p: ModelPrice) -> Price:
-        return cls(p.input, p.output, p.input if p.cache_write is None else p.cache_write,
-                   p.input if p.cache_read is None else p.cache_read)
+        return cls(
+            p.input,
+            p.output,
+            p.input if p.cache_write is None else p.cache_write,
+            p.input if p.cache_read is None else p.cache_read,
+        )
 
 
 FREE = Price(0.0, 0.0, 0.0, 0.0)
@@ -73,7 +84,8 @@ DEFAULT_PRICES: dict[str, Price] = {
     "gpt-4o": Price(2.50, 10.0, 2.50, 1.25),
     "gpt-4o-mini": Price(0.15, 0.60, 0.15, 0.075),
 }
-_DATED = re.compile(r"-(\d{8}|\d{4}-\d{2}-\d{2}|latest)$")  # claude-sonnet-4-5-20250929, gpt-4o-2024-08-06
+# claude-sonnet-4-5-20250929, gpt-4o-2024-08-06
+_DATED = re.compile(r"-(\d{8}|\d{4}-\d{2}-\d{2}|latest)$")
 
 
 def default_price(upstream_model: str) -> Price | None:
@@ -86,14 +98,18 @@ class PriceTable:
     table; a local model is free unless priced, another model without a price costs 0 and is listed
     in `unpriced` (the gateway warns at start-up)."""
 
-    def __init__(self, models: list[ModelConfig], overrides: dict[str, ModelPrice] | None = None) -> None:
+    def __init__(
+        self, models: list[ModelConfig], overrides: dict[str, ModelPrice] | None = None
+    ) -> None:
         overrides = overrides or {}
         self.by_deployment: dict[str, Price] = {}
-        self.by_model: dict[str, Price] = {}  # the dearest deployment of each model name: what holds use
+        # the dearest deployment of each model name: what holds use
+        self.by_model: dict[str, Price] = {}
         self.unpriced: list[str] = []
         counts: dict[str, int] = {}
         for m in models:
-            dep_id = m.id or f"{m.name}#{counts.get(m.name, 0)}"  # the router's naming of deployments
+            # the router's naming of deployments
+            dep_id = m.id or f"{m.name}#{counts.get(m.name, 0)}"
             counts[m.name] = counts.get(m.name, 0) + 1
             price = self._price(m, overrides)
             self.by_deployment[dep_id] = price
@@ -162,7 +178,8 @@ def nano(usd: float) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """Why a budget refused: which period, its limit, what was spent and what requests in flight hold."""
+    """Why a budget refused: which period, its limit, what was spent and what requests
+    in flight hold."""
 
     period: str
     limit: int
@@ -174,22 +191,26 @@ SEED = "seed"  # a ledger's answer when a period's counter is missing: load it f
 
 
 class Ledger(Protocol):
-    async def reserve(self, key_id: str, limits: dict[str, int], names: dict[str, str], hold_id: str,
-                      need: int) -> Refusal | list[str] | None:
+    async def reserve(
+        self, key_id: str, limits: dict[str, int], names: dict[str, str], hold_id: str, need: int
+    ) -> Refusal | list[str] | None:
         """Hold `need` against every period's limit if they allow it: None (held), a Refusal, or the
         periods whose spent counter is missing (seed them, then reserve again)."""
 
     async def seed(self, key_id: str, kind: str, name: str, spent: int, ttl: float) -> None:
         """Set a missing period counter to `spent` (a counter that exists meanwhile is kept)."""
 
-    async def settle(self, key_id: str, names: dict[str, str], hold_id: str, need: int, cost: int) -> None:
+    async def settle(
+        self, key_id: str, names: dict[str, str], hold_id: str, need: int, cost: int
+    ) -> None:
         """Release a hold and add `cost` to every counted period."""
 
     async def aclose(self) -> None: ...
 
 
 def _admits(limit: int, spent: int, held: int, need: int) -> bool:
-    """Within the limit beside what is held; or alone in flight with something left (may go over)."""
+    """Within the limit beside what is held; or alone in flight with something left
+    (may go over)."""
     return spent + held + need <= limit or (held == 0 and spent < limit)
 
 
@@ -208,8 +229,9 @@ class LocalLedger:
             del holds[h]
         return sum(n for _, n in holds.values())
 
-    async def reserve(self, key_id: str, limits: dict[str, int], names: dict[str, str], hold_id: str,
-                      need: int) -> Refusal | list[str] | None:
+    async def reserve(
+        self, key_id: str, limits: dict[str, int], names: dict[str, str], hold_id: str, need: int
+    ) -> Refusal | list[str] | None:
         # No await in here: the check and the hold are one step for every other task of this loop.
         missing = [k for k in limits if (key_id, k, names[k]) not in self.spent]
         if missing:
@@ -225,7 +247,9 @@ class LocalLedger:
     async def seed(self, key_id: str, kind: str, name: str, spent: int, ttl: float) -> None:
         self.spent.setdefault((key_id, kind, name), spent)
 
-    async def settle(self, key_id: str, names: dict[str, str], hold_id: str, need: int, cost: int) -> None:
+    async def settle(
+        self, key_id: str, names: dict[str, str], hold_id: str, need: int, cost: int
+    ) -> None:
         self.holds.get(key_id, {}).pop(hold_id, None)
         for kind, name in names.items():
             k = (key_id, kind, name)
@@ -237,8 +261,8 @@ class LocalLedger:
 
 
 # KEYS: holds (zset: expiry ms, member id:nano), held (string: their sum), spent per period (string
-# each, only those with a limit). ARGV: need, hold member, hold ttl ms, then one limit per spent key.
-# Redis' own clock, so replicas with skewed clocks expire holds alike.
+# each, only those with a limit). ARGV: need, hold member, hold ttl ms, then one limit per spent
+# key. Redis' own clock, so replicas with skewed clocks expire holds alike.
 _RESERVE = """
 local function amount(m) return tonumber(string.match(m, ':(%d+)$')) end
 local t = redis.call('TIME')
@@ -295,13 +319,15 @@ class RedisLedger:
         self._settle = self.redis.register_script(_SETTLE)
 
     def _base(self, key_id: str) -> str:
-        return f"{self.prefix}{{{key_id}}}:budget"  # hash tag: one key's counters share a cluster slot
+        # hash tag: one key's counters share a cluster slot
+        return f"{self.prefix}{{{key_id}}}:budget"
 
     def _spent(self, key_id: str, kind: str, name: str) -> str:
         return f"{self._base(key_id)}:{kind}:{name}"
 
-    async def reserve(self, key_id: str, limits: dict[str, int], names: dict[str, str], hold_id: str,
-                      need: int) -> Refusal | list[str] | None:
+    async def reserve(
+        self, key_id: str, limits: dict[str, int], names: dict[str, str], hold_id: str, need: int
+    ) -> Refusal | list[str] | None:
         kinds = list(limits)
         base = self._base(key_id)
         keys = [f"{base}:holds", f"{base}:held"] + [self._spent(key_id, k, names[k]) for k in kinds]
@@ -316,11 +342,17 @@ class RedisLedger:
         return Refusal(kind, limits[kind], int(out[2]), int(out[3]))
 
     async def seed(self, key_id: str, kind: str, name: str, spent: int, ttl: float) -> None:
-        await self.redis.set(self._spent(key_id, kind, name), spent, nx=True, px=max(1000, int(ttl * 1000)))
+        await self.redis.set(
+            self._spent(key_id, kind, name), spent, nx=True, px=max(1000, int(ttl * 1000))
+        )
 
-    async def settle(self, key_id: str, names: dict[str, str], hold_id: str, need: int, cost: int) -> None:
+    async def settle(
+        self, key_id: str, names: dict[str, str], hold_id: str, need: int, cost: int
+    ) -> None:
         base = self._base(key_id)
-        keys = [f"{base}:holds", f"{base}:held"] + [self._spent(key_id, k, n) for k, n in names.items()]
+        keys = [f"{base}:holds", f"{base}:held"] + [
+            self._spent(key_id, k, n) for k, n in names.items()
+        ]
         await self._settle(keys=keys, args=[f"{hold_id}:{need}", need, cost])
 
     async def aclose(self) -> None:
@@ -344,56 +376,95 @@ class SpendStore:
     async def delete_before(self, unix: float) -> int:
         """Delete the rows created before `unix`; how many went."""
         async with self.db.write() as conn:
-            return (await conn.execute(requests.delete().where(requests.c.created_at < int(unix * 1000)))).rowcount
+            return (
+                await conn.execute(
+                    requests.delete().where(requests.c.created_at < int(unix * 1000))
+                )
+            ).rowcount
 
     async def spent_since(self, key_id: str, since: datetime) -> float:
         """USD a key spent from `since` on."""
         q = sa.select(sa.func.coalesce(sa.func.sum(requests.c.cost_usd), 0.0)).where(
-            requests.c.key_id == key_id, requests.c.created_at >= int(since.timestamp() * 1000))
+            requests.c.key_id == key_id, requests.c.created_at >= int(since.timestamp() * 1000)
+        )
         async with self.db.read() as conn:
             return float((await conn.execute(q)).scalar() or 0.0)
 
     async def by_key(self, since: datetime) -> dict[str | None, float]:
         """USD per key from `since` on."""
         c = requests.c
-        q = (sa.select(c.key_id, sa.func.sum(c.cost_usd)).where(c.created_at >= int(since.timestamp() * 1000))
-             .group_by(c.key_id))
+        q = (
+            sa.select(c.key_id, sa.func.sum(c.cost_usd))
+            .where(c.created_at >= int(since.timestamp() * 1000))
+            .group_by(c.key_id)
+        )
         async with self.db.read() as conn:
             return {k: float(v or 0.0) for k, v in (await conn.execute(q)).all()}
 
     async def by_model(self, key_id: str | None, since: datetime) -> list[dict[str, Any]]:
-        """Requests, tokens and USD per model from `since` on (every key's when `key_id` is None)."""
+        """Requests, tokens and USD per model from `since` on (every key's when
+        `key_id` is None)."""
         c = requests.c
-        q = (sa.select(c.model, sa.func.count().label("requests"),
-                       sa.func.sum(c.input_tokens).label("input_tokens"),
-                       sa.func.sum(c.output_tokens).label("output_tokens"),
-                       sa.func.sum(c.cache_read_tokens).label("cache_read_tokens"),
-                       sa.func.sum(c.cache_write_tokens).label("cache_write_tokens"),
-                       sa.func.sum(c.cost_usd).label("cost_usd"))
-             .where(c.created_at >= int(since.timestamp() * 1000)).group_by(c.model).order_by(c.model))
+        q = (
+            sa.select(
+                c.model,
+                sa.func.count().label("requests"),
+                sa.func.sum(c.input_tokens).label("input_tokens"),
+                sa.func.sum(c.output_tokens).label("output_tokens"),
+                sa.func.sum(c.cache_read_tokens).label("cache_read_tokens"),
+                sa.func.sum(c.cache_write_tokens).label("cache_write_tokens"),
+                sa.func.sum(c.cost_usd).label("cost_usd"),
+            )
+            .where(c.created_at >= int(since.timestamp() * 1000))
+            .group_by(c.model)
+            .order_by(c.model)
+        )
         if key_id is not None:
             q = q.where(c.key_id == key_id)
         async with self.db.read() as conn:
             rows = (await conn.execute(q)).mappings().all()
         # str(k): the keys are SQLAlchemy's quoted_name, a str subclass orjson will not take.
-        return [{str(k): (float(v) if k == "cost_usd" else v if k == "model" else int(v or 0)) for k, v in r.items()}
-                for r in rows]
+        return [
+            {
+                str(k): (float(v) if k == "cost_usd" else v if k == "model" else int(v or 0))
+                for k, v in r.items()
+            }
+            for r in rows
+        ]
 
     async def daily(self, key_id: str | None, since: datetime) -> list[dict[str, Any]]:
         """USD per UTC day and per (key, model) from `since` on: what the console charts."""
         c = requests.c
-        day = sa.cast(c.created_at / 86_400_000, sa.BigInteger)  # integer division on both databases
-        q = (sa.select(day.label("day"), c.key_id, c.model, sa.func.sum(c.cost_usd).label("cost_usd"),
-                       sa.func.count().label("requests"))
-             .where(c.created_at >= int(since.timestamp() * 1000))
-             .group_by(day, c.key_id, c.model).order_by(day))
+        # integer division on both databases
+        day = sa.cast(c.created_at / 86_400_000, sa.BigInteger)
+        q = (
+            sa.select(
+                day.label("day"),
+                c.key_id,
+                c.model,
+                sa.func.sum(c.cost_usd).label("cost_usd"),
+                sa.func.count().label("requests"),
+            )
+            .where(c.created_at >= int(since.timestamp() * 1000))
+            .group_by(day, c.key_id, c.model)
+            .order_by(day)
+        )
         if key_id is not None:
             q = q.where(c.key_id == key_id)
         async with self.db.read() as conn:
             rows = (await conn.execute(q)).mappings().all()
-        return [{"date": (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(days=int(r["day"]))).strftime("%Y-%m-%d"),
-                 "key_id": r["key_id"], "model": r["model"], "cost_usd": float(r["cost_usd"] or 0.0),
-                 "requests": int(r["requests"])} for r in rows]
+        return [
+            {
+                "date": (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(days=int(r["day"]))).strftime(
+                    "%Y-%m-%d"
+                ),
+                "key_id": r["key_id"],
+                "model": r["model"],
+                "cost_usd": float(r["cost_usd"] or 0.0),
+                "requests": int(r["requests"]),
+            }
+            for r in rows
+        ]
 
 
 # ---- budgets at admission -------------------------------------------------------------------
@@ -428,7 +499,9 @@ class BudgetHold:
             return
         self.settled = True
         self.charged = cost_usd
-        await self.budgets.ledger.settle(self.key_id, self.names, self.id, self.need, nano(cost_usd))
+        await self.budgets.ledger.settle(
+            self.key_id, self.names, self.id, self.need, nano(cost_usd)
+        )
 
 
 @dataclass
@@ -441,15 +514,18 @@ class Budgets:
     hold_ttl: float = HOLD_TTL
     _seeded: set[tuple[str, str, str]] = field(default_factory=set)
 
-    async def reserve(self, key_id: str, budget: Budget, model: str, prompt_bound: int,
-                      output_bound: int) -> BudgetHold:
-        """Hold the most the request can cost (429 naming the budget and its reset if it is spent)."""
+    async def reserve(
+        self, key_id: str, budget: Budget, model: str, prompt_bound: int, output_bound: int
+    ) -> BudgetHold:
+        """Hold the most the request can cost (429 naming the budget and its reset if
+        it is spent)."""
         limits = budget.limits()
         now = periods()
         names = {k: now[k].name for k in limits}
         need = nano(self.prices.of_model(model).bound(prompt_bound, output_bound))
         hold_id = uuid.uuid4().hex
-        for _ in range(3):  # a missing counter is seeded once; a third round would be an evicting Redis
+        # a missing counter is seeded once; a third round would be an evicting Redis
+        for _ in range(3):
             out = await self.ledger.reserve(key_id, limits, names, hold_id, need)
             if out is None:
                 return BudgetHold(self, key_id, model, names, hold_id, need)
@@ -461,7 +537,9 @@ class Budgets:
                 # Kept a day past its reset, so a request admitted just before it still finds it.
                 ttl = (p.resets - datetime.now(UTC)).total_seconds() + 86400
                 await self.ledger.seed(key_id, kind, p.name, nano(spent), ttl)
-        raise GatewayError(ErrorKind.INTERNAL, "the budget ledger lost its counters while checking; retry")
+        raise GatewayError(
+            ErrorKind.INTERNAL, "the budget ledger lost its counters while checking; retry"
+        )
 
     async def aclose(self) -> None:
         await self.ledger.aclose()
@@ -474,14 +552,16 @@ def over_budget(key_id: str, r: Refusal, p: Period) -> GatewayError:
             ErrorKind.RATE_LIMIT,
             f"API key {key_id}: requests in flight hold the rest of its {p.word} budget "
             f"(${left:.4f} of ${limit:.2f} left); retry in {HOLD_RETRY:g} s",
-            code="budget_exceeded", retry_after=HOLD_RETRY,
+            code="budget_exceeded",
+            retry_after=HOLD_RETRY,
         )
     wait = max(1.0, (p.resets - datetime.now(UTC)).total_seconds())
     return GatewayError(
         ErrorKind.RATE_LIMIT,
         f"API key {key_id} is over its {p.word} budget of ${limit:.2f} (spent ${spent:.4f}); "
         f"it resets at {iso(p.resets)}, in {_duration(wait)}",
-        code="budget_exceeded", retry_after=math.ceil(wait),
+        code="budget_exceeded",
+        retry_after=math.ceil(wait),
     )
 
 
@@ -492,8 +572,11 @@ def _duration(seconds: float) -> str:
 
 def budgets_from_config(config: Any, db: Database) -> Budgets:
     """The ledger `auth.redis_url` names (else this process's), over the configured prices."""
-    ledger: Ledger = (RedisLedger(config.auth.redis_url, config.auth.redis_prefix) if config.auth.redis_url
-                      else LocalLedger())
+    ledger: Ledger = (
+        RedisLedger(config.auth.redis_url, config.auth.redis_prefix)
+        if config.auth.redis_url
+        else LocalLedger()
+    )
     return Budgets(ledger, SpendStore(db), PriceTable(config.models, config.spend.prices))
 
 
@@ -501,16 +584,24 @@ def budgets_from_config(config: Any, db: Database) -> Budgets:
 
 
 async def key_spend(store: SpendStore, key: Any, days: int = 31) -> dict[str, Any]:
-    """A key's budgets (spent, left, reset) this UTC day and month, and its spend per model and day."""
+    """A key's budgets (spent, left, reset) this UTC day and month, and its spend per
+    model and day."""
     now = periods()
     budgets: dict[str, Any] = {}
     for kind, column in (("day", "budget_day_usd"), ("month", "budget_month_usd")):
         p, limit = now[kind], key.get(column)
         spent = await store.spent_since(key["id"], p.start)
-        budgets[kind] = {"limit_usd": limit, "spent_usd": round(spent, 9),
-                         "left_usd": None if limit is None else round(max(0.0, limit - spent), 9),
-                         "resets_at": iso(p.resets)}
+        budgets[kind] = {
+            "limit_usd": limit,
+            "spent_usd": round(spent, 9),
+            "left_usd": None if limit is None else round(max(0.0, limit - spent), 9),
+            "resets_at": iso(p.resets),
+        }
     since = now["day"].start - timedelta(days=days - 1)
-    return {"object": "spend", "key_id": key["id"], "budgets": budgets,
-            "by_model": await store.by_model(key["id"], now["month"].start),
-            "by_day": await store.daily(key["id"], since)}
+    return {
+        "object": "spend",
+        "key_id": key["id"],
+        "budgets": budgets,
+        "by_model": await store.by_model(key["id"], now["month"].start),
+        "by_day": await store.daily(key["id"], since),
+    }

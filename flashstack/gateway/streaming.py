@@ -71,7 +71,8 @@ async def bounded(
 
 
 async def pulled(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    """Re-yield `events` in the writer's own task; a failure becomes a final Error event, as in `bounded`.
+    """Re-yield `events` in the writer's own task; a failure becomes a final Error event,
+    as in `bounded`.
 
     No reader task and no queue: one task switch less per event, ~12 % of a stream's CPU
     (docs/benchmarks.md, "Gateway overhead").
@@ -102,7 +103,8 @@ async def _close(events: AsyncIterator[Event], finished: bool) -> None:
             await close()
         return
     # The client left (this task is being cancelled, maybe again at each await): close the upstream
-    # in a task of its own, held so the loop cannot drop it, that a second cancellation cannot interrupt.
+    # in a task of its own, held so the loop cannot drop it, that a second cancellation
+    # cannot interrupt.
     closing = asyncio.ensure_future(_quietly(close()))
     _closing.add(closing)
     closing.add_done_callback(_closing.discard)
@@ -138,7 +140,9 @@ async def _read(events: AsyncIterator[Event], queue: asyncio.Queue[object], puls
         await queue.put(Error(e))
     except Exception:
         log.exception("upstream stream failed")
-        await queue.put(Error(GatewayError(ErrorKind.INTERNAL, "the upstream stream failed unexpectedly")))
+        await queue.put(
+            Error(GatewayError(ErrorKind.INTERNAL, "the upstream stream failed unexpectedly"))
+        )
     finally:
         close = getattr(events, "aclose", None)
         if close is not None:
@@ -184,7 +188,8 @@ async def sse(
 
 
 class EventStream(StreamingResponse):
-    """A StreamingResponse that writes its head and first chunk before it watches for the client leaving.
+    """A StreamingResponse that writes its head and first chunk before it watches for
+    the client leaving.
 
     The first chunk (with the router's first token) is ready when the response is created;
     Starlette's disconnect watch (a task group, and a task switch before the first byte) then costs
@@ -197,7 +202,11 @@ class EventStream(StreamingResponse):
         if scope["type"] == "http":
             self._head_sent = True
             try:
-                start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+                start = {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
                 await send(start)
                 first = await anext(self.body_iterator, None)  # type: ignore[call-overload]
                 if first is not None:

@@ -25,15 +25,20 @@ from flashstack.gateway.core import ChatRequest, GatewayError, Usage
 # within this one task.
 _ATTEMPT: ContextVar[Any] = ContextVar("flashstack_attempt_span", default=None)
 _TRACER: ContextVar[Any] = ContextVar("flashstack_attempt_tracer", default=None)
-# The local engine's stages, each the span of one stretch of its per-request timeline (RequestTimes).
-ENGINE_STAGES = (("queue", "arrival", "first_scheduled"), ("prefill", "first_scheduled", "first_token"),
-                 ("decode", "first_token", "finished"))
+# The local engine's stages, each the span of one stretch of its per-request
+# timeline (RequestTimes).
+ENGINE_STAGES = (
+    ("queue", "arrival", "first_scheduled"),
+    ("prefill", "first_scheduled", "first_token"),
+    ("decode", "first_token", "finished"),
+)
 _PROVIDER_NAMES = {"anthropic": "anthropic", "openai": "openai"}  # GenAI well-known provider names
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def enabled(cfg: TelemetryConfig, env: Mapping[str, str]) -> bool:
-    """On when configured so, or (unset) when an OTLP endpoint variable is set and the SDK not disabled."""
+    """On when configured so, or (unset) when an OTLP endpoint variable is set and the SDK
+    not disabled."""
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return False
     return cfg.enabled if cfg.enabled is not None else any(env.get(v) for v in _ENDPOINT_VARS)
@@ -69,8 +74,10 @@ class Tracing:
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         cfg = cfg or TelemetryConfig(enabled=True)
-        provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}),
-                                  sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": cfg.service_name}),
+            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+        )
         provider.add_span_processor(processor)
         return cls(provider)
 
@@ -78,24 +85,43 @@ class Tracing:
         """The server span of one request, child of the client's `traceparent` when it sent one."""
         parent = self._propagator.extract(headers) if "traceparent" in headers else None
         return self.tracer.start_span(
-            "chat", context=parent, kind=self._trace.SpanKind.SERVER,
-            attributes={"gen_ai.operation.name": "chat", "http.request.method": method, "url.path": path},
+            "chat",
+            context=parent,
+            kind=self._trace.SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "http.request.method": method,
+                "url.path": path,
+            },
         )
 
-    def attempt_span(self, parent: Any, dep_id: str, cfg: ModelConfig, req: ChatRequest, n: int,
-                     operation: str = "chat") -> Any:
+    def attempt_span(
+        self,
+        parent: Any,
+        dep_id: str,
+        cfg: ModelConfig,
+        req: ChatRequest,
+        n: int,
+        operation: str = "chat",
+    ) -> Any:
         """The client span of one attempt on one deployment (retries and fallbacks are siblings)."""
         attrs = request_attributes(req)
-        attrs.update({
-            "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": _PROVIDER_NAMES.get(cfg.provider, cfg.provider),
-            "gen_ai.request.model": cfg.model,  # what this upstream was asked for
-            "flashstack.deployment": dep_id,
-            "flashstack.model": cfg.name,
-            "flashstack.attempt": n,
-        })
-        return self.tracer.start_span(f"{operation} {cfg.model}", context=self._trace.set_span_in_context(parent),
-                                      kind=self._trace.SpanKind.CLIENT, attributes=attrs)
+        attrs.update(
+            {
+                "gen_ai.operation.name": operation,
+                "gen_ai.provider.name": _PROVIDER_NAMES.get(cfg.provider, cfg.provider),
+                "gen_ai.request.model": cfg.model,  # what this upstream was asked for
+                "flashstack.deployment": dep_id,
+                "flashstack.model": cfg.name,
+                "flashstack.attempt": n,
+            }
+        )
+        return self.tracer.start_span(
+            f"{operation} {cfg.model}",
+            context=self._trace.set_span_in_context(parent),
+            kind=self._trace.SpanKind.CLIENT,
+            attributes=attrs,
+        )
 
     def shutdown(self) -> None:
         self.provider.shutdown()  # flushes what the batch processor still holds
@@ -103,8 +129,13 @@ class Tracing:
 
 def request_attributes(req: ChatRequest) -> dict[str, Any]:
     attrs: dict[str, Any] = {"gen_ai.request.model": req.model}
-    for name, value in (("max_tokens", req.max_tokens), ("temperature", req.temperature),
-                        ("top_p", req.top_p), ("top_k", req.top_k), ("seed", req.seed)):
+    for name, value in (
+        ("max_tokens", req.max_tokens),
+        ("temperature", req.temperature),
+        ("top_p", req.top_p),
+        ("top_k", req.top_k),
+        ("seed", req.seed),
+    ):
         if value is not None:
             attrs[f"gen_ai.request.{name}"] = value
     if req.stop:
@@ -113,9 +144,11 @@ def request_attributes(req: ChatRequest) -> dict[str, Any]:
 
 
 def usage_attributes(usage: Usage) -> dict[str, int]:
-    """GenAI usage: input tokens count every prompt token, cached ones too, which are also given apart."""
+    """GenAI usage: input tokens count every prompt token, cached ones too, which are
+    also given apart."""
     return {
-        "gen_ai.usage.input_tokens": usage.input_tokens + usage.cache_read_input_tokens
+        "gen_ai.usage.input_tokens": usage.input_tokens
+        + usage.cache_read_input_tokens
         + usage.cache_creation_input_tokens,
         "gen_ai.usage.output_tokens": usage.output_tokens,
         "gen_ai.usage.cache_read.input_tokens": usage.cache_read_input_tokens,
@@ -123,8 +156,13 @@ def usage_attributes(usage: Usage) -> dict[str, int]:
     }
 
 
-def end_attempt(span: Any, error: BaseException | None = None, usage: Usage | None = None,
-                response_model: str | None = None, finish_reason: str | None = None) -> None:
+def end_attempt(
+    span: Any,
+    error: BaseException | None = None,
+    usage: Usage | None = None,
+    response_model: str | None = None,
+    finish_reason: str | None = None,
+) -> None:
     if span is None:
         return
     if usage is not None:
@@ -193,22 +231,34 @@ class EngineTrace:
         span, tracer = _ATTEMPT.get(), _TRACER.get()
         return None if span is None or tracer is None else cls(span, tracer)
 
-    def stages(self, times: Any, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+    def stages(
+        self, times: Any, prompt_tokens: int, cached_tokens: int, output_tokens: int
+    ) -> None:
         """`queue`, `prefill` and `decode` under the attempt, timed by the engine's own timestamps
         (`times`: RequestTimes, time.monotonic() seconds); a stage it never reached has none."""
         from opentelemetry import trace
 
         to_unix_ns = time.time_ns() - time.monotonic_ns()  # one offset: the stages keep their order
         context = trace.set_span_in_context(self.attempt)
-        attributes = {"queue": {}, "prefill": {"gen_ai.usage.input_tokens": prompt_tokens,
-                                               "gen_ai.usage.cache_read.input_tokens": cached_tokens},
-                      "decode": {"gen_ai.usage.output_tokens": output_tokens}}
+        attributes = {
+            "queue": {},
+            "prefill": {
+                "gen_ai.usage.input_tokens": prompt_tokens,
+                "gen_ai.usage.cache_read.input_tokens": cached_tokens,
+            },
+            "decode": {"gen_ai.usage.output_tokens": output_tokens},
+        }
         for name, begin, end in ENGINE_STAGES:
             t0, t1 = getattr(times, begin), getattr(times, end)
             if t0 is None or t1 is None:
                 continue
-            span = self.tracer.start_span(name, context=context, kind=trace.SpanKind.INTERNAL,
-                                          start_time=int(t0 * 1e9) + to_unix_ns, attributes=attributes[name])
+            span = self.tracer.start_span(
+                name,
+                context=context,
+                kind=trace.SpanKind.INTERNAL,
+                start_time=int(t0 * 1e9) + to_unix_ns,
+                attributes=attributes[name],
+            )
             span.end(end_time=int(t1 * 1e9) + to_unix_ns)
 
 

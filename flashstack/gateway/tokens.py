@@ -35,9 +35,11 @@ log = logging.getLogger("flashstack.gateway.tokens")
 # Chat formats wrap each message in a few role/separator tokens (OpenAI's cookbook counts 3–4).
 PER_MESSAGE = 4
 PER_REQUEST = 3
-# One image, as the providers bill a typical one (Anthropic ≈ w·h/750 ≤ 1,600; OpenAI 85 + 170/tile).
+# One image, as the providers bill a typical one (Anthropic ≈ w·h/750 ≤ 1,600;
+# OpenAI 85 + 170/tile).
 PER_IMAGE = 1_000
-# Claude 3+ spends more tokens than cl100k on the same English text; calibrated in bench/compress_eval.py.
+# Claude 3+ spends more tokens than cl100k on the same English text; calibrated in
+# bench/compress_eval.py.
 CLAUDE_PER_CL100K = 1.15
 # Without any tokenizer: bytes per token of English prose under cl100k, rounded down (over-counts).
 BYTES_PER_TOKEN = 3.6
@@ -66,7 +68,8 @@ def context_window(cfg: ModelConfig) -> int | None:
 
 
 def output_reserve(req: ChatRequest, cfg: ModelConfig, window: int) -> int:
-    """Tokens kept free for the answer: the request's max_tokens, the model's, or window/8 ≤ 4,096."""
+    """Tokens kept free for the answer: the request's max_tokens, the model's, or
+    window/8 ≤ 4,096."""
     return req.max_tokens or cfg.max_output_tokens or min(4_096, window // 8)
 
 
@@ -85,7 +88,8 @@ class Counter:
 
 
 def tokenizer_path(cfg: ModelConfig) -> str | None:
-    """Where `cfg`'s model's own tokenizer is: its `tokenizer` setting, else a local model's own files."""
+    """Where `cfg`'s model's own tokenizer is: its `tokenizer` setting, else a local
+    model's own files."""
     return cfg.tokenizer or (cfg.model if cfg.provider == "local" else None)
 
 
@@ -101,7 +105,9 @@ def counter_for(cfg: ModelConfig) -> Counter:
         return Counter("estimate", _estimate, exact=False)
     if cfg.provider == "anthropic" or cfg.model.lower().startswith("claude"):
         return Counter("claude-estimate", cl100k, exact=False, scale=CLAUDE_PER_CL100K)
-    exact = cfg.provider == "openai" and cfg.model.lower().startswith(("gpt-4-", "gpt-4", "gpt-3.5"))
+    exact = cfg.provider == "openai" and cfg.model.lower().startswith(
+        ("gpt-4-", "gpt-4", "gpt-3.5")
+    )
     exact = exact and not cfg.model.lower().startswith(("gpt-4o", "gpt-4.1"))
     return Counter("cl100k_base", cl100k, exact=exact)
 
@@ -145,7 +151,9 @@ def _local_counter(path: str) -> Counter | None:
     tok = model_tokenizer(path)
     if tok is None:
         return None
-    return Counter("tokenizer", lambda text: len(tok.encode(text, add_special_tokens=False)), exact=True)
+    return Counter(
+        "tokenizer", lambda text: len(tok.encode(text, add_special_tokens=False)), exact=True
+    )
 
 
 # ---- what a request is made of -------------------------------------------------------------
@@ -186,16 +194,24 @@ def prompt_tokens(counter: Counter, req: ChatRequest) -> int:
 
 def fixed_text(req: ChatRequest) -> str:
     """The parts of a request that compression never touches: system prompt and tool schemas."""
-    tools = orjson.dumps([[t.name, t.description, t.parameters] for t in req.tools]).decode() if req.tools else ""
+    tools = (
+        orjson.dumps([[t.name, t.description, t.parameters] for t in req.tools]).decode()
+        if req.tools
+        else ""
+    )
     return req.system_text() + tools
 
 
 def request_upper_bound(cfg: ModelConfig, req: ChatRequest) -> int:
-    """A cheap bound: the request never costs `cfg`'s model more tokens than this (no tokenizer run, or load).
+    """A cheap bound: the request never costs `cfg`'s model more tokens than this (no
+    tokenizer run, or load).
 
-    Byte-level BPE spends at least one byte per token, so n UTF-8 bytes are at most n × scale tokens.
+    Byte-level BPE spends at least one byte per token, so n UTF-8 bytes are at most
+    n × scale tokens.
     """
-    n_bytes = len(fixed_text(req).encode()) + sum(len(message_text(m).encode()) for m in req.messages)
+    n_bytes = len(fixed_text(req).encode()) + sum(
+        len(message_text(m).encode()) for m in req.messages
+    )
     images = sum(image_count(m) for m in req.messages)
     text = math.ceil(n_bytes * scale_bound(cfg))
     return text + PER_IMAGE * images + PER_MESSAGE * len(req.messages) + PER_REQUEST

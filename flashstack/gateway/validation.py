@@ -1,4 +1,5 @@
-"""Request checks: JSON nesting on arrival, response_format's schema, and the model's JSON when it is done."""
+"""Request checks: JSON nesting on arrival, response_format's schema, and the model's JSON
+when it is done."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from flashstack.gateway.core import (
 OUTPUT_STATUS = 422
 
 
-# orjson writes at most 254 levels and recursive validators (jsonschema, pydantic) use several frames
-# per level: nesting is refused at parse time, well below either, instead of failing as a 500 later.
+# orjson writes at most 254 levels and recursive validators (jsonschema, pydantic) use several
+# frames per level: nesting is refused at parse time, well below either, instead of failing as a 500
+# later.
 PATH_SHOWN = 6  # path components named in the error; the rest is "…"
 
 
@@ -31,7 +33,8 @@ def check_depth(value: Any, limit: int, param: str | None = None) -> None:
     """400 naming the field when `value` (parsed JSON) nests more than `limit` arrays/objects deep.
 
     Iterative, so any depth orjson can parse is checked without recursion: level by level over the
-    containers (~90 ms per million), and only a body that fails is walked again for the field's path.
+    containers (~90 ms per million), and only a body that fails is walked again for
+    the field's path.
     """
     level = [value] if type(value) is dict or type(value) is list else []
     depth = 0
@@ -50,7 +53,8 @@ def check_depth(value: Any, limit: int, param: str | None = None) -> None:
 
 
 def _deep_path(value: Any, limit: int) -> list[str]:
-    """The keys from `value` down to its first container more than `limit` levels deep (depth first)."""
+    """The keys from `value` down to its first container more than `limit` levels deep
+    (depth first)."""
     path: list[str] = []
     stack: list[Iterator[tuple[Any, Any]]] = [_items(value)]
     while stack:
@@ -69,7 +73,8 @@ def _deep_path(value: Any, limit: int) -> list[str]:
 
 
 def check_tool_arguments(req: ChatRequest, limit: int) -> None:
-    """The same limit inside tool-call `arguments`: JSON text that translation parses and re-encodes."""
+    """The same limit inside tool-call `arguments`: JSON text that translation parses
+    and re-encodes."""
     for i, m in enumerate(req.messages):
         for p in m.parts:
             # str.count runs in C: only arguments with enough brackets to be too deep are parsed.
@@ -114,8 +119,8 @@ def check_request(req: ChatRequest) -> None:
         ) from None
     except RecursionError:  # jsonschema recurses a dozen frames per level: ~99 nested properties
         raise invalid_request(
-            "response_format.json_schema.schema nests too deeply to be checked; flatten it (or lower "
-            "server.max_json_depth, so that such schemas are refused on arrival)",
+            "response_format.json_schema.schema nests too deeply to be checked; flatten it (or "
+            "lower server.max_json_depth, so that such schemas are refused on arrival)",
             "response_format.json_schema.schema",
         ) from None
 
@@ -133,14 +138,20 @@ def check_output(rf: ResponseFormat | None, text: str) -> None:
             raise _violation("the model's output is JSON but not an object")
         return
     import jsonschema
+
     validator = jsonschema.validators.validator_for(rf.schema)(rf.schema)
     try:
         error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     except RecursionError:
-        raise _violation("the model's output nests too deeply to be checked against the schema") from None
+        raise _violation(
+            "the model's output nests too deeply to be checked against the schema"
+        ) from None
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(root)"
-        raise _violation(f"the model's output does not match the response_format schema at {where}: {error.message}")
+        raise _violation(
+            f"the model's output does not match the response_format schema at {where}: "
+            f"{error.message}"
+        )
 
 
 def _violation(message: str) -> GatewayError:

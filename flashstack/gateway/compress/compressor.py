@@ -188,7 +188,9 @@ class Compressor:
         """`req` fitted to its model's window: itself, a compressed copy, or a 400
         context_length_exceeded. `turn` (a sessions.turns.Turn) lends its session's mode, stored
         embeddings and summaries."""
-        assert self.router is not None, "the request path's compressor routes: Services builds it so"
+        assert self.router is not None, (
+            "the request path's compressor routes: Services builds it so"
+        )
         memory = SessionMemory.of(turn) if turn.in_session else None
         return await self.maybe_compress(req, self.router.config_of(req.model), memory)
 

@@ -7,8 +7,11 @@ from flashstack.gateway.providers.base import Health, Provider
 from flashstack.gateway.redact import Redactor
 
 
-def build_provider(cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None) -> Provider:
-    """The provider for one configured deployment; `redact` masks every configured secret in its errors."""
+def build_provider(
+    cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None
+) -> Provider:
+    """The provider for one configured deployment; `redact` masks every configured secret
+    in its errors."""
     if cfg.provider == "anthropic":
         from flashstack.gateway.providers.anthropic import AnthropicProvider
 

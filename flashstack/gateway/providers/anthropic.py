@@ -27,10 +27,13 @@ API_VERSION = "2023-06-01"
 class AnthropicProvider:
     """Messages API over one pooled client."""
 
-    def __init__(self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None
+    ) -> None:
         self.cfg = cfg
         self.upstream = Upstream.of(cfg, limits, redact)
-        self.name = self.upstream.name  # the deployment id: errors never name the upstream's address
+        # the deployment id: errors never name the upstream's address
+        self.name = self.upstream.name
         headers = {"anthropic-version": API_VERSION}
         if cfg.api_key:
             headers["x-api-key"] = cfg.api_key
@@ -49,31 +52,52 @@ class AnthropicProvider:
         body = self._body(request, stream=True)
         up = self.upstream
         headers = headers_for(request, t.WIRE)
-        async with open_stream(self.client, "/v1/messages", body, t.upstream_error, headers,
-                               request.exchange) as resp:
+        async with open_stream(
+            self.client, "/v1/messages", body, t.upstream_error, headers, request.exchange
+        ) as resp:
             async for name, data in sse_events(resp, up):
-                for ev in up.decode(decoder.feed, name, event_json(data, up, "an event"), what="an event"):
+                for ev in up.decode(
+                    decoder.feed, name, event_json(data, up, "an event"), what="an event"
+                ):
                     yield ev
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         body = self._body(request, stream=False)
-        reply = shape.anthropic_message(await post_json(
-            self.client, "/v1/messages", body, t.upstream_error, headers_for(request, t.WIRE), request.exchange),
-            self.upstream)
+        reply = shape.anthropic_message(
+            await post_json(
+                self.client,
+                "/v1/messages",
+                body,
+                t.upstream_error,
+                headers_for(request, t.WIRE),
+                request.exchange,
+            ),
+            self.upstream,
+        )
         keep = request.wire == t.WIRE  # the client gets the upstream's body whole
-        return self.upstream.translate(lambda b: t.response_from_json(b, keep, request.exchange.dropped), reply,
-                                       "a message")
+        return self.upstream.translate(
+            lambda b: t.response_from_json(b, keep, request.exchange.dropped), reply, "a message"
+        )
 
     async def count_tokens(self, request: ChatRequest) -> dict:
         """The upstream's own count for an Anthropic client's count_tokens body (model renamed)."""
         body = t.request_json(request, self.cfg.model)
-        if "max_tokens" not in request.extra:  # count_tokens takes none; request_json always sets one
+        # count_tokens takes none; request_json always sets one
+        if "max_tokens" not in request.extra:
             body.pop("max_tokens", None)
-        return await post_json(self.client, "/v1/messages/count_tokens", body, t.upstream_error,
-                               headers_for(request, t.WIRE), request.exchange)
+        return await post_json(
+            self.client,
+            "/v1/messages/count_tokens",
+            body,
+            t.upstream_error,
+            headers_for(request, t.WIRE),
+            request.exchange,
+        )
 
     async def list_models(self) -> list[str]:
-        return shape.model_ids(await self.client.get_json("/v1/models"), self.upstream, "data", "id")
+        return shape.model_ids(
+            await self.client.get_json("/v1/models"), self.upstream, "data", "id"
+        )
 
     async def health(self) -> Health:
         return await probe_health(self.list_models)

@@ -68,7 +68,8 @@ async def probe_health(list_models: Callable[[], Awaitable[list[str]]]) -> Healt
         await list_models()
     except GatewayError as e:
         return Health(False, detail=e.message)
-    except (httpx.HTTPError, ValueError, KeyError) as e:  # its text may hold the address: the type only
+    # its text may hold the address: the type only
+    except (httpx.HTTPError, ValueError, KeyError) as e:
         return Health(False, detail=f"health probe failed ({type(e).__name__})")
     return Health(True, (time.perf_counter() - t0) * 1000)
 

@@ -6,7 +6,7 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -44,19 +44,33 @@ class Client:
         self.upstream = upstream
         base, query, headers = _split_base(cfg, headers)
         timeout = httpx.Timeout(cfg.timeout, connect=cfg.connect_timeout)
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30)
+        limits = httpx.Limits(
+            max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30
+        )
         verify = upstream_ssl_context(cfg) or True  # upstream mTLS / private CA (gateway/tls/)
         self._direct = AiohttpTransport() if base.startswith("http://") else None
-        self.http = httpx.AsyncClient(base_url=base, headers=headers, params=query, timeout=timeout,
-                                      limits=limits, http2=True, verify=verify, transport=self._direct)
+        self.http = httpx.AsyncClient(
+            base_url=base,
+            headers=headers,
+            params=query,
+            timeout=timeout,
+            limits=limits,
+            http2=True,
+            verify=verify,
+            transport=self._direct,
+        )
         self._base = base.rstrip("/")
         self._query = ("?" + urlencode(query)) if query else ""
         # httpx would name itself in user-agent; the direct path names the gateway instead.
         self._headers = {"user-agent": f"flashstack/{__version__}", **headers, **_JSON}
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout, sock_read=cfg.timeout)
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=cfg.connect_timeout, sock_read=cfg.timeout
+        )
 
     @asynccontextmanager
-    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
+    async def post(
+        self, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[Response]:
         """POST `body` (with `headers` besides the client's own); the response once its head is in,
         closed (or its connection dropped) on exit."""
         async with self._send("POST", path, body, None, headers) as response:
@@ -71,20 +85,33 @@ class Client:
         try:
             async with self._send("GET", path, None, timeout) as response:
                 if response.status >= 400:
-                    raise self.upstream.failure(error_for_status(response.status, f"HTTP {response.status} for GET {path}"))
+                    raise self.upstream.failure(
+                        error_for_status(response.status, f"HTTP {response.status} for GET {path}")
+                    )
                 raw = await read_body(response, self.upstream)
         except httpx.HTTPError as e:
             raise self.upstream.transport_error(e) from e
         return parse_json(raw, self.upstream, "a model list")
 
     @asynccontextmanager
-    async def _send(self, method: str, path: str, body: bytes | None, timeout: float | None,
-                    headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        timeout: float | None,
+        headers: dict[str, str] | None = None,
+    ) -> AsyncIterator[Response]:
         headers = telemetry.outgoing_headers(headers)  # W3C traceparent of the attempt being traced
         if self._direct is None:
             sent = {**_JSON, **headers} if headers else _JSON if body else None
-            request = self.http.build_request(method, path, content=body, headers=sent,
-                                              timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+            request = self.http.build_request(
+                method,
+                path,
+                content=body,
+                headers=sent,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
             response = await self.http.send(request, stream=True)
             try:
                 yield HttpxResponse(response)
@@ -94,9 +121,14 @@ class Client:
         t = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
             resp = await self._direct.session().request(
-                method, self._base + path + self._query, data=body, timeout=t,
+                method,
+                self._base + path + self._query,
+                data=body,
+                timeout=t,
                 headers={**self._headers, **headers} if headers else self._headers,
-                allow_redirects=False, compress=None)
+                allow_redirects=False,
+                compress=None,
+            )
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise as_httpx(e) from e
         try:
@@ -111,8 +143,11 @@ class Client:
         await self.http.aclose()
 
 
-def _split_base(cfg: ModelConfig, headers: dict[str, str]) -> tuple[str, list[tuple[str, str]], dict[str, str]]:
-    """(base URL without userinfo or query, the query's pairs, headers with basic auth from the userinfo)."""
+def _split_base(
+    cfg: ModelConfig, headers: dict[str, str]
+) -> tuple[str, list[tuple[str, str]], dict[str, str]]:
+    """(base URL without userinfo or query, the query's pairs, headers with basic auth from
+    the userinfo)."""
     cfg.check_credentials()  # load_config checked already; a config built in code is checked here
     base, user, password = split_userinfo(cfg.api_base or "")
     if user is not None:
@@ -124,7 +159,8 @@ def _split_base(cfg: ModelConfig, headers: dict[str, str]) -> tuple[str, list[tu
 
 
 class Response:
-    """An upstream response: status, headers, and the body as bytes arrive (transport errors as httpx's)."""
+    """An upstream response: status, headers, and the body as bytes arrive (transport
+    errors as httpx's)."""
 
     status: int
     headers: Mapping[str, str]
@@ -133,7 +169,8 @@ class Response:
         raise NotImplementedError
 
     async def read(self, limit: int, cut: bool = False) -> bytes:
-        """The body, read until `limit` bytes: past it BodyTooLarge, or with `cut` the first `limit` bytes.
+        """The body, read until `limit` bytes: past it BodyTooLarge, or with `cut` the
+        first `limit` bytes.
 
         Checked as the bytes arrive (and against a declared content-length before any): the body is
         never held whole and then measured.
@@ -218,7 +255,9 @@ async def read_body(response: Response, upstream: Upstream) -> bytes:
         raise upstream.too_large("a response body", limit, "max_body_bytes") from None
 
 
-async def error_from_response(response: Response, upstream: Upstream, decode: ErrorDecoder) -> GatewayError:
+async def error_from_response(
+    response: Response, upstream: Upstream, decode: ErrorDecoder
+) -> GatewayError:
     """The client-facing error for an error response; only its first max_error_bytes are read."""
     body = await response.read(upstream.limits.max_error_bytes, cut=True)
     try:
@@ -232,19 +271,28 @@ def parse_json(raw: bytes, upstream: Upstream, what: str) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise GatewayError(ErrorKind.UPSTREAM, f"upstream {upstream.name} sent {what} that is not JSON",
-                           code="upstream_bad_response") from e
+        raise GatewayError(
+            ErrorKind.UPSTREAM,
+            f"upstream {upstream.name} sent {what} that is not JSON",
+            code="upstream_bad_response",
+        ) from e
 
 
 @asynccontextmanager
-async def open_stream(client: Client, path: str, body: dict[str, Any], decode: ErrorDecoder,
-                      headers: dict[str, str] | None = None, exchange: Exchange | None = None
-                      ) -> AsyncIterator[Response]:
+async def open_stream(
+    client: Client,
+    path: str,
+    body: dict[str, Any],
+    decode: ErrorDecoder,
+    headers: dict[str, str] | None = None,
+    exchange: Exchange | None = None,
+) -> AsyncIterator[Response]:
     """POST `body` and yield the streaming response once its status says success."""
     sent = time.perf_counter()
     try:
         async with client.post(path, orjson.dumps(body), headers) as response:
-            overhead.add_upstream(time.perf_counter() - sent)  # time to first byte: the response head
+            # time to first byte: the response head
+            overhead.add_upstream(time.perf_counter() - sent)
             sent = 0.0
             if exchange is not None:
                 exchange.headers = passed_response_headers(response.headers)
@@ -258,8 +306,14 @@ async def open_stream(client: Client, path: str, body: dict[str, Any], decode: E
             overhead.add_upstream(time.perf_counter() - sent)
 
 
-async def post_json(client: Client, path: str, body: dict[str, Any], decode: ErrorDecoder,
-                    headers: dict[str, str] | None = None, exchange: Exchange | None = None) -> Any:
+async def post_json(
+    client: Client,
+    path: str,
+    body: dict[str, Any],
+    decode: ErrorDecoder,
+    headers: dict[str, str] | None = None,
+    exchange: Exchange | None = None,
+) -> Any:
     """POST `body` and the JSON of a success response (bounded); errors in the gateway's words.
 
     With `exchange`, the response headers a client reads (request ids, rate limits) are kept there.
@@ -296,7 +350,8 @@ class LineSplitter:
         self._parts: list[bytes] = []  # the unfinished line, in pieces
         self._size = 0
         self._max = max_line
-        self._after_cr = False  # the last piece ended in \r: a \n starting the next one belongs to it
+        # the last piece ended in \r: a \n starting the next one belongs to it
+        self._after_cr = False
 
     def feed(self, chunk: bytes) -> list[bytes]:
         if self._after_cr:
@@ -342,7 +397,9 @@ async def lines(response: Response, upstream: Upstream) -> AsyncIterator[bytes]:
             for line in splitter.feed(chunk):
                 yield line
     except LineTooLong:
-        raise upstream.too_large("a stream line", upstream.limits.max_line_bytes, "max_line_bytes") from None
+        raise upstream.too_large(
+            "a stream line", upstream.limits.max_line_bytes, "max_line_bytes"
+        ) from None
     except httpx.HTTPError as e:
         raise upstream.transport_error(e) from e
     for line in splitter.close():
@@ -356,7 +413,8 @@ async def sse_events(response: Response, upstream: Upstream) -> AsyncIterator[tu
     """
     limit = upstream.limits.max_line_bytes
     event, data, size = "", [], 0
-    waiting = time.perf_counter()  # the head is in; the wait for the first event is upstream time too
+    # the head is in; the wait for the first event is upstream time too
+    waiting = time.perf_counter()
     splitter = LineSplitter(limit)
     try:
         async for chunk in response.chunks():
@@ -399,15 +457,19 @@ def event_json(data: bytes, upstream: Upstream, what: str) -> dict[str, Any]:
         try:  # not UTF-8: read it as a text decoder would, with replacement characters
             obj = orjson.loads(data.decode(errors="replace"))
         except orjson.JSONDecodeError as e:
-            raise GatewayError(ErrorKind.UPSTREAM, f"upstream {upstream.name} sent {what} that is not JSON",
-                               code="upstream_bad_response") from e
+            raise GatewayError(
+                ErrorKind.UPSTREAM,
+                f"upstream {upstream.name} sent {what} that is not JSON",
+                code="upstream_bad_response",
+            ) from e
     if not isinstance(obj, dict):
         raise upstream.shape_error(what, f"a JSON {type(obj).__name__}, not an object")
     return obj
 
 
 class _MaskedURLs(logging.Filter):
-    """httpx logs every request's URL at INFO: the query an api_base carries (Azure's `api-key`) is masked."""
+    """httpx logs every request's URL at INFO: the query an api_base carries (Azure's
+    `api-key`) is masked."""
 
     _redact = Redactor()
 

@@ -61,7 +61,9 @@ class LocalProvider:
         engine = await self.engine()
         plan = _tool_plan(engine, request)
         guide = await self._guide(engine, _guide_spec(request, plan))
-        async for ev in self._generate(engine, _prompt_ids(engine, request, plan), request, plan, guide):
+        async for ev in self._generate(
+            engine, _prompt_ids(engine, request, plan), request, plan, guide
+        ):
             yield ev
 
     async def _guide(self, engine: Any, spec: Any) -> Any:
@@ -78,25 +80,36 @@ class LocalProvider:
         except GrammarError as e:
             raise invalid_request(str(e), "response_format") from None
 
-    async def stream_prompt(self, prompt: str | list[int], request: ChatRequest) -> AsyncIterator[Event]:
+    async def stream_prompt(
+        self, prompt: str | list[int], request: ChatRequest
+    ) -> AsyncIterator[Event]:
         """A raw prompt (text or token ids), no chat template: legacy `/v1/completions`; `request`
         carries the sampling fields."""
         engine = await self.engine()
         if isinstance(prompt, str):
             if engine.tokenizer is None:
-                raise invalid_request(f"local model {request.model!r} has no tokenizer; send the prompt as token ids")
+                raise invalid_request(
+                    f"local model {request.model!r} has no tokenizer; send the prompt as token ids"
+                )
             prompt = engine.tokenizer.encode(prompt)
         async for ev in self._generate(engine, prompt, request):
             yield ev
 
-    async def _generate(self, engine: Any, prompt: list[int], request: ChatRequest,
-                        plan: Any = None, guide: Any = None) -> AsyncIterator[Event]:
+    async def _generate(
+        self,
+        engine: Any,
+        prompt: list[int],
+        request: ChatRequest,
+        plan: Any = None,
+        guide: Any = None,
+    ) -> AsyncIterator[Event]:
         params = _sampling_params(request, self.cfg)
         params.guide = guide
         rid = "msg_" + uuid.uuid4().hex[:24]
         started = False
         blocks = _Blocks(plan.stream() if plan is not None else None)
-        traced = telemetry.EngineTrace.current()  # now: a stream ends after the router stopped sending
+        # now: a stream ends after the router stopped sending
+        traced = telemetry.EngineTrace.current()
         try:
             async for delta in engine.stream(prompt, params, request_id=rid):
                 if not started:
@@ -105,9 +118,14 @@ class LocalProvider:
                 for ev in blocks.feed(delta.text, delta.finished):
                     yield ev
                 if delta.finished:
-                    if traced is not None and delta.times is not None:  # before the attempt's span ends
-                        traced.stages(delta.times, delta.prompt_tokens, delta.num_cached_tokens,
-                                      delta.completion_tokens)
+                    # before the attempt's span ends
+                    if traced is not None and delta.times is not None:
+                        traced.stages(
+                            delta.times,
+                            delta.prompt_tokens,
+                            delta.num_cached_tokens,
+                            delta.completion_tokens,
+                        )
                     yield from_finish(delta, blocks.called)
         except ValueError as e:  # the engine refuses a request it cannot run (too long, ...)
             code = "context_length_exceeded" if "tokens" in str(e) else None
@@ -123,9 +141,12 @@ class LocalProvider:
         from pathlib import Path
 
         path = Path(self.cfg.model)
-        is_gguf = path.suffix.lower() == ".gguf"  # a GGUF file is a whole model, else a HF directory
+        # a GGUF file is a whole model, else a HF directory
+        is_gguf = path.suffix.lower() == ".gguf"
         ok = path.is_file() if is_gguf else (path / "config.json").is_file()
-        return Health(ok, 0.0 if ok else None, "" if ok else f"no model at {self.cfg.model}", time.time())
+        return Health(
+            ok, 0.0 if ok else None, "" if ok else f"no model at {self.cfg.model}", time.time()
+        )
 
     async def aclose(self) -> None:
         if self._engine is not None:
@@ -163,7 +184,9 @@ class _Blocks:
                 events += self._switch(piece["index"])
                 events.append(ToolCallStart(self.open, piece["id"], piece["function"]["name"]))
             if piece["function"].get("arguments"):
-                events.append(ToolArgsDelta(self._call_blocks[piece["index"]], piece["function"]["arguments"]))
+                events.append(
+                    ToolArgsDelta(self._call_blocks[piece["index"]], piece["function"]["arguments"])
+                )
         if final:
             events.append(BlockStop(self.open if self.open is not None else 0))
         return events
@@ -191,8 +214,14 @@ def _finish(delta: Any) -> Finish:
 def openai_tools(request: ChatRequest) -> list[dict[str, Any]]:
     """The request's tools as a chat template takes them (OpenAI's function shape)."""
     return [
-        {"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                          "parameters": t.parameters or {"type": "object"}}}
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description or "",
+                "parameters": t.parameters or {"type": "object"},
+            },
+        }
         for t in request.tools
     ]
 
@@ -226,8 +255,11 @@ def _guide_spec(request: ChatRequest, plan: Any) -> Any:
     if rf is None or rf.type == "text":
         return forced
     if forced is not None:
-        raise invalid_request(f"tool_choice {request.tool_choice.mode!r} already constrains the output; "
-                              "drop response_format", "response_format")
+        raise invalid_request(
+            f"tool_choice {request.tool_choice.mode!r} already constrains the output; "
+            "drop response_format",
+            "response_format",
+        )
     wire = {"type": rf.type, "json_schema": {"name": rf.name, "schema": rf.schema}}
     try:
         return guide_spec(wire)
@@ -238,7 +270,9 @@ def _guide_spec(request: ChatRequest, plan: Any) -> Any:
 def _prompt_ids(engine: Any, request: ChatRequest, plan: Any = None) -> list[int]:
     """Render the request with the model's own chat template (tools as the plan shows them)."""
     if engine.tokenizer is None:
-        raise invalid_request(f"local model {request.model!r} has no tokenizer; it cannot take chat requests")
+        raise invalid_request(
+            f"local model {request.model!r} has no tokenizer; it cannot take chat requests"
+        )
     messages = chat_messages(request)
     tools = None
     if plan is not None:
@@ -255,18 +289,29 @@ def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
     for m in request.messages:
         for p in m.parts:
             if isinstance(p, Image):
-                raise invalid_request(f"local model {request.model!r} does not accept images", "messages")
+                raise invalid_request(
+                    f"local model {request.model!r} does not accept images", "messages"
+                )
             if isinstance(p, Opaque):
-                raise invalid_request(f"local model {request.model!r} cannot read content of type {p.type!r}; "
-                                      "remove it or choose a model served over the API it came from", "messages")
+                raise invalid_request(
+                    f"local model {request.model!r} cannot read content of type {p.type!r}; "
+                    "remove it or choose a model served over the API it came from",
+                    "messages",
+                )
         text = "".join(p.text for p in m.parts if isinstance(p, Text))
         calls = [p for p in m.parts if isinstance(p, ToolCall)]
         results = [p for p in m.parts if isinstance(p, ToolResult)]
         if text or not results:
             message: dict[str, Any] = {"role": m.role, "content": text}
             if calls:
-                message["tool_calls"] = [{"id": c.id, "type": "function",
-                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in calls
+                ]
             messages.append(message)
         for r in results:  # each result its own `tool` message, as OpenAI sends them
             content = "".join(t.text for t in r.content if isinstance(t, Text))

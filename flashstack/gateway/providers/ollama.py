@@ -43,10 +43,13 @@ from flashstack.gateway.redact import Redactor
 class OllamaProvider:
     """One Ollama server; a model name per deployment."""
 
-    def __init__(self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None
+    ) -> None:
         self.cfg = cfg
         self.upstream = Upstream.of(cfg, limits, redact)
-        self.name = self.upstream.name  # the deployment id: errors never name the upstream's address
+        # the deployment id: errors never name the upstream's address
+        self.name = self.upstream.name
         self.client = make_client(cfg, {}, self.upstream)
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[Event]:
@@ -59,18 +62,24 @@ class OllamaProvider:
                     for ev in up.decode(decoder.feed, _parse_line(line, up), what="a line"):
                         yield ev
         if not decoder.done:
-            raise GatewayError(ErrorKind.UPSTREAM, f"upstream {up.name} ended the stream before done=true")
+            raise GatewayError(
+                ErrorKind.UPSTREAM, f"upstream {up.name} ended the stream before done=true"
+            )
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         body = request_json(request, self.cfg.model, stream=False)
         up = self.upstream
-        line = shape.ollama_reply(await post_json(self.client, "/api/chat", body, upstream_error), up)
+        line = shape.ollama_reply(
+            await post_json(self.client, "/api/chat", body, upstream_error), up
+        )
         if not line.get("done"):
             raise up.shape_error("a reply", "done is not true")
         return await collect(_events_of(up, line))
 
     async def list_models(self) -> list[str]:
-        return shape.model_ids(await self.client.get_json("/api/tags"), self.upstream, "models", "name")
+        return shape.model_ids(
+            await self.client.get_json("/api/tags"), self.upstream, "models", "name"
+        )
 
     async def health(self) -> Health:
         return await probe_health(self.list_models)
@@ -107,7 +116,12 @@ def request_json(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
         messages.extend(_message_json(m))
     body: dict[str, Any] = {"model": model, "messages": messages, "stream": stream}
     options: dict[str, Any] = {}
-    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("max_tokens", "num_predict")):
+    for src, dst in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("max_tokens", "num_predict"),
+    ):
         if getattr(req, src) is not None:
             options[dst] = getattr(req, src)
     if req.stop:
@@ -116,7 +130,14 @@ def request_json(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
         body["options"] = options
     if req.tools:
         body["tools"] = [
-            {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters}}
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.parameters,
+                },
+            }
             for t in req.tools
         ]
     rf = req.response_format
@@ -128,8 +149,11 @@ def request_json(req: ChatRequest, model: str, stream: bool) -> dict[str, Any]:
 def _message_json(m: Message) -> Iterator[dict[str, Any]]:
     for p in m.parts:
         if isinstance(p, Opaque):  # a document, a server tool's block: nothing Ollama can read
-            raise invalid_request(f"messages[].content[].type={p.type} cannot be sent to an Ollama model; "
-                                  "remove it or choose a model served over the API it came from", "messages")
+            raise invalid_request(
+                f"messages[].content[].type={p.type} cannot be sent to an Ollama model; "
+                "remove it or choose a model served over the API it came from",
+                "messages",
+            )
     text = "".join(p.text for p in m.parts if isinstance(p, Text))
     if m.role == "system":  # an instruction mid-conversation, where it stands
         yield {"role": "system", "content": text}
@@ -138,7 +162,9 @@ def _message_json(m: Message) -> Iterator[dict[str, Any]]:
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         calls = [p for p in m.parts if isinstance(p, ToolCall)]
         if calls:
-            msg["tool_calls"] = [{"function": {"name": c.name, "arguments": _args(c)}} for c in calls]
+            msg["tool_calls"] = [
+                {"function": {"name": c.name, "arguments": _args(c)}} for c in calls
+            ]
         yield msg
         return
     for p in m.parts:
@@ -157,12 +183,16 @@ def _args(c: ToolCall) -> Any:
     try:
         return orjson.loads(c.arguments or "{}")
     except orjson.JSONDecodeError:
-        raise invalid_request(f"arguments of tool call {c.id!r} are not valid JSON", "messages") from None
+        raise invalid_request(
+            f"arguments of tool call {c.id!r} are not valid JSON", "messages"
+        ) from None
 
 
 def _image_data(p: Image) -> str:
     if p.data is None:
-        raise invalid_request("Ollama takes images by value only: send them base64-encoded, not by URL")
+        raise invalid_request(
+            "Ollama takes images by value only: send them base64-encoded, not by URL"
+        )
     return p.data
 
 
@@ -211,9 +241,13 @@ class LineDecoder:
         self.text_index = None
         fn = call.get("function") or {}
         idx = self._open()
-        yield ToolCallStart(idx, call.get("id") or "call_" + uuid.uuid4().hex[:24], fn.get("name", ""))
+        yield ToolCallStart(
+            idx, call.get("id") or "call_" + uuid.uuid4().hex[:24], fn.get("name", "")
+        )
         args = fn.get("arguments")
-        yield ToolArgsDelta(idx, args if isinstance(args, str) else orjson.dumps(args or {}).decode())
+        yield ToolArgsDelta(
+            idx, args if isinstance(args, str) else orjson.dumps(args or {}).decode()
+        )
 
     def _finish(self, line: dict[str, Any]) -> Iterator[Event]:
         self.done = True

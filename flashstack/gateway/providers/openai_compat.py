@@ -36,10 +36,13 @@ from flashstack.gateway.translate.raw import tap_for
 class OpenAICompatProvider:
     """Chat completions over one pooled client; streams parsed chunk by chunk."""
 
-    def __init__(self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, limits: UpstreamLimits | None = None, redact: Redactor | None = None
+    ) -> None:
         self.cfg = cfg
         self.upstream = Upstream.of(cfg, limits, redact)
-        self.name = self.upstream.name  # the deployment id: errors never name the upstream's address
+        # the deployment id: errors never name the upstream's address
+        self.name = self.upstream.name
         headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.client = make_client(cfg, headers, self.upstream)
 
@@ -53,14 +56,16 @@ class OpenAICompatProvider:
             return
         body = t.request_json(request, self.cfg.model)
         body["stream"] = True
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}  # for accounting
+        # for accounting
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         decoder = t.ChunkDecoder(tap_for(request.wire, t.WIRE), request.exchange.dropped)
         done = chosen = reported = False
         answer = AnswerText()  # counted if no chunk carries usage (llama.cpp's server sends none)
         up = self.upstream
         headers = headers_for(request, t.WIRE)
-        async with open_stream(self.client, "/chat/completions", body, t.upstream_error, headers,
-                               request.exchange) as resp:
+        async with open_stream(
+            self.client, "/chat/completions", body, t.upstream_error, headers, request.exchange
+        ) as resp:
             async for _, data in sse_events(resp, up):
                 if data.strip() == b"[DONE]":
                     done = True
@@ -71,9 +76,12 @@ class OpenAICompatProvider:
                 for ev in up.decode(decoder.feed, chunk, what="a chunk"):
                     answer.feed(ev)
                     yield ev
-        if not done and decoder.finish_reason is None:  # closed mid-answer: never pass it off as complete
-            raise GatewayError(ErrorKind.UPSTREAM, f"upstream {up.name} ended the stream early (no finish_reason, "
-                               "no [DONE])")
+        # closed mid-answer: never pass it off as complete
+        if not done and decoder.finish_reason is None:
+            raise GatewayError(
+                ErrorKind.UPSTREAM,
+                f"upstream {up.name} ended the stream early (no finish_reason, no [DONE])",
+            )
         if not chosen:  # chunks without choices, then [DONE]: not an empty answer, no answer at all
             raise up.shape_error("a stream", "no chunk had choices")
         for ev in decoder.finish():
@@ -83,43 +91,76 @@ class OpenAICompatProvider:
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         if self._passes_responses(request):
-            reply = await post_json(self.client, "/responses", rt.request_json(request, self.cfg.model, False),
-                                    t.upstream_error, headers_for(request, t.WIRE), request.exchange)
+            reply = await post_json(
+                self.client,
+                "/responses",
+                rt.request_json(request, self.cfg.model, False),
+                t.upstream_error,
+                headers_for(request, t.WIRE),
+                request.exchange,
+            )
             return self.upstream.translate(rt.response_from_json, reply, "a response")
         body = t.request_json(request, self.cfg.model)
         if request.wire != t.WIRE:  # an OpenAI client's body keeps its own stream fields, as sent
             body["stream"] = False
             body.pop("stream_options", None)
-        reply = shape.openai_completion(await post_json(
-            self.client, "/chat/completions", body, t.upstream_error, headers_for(request, t.WIRE),
-            request.exchange), self.upstream)
+        reply = shape.openai_completion(
+            await post_json(
+                self.client,
+                "/chat/completions",
+                body,
+                t.upstream_error,
+                headers_for(request, t.WIRE),
+                request.exchange,
+            ),
+            self.upstream,
+        )
         keep = request.wire == t.WIRE  # the client gets the upstream's body whole
         resp = self.upstream.translate(
-            lambda b: t.response_from_json(b, keep, request.exchange.dropped), reply,
-            "a chat completion")
+            lambda b: t.response_from_json(b, keep, request.exchange.dropped),
+            reply,
+            "a chat completion",
+        )
         if not reply.get("usage"):  # counted, as a stream without usage is (a proxy may strip it)
             resp = await counted_response(resp, self.cfg, request)
         return resp
 
     async def _responses_stream(self, request: ChatRequest) -> AsyncIterator[Event]:
-        """A Responses client's request to an upstream that serves the Responses API: whole, both ways."""
+        """A Responses client's request to an upstream that serves the Responses API:
+        whole, both ways."""
         decoder, up, finished = rt.EventDecoder(), self.upstream, False
-        async with open_stream(self.client, "/responses", rt.request_json(request, self.cfg.model, True),
-                               t.upstream_error, headers_for(request, t.WIRE), request.exchange) as resp:
+        async with open_stream(
+            self.client,
+            "/responses",
+            rt.request_json(request, self.cfg.model, True),
+            t.upstream_error,
+            headers_for(request, t.WIRE),
+            request.exchange,
+        ) as resp:
             async for name, data in sse_events(resp, up):
-                for ev in up.decode(decoder.feed, name, event_json(data, up, "an event"), what="an event"):
+                for ev in up.decode(
+                    decoder.feed, name, event_json(data, up, "an event"), what="an event"
+                ):
                     finished = finished or isinstance(ev, Finish)
                     yield ev
         if not finished:
-            raise GatewayError(ErrorKind.UPSTREAM, f"upstream {up.name} ended the stream early (no response.completed)")
+            raise GatewayError(
+                ErrorKind.UPSTREAM,
+                f"upstream {up.name} ended the stream early (no response.completed)",
+            )
 
-    async def forward(self, path: str, body: dict[str, Any], exchange: Exchange | None = None) -> Any:
-        """POST an OpenAI-wire body as sent (embeddings, legacy completions); the upstream's JSON reply."""
+    async def forward(
+        self, path: str, body: dict[str, Any], exchange: Exchange | None = None
+    ) -> Any:
+        """POST an OpenAI-wire body as sent (embeddings, legacy completions); the
+        upstream's JSON reply."""
         return await post_json(self.client, path, body, t.upstream_error, None, exchange)
 
-    async def forward_stream(self, path: str, body: dict[str, Any], exchange: Exchange | None = None
-                             ) -> AsyncIterator[bytes]:
-        """The same, streamed: the upstream's SSE events as they came (data lines; [DONE] included)."""
+    async def forward_stream(
+        self, path: str, body: dict[str, Any], exchange: Exchange | None = None
+    ) -> AsyncIterator[bytes]:
+        """The same, streamed: the upstream's SSE events as they came (data lines;
+        [DONE] included)."""
         async with open_stream(self.client, path, body, t.upstream_error, None, exchange) as resp:
             async for _, data in sse_events(resp, self.upstream):
                 yield b"data: " + data + b"\n\n"

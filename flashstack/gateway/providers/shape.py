@@ -15,7 +15,8 @@ _STR_OR_NONE = (str, type(None))
 
 
 def openai_completion(body: Any, up: Upstream) -> dict[str, Any]:
-    """A ChatCompletion: choices[0].message with string (or null) content and well-formed tool calls."""
+    """A ChatCompletion: choices[0].message with string (or null) content and
+    well-formed tool calls."""
     what = "a chat completion"
     obj = _object(body, up, what)
     choices = obj.get("choices")
@@ -28,7 +29,12 @@ def openai_completion(body: Any, up: Upstream) -> dict[str, Any]:
     calls = msg.get("tool_calls")
     _typed(calls, (list, type(None)), up, what, "message.tool_calls")
     for i, call in enumerate(calls or []):
-        fn = _object(_object(call, up, what, f"tool_calls[{i}]").get("function"), up, what, f"tool_calls[{i}].function")
+        fn = _object(
+            _object(call, up, what, f"tool_calls[{i}]").get("function"),
+            up,
+            what,
+            f"tool_calls[{i}].function",
+        )
         _typed(fn.get("name"), str, up, what, f"tool_calls[{i}].function.name")
         _typed(fn.get("arguments"), _STR_OR_NONE, up, what, f"tool_calls[{i}].function.arguments")
     _usage(obj, up, what)

@@ -70,8 +70,11 @@ class AnswerText:
         return "".join(self._parts)
 
 
-async def counted_finish(finish: Finish, cfg: ModelConfig, request: ChatRequest, answer: AnswerText) -> Finish:
-    """`finish` with the gateway's count of the request and answer (in a thread: a tokenizer may load)."""
+async def counted_finish(
+    finish: Finish, cfg: ModelConfig, request: ChatRequest, answer: AnswerText
+) -> Finish:
+    """`finish` with the gateway's count of the request and answer (in a thread: a
+    tokenizer may load)."""
     usage = await asyncio.to_thread(estimate, cfg, request, answer.text())
     return replace(finish, usage=usage)
 
@@ -90,9 +93,15 @@ def estimate(cfg: ModelConfig, request: ChatRequest, answer: str) -> Usage:
     if tokenizer is not None:
         prompt = _prompt_tokens_or_none(tokenizer, request)
         if prompt is not None:
-            return Usage(prompt, len(tokenizer.encode(answer, add_special_tokens=False)), estimated="tokenizer")
+            return Usage(
+                prompt,
+                len(tokenizer.encode(answer, add_special_tokens=False)),
+                estimated="tokenizer",
+            )
     counter = tokens.counter_for(cfg)
-    return Usage(tokens.prompt_tokens(counter, request), counter.tokens(answer), estimated=counter.name)
+    return Usage(
+        tokens.prompt_tokens(counter, request), counter.tokens(answer), estimated=counter.name
+    )
 
 
 def own_tokenizer(cfg: ModelConfig) -> Any:
@@ -119,5 +128,9 @@ def _prompt_tokens_or_none(tokenizer: Any, request: ChatRequest) -> int | None:
     except GatewayError:  # a part no chat template takes (an image)
         return None
     except Exception as e:  # a template that refuses these messages (its raise_exception)
-        log.info("the chat template of %s cannot render this request (%s); counting without it", request.model, e)
+        log.info(
+            "the chat template of %s cannot render this request (%s); counting without it",
+            request.model,
+            e,
+        )
         return None

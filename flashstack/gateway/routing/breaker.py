@@ -32,14 +32,20 @@ class Breakers:
         self.store = store
         self.local = store if isinstance(store, MemoryState) else MemoryState()
         self.cfg = cfg
-        self.policy = TripPolicy(cfg.breaker_failures, cfg.breaker_failure_rate, cfg.breaker_window,
-                                 cfg.breaker_min_requests)
+        self.policy = TripPolicy(
+            cfg.breaker_failures,
+            cfg.breaker_failure_rate,
+            cfg.breaker_window,
+            cfg.breaker_min_requests,
+        )
         self.store_down_until = 0.0
 
     def cooldown(self, err: GatewayError) -> float:
         """Seconds an opened breaker stays open: the configured cooldown, longer if the upstream
         asked for longer with retry-after (capped by breaker_max_cooldown)."""
-        return min(max(self.cfg.breaker_cooldown, err.retry_after or 0.0), self.cfg.breaker_max_cooldown)
+        return min(
+            max(self.cfg.breaker_cooldown, err.retry_after or 0.0), self.cfg.breaker_max_cooldown
+        )
 
     async def snapshot(self, ids: list[str]) -> list[Snapshot]:
         return await self._run(lambda s: s.snapshot(ids))
@@ -73,7 +79,12 @@ class Breakers:
         try:
             return await op(self.store)
         except Exception as e:  # noqa: BLE001 - any store failure: route on local state meanwhile
-            log.warning("router state store failed (%s: %s); using this process's own breaker state "
-                        "for %g s", type(e).__name__, e, STORE_RETRY_INTERVAL)
+            log.warning(
+                "router state store failed (%s: %s); using this process's own breaker state "
+                "for %g s",
+                type(e).__name__,
+                e,
+                STORE_RETRY_INTERVAL,
+            )
             self.store_down_until = time.monotonic() + STORE_RETRY_INTERVAL
             return await op(self.local)

@@ -13,8 +13,11 @@ OPENAI_DEFAULT_MODELS = ("gpt-4o", "gpt-4o-mini")
 OPENAI_API = "https://api.openai.com/v1"
 
 
-def discover_models(env: dict[str, str] | None = None, probe_timeout: float = 1.0) -> list[ModelConfig]:
-    """Anthropic from ANTHROPIC_API_KEY, OpenAI-compatible from OPENAI_*, Ollama if OLLAMA_HOST answers."""
+def discover_models(
+    env: dict[str, str] | None = None, probe_timeout: float = 1.0
+) -> list[ModelConfig]:
+    """Anthropic from ANTHROPIC_API_KEY, OpenAI-compatible from OPENAI_*, Ollama if
+    OLLAMA_HOST answers."""
     env = dict(os.environ if env is None else env)
     found: list[ModelConfig] = []
     found += _anthropic(env)
@@ -28,7 +31,10 @@ def _anthropic(env: dict[str, str]) -> list[ModelConfig]:
     if not key:
         return []
     base = env.get("ANTHROPIC_BASE_URL", "https://api.anthropic.com")
-    return [ModelConfig(name=m, provider="anthropic", model=m, api_base=base, api_key=key) for m in ANTHROPIC_MODELS]
+    return [
+        ModelConfig(name=m, provider="anthropic", model=m, api_base=base, api_key=key)
+        for m in ANTHROPIC_MODELS
+    ]
 
 
 def _openai(env: dict[str, str], timeout: float) -> list[ModelConfig]:
@@ -37,9 +43,14 @@ def _openai(env: dict[str, str], timeout: float) -> list[ModelConfig]:
         return []
     base = (base or OPENAI_API).rstrip("/")
     names = _list_openai_models(base, key, timeout) or list(OPENAI_DEFAULT_MODELS)
-    responses = base == OPENAI_API  # OpenAI itself serves the Responses API: those requests pass through whole
-    return [ModelConfig(name=m, provider="openai", model=m, api_base=base, api_key=key, responses_api=responses)
-            for m in names]
+    # OpenAI itself serves the Responses API: those requests pass through whole
+    responses = base == OPENAI_API
+    return [
+        ModelConfig(
+            name=m, provider="openai", model=m, api_base=base, api_key=key, responses_api=responses
+        )
+        for m in names
+    ]
 
 
 def _list_openai_models(base: str, key: str | None, timeout: float) -> list[str]:

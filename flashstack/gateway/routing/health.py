@@ -23,7 +23,9 @@ async def probe(provider: Any, timeout: float) -> Health:
         async with asyncio.timeout(timeout):
             return await provider.health()
     except TimeoutError:
-        return Health(False, (time.perf_counter() - t0) * 1000, f"health probe timed out after {timeout:g} s")
+        return Health(
+            False, (time.perf_counter() - t0) * 1000, f"health probe timed out after {timeout:g} s"
+        )
     except Exception as e:  # noqa: BLE001 - a probe that crashes is a failed probe
         return Health(False, detail=f"health probe failed: {type(e).__name__}: {e}")
 
@@ -31,14 +33,18 @@ async def probe(provider: Any, timeout: float) -> Health:
 class HealthChecker:
     """Runs `probe` for every deployment every `interval` seconds and hands results to `report`."""
 
-    def __init__(self, interval: float, timeout: float, report: Callable[[Any, Health], Awaitable[None]]) -> None:
+    def __init__(
+        self, interval: float, timeout: float, report: Callable[[Any, Health], Awaitable[None]]
+    ) -> None:
         self.interval, self.timeout, self.report = interval, timeout, report
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self, deployments: Iterable[Any]) -> None:
         if self.interval <= 0 or self.tasks:
             return
-        self.tasks = [asyncio.create_task(self._loop(d), name=f"health:{d.id}") for d in deployments]
+        self.tasks = [
+            asyncio.create_task(self._loop(d), name=f"health:{d.id}") for d in deployments
+        ]
 
     async def _loop(self, dep: Any) -> None:
         # Jittered start, so replicas and deployments do not probe in lockstep.

@@ -1,4 +1,5 @@
-"""Where breaker, cooldown and in-flight state lives: this process, or Redis shared by every replica.
+"""Where breaker, cooldown and in-flight state lives: this process, or Redis shared
+by every replica.
 
 Both stores implement the same few atomic operations with the same semantics; the breaker policy
 (`breaker.py`) decides, the store only counts and expires. Per deployment the keys are:
@@ -127,13 +128,21 @@ class MemoryState:
     def _state(self, dep: str) -> BreakerState:
         if self._get(f"{dep}:open") is not None:
             return BreakerState.OPEN
-        return BreakerState.HALF_OPEN if self._get(f"{dep}:tripped") is not None else BreakerState.CLOSED
+        return (
+            BreakerState.HALF_OPEN
+            if self._get(f"{dep}:tripped") is not None
+            else BreakerState.CLOSED
+        )
 
     async def snapshot(self, ids: list[str]) -> list[Snapshot]:
         out = []
         for dep in ids:
             state = self._state(dep)
-            left = self.expiry.get(f"{dep}:open", 0.0) - time.monotonic() if state is BreakerState.OPEN else 0.0
+            left = (
+                self.expiry.get(f"{dep}:open", 0.0) - time.monotonic()
+                if state is BreakerState.OPEN
+                else 0.0
+            )
             out.append(Snapshot(state, max(0, self._get(f"{dep}:inflight") or 0), max(0.0, left)))
         return out
 
@@ -217,19 +226,20 @@ class RedisState:
 
     def __init__(self, url: str, prefix: str) -> None:
         from redis import asyncio as aioredis
-
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
         # No client-side retries: the breaker layer falls back to local state on the first error.
-        self.redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0,
-                                       retry=Retry(NoBackoff(), 0))
+        self.redis = aioredis.from_url(
+            url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+        )
         self.prefix = prefix
         self._failure = self.redis.register_script(_FAILURE_LUA)
         self._success = self.redis.register_script(_SUCCESS_LUA)
 
     def _k(self, dep: str, name: str) -> str:
-        return f"{self.prefix}{{{dep}}}:{name}"  # hash tag: one deployment's keys share a cluster slot
+        # hash tag: one deployment's keys share a cluster slot
+        return f"{self.prefix}{{{dep}}}:{name}"
 
     async def snapshot(self, ids: list[str]) -> list[Snapshot]:
         pipe = self.redis.pipeline(transaction=False)
@@ -251,19 +261,37 @@ class RedisState:
 
     async def record_failure(self, dep: str, policy: TripPolicy, cooldown: float) -> bool:
         b = _bucket(policy.window)
-        keys = [self._k(dep, "fails"), self._k(dep, f"win:{b}:fail"), self._k(dep, f"win:{b}:total"),
-                self._k(dep, "open"), self._k(dep, "tripped"), self._k(dep, "probe")]
-        args = [policy.failures, policy.failure_rate, policy.min_requests, int(policy.window * 1000),
-                max(1, int(cooldown * 1000))]
+        keys = [
+            self._k(dep, "fails"),
+            self._k(dep, f"win:{b}:fail"),
+            self._k(dep, f"win:{b}:total"),
+            self._k(dep, "open"),
+            self._k(dep, "tripped"),
+            self._k(dep, "probe"),
+        ]
+        args = [
+            policy.failures,
+            policy.failure_rate,
+            policy.min_requests,
+            int(policy.window * 1000),
+            max(1, int(cooldown * 1000)),
+        ]
         return bool(await self._failure(keys=keys, args=args))
 
     async def record_success(self, dep: str, policy: TripPolicy) -> bool:
-        keys = [self._k(dep, "fails"), self._k(dep, f"win:{_bucket(policy.window)}:total"),
-                self._k(dep, "open"), self._k(dep, "tripped"), self._k(dep, "probe")]
+        keys = [
+            self._k(dep, "fails"),
+            self._k(dep, f"win:{_bucket(policy.window)}:total"),
+            self._k(dep, "open"),
+            self._k(dep, "tripped"),
+            self._k(dep, "probe"),
+        ]
         return bool(await self._success(keys=keys, args=[int(policy.window * 1000)]))
 
     async def try_probe(self, dep: str, ttl: float) -> bool:
-        return bool(await self.redis.set(self._k(dep, "probe"), "1", nx=True, px=max(1, int(ttl * 1000))))
+        return bool(
+            await self.redis.set(self._k(dep, "probe"), "1", nx=True, px=max(1, int(ttl * 1000)))
+        )
 
     async def end_cooldown(self, dep: str) -> bool:
         return bool(await self.redis.delete(self._k(dep, "open")))  # "tripped" stays: half-open

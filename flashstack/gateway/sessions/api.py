@@ -17,7 +17,6 @@ from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from flashstack.gateway.tls import client_identity
 from flashstack.gateway import chat, compress
 from flashstack.gateway.auth import Caller, may_use
 from flashstack.gateway.core import (
@@ -32,6 +31,7 @@ from flashstack.gateway.core import (
 from flashstack.gateway.routing import Router, RouteTrace
 from flashstack.gateway.sessions.store import Order, message_json
 from flashstack.gateway.sessions.turns import Idempotency
+from flashstack.gateway.tls import client_identity
 
 if TYPE_CHECKING:
     from flashstack.gateway.services import Services
@@ -116,8 +116,14 @@ def wire_of(request: Request) -> chat.WireFormat:
     return chat.ANTHROPIC if "anthropic-version" in request.headers else chat.OPENAI
 
 
-async def _parse(request: Request, model: type[_Body], limit: int, empty_ok: bool = False) -> tuple[Any, Any]:
-    if empty_ok and request.headers.get("content-length") in ("0", None) and not await request.body():
+async def _parse(
+    request: Request, model: type[_Body], limit: int, empty_ok: bool = False
+) -> tuple[Any, Any]:
+    if (
+        empty_ok
+        and request.headers.get("content-length") in ("0", None)
+        and not await request.body()
+    ):
         return model.model_validate({}), {}
     body = await chat.read_json(request, limit)
     if not isinstance(body, dict):
@@ -136,14 +142,20 @@ def _query_page(request: Request, default_order: Order) -> tuple[str | None, int
     try:
         limit = int(raw_limit)
     except ValueError:
-        raise invalid_request(f"limit must be an integer from 1 to 100, got {raw_limit!r}", "limit") from None
+        raise invalid_request(
+            f"limit must be an integer from 1 to 100, got {raw_limit!r}", "limit"
+        ) from None
     return q.get("after"), limit, q.get("order", default_order)  # type: ignore[return-value]
 
 
 def _check_model(router: Router, caller: Caller, model: str) -> None:
     router.config_of(model)  # 404 with the list of models
     if not may_use(caller, model):
-        raise GatewayError(ErrorKind.PERMISSION, f"API key {caller.key_id} may not use model {model!r}", param="model")
+        raise GatewayError(
+            ErrorKind.PERMISSION,
+            f"API key {caller.key_id} may not use model {model!r}",
+            param="model",
+        )
 
 
 # ---- sessions -------------------------------------------------------------------------------
@@ -173,7 +185,9 @@ async def get_session(request: Request, services: Services, session_id: str) -> 
 
 
 @endpoint
-async def update_session(request: Request, services: Services, session_id: str, limits: chat.Limits) -> Response:
+async def update_session(
+    request: Request, services: Services, session_id: str, limits: chat.Limits
+) -> Response:
     sessions, auth = services.sessions, services.auth
     caller = await auth.authenticate(request.headers, client_identity(request))
     body, _ = await _parse(request, UpdateSession, limits.max_body_bytes)
@@ -207,8 +221,11 @@ async def list_messages(request: Request, services: Services, session_id: str) -
 
 
 @endpoint
-async def post_message(request: Request, services: Services, session_id: str, limits: chat.Limits) -> Response:
-    """Append the user's message, run the model on the whole session, append and return its reply."""
+async def post_message(
+    request: Request, services: Services, session_id: str, limits: chat.Limits
+) -> Response:
+    """Append the user's message, run the model on the whole session, append and
+    return its reply."""
     sessions, auth = services.sessions, services.auth
     router = services.router
     caller = await auth.authenticate(request.headers, client_identity(request))
@@ -222,24 +239,33 @@ async def post_message(request: Request, services: Services, session_id: str, li
     idem = Idempotency.of(request.headers, request.url.path, raw)
     turn = await sessions.open_turn(caller, session_id, [Message("user", parts)], idem)
     req = ChatRequest(
-        model, turn.history + turn.inputs, turn.system(), max_tokens=body.max_tokens,
-        temperature=body.temperature, include_usage=True,
+        model,
+        turn.history + turn.inputs,
+        turn.system(),
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        include_usage=True,
         stream=body.stream or "text/event-stream" in request.headers.get("accept", ""),
         extensions={} if body.compression is None else {"compression": body.compression},
     )
     await turn.admit(auth, req)  # 429 with retry-after; the history is part of what it costs
     trace = RouteTrace.from_header(request.headers.get("x-request-id"))
     requests = services.requests  # the request log: its cost row, its trace
-    record = requests.begin(trace, wire_of(request).name, request.method, request.url.path, request.headers)
+    record = requests.begin(
+        trace, wire_of(request).name, request.method, request.url.path, request.headers
+    )
     record.key_id, record.charged = caller.key_id, turn.reservation.budget
     record.request(req, session_id)
     try:
         async with turn.guard():
             req, squeezed = await services.compressor.prepare_context(req, turn)
             if req.stream:
-                response = await chat.stream_response(wire_of(request), req, turn.route(router), limits, trace, turn)
-                response.background = BackgroundTasks([response.background,
-                                                       BackgroundTask(requests.end, record, 200)])
+                response = await chat.stream_response(
+                    wire_of(request), req, turn.route(router), limits, trace, turn
+                )
+                response.background = BackgroundTasks(
+                    [response.background, BackgroundTask(requests.end, record, 200)]
+                )
                 return squeezed.stamp(response)
             resp = await turn.route(router).complete(req, trace)
             await turn.complete(resp)
@@ -264,7 +290,8 @@ def _content(content: str | list[TextPart], limit: int) -> list[Part]:
 def _too_large(field: str, limit: int) -> GatewayError:
     return GatewayError(
         ErrorKind.REQUEST_TOO_LARGE,
-        f"{field} is larger than the session message limit of {limit} bytes (store.max_message_bytes)",
+        f"{field} is larger than the session message limit of {limit} bytes "
+        "(store.max_message_bytes)",
         param=field,
     )
 
@@ -280,8 +307,15 @@ async def create_key(request: Request, services: Services, limits: chat.Limits) 
     expires_at = body.expires_at
     if body.expires_in is not None:
         expires_at = time.time() + body.expires_in
-    created = await auth.keys.create(body.name, body.models, body.rpm, body.tpm, expires_at,
-                                     body.budget_day_usd, body.budget_month_usd)
+    created = await auth.keys.create(
+        body.name,
+        body.models,
+        body.rpm,
+        body.tpm,
+        expires_at,
+        body.budget_day_usd,
+        body.budget_month_usd,
+    )
     return chat.json_response(created)
 
 
@@ -290,14 +324,21 @@ async def list_keys(request: Request, services: Services) -> Response:
     _, auth = services.sessions, services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     data = await auth.keys.list()
-    return chat.json_response({
-        "object": "list", "data": data, "has_more": False,
-        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
-    })
+    return chat.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": False,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 @endpoint
-async def update_key(request: Request, services: Services, key_id: str, limits: chat.Limits) -> Response:
+async def update_key(
+    request: Request, services: Services, key_id: str, limits: chat.Limits
+) -> Response:
     """Change a key's limits or budgets: the fields sent change, null clears one."""
     _, auth = services.sessions, services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))

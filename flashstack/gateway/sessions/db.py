@@ -22,7 +22,8 @@ from flashstack.gateway.config import Config, ConfigError
 meta = sa.MetaData()
 
 sessions = sa.Table(
-    "fs_sessions", meta,
+    "fs_sessions",
+    meta,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("owner", sa.Text, nullable=False),
     sa.Column("created_at", sa.BigInteger, nullable=False),  # unix ms
@@ -35,7 +36,8 @@ sessions = sa.Table(
 )
 
 messages = sa.Table(
-    "fs_messages", meta,
+    "fs_messages",
+    meta,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("session_id", sa.Text, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
@@ -48,11 +50,13 @@ messages = sa.Table(
     sa.Column("stop_reason", sa.Text),
     sa.Column("usage", sa.Text),  # JSON
     sa.Column("created_at", sa.BigInteger, nullable=False),
-    sa.Column("wire_fields", sa.Text),  # JSON: the message's wire, its own extras, list content (codec.py)
+    # JSON: the message's wire, its own extras, list content (codec.py)
+    sa.Column("wire_fields", sa.Text),
 )
 
 idempotency = sa.Table(
-    "fs_idempotency", meta,
+    "fs_idempotency",
+    meta,
     sa.Column("owner", sa.Text, primary_key=True),
     sa.Column("key", sa.Text, primary_key=True),
     sa.Column("fingerprint", sa.Text, nullable=False),
@@ -63,7 +67,8 @@ idempotency = sa.Table(
 )
 
 api_keys = sa.Table(
-    "fs_api_keys", meta,
+    "fs_api_keys",
+    meta,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("name", sa.Text, nullable=False),
     sa.Column("key_hash", sa.Text, nullable=False, unique=True),
@@ -80,9 +85,11 @@ api_keys = sa.Table(
 
 # One row per chat request (gateway/requestlog.py): what it cost, and how it was routed.
 requests = sa.Table(
-    "fs_requests", meta,
+    "fs_requests",
+    meta,
     sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("request_id", sa.Text, nullable=False),  # x-request-id (the client's, when it sent one)
+    # x-request-id (the client's, when it sent one)
+    sa.Column("request_id", sa.Text, nullable=False),
     sa.Column("created_at", sa.BigInteger, nullable=False),  # unix ms
     sa.Column("key_id", sa.Text),  # NULL: the master key, or auth off
     sa.Column("model", sa.Text),  # as requested
@@ -95,19 +102,22 @@ requests = sa.Table(
     sa.Column("cache_write_tokens", sa.BigInteger, nullable=False),
     sa.Column("cost_usd", sa.Float, nullable=False),
     sa.Column("latency_ms", sa.Float, nullable=False),
-    sa.Column("detail", sa.Text, nullable=False),  # JSON: attempts, ttft, error, dropped fields, wire
+    # JSON: attempts, ttft, error, dropped fields, wire
+    sa.Column("detail", sa.Text, nullable=False),
 )
 
 # Compression memory (issue 11): each message's embeddings, and cluster summaries per session.
 message_vectors = sa.Table(
-    "fs_message_vectors", meta,
+    "fs_message_vectors",
+    meta,
     sa.Column("message_id", sa.Text, primary_key=True),
     sa.Column("session_id", sa.Text, nullable=False),
     sa.Column("vectors", sa.LargeBinary, nullable=False),  # compress.memory.pack_vectors
 )
 
 summaries = sa.Table(
-    "fs_summaries", meta,
+    "fs_summaries",
+    meta,
     sa.Column("session_id", sa.Text, primary_key=True),
     sa.Column("key", sa.Text, primary_key=True),  # summarizer + cluster content hash
     sa.Column("summary", sa.Text, nullable=False),
@@ -116,12 +126,14 @@ summaries = sa.Table(
 
 # Stored Responses (POST /v1/responses with store): what previous_response_id continues from.
 responses = sa.Table(
-    "fs_responses", meta,
+    "fs_responses",
+    meta,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("owner", sa.Text, nullable=False),
     sa.Column("created_at", sa.BigInteger, nullable=False),
     sa.Column("input_items", sa.Text, nullable=False),  # this request's own input items (JSON)
-    sa.Column("history", sa.Text, nullable=False),  # every item before the output: earlier turns too
+    # every item before the output: earlier turns too
+    sa.Column("history", sa.Text, nullable=False),
     sa.Column("response", sa.Text, nullable=False),  # the response object as the client got it
 )
 
@@ -135,7 +147,8 @@ MIGRATIONS: list[list[str]] = [
             lease_token TEXT, lease_until DOUBLE PRECISION)""",
         "CREATE INDEX fs_sessions_owner ON fs_sessions (owner, created_at, id)",
         """CREATE TABLE fs_messages (
-            id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq BIGINT NOT NULL, turn_id TEXT NOT NULL,
+            id TEXT PRIMARY KEY, session_id TEXT NOT NULL, seq BIGINT NOT NULL,
+            turn_id TEXT NOT NULL,
             role TEXT NOT NULL, content TEXT NOT NULL, status TEXT NOT NULL, error TEXT,
             model TEXT, stop_reason TEXT, usage TEXT, created_at BIGINT NOT NULL,
             UNIQUE (session_id, seq))""",
@@ -144,7 +157,8 @@ MIGRATIONS: list[list[str]] = [
             session_id TEXT NOT NULL, turn_id TEXT NOT NULL, response TEXT NOT NULL,
             created_at BIGINT NOT NULL, PRIMARY KEY (owner, key))""",
         """CREATE TABLE fs_api_keys (
-            id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL,
+            id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE,
+            prefix TEXT NOT NULL,
             models TEXT, rpm INTEGER, tpm INTEGER, expires_at DOUBLE PRECISION,
             created_at DOUBLE PRECISION NOT NULL, revoked_at DOUBLE PRECISION)""",
     ],
@@ -153,7 +167,8 @@ MIGRATIONS: list[list[str]] = [
             message_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, vectors BYTEA NOT NULL)""",
         "CREATE INDEX fs_message_vectors_session ON fs_message_vectors (session_id)",
         """CREATE TABLE fs_summaries (
-            session_id TEXT NOT NULL, key TEXT NOT NULL, summary TEXT NOT NULL, created_at BIGINT NOT NULL,
+            session_id TEXT NOT NULL, key TEXT NOT NULL, summary TEXT NOT NULL,
+            created_at BIGINT NOT NULL,
             PRIMARY KEY (session_id, key))""",
     ],
     [  # 3: spend (gateway/spend.py): budgets per key, a row per request
@@ -162,7 +177,8 @@ MIGRATIONS: list[list[str]] = [
         """CREATE TABLE fs_requests (
             id TEXT PRIMARY KEY, request_id TEXT NOT NULL, created_at BIGINT NOT NULL, key_id TEXT,
             model TEXT, deployment TEXT, status INTEGER NOT NULL, stream INTEGER NOT NULL,
-            input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL, cache_read_tokens BIGINT NOT NULL,
+            input_tokens BIGINT NOT NULL, output_tokens BIGINT NOT NULL,
+            cache_read_tokens BIGINT NOT NULL,
             cache_write_tokens BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
             latency_ms DOUBLE PRECISION NOT NULL, detail TEXT NOT NULL)""",
         "CREATE INDEX fs_requests_key ON fs_requests (key_id, created_at)",
@@ -170,7 +186,8 @@ MIGRATIONS: list[list[str]] = [
     ],
     [  # 4: stored Responses (gateway/responses_store.py)
         """CREATE TABLE fs_responses (
-            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at BIGINT NOT NULL, input_items TEXT NOT NULL,
+            id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at BIGINT NOT NULL,
+            input_items TEXT NOT NULL,
             history TEXT NOT NULL, response TEXT NOT NULL)""",
         "CREATE INDEX fs_responses_owner ON fs_responses (owner, created_at)",
     ],
@@ -212,7 +229,10 @@ class Database:
         else:
             args: dict[str, Any] = {"server_settings": {"search_path": schema}} if schema else {}
             self._reader = self._writer = create_async_engine(
-                self.url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True,
+                self.url,
+                pool_size=pool_size,
+                max_overflow=pool_size,
+                pool_pre_ping=True,
                 connect_args=args,
             )
 
@@ -280,13 +300,16 @@ async def migrate(db: Database) -> int:
         if not db.is_sqlite:
             await conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7305917260)")
         await conn.exec_driver_sql(
-            "CREATE TABLE IF NOT EXISTS fs_schema_version (version INTEGER PRIMARY KEY, applied_at BIGINT NOT NULL)"
+            "CREATE TABLE IF NOT EXISTS fs_schema_version (version INTEGER PRIMARY KEY, applied_at "
+            "BIGINT NOT NULL)"
         )
-        current = (await conn.exec_driver_sql("SELECT MAX(version) FROM fs_schema_version")).scalar() or 0
+        current = (
+            await conn.exec_driver_sql("SELECT MAX(version) FROM fs_schema_version")
+        ).scalar() or 0
         if current > SCHEMA_VERSION:
             raise ConfigError(
-                f"the database is at schema version {current}, newer than this flashstack ({SCHEMA_VERSION}); "
-                "upgrade flashstack"
+                f"the database is at schema version {current}, newer than this flashstack "
+                f"({SCHEMA_VERSION}); upgrade flashstack"
             )
         for version in range(current + 1, SCHEMA_VERSION + 1):
             for statement in MIGRATIONS[version - 1]:

@@ -31,7 +31,14 @@ from flashstack.gateway.core import (
     invalid_request,
 )
 from flashstack.gateway.sessions import codec
-from flashstack.gateway.sessions.db import Database, idempotency, message_vectors, messages, sessions, summaries
+from flashstack.gateway.sessions.db import (
+    Database,
+    idempotency,
+    message_vectors,
+    messages,
+    sessions,
+    summaries,
+)
 
 log = logging.getLogger("flashstack.sessions")
 
@@ -50,16 +57,21 @@ def now_ms() -> int:
 
 def not_found(session_id: str) -> GatewayError:
     return GatewayError(
-        ErrorKind.NOT_FOUND, f"session {session_id!r} does not exist (or belongs to another key)",
-        param="session_id", code="session_not_found",
+        ErrorKind.NOT_FOUND,
+        f"session {session_id!r} does not exist (or belongs to another key)",
+        param="session_id",
+        code="session_not_found",
     )
 
 
 def session_busy(session_id: str, waited: float) -> GatewayError:
     return GatewayError(
         ErrorKind.RATE_LIMIT,
-        f"session {session_id!r} has been busy with another turn for over {waited:.0f} s; retry later",
-        status=409, retry_after=1, code="session_busy",
+        f"session {session_id!r} has been busy with another turn for over {waited:.0f} s; retry "
+        "later",
+        status=409,
+        retry_after=1,
+        code="session_busy",
     )
 
 
@@ -107,14 +119,22 @@ class SessionStore:
     # ---- sessions ---------------------------------------------------------------------------
 
     async def create(
-        self, owner: str, metadata: dict[str, str], model: str | None, system: str | None,
+        self,
+        owner: str,
+        metadata: dict[str, str],
+        model: str | None,
+        system: str | None,
         max_sessions: int | None = None,
     ) -> dict[str, Any]:
         """A new session of `owner`; 403 when `owner` already has `max_sessions` (None: no cap)."""
         row = {
-            "id": new_id("sess"), "owner": owner, "created_at": now_ms(),
-            "metadata": orjson.dumps(check_metadata(metadata)).decode(), "model": model,
-            "system": system, "next_seq": 0,
+            "id": new_id("sess"),
+            "owner": owner,
+            "created_at": now_ms(),
+            "metadata": orjson.dumps(check_metadata(metadata)).decode(),
+            "model": model,
+            "system": system,
+            "next_seq": 0,
         }
         async with self.db.write() as conn:
             if max_sessions is not None:
@@ -126,15 +146,21 @@ class SessionStore:
         # Counted in the inserting transaction, serialized per owner (SQLite: its one writer;
         # PostgreSQL: a transaction lock on the owner), so concurrent creates cannot pass the cap.
         if not self.db.is_sqlite:
-            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(7305, hashtext(:o))"), {"o": owner})
-        count = (await conn.execute(
-            sa.select(sa.func.count()).select_from(sessions).where(sessions.c.owner == owner)
-        )).scalar_one()
+            await conn.execute(
+                sa.text("SELECT pg_advisory_xact_lock(7305, hashtext(:o))"), {"o": owner}
+            )
+        count = (
+            await conn.execute(
+                sa.select(sa.func.count()).select_from(sessions).where(sessions.c.owner == owner)
+            )
+        ).scalar_one()
         if count >= cap:
             raise GatewayError(
                 ErrorKind.PERMISSION,
-                f"this API key already has {count} sessions, its cap (store.max_sessions_per_key is {cap}); "
-                "delete sessions it no longer needs (DELETE /v1/sessions/{id}) or ask an admin to raise the cap",
+                f"this API key already has {count} sessions, its cap (store.max_sessions_per_key "
+                f"is {cap}); "
+                "delete sessions it no longer needs (DELETE /v1/sessions/{id}) or ask an admin to "
+                "raise the cap",
                 code="session_limit_reached",
             )
 
@@ -159,7 +185,9 @@ class SessionStore:
                 raise not_found(session_id)
             await conn.execute(messages.delete().where(messages.c.session_id == session_id))
             await conn.execute(idempotency.delete().where(idempotency.c.session_id == session_id))
-            await conn.execute(message_vectors.delete().where(message_vectors.c.session_id == session_id))
+            await conn.execute(
+                message_vectors.delete().where(message_vectors.c.session_id == session_id)
+            )
             await conn.execute(summaries.delete().where(summaries.c.session_id == session_id))
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
@@ -169,12 +197,16 @@ class SessionStore:
         query = sessions.select().where(sessions.c.owner == owner)
         async with self.db.read() as conn:
             if after is not None:
-                anchor = (await conn.execute(
-                    sa.select(sessions.c.created_at, sessions.c.id).where(_owned(owner, after))
-                )).first()
+                anchor = (
+                    await conn.execute(
+                        sa.select(sessions.c.created_at, sessions.c.id).where(_owned(owner, after))
+                    )
+                ).first()
                 if anchor is None:
                     raise invalid_request(
-                        f"after: {after!r} is not a session of this key; pass the last_id of a page", "after"
+                        f"after: {after!r} is not a session of this key; pass the last_id of a "
+                        "page",
+                        "after",
                     )
                 bound = sa.tuple_(sa.literal(anchor.created_at), sa.literal(anchor.id))
                 query = query.where(key > bound if order == "asc" else key < bound)
@@ -193,16 +225,25 @@ class SessionStore:
         async with self.db.read() as conn:
             await _session_row(conn, owner, session_id)
             if after is not None:
-                seq = (await conn.execute(
-                    sa.select(messages.c.seq).where(messages.c.id == after, messages.c.session_id == session_id)
-                )).scalar()
+                seq = (
+                    await conn.execute(
+                        sa.select(messages.c.seq).where(
+                            messages.c.id == after, messages.c.session_id == session_id
+                        )
+                    )
+                ).scalar()
                 if seq is None:
                     raise invalid_request(
-                        f"after: {after!r} is not a message of session {session_id!r}; pass the last_id of a page",
+                        f"after: {after!r} is not a message of session {session_id!r}; pass the "
+                        "last_id of a page",
                         "after",
                     )
-                query = query.where(messages.c.seq > seq if order == "asc" else messages.c.seq < seq)
-            query = query.order_by(messages.c.seq.asc() if order == "asc" else messages.c.seq.desc())
+                query = query.where(
+                    messages.c.seq > seq if order == "asc" else messages.c.seq < seq
+                )
+            query = query.order_by(
+                messages.c.seq.asc() if order == "asc" else messages.c.seq.desc()
+            )
             rows = (await conn.execute(query.limit(limit + 1))).mappings().all()
         return Page([message_json(r) for r in rows[:limit]], len(rows) > limit)
 
@@ -220,32 +261,60 @@ class SessionStore:
         """
         completed = sa.and_(messages.c.session_id == session_id, messages.c.status == "completed")
         async with self.db.read() as conn:
-            first_seq = 0 if max_bytes is None else await self._history_start(conn, completed, max_bytes)
+            first_seq = (
+                0 if max_bytes is None else await self._history_start(conn, completed, max_bytes)
+            )
             if first_seq is None:
-                log.info("session %s: its newest turn alone is over store.max_history_bytes=%d; no history sent",
-                         session_id, max_bytes)
+                log.info(
+                    "session %s: its newest turn alone is over store.max_history_bytes=%d; no "
+                    "history sent",
+                    session_id,
+                    max_bytes,
+                )
                 return [], []
-            rows = (await conn.execute(
-                sa.select(messages.c.id, messages.c.role, messages.c.content, messages.c.wire_fields)
-                .where(completed, messages.c.seq >= first_seq).order_by(messages.c.seq)
-            )).all()
+            rows = (
+                await conn.execute(
+                    sa.select(
+                        messages.c.id, messages.c.role, messages.c.content, messages.c.wire_fields
+                    )
+                    .where(completed, messages.c.seq >= first_seq)
+                    .order_by(messages.c.seq)
+                )
+            ).all()
         history = [codec.message_from_row(r.role, r.content, r.wire_fields) for r in rows]
         ids = [r.id for r in rows]
         if first_seq > 0:
             history, ids = _from_user_turn(history, ids)
-            log.info("session %s: history from seq %d sent (store.max_history_bytes=%d)",
-                     session_id, first_seq, max_bytes)
+            log.info(
+                "session %s: history from seq %d sent (store.max_history_bytes=%d)",
+                session_id,
+                first_seq,
+                max_bytes,
+            )
         return history, ids
 
-    async def _history_start(self, conn: AsyncConnection, completed: Any, max_bytes: int) -> int | None:
+    async def _history_start(
+        self, conn: AsyncConnection, completed: Any, max_bytes: int
+    ) -> int | None:
         """The first seq of the newest whole turns whose content sums to at most `max_bytes` (0: all
         of them; None: not even the newest)."""
-        size = sa.func.octet_length(messages.c.content) if not self.db.is_sqlite else \
-            sa.func.length(sa.cast(messages.c.content, sa.LargeBinary))  # SQLite 3.40 has no octet_length
-        turns = (await conn.execute(
-            sa.select(messages.c.turn_id, sa.func.min(messages.c.seq).label("first"), sa.func.sum(size).label("bytes"))
-            .where(completed).group_by(messages.c.turn_id).order_by(sa.func.min(messages.c.seq).desc())
-        )).all()
+        size = (
+            sa.func.octet_length(messages.c.content)
+            if not self.db.is_sqlite
+            else sa.func.length(sa.cast(messages.c.content, sa.LargeBinary))
+        )  # SQLite 3.40 has no octet_length
+        turns = (
+            await conn.execute(
+                sa.select(
+                    messages.c.turn_id,
+                    sa.func.min(messages.c.seq).label("first"),
+                    sa.func.sum(size).label("bytes"),
+                )
+                .where(completed)
+                .group_by(messages.c.turn_id)
+                .order_by(sa.func.min(messages.c.seq).desc())
+            )
+        ).all()
         total, start = 0, None
         for turn in turns:
             total += int(turn.bytes or 0)
@@ -257,15 +326,23 @@ class SessionStore:
     # ---- compression memory: embeddings per message, summaries per session ------------------
 
     async def compression_memory(self, session_id: str) -> tuple[dict[str, bytes], dict[str, str]]:
-        """The session's stored message embeddings (by message id) and cluster summaries (by key)."""
+        """The session's stored message embeddings (by message id) and cluster
+        summaries (by key)."""
         async with self.db.read() as conn:
-            vectors = (await conn.execute(
-                sa.select(message_vectors.c.message_id, message_vectors.c.vectors)
-                .where(message_vectors.c.session_id == session_id)
-            )).all()
-            texts = (await conn.execute(
-                sa.select(summaries.c.key, summaries.c.summary).where(summaries.c.session_id == session_id)
-            )).all()
+            vectors = (
+                await conn.execute(
+                    sa.select(message_vectors.c.message_id, message_vectors.c.vectors).where(
+                        message_vectors.c.session_id == session_id
+                    )
+                )
+            ).all()
+            texts = (
+                await conn.execute(
+                    sa.select(summaries.c.key, summaries.c.summary).where(
+                        summaries.c.session_id == session_id
+                    )
+                )
+            ).all()
         return {r.message_id: bytes(r.vectors) for r in vectors}, {r.key: r.summary for r in texts}
 
     async def save_summaries(self, session_id: str, new: dict[str, str]) -> None:
@@ -274,19 +351,28 @@ class SessionStore:
             return
         rows = [{"s": session_id, "k": k, "v": v, "t": now_ms()} for k, v in new.items()]
         async with self.db.write(durable=False) as conn:  # a lost summary is only computed again
-            await conn.execute(sa.text(
-                "INSERT INTO fs_summaries (session_id, key, summary, created_at) VALUES (:s, :k, :v, :t) "
-                "ON CONFLICT (session_id, key) DO NOTHING"
-            ), rows)
+            await conn.execute(
+                sa.text(
+                    "INSERT INTO fs_summaries (session_id, key, summary, created_at) VALUES (:s, "
+                    ":k, :v, :t) ON CONFLICT (session_id, key) DO NOTHING"
+                ),
+                rows,
+            )
 
     async def message(self, message_id: str) -> dict[str, Any]:
         async with self.db.read() as conn:
-            row = (await conn.execute(messages.select().where(messages.c.id == message_id))).mappings().one()
+            row = (
+                (await conn.execute(messages.select().where(messages.c.id == message_id)))
+                .mappings()
+                .one()
+            )
         return message_json(row)
 
     # ---- the per-session lease --------------------------------------------------------------
 
-    async def acquire(self, owner: str, session_id: str, token: str, ttl: float, timeout: float) -> dict[str, Any]:
+    async def acquire(
+        self, owner: str, session_id: str, token: str, ttl: float, timeout: float
+    ) -> dict[str, Any]:
         """Take the session's lease, waiting up to `timeout` s; returns the session row."""
         deadline, delay = time.monotonic() + timeout, 0.005
         while True:
@@ -294,7 +380,8 @@ class SessionStore:
             free = sa.or_(sessions.c.lease_until.is_(None), sessions.c.lease_until < now)
             async with self.db.write(durable=False) as conn:
                 result = await conn.execute(
-                    sessions.update().where(_owned(owner, session_id), free)
+                    sessions.update()
+                    .where(_owned(owner, session_id), free)
                     .values(lease_token=token, lease_until=now + ttl)
                 )
                 if result.rowcount == 1:
@@ -309,7 +396,8 @@ class SessionStore:
     async def renew(self, session_id: str, token: str, ttl: float) -> bool:
         async with self.db.write(durable=False) as conn:
             result = await conn.execute(
-                sessions.update().where(sessions.c.id == session_id, sessions.c.lease_token == token)
+                sessions.update()
+                .where(sessions.c.id == session_id, sessions.c.lease_token == token)
                 .values(lease_until=time.time() + ttl)
             )
         return result.rowcount == 1
@@ -335,15 +423,19 @@ class SessionStore:
         """Append a whole turn and release the lease, in one transaction; returns the rows.
 
         Completed: the inputs and the reply. Failed (`failure` set, `reply` None): the inputs only,
-        marked incomplete with the error, so the user's words are kept but never replayed as history.
-        `vectors` are message embeddings by position in history + inputs (with `history_ids`);
-        `wire` is the one the client spoke (what the messages' extras are in).
+        marked incomplete with the error, so the user's words are kept but never replayed as
+        history. `vectors` are message embeddings by position in history + inputs (with
+        `history_ids`); `wire` is the one the client spoke (what the messages' extras are in).
         """
         turn_id, created = new_id("turn"), now_ms()
         async with self.db.write() as conn:
-            seq = (await conn.execute(
-                sa.select(sessions.c.next_seq).where(sessions.c.id == session_id, sessions.c.lease_token == token)
-            )).scalar()
+            seq = (
+                await conn.execute(
+                    sa.select(sessions.c.next_seq).where(
+                        sessions.c.id == session_id, sessions.c.lease_token == token
+                    )
+                )
+            ).scalar()
             if seq is None:
                 raise LeaseLost(session_id)
             rows = _turn_rows(session_id, turn_id, seq, created, inputs, reply, failure, wire)
@@ -351,54 +443,88 @@ class SessionStore:
             if not await _release(conn, session_id, token, len(rows)):
                 raise LeaseLost(session_id)
             if vectors and reply is not None:
-                await _save_vectors(conn, session_id, vectors, (history_ids or []) + [r["id"] for r in rows])
+                await _save_vectors(
+                    conn, session_id, vectors, (history_ids or []) + [r["id"] for r in rows]
+                )
             if idem is not None and reply is not None:
-                await conn.execute(idempotency.insert().values(
-                    owner=idem[0], key=idem[1], fingerprint=idem[2], session_id=session_id,
-                    turn_id=turn_id, response=orjson.dumps(reply_json(reply, rows[-1]["id"])).decode(),
-                    created_at=created,
-                ))
+                await conn.execute(
+                    idempotency.insert().values(
+                        owner=idem[0],
+                        key=idem[1],
+                        fingerprint=idem[2],
+                        session_id=session_id,
+                        turn_id=turn_id,
+                        response=orjson.dumps(reply_json(reply, rows[-1]["id"])).decode(),
+                        created_at=created,
+                    )
+                )
         return rows
 
     async def idempotent_reply(self, owner: str, key: str) -> dict[str, Any] | None:
         async with self.db.read() as conn:
-            row = (await conn.execute(
-                idempotency.select().where(idempotency.c.owner == owner, idempotency.c.key == key)
-            )).mappings().first()
+            row = (
+                (
+                    await conn.execute(
+                        idempotency.select().where(
+                            idempotency.c.owner == owner, idempotency.c.key == key
+                        )
+                    )
+                )
+                .mappings()
+                .first()
+            )
         return dict(row) if row else None
 
 
-async def _save_vectors(conn: AsyncConnection, session_id: str, vectors: dict[int, bytes], ids: list[str]) -> None:
+async def _save_vectors(
+    conn: AsyncConnection, session_id: str, vectors: dict[int, bytes], ids: list[str]
+) -> None:
     rows = [{"m": ids[i], "s": session_id, "v": v} for i, v in vectors.items() if i < len(ids)]
-    await conn.execute(sa.text(
-        "INSERT INTO fs_message_vectors (message_id, session_id, vectors) VALUES (:m, :s, :v) "
-        "ON CONFLICT (message_id) DO UPDATE SET vectors = excluded.vectors"
-    ).bindparams(sa.bindparam("v", type_=sa.LargeBinary)), rows)
+    await conn.execute(
+        sa.text(
+            "INSERT INTO fs_message_vectors (message_id, session_id, vectors) VALUES (:m, :s, :v) "
+            "ON CONFLICT (message_id) DO UPDATE SET vectors = excluded.vectors"
+        ).bindparams(sa.bindparam("v", type_=sa.LargeBinary)),
+        rows,
+    )
 
 
 async def _release(conn: AsyncConnection, session_id: str, token: str, appended: int) -> bool:
     result = await conn.execute(
-        sessions.update().where(sessions.c.id == session_id, sessions.c.lease_token == token)
+        sessions.update()
+        .where(sessions.c.id == session_id, sessions.c.lease_token == token)
         .values(next_seq=sessions.c.next_seq + appended, lease_token=None, lease_until=None)
     )
     return result.rowcount == 1
 
 
 def _turn_rows(
-    session_id: str, turn_id: str, seq: int, created: int, inputs: list[Message],
-    reply: ChatResponse | None, failure: Failure | None, wire: str | None = None,
+    session_id: str,
+    turn_id: str,
+    seq: int,
+    created: int,
+    inputs: list[Message],
+    reply: ChatResponse | None,
+    failure: Failure | None,
+    wire: str | None = None,
 ) -> list[dict[str, Any]]:
     status = "completed" if failure is None else "incomplete"
-    error = orjson.dumps({"type": failure.type, "message": failure.message}).decode() if failure else None
+    error = (
+        orjson.dumps({"type": failure.type, "message": failure.message}).decode()
+        if failure
+        else None
+    )
     rows = [
-        _row(session_id, turn_id, seq + i, created, m, status, error, wire) for i, m in enumerate(inputs)
+        _row(session_id, turn_id, seq + i, created, m, status, error, wire)
+        for i, m in enumerate(inputs)
     ]
     if reply is not None and failure is None:
         # Replayed as its client got it: Anthropic's content is a list of blocks, OpenAI's a string.
         answer = Message("assistant", reply.content, reply.extra, plain=wire != codec.ANTHROPIC)
         row = _row(session_id, turn_id, seq + len(rows), created, answer, status, None, wire)
         row.update(
-            model=reply.model, stop_reason=reply.stop_reason.value,
+            model=reply.model,
+            stop_reason=reply.stop_reason.value,
             usage=orjson.dumps(codec.usage_json(reply.usage)).decode(),
         )
         rows.append(row)
@@ -406,13 +532,28 @@ def _turn_rows(
 
 
 def _row(
-    session_id: str, turn_id: str, seq: int, created: int, m: Message, status: str, error: str | None,
+    session_id: str,
+    turn_id: str,
+    seq: int,
+    created: int,
+    m: Message,
+    status: str,
+    error: str | None,
     wire: str | None,
 ) -> dict[str, Any]:
     return {
-        "id": new_id("msg"), "session_id": session_id, "seq": seq, "turn_id": turn_id, "role": m.role,
-        "content": orjson.dumps(codec.parts_json(m.parts)).decode(), "status": status, "error": error,
-        "model": None, "stop_reason": None, "usage": None, "created_at": created,
+        "id": new_id("msg"),
+        "session_id": session_id,
+        "seq": seq,
+        "turn_id": turn_id,
+        "role": m.role,
+        "content": orjson.dumps(codec.parts_json(m.parts)).decode(),
+        "status": status,
+        "error": error,
+        "model": None,
+        "stop_reason": None,
+        "usage": None,
+        "created_at": created,
         "wire_fields": codec.message_fields_json(m, wire),
     }
 
@@ -422,7 +563,9 @@ def _owned(owner: str, session_id: str) -> sa.ColumnElement[bool]:
 
 
 async def _session_row(conn: AsyncConnection, owner: str, session_id: str) -> Any:
-    row = (await conn.execute(sessions.select().where(_owned(owner, session_id)))).mappings().first()
+    row = (
+        (await conn.execute(sessions.select().where(_owned(owner, session_id)))).mappings().first()
+    )
     if row is None:
         raise not_found(session_id)
     return row
@@ -445,7 +588,8 @@ def check_message_sizes(inputs: list[Message], limit: int) -> None:
             raise GatewayError(
                 ErrorKind.REQUEST_TOO_LARGE,
                 f"messages[{i}] is {size} bytes, over the session message limit of {limit} bytes "
-                "(store.max_message_bytes); nothing was stored — send it without X-Session-Id, or split it",
+                "(store.max_message_bytes); nothing was stored — send it without X-Session-Id, or "
+                "split it",
                 param=f"messages[{i}]",
             )
 
@@ -453,19 +597,23 @@ def check_message_sizes(inputs: list[Message], limit: int) -> None:
 def reply_too_large(limit: int) -> GatewayError:
     return GatewayError(
         ErrorKind.UPSTREAM,
-        f"the model's reply is over the session message limit of {limit} bytes (store.max_message_bytes); "
-        "it was not stored — ask for a shorter one (max_tokens), or raise the limit",
+        f"the model's reply is over the session message limit of {limit} bytes "
+        "(store.max_message_bytes); it was not stored — ask for a shorter one (max_tokens), or "
+        "raise the limit",
     )
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
     """OpenAI's metadata rules: at most 16 string pairs, keys ≤ 64 and values ≤ 512 characters."""
     if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
-        raise invalid_request(f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs", "metadata")
+        raise invalid_request(
+            f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs", "metadata"
+        )
     for k, v in metadata.items():
         if not isinstance(v, str) or len(k) > 64 or len(v) > 512:
             raise invalid_request(
-                f"metadata[{k[:64]!r}]: keys are strings of at most 64 characters, values of at most 512",
+                f"metadata[{k[:64]!r}]: keys are strings of at most 64 characters, values of at "
+                "most 512",
                 "metadata",
             )
     return metadata
@@ -509,16 +657,26 @@ def message_json(row: Any) -> dict[str, Any]:
 def reply_json(reply: ChatResponse, message_id: str) -> dict[str, Any]:
     """The canonical reply as stored for idempotent replays."""
     return {
-        "id": reply.id, "model": reply.model, "content": codec.parts_json(reply.content),
-        "stop_reason": reply.stop_reason.value, "stop_sequence": reply.stop_sequence,
-        "usage": codec.usage_json(reply.usage), "created": reply.created, "message_id": message_id,
+        "id": reply.id,
+        "model": reply.model,
+        "content": codec.parts_json(reply.content),
+        "stop_reason": reply.stop_reason.value,
+        "stop_sequence": reply.stop_sequence,
+        "usage": codec.usage_json(reply.usage),
+        "created": reply.created,
+        "message_id": message_id,
         "extra": reply.extra,
     }
 
 
 def reply_from_json(d: dict[str, Any]) -> ChatResponse:
     return ChatResponse(
-        d["id"], d["model"], codec.parts_from_json(d["content"]), StopReason(d["stop_reason"]),
-        codec.usage_from_json(d["usage"]), d.get("stop_sequence"), d.get("created", 0),
+        d["id"],
+        d["model"],
+        codec.parts_from_json(d["content"]),
+        StopReason(d["stop_reason"]),
+        codec.usage_from_json(d["usage"]),
+        d.get("stop_sequence"),
+        d.get("created", 0),
         extra=d.get("extra") or {},
     )

@@ -77,7 +77,9 @@ class Idempotency:
         if not key:
             return None
         if len(key) > 255:
-            raise invalid_request("Idempotency-Key must be at most 255 characters", "Idempotency-Key")
+            raise invalid_request(
+                "Idempotency-Key must be at most 255 characters", "Idempotency-Key"
+            )
         raw = body if isinstance(body, bytes) else orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
         return cls(key, hashlib.sha256(path.encode() + b"\0" + raw).hexdigest())
 
@@ -85,7 +87,11 @@ class Idempotency:
 async def open_sessions(config: Config) -> Sessions:
     """Open (and migrate) the configured database; sessions and API keys share it."""
     db = await Database.from_config(config).open()
-    return Sessions(SessionStore(db), Auth.from_config(config.auth, db, budgets_from_config(config, db)), config.store)
+    return Sessions(
+        SessionStore(db),
+        Auth.from_config(config.auth, db, budgets_from_config(config, db)),
+        config.store,
+    )
 
 
 class _Locks:
@@ -129,12 +135,17 @@ class Sessions:
         await self.store.db.close()
 
     async def open_turn(
-        self, caller: Caller, session_id: str, inputs: list[Message], idem: Idempotency | None = None,
+        self,
+        caller: Caller,
+        session_id: str,
+        inputs: list[Message],
+        idem: Idempotency | None = None,
         wire: str | None = None,
     ) -> Turn:
         """Lock the session (in this process, then across replicas) and load its history: the newest
         whole turns within store.max_history_bytes. 413 first if an input is over max_message_bytes.
-        `wire`: the one the client speaks (None: the gateway's own request), stored with the turn."""
+        `wire`: the one the client speaks (None: the gateway's own request), stored
+        with the turn."""
         check_message_sizes(inputs, self.config.max_message_bytes)
         lock_key = f"{caller.owner}\0{session_id}"
         try:
@@ -144,7 +155,11 @@ class Sessions:
         turn = Turn(self, caller, session_id, inputs, idem, lock_key=lock_key, wire=wire)
         try:
             turn.session = await self.store.acquire(
-                caller.owner, session_id, turn.token, self.config.lease_ttl, self.config.lock_timeout
+                caller.owner,
+                session_id,
+                turn.token,
+                self.config.lease_ttl,
+                self.config.lock_timeout,
             )
         except BaseException:
             self._locks.release(lock_key)
@@ -172,8 +187,11 @@ class Sessions:
         if row["fingerprint"] != idem.fingerprint:
             raise GatewayError(
                 ErrorKind.INVALID_REQUEST,
-                f"Idempotency-Key {idem.key!r} was already used for a different request; use a new key",
-                status=422, param="Idempotency-Key", code="idempotency_key_reused",
+                f"Idempotency-Key {idem.key!r} was already used for a different request; use a new "
+                "key",
+                status=422,
+                param="Idempotency-Key",
+                code="idempotency_key_reused",
             )
         stored = orjson.loads(row["response"])
         turn.replay, turn.replay_message_id = reply_from_json(stored), stored["message_id"]
@@ -194,13 +212,15 @@ class Turn:
     session: dict[str, Any] = field(default_factory=dict)
     history: list[Message] = field(default_factory=list)
     history_ids: list[str] = field(default_factory=list)
-    # Message embeddings the compressor computed, by position in history + inputs; stored with the turn.
+    # Message embeddings the compressor computed, by position in history + inputs;
+    # stored with the turn.
     vectors: dict[int, bytes] = field(default_factory=dict)
     replay: ChatResponse | None = None  # the stored reply of an idempotent retry
     replay_message_id: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)  # what the commit stored
     reservation: Reservation = UNLIMITED  # the tokens held against the key's tpm
-    output_bytes: int = 0  # of output that went out in a stream: what an abandoned stream is charged by
+    # of output that went out in a stream: what an abandoned stream is charged by
+    output_bytes: int = 0
     _open: bool = True
     _streaming: bool = False
     _heartbeat: asyncio.Task[None] | None = None
@@ -210,7 +230,8 @@ class Turn:
         return self.session_id is not None
 
     async def admit(self, auth: Auth | None, req: ChatRequest) -> None:
-        """Count `req` against the key's limits (429), holding its tokens; a refusal frees the session."""
+        """Count `req` against the key's limits (429), holding its tokens; a refusal
+        frees the session."""
         if auth is None:
             return
         try:
@@ -259,23 +280,35 @@ class Turn:
             return
         try:
             self.rows = await self.sessions.store.commit_turn(
-                self.session_id, self.token, self.inputs, _whole(resp),  # type: ignore[arg-type]
-                idem=(self.caller.owner, self.idem.key, self.idem.fingerprint) if self.idem else None,
-                vectors=self.vectors, history_ids=self.history_ids, wire=self.wire,
+                self.session_id,
+                self.token,
+                self.inputs,
+                _whole(resp),  # type: ignore[arg-type]
+                idem=(self.caller.owner, self.idem.key, self.idem.fingerprint)
+                if self.idem
+                else None,
+                vectors=self.vectors,
+                history_ids=self.history_ids,
+                wire=self.wire,
             )
         finally:
             await self._finish()
 
     async def fail(self, error: BaseException) -> None:
-        """Keep the user's messages, marked incomplete with `error`; store no reply. The tokens: none
-        if no output went out, else the whole hold (Reservation.abandon)."""
+        """Keep the user's messages, marked incomplete with `error`; store no reply. The tokens:
+        none if no output went out, else the whole hold (Reservation.abandon)."""
         await _shielded(self.reservation.abandon(self.output_bytes))
         if not self._claim():
             return
         try:
             failure = _failure(error)
             self.rows = await self.sessions.store.commit_turn(
-                self.session_id, self.token, self.inputs, None, failure, wire=self.wire  # type: ignore[arg-type]
+                self.session_id,
+                self.token,
+                self.inputs,
+                None,
+                failure,
+                wire=self.wire,  # type: ignore[arg-type]
             )
         except Exception:
             log.exception("could not record the failed turn of session %s", self.session_id)
@@ -292,7 +325,9 @@ class Turn:
         try:
             await self.sessions.store.release(self.session_id, self.token)  # type: ignore[arg-type]
         except Exception:
-            log.exception("could not release session %s; its lock expires by itself", self.session_id)
+            log.exception(
+                "could not release session %s; its lock expires by itself", self.session_id
+            )
         finally:
             await self._finish()
 
@@ -309,7 +344,8 @@ class Turn:
 
     @asynccontextmanager
     async def guard(self) -> AsyncIterator[None]:
-        """Record the failure of the block as this turn's error, unless a stream took the turn over."""
+        """Record the failure of the block as this turn's error, unless a stream took
+        the turn over."""
         try:
             yield
         except BaseException as e:
@@ -380,7 +416,11 @@ class Turn:
                         return
                     except Exception:
                         log.exception("could not store the turn of session %s", self.session_id)
-                        yield Error(GatewayError(ErrorKind.INTERNAL, "the turn could not be stored; send it again"))
+                        yield Error(
+                            GatewayError(
+                                ErrorKind.INTERNAL, "the turn could not be stored; send it again"
+                            )
+                        )
                         return
                 elif isinstance(ev, Error):
                     await _shielded(self.fail(ev.error))
@@ -389,7 +429,9 @@ class Turn:
             await _shielded(self.fail(e))
             raise
         finally:
-            await _shielded(self.fail(ConnectionAbortedError("the stream ended without a final event")))
+            await _shielded(
+                self.fail(ConnectionAbortedError("the stream ended without a final event"))
+            )
             await events.aclose()  # type: ignore[attr-defined]
 
 
@@ -453,13 +495,25 @@ class _ReplyBuilder:
         for index, fragments in self.args.items():  # a tool call the stream never closed
             self.blocks[index].arguments = "".join(fragments)  # type: ignore[union-attr]
         whole = self.message.reply() if self.message is not None else None
-        content = whole.parts if whole is not None else [self.blocks[i] for i in sorted(self.blocks)]
+        content = (
+            whole.parts if whole is not None else [self.blocks[i] for i in sorted(self.blocks)]
+        )
         usage = _total(self.usage, finish.usage)
-        return ChatResponse(self.id, self.model, content, finish.stop_reason, usage, finish.stop_sequence,
-                            extra=whole.extra if whole is not None else {})
+        return ChatResponse(
+            self.id,
+            self.model,
+            content,
+            finish.stop_reason,
+            usage,
+            finish.stop_sequence,
+            extra=whole.extra if whole is not None else {},
+        )
 
 
-_ACCUMULATORS = {anthropic_t.WIRE: anthropic_t.MessageAccumulator, openai_t.WIRE: openai_t.MessageAccumulator}
+_ACCUMULATORS = {
+    anthropic_t.WIRE: anthropic_t.MessageAccumulator,
+    openai_t.WIRE: openai_t.MessageAccumulator,
+}
 
 
 def _whole(resp: ChatResponse) -> ChatResponse:
@@ -468,7 +522,9 @@ def _whole(resp: ChatResponse) -> ChatResponse:
         return resp
     body = resp.raw.items[0][1]
     if resp.raw.wire == anthropic_t.WIRE:
-        return dataclasses.replace(resp, content=anthropic_t.whole_content(body.get("content") or []))
+        return dataclasses.replace(
+            resp, content=anthropic_t.whole_content(body.get("content") or [])
+        )
     if resp.raw.wire == openai_t.WIRE:
         message = openai_t.whole_reply(body)
         return dataclasses.replace(resp, content=message.parts, extra=message.extra)
@@ -476,7 +532,8 @@ def _whole(resp: ChatResponse) -> ChatResponse:
 
 
 def _output_bytes(resp: ChatResponse) -> int:
-    """The size of a whole reply's content: what it is charged by when its upstream reported no usage."""
+    """The size of a whole reply's content: what it is charged by when its upstream
+    reported no usage."""
     return len(orjson.dumps(codec.parts_json(resp.content)))
 
 
@@ -484,8 +541,12 @@ def _total(start: Usage, finish: Usage) -> Usage:
     """The finish's totals, with the input count from the start where the finish lacks it."""
     if finish.input_tokens or not start.input_tokens:
         return finish
-    return Usage(start.input_tokens, finish.output_tokens, finish.cache_read_input_tokens,
-                 finish.cache_creation_input_tokens)
+    return Usage(
+        start.input_tokens,
+        finish.output_tokens,
+        finish.cache_read_input_tokens,
+        finish.cache_creation_input_tokens,
+    )
 
 
 class MeteredRouter:
@@ -546,7 +607,8 @@ def replay_events(resp: ChatResponse, wire: str | None = None) -> list[Event]:
         elif isinstance(part, ToolCall):
             block += [ToolCallStart(i, part.id, part.name), ToolArgsDelta(i, part.arguments)]
         block.append(BlockStop(i))
-        if wire == anthropic_t.WIRE:  # the encoder sends these as they are, the canonical ones count
+        # the encoder sends these as they are, the canonical ones count
+        if wire == anthropic_t.WIRE:
             block[0].raw = Raw(anthropic_t.WIRE, anthropic_t.part_events(i, part))
             for ev in block[1:]:
                 ev.raw = SAME_RAW

@@ -9,10 +9,11 @@ from typing import Any
 import orjson
 
 from flashstack.gateway.core import (
+    ESTIMATE_FIELD,
+    SAME_RAW,
     BlockStop,
     ChatRequest,
     ChatResponse,
-    ESTIMATE_FIELD,
     Error,
     ErrorKind,
     Event,
@@ -26,7 +27,6 @@ from flashstack.gateway.core import (
     Reasoning,
     RedactedThinking,
     ResponseFormat,
-    SAME_RAW,
     Start,
     StopReason,
     Text,
@@ -95,8 +95,12 @@ def to_canonical(req: w.MessagesRequest, body: dict[str, Any]) -> ChatRequest:
     """The canonical request for an Anthropic Messages request; `body`, its JSON, gives the values
     `extra` keeps (exactly as sent)."""
     messages = [
-        Message(m.role, _parts(m.content, raw["content"], f"messages[{i}].content"),
-                _extra(raw, _MSG_KEYS), isinstance(m.content, str))
+        Message(
+            m.role,
+            _parts(m.content, raw["content"], f"messages[{i}].content"),
+            _extra(raw, _MSG_KEYS),
+            isinstance(m.content, str),
+        )
         for i, (m, raw) in enumerate(zip(req.messages, body["messages"]))
     ]
     if isinstance(req.system, str):
@@ -149,21 +153,34 @@ def _reasoning(thinking: Any) -> Reasoning | None:
 
 
 def _output_format(config: Any) -> ResponseFormat | None:
-    """output_config.format (structured outputs) as the canonical response format, checked here too."""
+    """output_config.format (structured outputs) as the canonical response format,
+    checked here too."""
     fmt = config.get("format") if isinstance(config, dict) else None
     if fmt is None:
         return None
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise invalid_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {…}}",
-                              "output_config.format")
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise invalid_request(
+            'output_config.format must be {"type": "json_schema", "schema": {…}}',
+            "output_config.format",
+        )
     return ResponseFormat("json_schema", fmt["schema"], None, True)
 
 
 def _tool(t: w.ToolDef, raw: dict[str, Any]) -> Tool:
     params = t.input_schema if t.input_schema is not None else {"type": "object", "properties": {}}
     strict = raw.get("strict")
-    return Tool(t.name, t.description, params, raw.get("cache_control"),
-                strict if isinstance(strict, bool) else None, _extra(raw, _TOOL_KEYS))
+    return Tool(
+        t.name,
+        t.description,
+        params,
+        raw.get("cache_control"),
+        strict if isinstance(strict, bool) else None,
+        _extra(raw, _TOOL_KEYS),
+    )
 
 
 def _parts(content: str | list[Any], raw: Any, param: str) -> list[Part]:
@@ -177,8 +194,15 @@ def _parts(content: str | list[Any], raw: Any, param: str) -> list[Part]:
         elif isinstance(b, w.ImageBlock):
             parts.append(_image(b, rb, p))
         elif isinstance(b, w.ToolUseBlock):
-            parts.append(ToolCall(b.id, b.name, orjson.dumps(rb["input"]).decode(), rb.get("cache_control"),
-                                  _extra(rb, _TOOL_USE_KEYS)))
+            parts.append(
+                ToolCall(
+                    b.id,
+                    b.name,
+                    orjson.dumps(rb["input"]).decode(),
+                    rb.get("cache_control"),
+                    _extra(rb, _TOOL_USE_KEYS),
+                )
+            )
         elif isinstance(b, w.ToolResultBlock):
             parts.append(_tool_result(b, rb, p))
         elif isinstance(b, w.ThinkingBlock):
@@ -216,11 +240,18 @@ def _tool_result(b: w.ToolResultBlock, raw: dict[str, Any], param: str) -> ToolR
                 content.append(_image(c, rc, f"{param}.content"))  # type: ignore[arg-type]
             else:
                 return Opaque(WIRE, raw)  # a document or search result inside: the same wire only
-    # content and is_error stay in extra when they rendered to nothing ("", [], false): sent back as they came.
+    # content and is_error stay in extra when they rendered to nothing ("", [], false): sent
+    # back as they came.
     modelled = {"type", "tool_use_id", "cache_control"} | ({"content"} if content else set())
     extra = _extra(raw, frozenset(modelled | ({"is_error"} if b.is_error else set())))
-    return ToolResult(b.tool_use_id, content, bool(b.is_error), raw.get("cache_control"), extra,
-                      isinstance(b.content, str))
+    return ToolResult(
+        b.tool_use_id,
+        content,
+        bool(b.is_error),
+        raw.get("cache_control"),
+        extra,
+        isinstance(b.content, str),
+    )
 
 
 def _tool_choice(tc: w.ToolChoice | None) -> ToolChoice | None:
@@ -251,7 +282,8 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 
 def _block_json(p: Part) -> dict[str, Any]:
-    # Extras and verbatim blocks are Anthropic's own (a same-wire reply stored for an idempotent replay).
+    # Extras and verbatim blocks are Anthropic's own (a same-wire reply stored for an
+    # idempotent replay).
     if isinstance(p, Text):
         return {**p.extra, "type": "text", "text": p.text}
     if isinstance(p, Thinking):
@@ -306,7 +338,8 @@ class StreamEncoder:
 
     def __init__(self, model: str, dropped: set[str] | None = None) -> None:
         self.model = model
-        self.dropped = dropped  # the exchange's: named again, complete, on a translated stream's message_delta
+        # the exchange's: named again, complete, on a translated stream's message_delta
+        self.dropped = dropped
         self.id = message_id()
         self._index: dict[int, int] = {}  # canonical block index → wire index (dense, in order)
         self._open: set[int] = set()
@@ -323,8 +356,14 @@ class StreamEncoder:
             self._input_tokens = ev.usage.input_tokens
             usage = {"input_tokens": ev.usage.input_tokens, "output_tokens": 0}
             message = {
-                "id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage,
+                "id": self.id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": usage,
             }
             yield _event("message_start", {"type": "message_start", "message": message})
             yield PING
@@ -390,7 +429,9 @@ PING = _event("ping", {"type": "ping"})
 # ---- canonical → upstream --------------------------------------------------------------------
 
 
-def request_json(req: ChatRequest, upstream_model: str, default_max_tokens: int | None = None) -> dict[str, Any]:
+def request_json(
+    req: ChatRequest, upstream_model: str, default_max_tokens: int | None = None
+) -> dict[str, Any]:
     """The body the Messages API takes for a canonical request.
 
     From an Anthropic client: its body as sent (`req.extra`), with the model renamed and the system
@@ -402,28 +443,39 @@ def request_json(req: ChatRequest, upstream_model: str, default_max_tokens: int 
     return _cross_json(req, upstream_model, default_max_tokens)
 
 
-def _same_wire_json(req: ChatRequest, upstream_model: str, default_max_tokens: int | None) -> dict[str, Any]:
+def _same_wire_json(
+    req: ChatRequest, upstream_model: str, default_max_tokens: int | None
+) -> dict[str, Any]:
     body = dict(req.extra)
     body["model"] = upstream_model
     body.setdefault("max_tokens", req.max_tokens or default_max_tokens or DEFAULT_MAX_TOKENS)
     body["messages"] = _messages_json(req.messages, same=True)
     if req.system:
         one = req.system[0]
-        if req.system_plain and len(req.system) == 1 and one.cache_control is None and not one.extra:
+        if (
+            req.system_plain
+            and len(req.system) == 1
+            and one.cache_control is None
+            and not one.extra
+        ):
             body["system"] = one.text
         else:
             body["system"] = [_text_json(t, True) for t in req.system]
     return body
 
 
-def _cross_json(req: ChatRequest, upstream_model: str, default_max_tokens: int | None) -> dict[str, Any]:
+def _cross_json(
+    req: ChatRequest, upstream_model: str, default_max_tokens: int | None
+) -> dict[str, Any]:
     # An instruction mid-conversation (an OpenAI system message after the first turn) joins the
     # system prompt: the Messages API takes one only up front.
     late = [t for m in req.messages if m.role == "system" for t in m.parts if isinstance(t, Text)]
     body: dict[str, Any] = {
         "model": upstream_model,
         "max_tokens": req.max_tokens or default_max_tokens or DEFAULT_MAX_TOKENS,
-        "messages": _messages_json([m for m in req.messages if m.role != "system"], same=False, req=req),
+        "messages": _messages_json(
+            [m for m in req.messages if m.role != "system"], same=False, req=req
+        ),
     }
     if any(t.extra.get("name") for t in [*req.system, *late]):
         req.exchange.dropped.add("messages[].name")
@@ -488,7 +540,9 @@ def _apply_reasoning(body: dict[str, Any], req: ChatRequest) -> None:
 
 def _cross_tool_json(req: ChatRequest, t: Tool) -> dict[str, Any]:
     if t.extra.get("type") == "custom":
-        fields.refuse_part(req.wire or "", "tools[].type=custom", WIRE, "free-text tools have no counterpart")
+        fields.refuse_part(
+            req.wire or "", "tools[].type=custom", WIRE, "free-text tools have no counterpart"
+        )
     if t.strict is not None:
         req.exchange.dropped.add("tools[].function.strict")
     return {"name": t.name, "description": t.description or "", "input_schema": t.parameters}
@@ -497,7 +551,10 @@ def _cross_tool_json(req: ChatRequest, t: Tool) -> dict[str, Any]:
 def _json_instruction(rf: ResponseFormat) -> str:
     if rf.type == "json_schema" and rf.schema is not None:
         schema = orjson.dumps(rf.schema).decode()
-        return f"Reply with one JSON value that conforms to this JSON Schema, and nothing else: {schema}"
+        return (
+            "Reply with one JSON value that conforms to this JSON Schema, and nothing else: "
+            f"{schema}"
+        )
     return "Reply with one JSON object and nothing else."
 
 
@@ -510,7 +567,9 @@ def _tool_choice_json(tc: ToolChoice) -> dict[str, Any]:
     return body
 
 
-def _messages_json(messages: list[Message], same: bool, req: ChatRequest | None = None) -> list[dict[str, Any]]:
+def _messages_json(
+    messages: list[Message], same: bool, req: ChatRequest | None = None
+) -> list[dict[str, Any]]:
     if same:
         return [_same_message_json(m) for m in messages]
     out: list[dict[str, Any]] = []
@@ -547,20 +606,33 @@ def _same_part_json(p: Part) -> dict[str, Any]:
     """A block as the client sent it: typed fields over its extra."""
     if isinstance(p, Text):
         return _text_json(p, True)
-    if isinstance(p, Opaque):  # another wire's block (a session's history may hold one): mapped or refused
+    # another wire's block (a session's history may hold one): mapped or refused
+    if isinstance(p, Opaque):
         return p.block if p.wire == WIRE else _cross_opaque(p)  # type: ignore[return-value]
     if isinstance(p, Image):
         return _cached({**p.extra, **_image_json(p)}, p.cache_control)
     if isinstance(p, ToolCall):
-        block = {**p.extra, "type": "tool_use", "id": p.id, "name": p.name, "input": _tool_input_or_400(p)}
+        block = {
+            **p.extra,
+            "type": "tool_use",
+            "id": p.id,
+            "name": p.name,
+            "input": _tool_input_or_400(p),
+        }
         return _cached(block, p.cache_control)
     if isinstance(p, ToolResult):
         block = {**p.extra, "type": "tool_result", "tool_use_id": p.tool_call_id}
         if p.content:
             one = p.content[0]
             plain = p.plain and len(p.content) == 1 and isinstance(one, Text) and not one.extra
-            block["content"] = one.text if plain and isinstance(one, Text) else [
-                _text_json(c, True) if isinstance(c, Text) else _same_part_json(c) for c in p.content]
+            block["content"] = (
+                one.text
+                if plain and isinstance(one, Text)
+                else [
+                    _text_json(c, True) if isinstance(c, Text) else _same_part_json(c)
+                    for c in p.content
+                ]
+            )
         if p.is_error:
             block["is_error"] = True
         return _cached(block, p.cache_control)
@@ -590,8 +662,16 @@ def _part_json(p: Part, req: ChatRequest | None) -> dict[str, Any] | None:
     if isinstance(p, ToolCall):
         return {"type": "tool_use", "id": p.id, "name": p.name, "input": _tool_input_or_400(p)}
     if isinstance(p, ToolResult):
-        content = [_image_json(c) if isinstance(c, Image) else {"type": "text", "text": c.text} for c in p.content]
-        return {"type": "tool_result", "tool_use_id": p.tool_call_id, "content": content, "is_error": p.is_error}
+        content = [
+            _image_json(c) if isinstance(c, Image) else {"type": "text", "text": c.text}
+            for c in p.content
+        ]
+        return {
+            "type": "tool_result",
+            "tool_use_id": p.tool_call_id,
+            "content": content,
+            "is_error": p.is_error,
+        }
     if isinstance(p, Thinking) and p.signature:
         return {"type": "thinking", "thinking": p.text, "signature": p.signature}
     if isinstance(p, Opaque):
@@ -614,13 +694,18 @@ def _tool_input_or_400(p: ToolCall) -> dict[str, Any]:
     try:
         value = orjson.loads(p.arguments or "{}")
     except orjson.JSONDecodeError:
-        raise invalid_request(f"arguments of tool call {p.id!r} are not valid JSON", "messages") from None
+        raise invalid_request(
+            f"arguments of tool call {p.id!r} are not valid JSON", "messages"
+        ) from None
     return value if isinstance(value, dict) else {"value": value}
 
 
 def _image_json(p: Image) -> dict[str, Any]:
     if p.data is not None:
-        return {"type": "image", "source": {"type": "base64", "media_type": p.media_type, "data": p.data}}
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": p.media_type, "data": p.data},
+        }
     return {"type": "image", "source": {"type": "url", "url": p.url}}
 
 
@@ -658,7 +743,11 @@ def _content(blocks: list[dict[str, Any]], whole: bool) -> list[Part]:
         if kind == "text":
             content.append(Text(b.get("text", ""), extra=extra))
         elif kind == "tool_use":
-            content.append(ToolCall(b["id"], b["name"], orjson.dumps(b.get("input") or {}).decode(), extra=extra))
+            content.append(
+                ToolCall(
+                    b["id"], b["name"], orjson.dumps(b.get("input") or {}).decode(), extra=extra
+                )
+            )
         elif kind == "thinking":
             content.append(Thinking(b.get("thinking", ""), b.get("signature"), extra))
         elif kind == "redacted_thinking":
@@ -668,11 +757,16 @@ def _content(blocks: list[dict[str, Any]], whole: bool) -> list[Part]:
     return content
 
 
-_REPLY_KEYS = {"text": frozenset({"type", "text"}), "tool_use": frozenset({"type", "id", "name", "input"}),
-               "thinking": _THINKING_KEYS}
+_REPLY_KEYS = {
+    "text": frozenset({"type", "text"}),
+    "tool_use": frozenset({"type", "id", "name", "input"}),
+    "thinking": _THINKING_KEYS,
+}
 
 
-def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: set[str] | None = None) -> ChatResponse:
+def response_from_json(
+    body: dict[str, Any], keep_raw: bool = False, dropped: set[str] | None = None
+) -> ChatResponse:
     """The canonical response for a Messages API response body (kept whole with `keep_raw`;
     otherwise what the other wire cannot carry is named in `dropped`)."""
     if not keep_raw and dropped is not None:
@@ -723,13 +817,16 @@ class MessageAccumulator:
                 self.blocks[index]["input"] = orjson.loads("".join(fragments) or "{}")
             except orjson.JSONDecodeError:
                 return None
-        return Message("assistant", whole_content([self.blocks[i] for i in sorted(self.blocks)]), plain=False)
+        return Message(
+            "assistant", whole_content([self.blocks[i] for i in sorted(self.blocks)]), plain=False
+        )
 
 
 def part_events(index: int, part: Part) -> list[tuple[str, dict[str, Any]]]:
     """A stored reply's part as the Messages API streams its block (an idempotent stream replay):
     started empty, then its deltas (text, citations, thinking, signature, a tool's input), then
-    stopped; a block without deltas (redacted thinking, a server tool's result) whole at its start."""
+    stopped; a block without deltas (redacted thinking, a server tool's result) whole
+    at its start."""
     block = _block_json(part)
     head, deltas = dict(block), []
     kind = block.get("type")
@@ -741,14 +838,26 @@ def part_events(index: int, part: Part) -> list[tuple[str, dict[str, Any]]]:
             deltas += [{"type": "citations_delta", "citation": c} for c in block["citations"]]
     elif kind == "thinking":
         head["thinking"], head["signature"] = "", ""
-        deltas += [{"type": "thinking_delta", "thinking": block["thinking"]},
-                   {"type": "signature_delta", "signature": block["signature"]}]
-    elif isinstance(kind, str) and kind.endswith("tool_use") and isinstance(block.get("input"), dict):
+        deltas += [
+            {"type": "thinking_delta", "thinking": block["thinking"]},
+            {"type": "signature_delta", "signature": block["signature"]},
+        ]
+    elif (
+        isinstance(kind, str) and kind.endswith("tool_use") and isinstance(block.get("input"), dict)
+    ):
         head["input"] = {}
-        deltas.append({"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()})
+        deltas.append(
+            {"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}
+        )
     return [
-        ("content_block_start", {"type": "content_block_start", "index": index, "content_block": head}),
-        *(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}) for d in deltas),
+        (
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": head},
+        ),
+        *(
+            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
+            for d in deltas
+        ),
         ("content_block_stop", {"type": "content_block_stop", "index": index}),
     ]
 
@@ -762,7 +871,9 @@ def upstream_error(status: int, body: Any, retry_after: float | None = None) -> 
         if kind is not None:
             return GatewayError(kind, message, status=status, retry_after=retry_after)
         return error_for_status(status, message, retry_after)
-    return error_for_status(status, str(body)[:500] or f"upstream returned HTTP {status}", retry_after)
+    return error_for_status(
+        status, str(body)[:500] or f"upstream returned HTTP {status}", retry_after
+    )
 
 
 def _as_response(name: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -786,8 +897,10 @@ class EventDecoder:
 
     def __init__(self, tap: RawTap | None = None, dropped: set[str] | None = None) -> None:
         self.tap = tap
-        self.dropped = dropped if tap is None else None  # translated: what the other wire cannot carry
-        self.tools: set[int] = set()  # blocks that are tool calls (a server tool's input is not one)
+        # translated: what the other wire cannot carry
+        self.dropped = dropped if tap is None else None
+        # blocks that are tool calls (a server tool's input is not one)
+        self.tools: set[int] = set()
         self.usage = Usage()
         self.stop_reason: StopReason = StopReason.END_TURN
         self.stop_sequence: str | None = None
@@ -809,7 +922,9 @@ class EventDecoder:
         if kind == "message_start":
             msg = data.get("message") or {}
             self.usage = usage_from_json(msg.get("usage"))
-            yield Start(msg.get("id") or message_id(), msg.get("model", ""), Usage(self.usage.input_tokens))
+            yield Start(
+                msg.get("id") or message_id(), msg.get("model", ""), Usage(self.usage.input_tokens)
+            )
         elif kind == "content_block_start":
             yield from self._block_start(data["index"], data.get("content_block") or {})
         elif kind == "content_block_delta":
@@ -821,7 +936,9 @@ class EventDecoder:
         elif kind == "message_stop":
             yield Finish(self.stop_reason, self.usage, self.stop_sequence)
         elif kind == "error":
-            status = _KIND_STATUS.get(_ERROR_KIND.get((data.get("error") or {}).get("type", ""), ErrorKind.UPSTREAM), 500)
+            status = _KIND_STATUS.get(
+                _ERROR_KIND.get((data.get("error") or {}).get("type", ""), ErrorKind.UPSTREAM), 500
+            )
             raise upstream_error(status, data)
 
     def _block_start(self, index: int, block: dict[str, Any]) -> Iterator[Event]:

@@ -32,8 +32,10 @@ def file_as_anthropic(part: dict[str, Any]) -> dict[str, Any] | None:
     data = file.get("file_data") if isinstance(file, dict) else None
     if not isinstance(data, str) or not data.startswith(_DATA_URL_PREFIX):
         return None  # a file_id, or not a PDF
-    block: dict[str, Any] = {"type": "document",
-                             "source": {"type": "base64", "media_type": PDF, "data": data[len(_DATA_URL_PREFIX):]}}
+    block: dict[str, Any] = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": PDF, "data": data[len(_DATA_URL_PREFIX) :]},
+    }
     if isinstance(file.get("filename"), str):
         block["title"] = file["filename"]
     return block

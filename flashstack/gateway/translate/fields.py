@@ -22,7 +22,8 @@ from flashstack.gateway.core import ChatRequest, invalid_request
 class Fate(enum.StrEnum):
     PASSED = "passed"  # sent on as the client sent it (JSON value equal)
     MAPPED = "mapped"  # sent as its counterpart on the other wire
-    REFUSED = "refused"  # 400 naming the field: the client relies on it, the target cannot honour it
+    # 400 naming the field: the client relies on it, the target cannot honour it
+    REFUSED = "refused"
     DROPPED = "dropped"  # not sent, and named in the response header x-flashstack-dropped
     GATEWAY = "gateway"  # the gateway's own field: read here, never sent upstream
 
@@ -44,7 +45,7 @@ class Field:
 F, P, M, R, D, G = Field, Fate.PASSED, Fate.MAPPED, Fate.REFUSED, Fate.DROPPED, Fate.GATEWAY
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
-# ---- requests: top-level fields, then the parts of messages and tools ------------------------------
+# ---- requests: top-level fields, then the parts of messages and tools ----------------------------
 
 OPENAI_REQUEST: tuple[Field, ...] = (
     F("model", M, "model", same=M, same_note="renamed to the deployment's model"),
@@ -56,13 +57,28 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("n", R, "one choice only", 2, harmless=(1,)),
     F("stop", M, "stop_sequences", ["\n\nEND"]),
     F("stream", M, "stream", False),
-    F("stream_options", M, "usage is always asked for; sent to the client only when it asked",
-      {"include_usage": True}, same_note="include_usage: true is added (usage accounting); the usage "
-      "chunk reaches the client only when it asked"),
-    F("tools", M, "tools", [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]),
+    F(
+        "stream_options",
+        M,
+        "usage is always asked for; sent to the client only when it asked",
+        {"include_usage": True},
+        same_note="include_usage: true is added (usage accounting); the usage "
+        "chunk reaches the client only when it asked",
+    ),
+    F(
+        "tools",
+        M,
+        "tools",
+        [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+    ),
     F("tool_choice", M, "tool_choice", "auto"),
     F("parallel_tool_calls", M, "tool_choice.disable_parallel_tool_use", True),
-    F("response_format", M, "an instruction in system; the reply is checked", {"type": "json_object"}),
+    F(
+        "response_format",
+        M,
+        "an instruction in system; the reply is checked",
+        {"type": "json_object"},
+    ),
     F("user", M, "metadata.user_id", "user-1234"),
     F("metadata", D, "Anthropic's metadata takes user_id only", {"tag": "a"}),
     F("seed", D, "no seed on the Messages API", 7),
@@ -72,11 +88,20 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("top_logprobs", R, "the Messages API returns no log-probabilities", 2, harmless=(0,)),
     F("logit_bias", R, "the Messages API cannot bias tokens", {"50256": -100}, harmless=({},)),
     F("store", D, "nothing to store on the Messages API", False),
-    F("reasoning_effort", M, "thinking.budget_tokens (low 1024, medium 4096, high 16384; dropped when "
-      "max_tokens leaves no room)", "low"),
+    F(
+        "reasoning_effort",
+        M,
+        "thinking.budget_tokens (low 1024, medium 4096, high 16384; dropped when "
+        "max_tokens leaves no room)",
+        "low",
+    ),
     F("service_tier", D, "OpenAI's tiers have no Anthropic counterpart", "auto"),
-    F("prediction", D, "predicted outputs are only a latency optimisation",
-      {"type": "content", "content": "a"}),
+    F(
+        "prediction",
+        D,
+        "predicted outputs are only a latency optimisation",
+        {"type": "content", "content": "a"},
+    ),
     F("prompt_cache_key", D, "prompt caching hint", "k1"),
     F("safety_identifier", D, "no counterpart", "s1"),
     F("verbosity", D, "no counterpart", "low"),
@@ -85,56 +110,134 @@ OPENAI_REQUEST: tuple[Field, ...] = (
     F("web_search_options", R, "use Anthropic's web_search server tool instead", {}),
     F("functions", R, "deprecated; send tools", [{"name": "f", "parameters": WEATHER}]),
     F("function_call", R, "deprecated; send tool_choice", "auto"),
-    F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
+    F(
+        "compression",
+        G,
+        "flashstack's context compression",
+        same=G,
+        same_note="read by the gateway",
+    ),
 )
 # `same`: to a model whose every deployment serves the Responses API itself (`responses_api: true`);
 # `cross`: through the canonical types to any other (an Anthropic, chat-completions or local model).
 RESPONSES_REQUEST: tuple[Field, ...] = (
-    F("model", M, "model (renamed to the deployment's)", same=M, same_note="renamed to the deployment's model"),
-    F("input", M, "messages (message, function_call, function_call_output and reasoning items; "
-      "other item types refused)", "hi"),
+    F(
+        "model",
+        M,
+        "model (renamed to the deployment's)",
+        same=M,
+        same_note="renamed to the deployment's model",
+    ),
+    F(
+        "input",
+        M,
+        "messages (message, function_call, function_call_output and reasoning items; "
+        "other item types refused)",
+        "hi",
+    ),
     F("instructions", M, "system", "Be brief."),
-    F("tools", M, "tools (function tools; a namespace's functions as <namespace>__<name>, their calls "
-      "returned with `namespace`; hosted tools such as web_search are refused by name)",
-      [{"type": "function", "name": "get_weather", "parameters": WEATHER}]),
+    F(
+        "tools",
+        M,
+        "tools (function tools; a namespace's functions as <namespace>__<name>, their calls "
+        "returned with `namespace`; hosted tools such as web_search are refused by name)",
+        [{"type": "function", "name": "get_weather", "parameters": WEATHER}],
+    ),
     F("tool_choice", M, "tool_choice (required → any; a hosted tool refused)", "auto"),
-    F("parallel_tool_calls", M, "tool_choice.disable_parallel_tool_use / parallel_tool_calls", False),
+    F(
+        "parallel_tool_calls",
+        M,
+        "tool_choice.disable_parallel_tool_use / parallel_tool_calls",
+        False,
+    ),
     F("max_output_tokens", M, "max_tokens", 64),
     F("temperature", M, "temperature", 0.5),
     F("top_p", M, "top_p", 0.9),
-    F("text", M, "format → response_format (json_schema checked as chat's is); verbosity dropped, "
-      "named text.verbosity", {"format": {"type": "json_object"}}),
-    F("reasoning", M, "effort → reasoning effort / thinking budget; thinking comes back as reasoning items "
-      "with a summary_text (its signature in encrypted_content)", {"effort": "low", "summary": "auto"}),
+    F(
+        "text",
+        M,
+        "format → response_format (json_schema checked as chat's is); verbosity dropped, "
+        "named text.verbosity",
+        {"format": {"type": "json_object"}},
+    ),
+    F(
+        "reasoning",
+        M,
+        "effort → reasoning effort / thinking budget; thinking comes back as reasoning items "
+        "with a summary_text (its signature in encrypted_content)",
+        {"effort": "low", "summary": "auto"},
+    ),
     F("stream", M, "stream (the full Responses event sequence, numbered)", False),
     F("user", M, "metadata.user_id / user", "user-1234"),
-    F("metadata", G, "kept on the stored response and echoed back; never sent upstream", {"tag": "a"}),
-    F("store", G, "the gateway's response store (fs_responses): GET/DELETE /v1/responses/{id}", False,
-      same_note="and kept by the gateway too"),
-    F("previous_response_id", G, "the stored response's input and output are prepended (the caller's own "
-      "responses only)", same=G, same_note="expanded into `input` (the upstream does not know the gateway's ids)"),
-    F("include", G, "reasoning.encrypted_content honoured; message.output_text.logprobs refused; others "
-      "dropped, named include=<value>", ["reasoning.encrypted_content"]),
+    F(
+        "metadata",
+        G,
+        "kept on the stored response and echoed back; never sent upstream",
+        {"tag": "a"},
+    ),
+    F(
+        "store",
+        G,
+        "the gateway's response store (fs_responses): GET/DELETE /v1/responses/{id}",
+        False,
+        same_note="and kept by the gateway too",
+    ),
+    F(
+        "previous_response_id",
+        G,
+        "the stored response's input and output are prepended (the caller's own responses only)",
+        same=G,
+        same_note="expanded into `input` (the upstream does not know the gateway's ids)",
+    ),
+    F(
+        "include",
+        G,
+        "reasoning.encrypted_content honoured; message.output_text.logprobs refused; others "
+        "dropped, named include=<value>",
+        ["reasoning.encrypted_content"],
+    ),
     F("prompt_cache_key", D, "a prompt-caching hint", "k1"),
     F("client_metadata", D, "a client's own tags (Codex CLI)", {"a": "b"}),
     F("service_tier", D, "OpenAI's tiers", "auto"),
     F("safety_identifier", D, "no counterpart", "s1"),
-    F("truncation", D, "the gateway's own compression applies instead", "auto", harmless=("disabled",)),
+    F(
+        "truncation",
+        D,
+        "the gateway's own compression applies instead",
+        "auto",
+        harmless=("disabled",),
+    ),
     F("stream_options", D, "obfuscation padding only", {"include_obfuscation": False}),
     F("max_tool_calls", R, "a hosted tools' limit", 2),
     F("top_logprobs", R, "log-probabilities are not returned", 2, harmless=(0,)),
     F("background", R, "background responses need OpenAI's queue", True, harmless=(False,)),
-    F("conversation", R, "OpenAI's conversations; use previous_response_id or /v1/sessions", "conv_1"),
+    F(
+        "conversation",
+        R,
+        "OpenAI's conversations; use previous_response_id or /v1/sessions",
+        "conv_1",
+    ),
     F("prompt", R, "reusable prompts live in OpenAI's dashboard", {"id": "pmpt_1"}),
-    F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
+    F(
+        "compression",
+        G,
+        "flashstack's context compression",
+        same=G,
+        same_note="read by the gateway",
+    ),
 )
 RESPONSES_BY_NAME = {f.name: f for f in RESPONSES_REQUEST}
 
 # Part rows' samples are body fragments (messages, system, tools) that carry the part.
-PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"  # 1x1
+# 1x1
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 PDF_B64 = "JVBERi0xLjQKJSVFT0YK"  # "%PDF-1.4\n%%EOF\n"
 HI = {"role": "user", "content": "hi"}
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
 
 
 def _o(*content: dict) -> dict:
@@ -142,37 +245,138 @@ def _o(*content: dict) -> dict:
 
 
 OPENAI_PARTS: tuple[Field, ...] = (
-    F("messages[].role=developer", M, "system", {"messages": [{"role": "developer", "content": "Be brief."}, HI]}),
-    F("messages[].role=system", M, "system (one after the first turn joins it too)",
-      {"messages": [HI, {"role": "system", "content": "Be brief."}]}),
-    F("messages[role=system].content[]", M, "a system text block each (cache_control kept)", {"messages": [
-        {"role": "developer", "content": [{"type": "text", "text": "Be brief."},
-                                          {"type": "text", "text": "Cite.", "cache_control": {"type": "ephemeral"}}]},
-        HI]}),
-    F("messages[].name", D, "no participant names on the Messages API",
-      {"messages": [{"role": "user", "content": "hi", "name": "ada"}]}),
+    F(
+        "messages[].role=developer",
+        M,
+        "system",
+        {"messages": [{"role": "developer", "content": "Be brief."}, HI]},
+    ),
+    F(
+        "messages[].role=system",
+        M,
+        "system (one after the first turn joins it too)",
+        {"messages": [HI, {"role": "system", "content": "Be brief."}]},
+    ),
+    F(
+        "messages[role=system].content[]",
+        M,
+        "a system text block each (cache_control kept)",
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [
+                        {"type": "text", "text": "Be brief."},
+                        {"type": "text", "text": "Cite.", "cache_control": {"type": "ephemeral"}},
+                    ],
+                },
+                HI,
+            ]
+        },
+    ),
+    F(
+        "messages[].name",
+        D,
+        "no participant names on the Messages API",
+        {"messages": [{"role": "user", "content": "hi", "name": "ada"}]},
+    ),
     F("messages[].content[].type=text", M, "text block", _o({"type": "text", "text": "hi"})),
-    F("messages[].content[].type=image_url", M, "image block (base64 or url source)",
-      _o({"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}})),
-    F("messages[].content[].image_url.detail", D, "no detail level on the Messages API",
-      _o({"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG, "detail": "low"}})),
-    F("messages[].content[].type=refusal", M, "text block", {"messages": [
-        HI, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, HI]}),
-    F("messages[].content[].type=input_audio", R, "no audio input on the Messages API",
-      _o({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}})),
-    F("messages[].content[].type=file", M, "document block (a PDF in file_data; a file_id is refused: "
-      "OpenAI's file storage)",
-      _o({"type": "file", "file": {"filename": "a.pdf", "file_data": "data:application/pdf;base64," + PDF_B64}})),
-    F("messages[].tool_calls[]", M, "tool_use block", {"messages": [
-        HI, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}),
-    F("messages[].role=tool", M, "tool_result block", {"messages": [
-        HI, {"role": "assistant", "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18 C"}]}]}),
-    F("tools[].function.strict", D, "strict tool schemas are not sent across", {"tools": [
-        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}}]}),
-    F("tools[].type=custom", R, "custom (free-text) tools have no counterpart",
-      {"tools": [{"type": "custom", "custom": {"name": "grep"}}]}),
+    F(
+        "messages[].content[].type=image_url",
+        M,
+        "image block (base64 or url source)",
+        _o({"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}}),
+    ),
+    F(
+        "messages[].content[].image_url.detail",
+        D,
+        "no detail level on the Messages API",
+        _o(
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + PNG, "detail": "low"},
+            }
+        ),
+    ),
+    F(
+        "messages[].content[].type=refusal",
+        M,
+        "text block",
+        {
+            "messages": [
+                HI,
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                HI,
+            ]
+        },
+    ),
+    F(
+        "messages[].content[].type=input_audio",
+        R,
+        "no audio input on the Messages API",
+        _o({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}),
+    ),
+    F(
+        "messages[].content[].type=file",
+        M,
+        "document block (a PDF in file_data; a file_id is refused: OpenAI's file storage)",
+        _o(
+            {
+                "type": "file",
+                "file": {
+                    "filename": "a.pdf",
+                    "file_data": "data:application/pdf;base64," + PDF_B64,
+                },
+            }
+        ),
+    ),
+    F(
+        "messages[].tool_calls[]",
+        M,
+        "tool_use block",
+        {
+            "messages": [
+                HI,
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+            ]
+        },
+    ),
+    F(
+        "messages[].role=tool",
+        M,
+        "tool_result block",
+        {
+            "messages": [
+                HI,
+                {"role": "assistant", "tool_calls": [CALL]},
+                {
+                    "role": "tool",
+                    "tool_call_id": "call_1",
+                    "content": [{"type": "text", "text": "18 C"}],
+                },
+            ]
+        },
+    ),
+    F(
+        "tools[].function.strict",
+        D,
+        "strict tool schemas are not sent across",
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "parameters": WEATHER, "strict": True},
+                }
+            ]
+        },
+    ),
+    F(
+        "tools[].type=custom",
+        R,
+        "custom (free-text) tools have no counterpart",
+        {"tools": [{"type": "custom", "custom": {"name": "grep"}}]},
+    ),
 )
 
 ANTHROPIC_REQUEST: tuple[Field, ...] = (
@@ -188,25 +392,56 @@ ANTHROPIC_REQUEST: tuple[Field, ...] = (
     F("tools", M, "tools[].function", [{"name": "get_weather", "input_schema": WEATHER}]),
     F("tool_choice", M, "tool_choice (any → required)", {"type": "auto"}),
     F("metadata", M, "user (from metadata.user_id)", {"user_id": "user-1234"}),
-    F("thinking", D, "reasoning is configured per model on OpenAI-compatible servers",
-      {"type": "enabled", "budget_tokens": 1024}, harmless=({"type": "disabled"},)),
-    F("context_management", D, "context editing is only an optimisation",
-      {"edits": [{"type": "clear_tool_uses_20250919"}]}),
+    F(
+        "thinking",
+        D,
+        "reasoning is configured per model on OpenAI-compatible servers",
+        {"type": "enabled", "budget_tokens": 1024},
+        harmless=({"type": "disabled"},),
+    ),
+    F(
+        "context_management",
+        D,
+        "context editing is only an optimisation",
+        {"edits": [{"type": "clear_tool_uses_20250919"}]},
+    ),
     F("service_tier", D, "Anthropic's tiers have no OpenAI counterpart", "auto"),
     F("cache_control", D, "prompt caching is Anthropic's", {"type": "ephemeral"}),
-    F("output_config", M, "format (json_schema) → response_format, the reply checked; effort and the rest "
-      "dropped and named as output_config.<key>", {"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+    F(
+        "output_config",
+        M,
+        "format (json_schema) → response_format, the reply checked; effort and the rest "
+        "dropped and named as output_config.<key>",
+        {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    ),
     F("inference_geo", D, "no counterpart", "us"),
     F("speed", D, "no counterpart", "fast"),
     F("container", R, "containers exist only on the Messages API", "container_1"),
-    F("mcp_servers", R, "the MCP connector exists only on the Messages API",
-      [{"type": "url", "url": "https://example.com/sse", "name": "x"}]),
-    F("compression", G, "flashstack's context compression", same=G, same_note="read by the gateway"),
+    F(
+        "mcp_servers",
+        R,
+        "the MCP connector exists only on the Messages API",
+        [{"type": "url", "url": "https://example.com/sse", "name": "x"}],
+    ),
+    F(
+        "compression",
+        G,
+        "flashstack's context compression",
+        same=G,
+        same_note="read by the gateway",
+    ),
 )
 CACHED = {"type": "ephemeral"}
 TOOL = {"name": "get_weather", "input_schema": WEATHER}
-CITATION = [{"type": "char_location", "cited_text": "a", "document_index": 0, "start_char_index": 0,
-             "end_char_index": 1}]
+CITATION = [
+    {
+        "type": "char_location",
+        "cited_text": "a",
+        "document_index": 0,
+        "start_char_index": 0,
+        "end_char_index": 1,
+    }
+]
 
 
 def _a(*content: dict) -> dict:
@@ -215,51 +450,181 @@ def _a(*content: dict) -> dict:
 
 def _after_tool_use(*result: dict) -> dict:
     use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
-    return {"messages": [HI, {"role": "assistant", "content": [use]}, {"role": "user", "content": list(result)}]}
+    return {
+        "messages": [
+            HI,
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": list(result)},
+        ]
+    }
 
 
 def _thought(block: dict) -> dict:
-    return {"messages": [HI, {"role": "assistant", "content": [block, {"type": "text", "text": "Hello."}]}, HI]}
+    return {
+        "messages": [
+            HI,
+            {"role": "assistant", "content": [block, {"type": "text", "text": "Hello."}]},
+            HI,
+        ]
+    }
 
 
 ANTHROPIC_PARTS: tuple[Field, ...] = (
-    F("system[].cache_control", D, "prompt caching is Anthropic's",
-      {"system": [{"type": "text", "text": "Be brief.", "cache_control": CACHED}]}),
-    F("system[].citations", D, "no citations on OpenAI's API",
-      {"system": [{"type": "text", "text": "Be brief.", "citations": CITATION}]}),
-    F("messages[].role=system", M, "a system message where it stands",
-      {"messages": [HI, {"role": "system", "content": "Be brief."}, HI]}),
+    F(
+        "system[].cache_control",
+        D,
+        "prompt caching is Anthropic's",
+        {"system": [{"type": "text", "text": "Be brief.", "cache_control": CACHED}]},
+    ),
+    F(
+        "system[].citations",
+        D,
+        "no citations on OpenAI's API",
+        {"system": [{"type": "text", "text": "Be brief.", "citations": CITATION}]},
+    ),
+    F(
+        "messages[].role=system",
+        M,
+        "a system message where it stands",
+        {"messages": [HI, {"role": "system", "content": "Be brief."}, HI]},
+    ),
     F("messages[].content[].type=text", M, "text part", _a({"type": "text", "text": "hi"})),
-    F("messages[].content[].type=image", M, "image_url part (data: URL or url)",
-      _a({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}})),
-    F("messages[].content[].type=tool_use", M, "assistant tool_calls[]",
-      _after_tool_use({"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"})),
-    F("messages[].content[].type=tool_result", M, "a tool message",
-      _after_tool_use({"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18 C"}]})),
-    F("messages[].content[].is_error", D, "tool messages carry no error flag",
-      _after_tool_use({"type": "tool_result", "tool_use_id": "toolu_1", "content": "failed", "is_error": True})),
-    F("messages[].content[].type=thinking", D, "an earlier turn's reasoning, signed for Claude only",
-      _thought({"type": "thinking", "thinking": "Hm.", "signature": "EqQBsig"})),
-    F("messages[].content[].type=redacted_thinking", D, "encrypted reasoning, readable by Claude only",
-      _thought({"type": "redacted_thinking", "data": "EmwKredacted"})),
-    F("messages[].content[].type=document", M, "file part (a base64 PDF; a text document as a text part; "
-      "url and file sources are refused: no counterpart)",
-      _a({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": PDF_B64}})),
-    F("messages[].content[].type=search_result", R, "no counterpart",
-      _a({"type": "search_result", "source": "https://example.com", "title": "t",
-          "content": [{"type": "text", "text": "a"}]})),
-    F("messages[].content[].type=server_tool_use", R, "server tools run on Anthropic's side", {"messages": [
-        HI, {"role": "assistant", "content": [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
-                                               "input": {"query": "a"}}]}, HI]}),
-    F("messages[].content[].cache_control", D, "prompt caching is Anthropic's",
-      _a({"type": "text", "text": "hi", "cache_control": CACHED})),
-    F("messages[].content[].citations", D, "no citations on OpenAI's API", {"messages": [
-        HI, {"role": "assistant", "content": [{"type": "text", "text": "a", "citations": CITATION}]}, HI]}),
-    F("tools[].cache_control", D, "prompt caching is Anthropic's", {"tools": [{**TOOL, "cache_control": CACHED}]}),
-    F("tools[].defer_loading", D, "tool search is Anthropic's", {"tools": [{**TOOL, "defer_loading": True}]}),
-    F("tools[].strict", D, "strict tool schemas are not sent across", {"tools": [{**TOOL, "strict": True}]}),
-    F("tools[].type=web_search_20250305", R, "server tools run on Anthropic's side",
-      {"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 1}]}),
+    F(
+        "messages[].content[].type=image",
+        M,
+        "image_url part (data: URL or url)",
+        _a({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}),
+    ),
+    F(
+        "messages[].content[].type=tool_use",
+        M,
+        "assistant tool_calls[]",
+        _after_tool_use({"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}),
+    ),
+    F(
+        "messages[].content[].type=tool_result",
+        M,
+        "a tool message",
+        _after_tool_use(
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_1",
+                "content": [{"type": "text", "text": "18 C"}],
+            }
+        ),
+    ),
+    F(
+        "messages[].content[].is_error",
+        D,
+        "tool messages carry no error flag",
+        _after_tool_use(
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "failed", "is_error": True}
+        ),
+    ),
+    F(
+        "messages[].content[].type=thinking",
+        D,
+        "an earlier turn's reasoning, signed for Claude only",
+        _thought({"type": "thinking", "thinking": "Hm.", "signature": "EqQBsig"}),
+    ),
+    F(
+        "messages[].content[].type=redacted_thinking",
+        D,
+        "encrypted reasoning, readable by Claude only",
+        _thought({"type": "redacted_thinking", "data": "EmwKredacted"}),
+    ),
+    F(
+        "messages[].content[].type=document",
+        M,
+        "file part (a base64 PDF; a text document as a text part; "
+        "url and file sources are refused: no counterpart)",
+        _a(
+            {
+                "type": "document",
+                "source": {"type": "base64", "media_type": "application/pdf", "data": PDF_B64},
+            }
+        ),
+    ),
+    F(
+        "messages[].content[].type=search_result",
+        R,
+        "no counterpart",
+        _a(
+            {
+                "type": "search_result",
+                "source": "https://example.com",
+                "title": "t",
+                "content": [{"type": "text", "text": "a"}],
+            }
+        ),
+    ),
+    F(
+        "messages[].content[].type=server_tool_use",
+        R,
+        "server tools run on Anthropic's side",
+        {
+            "messages": [
+                HI,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "server_tool_use",
+                            "id": "srvtoolu_1",
+                            "name": "web_search",
+                            "input": {"query": "a"},
+                        }
+                    ],
+                },
+                HI,
+            ]
+        },
+    ),
+    F(
+        "messages[].content[].cache_control",
+        D,
+        "prompt caching is Anthropic's",
+        _a({"type": "text", "text": "hi", "cache_control": CACHED}),
+    ),
+    F(
+        "messages[].content[].citations",
+        D,
+        "no citations on OpenAI's API",
+        {
+            "messages": [
+                HI,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": "a", "citations": CITATION}],
+                },
+                HI,
+            ]
+        },
+    ),
+    F(
+        "tools[].cache_control",
+        D,
+        "prompt caching is Anthropic's",
+        {"tools": [{**TOOL, "cache_control": CACHED}]},
+    ),
+    F(
+        "tools[].defer_loading",
+        D,
+        "tool search is Anthropic's",
+        {"tools": [{**TOOL, "defer_loading": True}]},
+    ),
+    F(
+        "tools[].strict",
+        D,
+        "strict tool schemas are not sent across",
+        {"tools": [{**TOOL, "strict": True}]},
+    ),
+    F(
+        "tools[].type=web_search_20250305",
+        R,
+        "server tools run on Anthropic's side",
+        {"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 1}]},
+    ),
 )
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -272,14 +637,36 @@ OPENAI_RESPONSE: tuple[Field, ...] = (
     F("choices[0].message.content", M, "text block"),
     F("choices[0].message.tool_calls[]", M, "tool_use blocks"),
     F("choices[0].message.reasoning_content", M, "thinking block (no signature)"),
-    F("choices[0].message.refusal", D, "stop_reason refusal when finish_reason is content_filter", "No."),
-    F("choices[0].message.annotations", D, "no counterpart",
-      [{"type": "url_citation", "url_citation": {"url": "https://example.com", "title": "a"}}]),
-    F("choices[0].logprobs", D, "cannot be asked for across wires",
-      {"content": [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": []}]}),
-    F("choices[0].finish_reason", M, "stop_reason (stop → end_turn, length → max_tokens, "
-      "tool_calls → tool_use, content_filter → refusal)"),
-    F("choices[1:]", D, "n > 1 is refused across wires", [{"index": 1, "message": {"content": "b"}}]),
+    F(
+        "choices[0].message.refusal",
+        D,
+        "stop_reason refusal when finish_reason is content_filter",
+        "No.",
+    ),
+    F(
+        "choices[0].message.annotations",
+        D,
+        "no counterpart",
+        [{"type": "url_citation", "url_citation": {"url": "https://example.com", "title": "a"}}],
+    ),
+    F(
+        "choices[0].logprobs",
+        D,
+        "cannot be asked for across wires",
+        {"content": [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": []}]},
+    ),
+    F(
+        "choices[0].finish_reason",
+        M,
+        "stop_reason (stop → end_turn, length → max_tokens, "
+        "tool_calls → tool_use, content_filter → refusal)",
+    ),
+    F(
+        "choices[1:]",
+        D,
+        "n > 1 is refused across wires",
+        [{"index": 1, "message": {"content": "b"}}],
+    ),
     F("usage.prompt_tokens", M, "usage.input_tokens (less cached tokens)"),
     F("usage.completion_tokens", M, "usage.output_tokens"),
     F("usage.prompt_tokens_details.cached_tokens", M, "usage.cache_read_input_tokens"),
@@ -304,45 +691,77 @@ ANTHROPIC_RESPONSE: tuple[Field, ...] = (
     F("usage.cache_creation", D, "no counterpart", {"ephemeral_5m_input_tokens": 50}),
     F("usage.server_tool_use", D, "no counterpart", {"web_search_requests": 1}),
     F("usage.service_tier", D, "no counterpart", "standard"),
-    F("container", D, "no counterpart", {"id": "container_1", "expires_at": "2026-12-01T00:00:00Z"}),
-    F("context_management", D, "no counterpart", {"applied_edits": [{"type": "clear_tool_uses_20250919"}]}),
+    F(
+        "container",
+        D,
+        "no counterpart",
+        {"id": "container_1", "expires_at": "2026-12-01T00:00:00Z"},
+    ),
+    F(
+        "context_management",
+        D,
+        "no counterpart",
+        {"applied_edits": [{"type": "clear_tool_uses_20250919"}]},
+    ),
 )
 RESPONSE_TABLES = {"openai": OPENAI_RESPONSE, "anthropic": ANTHROPIC_RESPONSE}
 
-# ---- headers --------------------------------------------------------------------------------------
+# ---- headers -------------------------------------------------------------------------------------
 
 HEADERS: tuple[Field, ...] = (
-    F("anthropic-beta", D, "beta features of the Messages API", same_note="forwarded to Anthropic upstreams"),
-    F("anthropic-version", D, "means nothing there; not named, as every Anthropic SDK sends it",
-      same_note="forwarded to Anthropic upstreams"),
+    F(
+        "anthropic-beta",
+        D,
+        "beta features of the Messages API",
+        same_note="forwarded to Anthropic upstreams",
+    ),
+    F(
+        "anthropic-version",
+        D,
+        "means nothing there; not named, as every Anthropic SDK sends it",
+        same_note="forwarded to Anthropic upstreams",
+    ),
     F("openai-organization", D, "OpenAI's", same_note="forwarded to OpenAI-compatible upstreams"),
     F("openai-project", D, "OpenAI's", same_note="forwarded to OpenAI-compatible upstreams"),
-    F("authorization, x-api-key", G, "the gateway's key; upstreams get their configured key",
-      same=G, same_note="never forwarded"),
+    F(
+        "authorization, x-api-key",
+        G,
+        "the gateway's key; upstreams get their configured key",
+        same=G,
+        same_note="never forwarded",
+    ),
 )
 FORWARDED_HEADERS = {
     "anthropic": ("anthropic-beta", "anthropic-version"),
     "openai": ("openai-organization", "openai-project"),
 }
 _FEATURE_HEADERS = ("anthropic-beta", "openai-organization", "openai-project")  # named when dropped
-RESPONSE_HEADERS = ("request-id", "x-request-id", "openai-processing-ms", "openai-organization",
-                    "anthropic-organization-id")
+RESPONSE_HEADERS = (
+    "request-id",
+    "x-request-id",
+    "openai-processing-ms",
+    "openai-organization",
+    "anthropic-organization-id",
+)
 RESPONSE_HEADER_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 
 
 def passed_response_headers(headers: Any) -> dict[str, str]:
-    """The upstream response headers a client reads (request ids, rate limits), by lower-case name."""
+    """The upstream response headers a client reads (request ids, rate limits), by
+    lower-case name."""
     out: dict[str, str] = {}
     for name, value in headers.items():
         low = name.lower()
         if low in RESPONSE_HEADERS or low.startswith(RESPONSE_HEADER_PREFIXES):
-            # x-request-id is the gateway's own (routing traces): the upstream's keeps its value renamed.
+            # x-request-id is the gateway's own (routing traces): the upstream's keeps
+            # its value renamed.
             out["x-upstream-request-id" if low == "x-request-id" else low] = value
     return out
 
 
 def response_headers(req: ChatRequest) -> dict[str, str]:
-    """The headers the client's response gets from its exchange: the upstream's, and x-flashstack-dropped."""
+    """The headers the client's response gets from its exchange: the upstream's, and
+    x-flashstack-dropped."""
     ex = req.exchange
     if not ex.dropped:
         return ex.headers
@@ -361,7 +780,8 @@ def client_headers(headers: Any) -> dict[str, str]:
 
 
 def headers_for(req: ChatRequest, wire: str) -> dict[str, str] | None:
-    """The client headers an upstream of `wire` gets; another wire's feature headers are named dropped."""
+    """The client headers an upstream of `wire` gets; another wire's feature headers are
+    named dropped."""
     mine = FORWARDED_HEADERS[wire]
     out: dict[str, str] = {}
     for name, value in req.headers.items():
@@ -372,16 +792,29 @@ def headers_for(req: ChatRequest, wire: str) -> dict[str, str] | None:
     return out or None
 
 
-# ---- response fields the client's wire has no place for --------------------------------------------
+# ---- response fields the client's wire has no place for ------------------------------------------
 
 RESPONSE_PREFIX = "response."  # a response field in x-flashstack-dropped, apart from the request's
-DROPPED_FIELD = "flashstack_dropped"  # a translated stream's final event: every name, as the header's
+# a translated stream's final event: every name, as the header's
+DROPPED_FIELD = "flashstack_dropped"
 _STRUCTURE = {"openai": frozenset({"object"}), "anthropic": frozenset({"type", "role"})}
-_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "reasoning_content", "reasoning", "refusal",
-                           "annotations", "function_call"})
+_MESSAGE_KEYS = frozenset(
+    {
+        "role",
+        "content",
+        "tool_calls",
+        "reasoning_content",
+        "reasoning",
+        "refusal",
+        "annotations",
+        "function_call",
+    }
+)
 _BLOCK_TYPES = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
-_KNOWN_TOP = {wire: _STRUCTURE[wire] | {f.name.split(".")[0].split("[")[0] for f in rows}
-              for wire, rows in RESPONSE_TABLES.items()}
+_KNOWN_TOP = {
+    wire: _STRUCTURE[wire] | {f.name.split(".")[0].split("[")[0] for f in rows}
+    for wire, rows in RESPONSE_TABLES.items()
+}
 _PATH = re.compile(r"\[[^\]]*\]|[^.\[]+")
 
 
@@ -389,16 +822,26 @@ def dropped_response_fields(wire: str, body: dict[str, Any]) -> set[str]:
     """What of an upstream's response of `wire` (or of one stream event, shaped as a response) a
     client of the other wire cannot receive: its table's dropped rows that carry something, and
     fields newer than the table, each as `response.<name>`."""
-    names = {f.name for f in RESPONSE_TABLES[wire] if f.cross is D and f.named and _carries(_at(body, f.name))}
+    names = {
+        f.name
+        for f in RESPONSE_TABLES[wire]
+        if f.cross is D and f.named and _carries(_at(body, f.name))
+    }
     names.update(k for k, v in body.items() if k not in _KNOWN_TOP[wire] and _carries([v]))
     if wire == "openai":
         message = (_at(body, "choices[0].message") or [{}])[0]
         if isinstance(message, dict):
-            names.update(f"choices[0].message.{k}" for k, v in message.items()
-                         if k not in _MESSAGE_KEYS and _carries([v]))
+            names.update(
+                f"choices[0].message.{k}"
+                for k, v in message.items()
+                if k not in _MESSAGE_KEYS and _carries([v])
+            )
     else:
-        names.update(f"content[].type={b.get('type')}" for b in _at(body, "content[]")
-                     if isinstance(b, dict) and b.get("type") not in _BLOCK_TYPES)
+        names.update(
+            f"content[].type={b.get('type')}"
+            for b in _at(body, "content[]")
+            if isinstance(b, dict) and b.get("type") not in _BLOCK_TYPES
+        )
     return {RESPONSE_PREFIX + n for n in names}
 
 
@@ -426,8 +869,8 @@ def _items(items: list[Any], index: str) -> list[Any]:
     if not index:
         return items
     if index.endswith(":"):
-        return items[int(index[:-1]):]
-    return items[int(index):int(index) + 1]
+        return items[int(index[:-1]) :]
+    return items[int(index) : int(index) + 1]
 
 
 def _carries(values: list[Any]) -> bool:
@@ -444,7 +887,7 @@ def _carries(values: list[Any]) -> bool:
     return False
 
 
-# ---- what the translators ask ----------------------------------------------------------------------
+# ---- what the translators ask --------------------------------------------------------------------
 
 _BY_NAME = {
     "openai": {f.name: f for f in OPENAI_REQUEST},
@@ -469,7 +912,9 @@ def check_cross(req: ChatRequest, target: str) -> None:
         if row is not None and row.cross is R:
             raise invalid_request(
                 f"{name} cannot be sent to a model served over the {_API[target]} ({row.to}); "
-                f"remove {name} or choose a model served over the {_API[req.wire or '']}", name)
+                f"remove {name} or choose a model served over the {_API[req.wire or '']}",
+                name,
+            )
         req.exchange.dropped.add(name)
 
 
@@ -477,8 +922,11 @@ def refuse_part(wire: str, path: str, target: str, why: str = "") -> None:
     """A 400 for a content block or tool the target wire has no counterpart for."""
     raise invalid_request(
         f"{path} cannot be sent to a model served over the {_API[target]}"
-        + (f" ({why})" if why else "") + f"; remove it or choose a model served over the "
-        + _API.get(wire, "wire it came from"), path)
+        + (f" ({why})" if why else "")
+        + "; remove it or choose a model served over the "
+        + _API.get(wire, "wire it came from"),
+        path,
+    )
 
 
 def part_row(wire: str, name: str) -> Field | None:
@@ -521,21 +969,21 @@ its `response` object, which stays the one `GET /v1/responses/{id}` returns); th
 (`chunk.model_extra`, `event.model_extra`).
 
 Sessions store every field of each message as its wire gave it: the parts (text, images, tool calls
-and results, thinking with its signature, redacted thinking, verbatim blocks of types the gateway does
-not model such as documents) with their `cache_control` and every other key, the message's own keys,
-and whether its content was a string or a list. A history replayed from a session reaches the
+and results, thinking with its signature, redacted thinking, verbatim blocks of types the gateway
+does not model such as documents) with their `cache_control` and every other key, the message's own
+keys, and whether its content was a string or a list. A history replayed from a session reaches the
 upstream as the client sent it, and a stored reply as the client received it: from an upstream of
-the client's wire, streamed or not, whole (Anthropic: every block with every key, citations, redacted
-thinking and server tools' blocks included; OpenAI: the message with every key, `refusal`,
+the client's wire, streamed or not, whole (Anthropic: every block with every key, citations,
+redacted thinking and server tools' blocks included; OpenAI: the message with every key, `refusal`,
 `annotations`, `audio`, `reasoning_content` and unknown ones included, and each tool call's own
 keys); across wires its text, thinking with its signature and tool calls, a list of blocks for
 Anthropic, a string for OpenAI. An idempotent retry (the same `Idempotency-Key`) gets that stored
 reply again, streamed or not, every block and key included (streamed to an OpenAI client, the
 message's other keys in one delta before the finish and each tool call's own keys in its first
-delta, as the upstream's chunks carried them). A session used from both wires sends a message's wire-only fields (OpenAI's
-`name`, an image's `detail`, any unknown key; `cache_control` towards OpenAI) to its own wire only:
-to the other they are dropped and named in `x-flashstack-dropped` (`messages[].name`,
-`messages[].content[].image_url.detail`, …).
+delta, as the upstream's chunks carried them). A session used from both wires sends a message's
+wire-only fields (OpenAI's `name`, an image's `detail`, any unknown key; `cache_control` towards
+OpenAI) to its own wire only: to the other they are dropped and named in `x-flashstack-dropped`
+(`messages[].name`, `messages[].content[].image_url.detail`, …).
 """
 
 
@@ -546,17 +994,18 @@ The `response` object (and, streamed, `response.created`, `response.in_progress`
 `response.reasoning_summary_part.added`, `response.reasoning_summary_text.delta` / `.done`,
 `response.function_call_arguments.delta` / `.done`, `response.content_part.done`,
 `response.output_item.done`, then `response.completed` or `response.incomplete`, each with its
-`sequence_number`; a failure after the start is `error` then `response.failed`, and nothing is stored).
-Text is a `message` item with one `output_text` part, a tool call a `function_call` item, thinking a
-`reasoning` item (its summary the thinking text; its signature, or Anthropic's redacted thinking, in
-`encrypted_content`, which comes back unchanged in a later input). `usage.input_tokens` counts cached
-tokens too (`input_tokens_details.cached_tokens`); `output_tokens_details.reasoning_tokens` is the
-upstream's count. Translated, an upstream's own response fields that the canonical response does
-not carry (logprobs, annotations, `system_fingerprint`) do not reach a Responses client, and are
-named `response.<field>` in `x-flashstack-dropped` (streamed: those sent before the first content
-event; a Responses stream has no final-event field); from a
-Responses upstream (`responses_api: true`) the body and every event arrive as the upstream sent
-them, the model renamed (hosted tools, unknown item types and fields included).
+`sequence_number`; a failure after the start is `error` then `response.failed`, and nothing is
+stored). Text is a `message` item with one `output_text` part, a tool call a `function_call` item,
+thinking a `reasoning` item (its summary the thinking text; its signature, or Anthropic's redacted
+thinking, in `encrypted_content`, which comes back unchanged in a later input). `usage.input_tokens`
+counts cached tokens too (`input_tokens_details.cached_tokens`);
+`output_tokens_details.reasoning_tokens` is the upstream's count. Translated, an upstream's own
+response fields that the canonical response does not carry (logprobs, annotations,
+`system_fingerprint`) do not reach a Responses client, and are named `response.<field>` in
+`x-flashstack-dropped` (streamed: those sent before the first content event; a Responses stream has
+no final-event field); from a Responses upstream (`responses_api: true`) the body and every event
+arrive as the upstream sent them, the model renamed (hosted tools, unknown item types and fields
+included).
 
 ### Codex CLI
 
@@ -620,7 +1069,7 @@ until its first event. They are counted as a chat is: the key's models (403), rp
 OpenAI-compatible upstream asks it for usage (`stream_options.include_usage`) whatever the client
 asked: it is what the key is charged by; a client that did not ask does not get the usage chunk.
 `GET /v1/models` lists `minilm` beside the configured models.
-"""
+"""  # noqa: E501 (Markdown: a table row is one line)
 
 
 def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
@@ -631,7 +1080,11 @@ def _table(title: str, rows: tuple[Field, ...], same: str, cross: str) -> str:
         if not f.named:
             cross_cell += " (not named: it tells the client nothing)"
         if f.harmless:
-            cross_cell += " (nothing happens for " + " or ".join(f"`{orjson.dumps(v).decode()}`" for v in f.harmless) + ")"
+            cross_cell += (
+                " (nothing happens for "
+                + " or ".join(f"`{orjson.dumps(v).decode()}`" for v in f.harmless)
+                + ")"
+            )
         lines.append(f"| `{f.name}` | {same_cell} | {cross_cell} |")
     return "\n".join(lines) + "\n"
 
@@ -643,42 +1096,57 @@ stream, whatever `stream_options` asks; a proxy may strip it from a whole reply)
 gateway: the prompt with the model's own tokenizer and chat template where the gateway has them (a
 `local` model, or a deployment's `tokenizer:` naming the GGUF or model directory its upstream
 serves), the answer as its text re-encoded; otherwise with the gateway's token counter (cl100k_base,
-or bytes / 3.6 without it). The usage the client gets (a chat completion's `usage`, or OpenAI's usage
-chunk when it asked with `stream_options.include_usage`; Anthropic's `usage` or `message_delta`
-usage; a Responses `response.usage`) then carries `"flashstack_estimate": "<counter>"`: `tokenizer`
-(the model's own), `cl100k_base`, `claude-estimate` or `estimate`. Without that field the counts are
-the upstream's. Spend, budgets and tpm limits are charged the same counts, and a session's
-idempotent replay of such a reply carries the same field.
+or bytes / 3.6 without it). The usage the client gets (a chat completion's `usage`, or OpenAI's
+usage chunk when it asked with `stream_options.include_usage`; Anthropic's `usage` or
+`message_delta` usage; a Responses `response.usage`) then carries `"flashstack_estimate":
+"<counter>"`: `tokenizer` (the model's own), `cl100k_base`, `claude-estimate` or `estimate`. Without
+that field the counts are the upstream's. Spend, budgets and tpm limits are charged the same counts,
+and a session's idempotent replay of such a reply carries the same field.
 """
 
 
 def render_markdown() -> str:
     """docs/protocols.md."""
     o2o, o2a = "OpenAI client → OpenAI-compatible upstream", "OpenAI client → Anthropic upstream"
-    a2a, a2o = "Anthropic client → Anthropic upstream", "Anthropic client → OpenAI-compatible upstream"
+    a2a, a2o = (
+        "Anthropic client → Anthropic upstream",
+        "Anthropic client → OpenAI-compatible upstream",
+    )
     up_o, up_a = "OpenAI-compatible upstream → OpenAI client", "→ Anthropic client"
     up_a2, up_o2 = "Anthropic upstream → Anthropic client", "→ OpenAI client"
     sections = [
         _INTRO,
-        _table("OpenAI chat completions request (`POST /v1/chat/completions`)", OPENAI_REQUEST, o2o, o2a),
+        _table(
+            "OpenAI chat completions request (`POST /v1/chat/completions`)",
+            OPENAI_REQUEST,
+            o2o,
+            o2a,
+        ),
         _table("OpenAI request: messages, content parts and tools", OPENAI_PARTS, o2o, o2a),
         _table("Anthropic Messages request (`POST /v1/messages`)", ANTHROPIC_REQUEST, a2a, a2o),
         _table("Anthropic request: system, content blocks and tools", ANTHROPIC_PARTS, a2a, a2o),
         _table("OpenAI chat completion response (and chunks)", OPENAI_RESPONSE, up_o, up_a),
         _table("Anthropic Message response (and stream events)", ANTHROPIC_RESPONSE, up_a2, up_o2),
-        _table("OpenAI Responses request (`POST /v1/responses`)", RESPONSES_REQUEST,
-               "→ a Responses upstream (`responses_api: true`)", "→ any other upstream, through the canonical types"),
+        _table(
+            "OpenAI Responses request (`POST /v1/responses`)",
+            RESPONSES_REQUEST,
+            "→ a Responses upstream (`responses_api: true`)",
+            "→ any other upstream, through the canonical types",
+        ),
         _RESPONSES_OUT,
         _table("Request headers", HEADERS, "same wire", "other wire"),
-        "## Response headers\n\nPassed back to the client from the upstream that answered, its errors "
-        "included: " + ", ".join(f"`{h}`" for h in RESPONSE_HEADERS) + ", and every `x-ratelimit-*` and "
-        "`anthropic-ratelimit-*` header. The upstream's `x-request-id` arrives as `x-upstream-request-id`: "
-        "`x-request-id` is the gateway's own (its routing trace).\n",
+        "## Response headers\n\nPassed back to the client from the upstream that answered, its "
+        "errors included: "
+        + ", ".join(f"`{h}`" for h in RESPONSE_HEADERS)
+        + ", and every `x-ratelimit-*` and "
+        "`anthropic-ratelimit-*` header. The upstream's `x-request-id` arrives as "
+        "`x-upstream-request-id`: `x-request-id` is the gateway's own (its routing trace).\n",
         _ESTIMATED_USAGE,
-        "## `POST /v1/messages/count_tokens`\n\nForwarded to Anthropic upstreams (body as sent, model "
-        "renamed); counted with the model's own tokenizer and chat template (tools included) for local "
-        "models (`provider: local`) and for deployments naming their model's `tokenizer:` (the GGUF "
-        "llama.cpp serves); otherwise a 400 saying that counting is not available for that model.\n",
+        "## `POST /v1/messages/count_tokens`\n\nForwarded to Anthropic upstreams (body as sent, "
+        "model renamed); counted with the model's own tokenizer and chat template (tools included) "
+        "for local models (`provider: local`) and for deployments naming their model's "
+        "`tokenizer:` (the GGUF llama.cpp serves); otherwise a 400 saying that counting is not "
+        "available for that model.\n",
     ]
     return "\n".join(sections)
 

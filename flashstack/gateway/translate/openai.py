@@ -11,10 +11,11 @@ from typing import Any
 import orjson
 
 from flashstack.gateway.core import (
+    ESTIMATE_FIELD,
+    SAME_RAW,
     BlockStop,
     ChatRequest,
     ChatResponse,
-    ESTIMATE_FIELD,
     Error,
     ErrorKind,
     Event,
@@ -28,7 +29,6 @@ from flashstack.gateway.core import (
     Reasoning,
     RedactedThinking,
     ResponseFormat,
-    SAME_RAW,
     Start,
     StopReason,
     Text,
@@ -107,13 +107,17 @@ def to_canonical(req: w.ChatCompletionRequest, body: dict[str, Any]) -> ChatRequ
                 system.append(_system_text(m, raw))
         elif isinstance(m, w.UserMessage):
             parts = _user_parts(m.content, raw.get("content"), param)
-            messages.append(Message("user", parts, _extra(raw, _MSG_KEYS), isinstance(m.content, str)))
+            messages.append(
+                Message("user", parts, _extra(raw, _MSG_KEYS), isinstance(m.content, str))
+            )
         elif isinstance(m, w.AssistantMessage):
             messages.append(assistant_message(raw))
         elif isinstance(m, w.ToolMessage):
             messages.append(Message("user", [_tool_result(m, raw)]))
     if not messages:
-        raise invalid_request("messages must contain at least one user or assistant message", "messages")
+        raise invalid_request(
+            "messages must contain at least one user or assistant message", "messages"
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     metadata = dict(req.metadata or {})
     if req.user:
@@ -162,8 +166,11 @@ def system_parts(t: Text) -> list[Text] | None:
     content = t.extra.get("content")
     if not isinstance(content, list):
         return None
-    return [Text(str(p.get("text", "")), p.get("cache_control"), _extra(p, _TEXT_PART_KEYS))
-            for p in content if isinstance(p, dict)]
+    return [
+        Text(str(p.get("text", "")), p.get("cache_control"), _extra(p, _TEXT_PART_KEYS))
+        for p in content
+        if isinstance(p, dict)
+    ]
 
 
 def _text_of(content: str | list[Any]) -> str:
@@ -200,8 +207,9 @@ def _image_extra(rp: dict[str, Any]) -> dict[str, Any]:
 
 
 def assistant_message(raw: dict[str, Any]) -> Message:
-    """An assistant message's JSON as canonical parts, its every other key in `extra`: a client's own
-    (validated), or an upstream's reply a session stores to send back on this wire as it came."""
+    """An assistant message's JSON as canonical parts, its every other key in `extra`: a client's
+    own (validated), or an upstream's reply a session stores to send back on this wire as it
+    came."""
     parts: list[Part] = []
     content = raw.get("content")
     if isinstance(content, str) and content:
@@ -209,15 +217,24 @@ def assistant_message(raw: dict[str, Any]) -> Message:
     elif isinstance(content, list):
         for rp in content:
             if rp.get("type") == "text":
-                parts.append(Text(rp.get("text", ""), rp.get("cache_control"), _extra(rp, _TEXT_PART_KEYS)))
+                parts.append(
+                    Text(rp.get("text", ""), rp.get("cache_control"), _extra(rp, _TEXT_PART_KEYS))
+                )
             else:
                 parts.append(Opaque(WIRE, rp))
     calls = raw.get("tool_calls") or []
     for rtc in calls:
         fn = rtc.get("function") or {}
-        parts.append(ToolCall(rtc.get("id") or _call_id(), fn.get("name", ""), fn.get("arguments") or "{}",
-                              extra=_extra(rtc, _CALL_KEYS)))
-    # content and tool_calls stay in extra when they rendered to nothing ("", null, []): sent back as they came.
+        parts.append(
+            ToolCall(
+                rtc.get("id") or _call_id(),
+                fn.get("name", ""),
+                fn.get("arguments") or "{}",
+                extra=_extra(rtc, _CALL_KEYS),
+            )
+        )
+    # content and tool_calls stay in extra when they rendered to nothing ("", null, []): sent
+    # back as they came.
     modelled = {"role"} | ({"content"} if content else set()) | ({"tool_calls"} if calls else set())
     return Message("assistant", parts, _extra(raw, frozenset(modelled)), isinstance(content, str))
 
@@ -226,8 +243,10 @@ def _tool_result(m: w.ToolMessage, raw: dict[str, Any]) -> ToolResult:
     if isinstance(m.content, str):
         content: list[Text | Image] = [Text(m.content)]
     else:
-        content = [Text(p.text, p_raw.get("cache_control"), _extra(p_raw, _TEXT_PART_KEYS))
-                   for p, p_raw in zip(m.content, raw["content"])]
+        content = [
+            Text(p.text, p_raw.get("cache_control"), _extra(p_raw, _TEXT_PART_KEYS))
+            for p, p_raw in zip(m.content, raw["content"])
+        ]
     extra = _extra(raw, frozenset({"role", "content", "tool_call_id"}))
     return ToolResult(m.tool_call_id, content, extra=extra, plain=isinstance(m.content, str))
 
@@ -254,7 +273,9 @@ def _response_format(rf: w.ResponseFormat | None) -> ResponseFormat | None:
     if rf.type == "json_object":
         return ResponseFormat("json_object")
     if rf.json_schema is None or rf.json_schema.schema_ is None:
-        raise invalid_request("response_format json_schema needs json_schema.schema", "response_format")
+        raise invalid_request(
+            "response_format json_schema needs json_schema.schema", "response_format"
+        )
     js = rf.json_schema
     return ResponseFormat("json_schema", js.schema_, js.name, bool(js.strict))
 
@@ -284,7 +305,8 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 
 def response_json(resp: ChatResponse, model: str) -> dict[str, Any]:
-    """An OpenAI ChatCompletion body for a canonical response (an OpenAI upstream's own, renamed)."""
+    """An OpenAI ChatCompletion body for a canonical response (an OpenAI upstream's
+    own, renamed)."""
     if resp.raw is not None and resp.raw.wire == WIRE:
         body = resp.raw.items[0][1]
         body["model"] = model
@@ -331,7 +353,8 @@ def error_json(err: GatewayError) -> dict[str, Any]:
             "message": err.message,
             "type": ERROR_TYPE[err.kind],
             "param": err.param,
-            "code": err.code,  # model_not_found only where a model is unknown (router, /v1/models/{id})
+            # model_not_found only where a model is unknown (router, /v1/models/{id})
+            "code": err.code,
         }
     }
 
@@ -340,13 +363,15 @@ class StreamEncoder:
     """Renders canonical events as OpenAI `chat.completion.chunk` SSE lines.
 
     Events decoded from an OpenAI upstream's chunks carry them (`raw`): those chunks go out as they
-    came, the model renamed, and the usage the gateway asked for removed unless the client asked too.
+    came, the model renamed, and the usage the gateway asked for removed unless the
+    client asked too.
     """
 
     def __init__(self, model: str, include_usage: bool, dropped: set[str] | None = None) -> None:
         self.model = model
         self.include_usage = include_usage
-        self.dropped = dropped  # the exchange's: named again, complete, on a translated stream's last chunk
+        # the exchange's: named again, complete, on a translated stream's last chunk
+        self.dropped = dropped
         self.id = completion_id()
         self.created = int(time.time())
         self._tool_ordinal: dict[int, int] = {}
@@ -367,11 +392,18 @@ class StreamEncoder:
             yield self._chunk({"reasoning_content": ev.text})
         elif isinstance(ev, ToolCallStart):
             k = self._tool_ordinal[ev.index] = len(self._tool_ordinal)
-            call = {"index": k, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+            call = {
+                "index": k,
+                "id": ev.id,
+                "type": "function",
+                "function": {"name": ev.name, "arguments": ""},
+            }
             yield self._chunk({"tool_calls": [call]})
         elif isinstance(ev, ToolArgsDelta):
             k = self._tool_ordinal[ev.index]
-            yield self._chunk({"tool_calls": [{"index": k, "function": {"arguments": ev.fragment}}]})
+            yield self._chunk(
+                {"tool_calls": [{"index": k, "function": {"arguments": ev.fragment}}]}
+            )
         elif isinstance(ev, Finish):
             yield self._chunk({}, FINISH_REASON[ev.stop_reason], self.dropped)
             if self.include_usage:
@@ -388,12 +420,17 @@ class StreamEncoder:
                     continue  # the usage chunk only the gateway asked for
             if "model" in chunk:
                 chunk["model"] = self.model
-            # A chunk the gateway adds (a usage it counted) carries the upstream's id, as the others.
+            # A chunk the gateway adds (a usage it counted) carries the upstream's
+            # id, as the others.
             self.id, self.created = chunk.get("id", self.id), chunk.get("created", self.created)
             yield _sse(chunk)
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
-               dropped: set[str] | None = None) -> bytes:
+    def _chunk(
+        self,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        dropped: set[str] | None = None,
+    ) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         body = self._envelope([choice])
         if dropped:
@@ -429,8 +466,12 @@ def request_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
     if req.wire == WIRE:
         body = dict(req.extra)
         body["model"] = upstream_model
-        # `req`: a session's history may hold the other wire's blocks (thinking), named where dropped.
-        body["messages"] = [*(_system_json(t) for t in req.system), *_messages_json(req.messages, True, req)]
+        # `req`: a session's history may hold the other wire's blocks (thinking),
+        # named where dropped.
+        body["messages"] = [
+            *(_system_json(t) for t in req.system),
+            *_messages_json(req.messages, True, req),
+        ]
         return body
     fields.check_cross(req, WIRE)
     return _cross_json(req, upstream_model)
@@ -476,7 +517,9 @@ def _cross_json(req: ChatRequest, upstream_model: str) -> dict[str, Any]:
 def _cross_tool_json(req: ChatRequest, t: Tool) -> dict[str, Any]:
     kind = t.extra.get("type")
     if kind not in (None, "custom"):
-        fields.refuse_part(req.wire or "", f"tools[].type={kind}", WIRE, "server tools run on Anthropic's side")
+        fields.refuse_part(
+            req.wire or "", f"tools[].type={kind}", WIRE, "server tools run on Anthropic's side"
+        )
     _note_cache(req, t.cache_control is not None, "tools[].cache_control")
     for name in t.extra:
         if name != "type":
@@ -492,7 +535,9 @@ def _note_cache(req: ChatRequest, present: bool, name: str) -> None:
         req.exchange.dropped.add(name)
 
 
-def _messages_json(messages: list[Message], same: bool, req: ChatRequest | None = None) -> Iterator[dict[str, Any]]:
+def _messages_json(
+    messages: list[Message], same: bool, req: ChatRequest | None = None
+) -> Iterator[dict[str, Any]]:
     for m in messages:
         yield from _message_json(m, same, req)
 
@@ -519,16 +564,31 @@ def _message_json(m: Message, same: bool, req: ChatRequest | None) -> Iterator[d
             if part is not None:
                 rest.append(part)
     if rest:
-        # Text only goes as one string, unless the client sent parts (the other wire's blocks: a string).
+        # Text only goes as one string, unless the client sent parts (the other wire's
+        # blocks: a string).
         plain = (m.plain or not same) and all(r.keys() == _TEXT_KEYS for r in rest)
         content: Any = "".join(r["text"] for r in rest) if plain else rest
         yield {**extra, "role": "user", "content": content}
 
 
-def _assistant_json(m: Message, extra: dict[str, Any], same: bool, req: ChatRequest | None) -> dict[str, Any]:
-    parts = [q for q in (_part_json(p, same, req) for p in m.parts if not isinstance(p, ToolCall)) if q is not None]
-    calls = [_stored_call_json(p) if same else _tool_call_json(p) for p in m.parts if isinstance(p, ToolCall)]
-    if not same and req is not None and any(isinstance(p, ToolCall) and p.cache_control for p in m.parts):
+def _assistant_json(
+    m: Message, extra: dict[str, Any], same: bool, req: ChatRequest | None
+) -> dict[str, Any]:
+    parts = [
+        q
+        for q in (_part_json(p, same, req) for p in m.parts if not isinstance(p, ToolCall))
+        if q is not None
+    ]
+    calls = [
+        _stored_call_json(p) if same else _tool_call_json(p)
+        for p in m.parts
+        if isinstance(p, ToolCall)
+    ]
+    if (
+        not same
+        and req is not None
+        and any(isinstance(p, ToolCall) and p.cache_control for p in m.parts)
+    ):
         req.exchange.dropped.add("messages[].content[].cache_control")
     msg: dict[str, Any] = {**extra, "role": "assistant"}
     if parts:
@@ -545,13 +605,21 @@ def _tool_message_json(p: ToolResult, same: bool, req: ChatRequest | None) -> di
     texts = [c for c in p.content if isinstance(c, Text)]
     if not same:
         if len(texts) < len(p.content):
-            fields.refuse_part(req.wire if req and req.wire else "", "messages[].content[].type=tool_result "
-                               "with an image", WIRE, "tool messages carry text only")
+            fields.refuse_part(
+                req.wire if req and req.wire else "",
+                "messages[].content[].type=tool_result with an image",
+                WIRE,
+                "tool messages carry text only",
+            )
         if p.is_error and req is not None:
             req.exchange.dropped.add("messages[].content[].is_error")
         if p.cache_control is not None and req is not None:
             req.exchange.dropped.add("messages[].content[].cache_control")
-        return {"role": "tool", "tool_call_id": p.tool_call_id, "content": "".join(c.text for c in texts)}
+        return {
+            "role": "tool",
+            "tool_call_id": p.tool_call_id,
+            "content": "".join(c.text for c in texts),
+        }
     if p.plain and all(not t.extra and t.cache_control is None for t in texts):
         content: Any = "".join(t.text for t in texts)
     else:
@@ -643,7 +711,9 @@ def usage_from_json(u: dict[str, Any] | None) -> Usage:
     return Usage(max(0, prompt - cached), u.get("completion_tokens") or 0, cached, 0, reasoning)
 
 
-def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: set[str] | None = None) -> ChatResponse:
+def response_from_json(
+    body: dict[str, Any], keep_raw: bool = False, dropped: set[str] | None = None
+) -> ChatResponse:
     """The canonical response for an upstream's ChatCompletion body (kept whole with `keep_raw`;
     otherwise what the other wire cannot carry is named in `dropped`)."""
     if not keep_raw and dropped is not None:
@@ -658,7 +728,9 @@ def response_from_json(body: dict[str, Any], keep_raw: bool = False, dropped: se
         content.append(Text(msg["content"]))
     for tc in msg.get("tool_calls") or []:
         fn = tc.get("function") or {}
-        content.append(ToolCall(tc.get("id") or _call_id(), fn.get("name", ""), fn.get("arguments") or "{}"))
+        content.append(
+            ToolCall(tc.get("id") or _call_id(), fn.get("name", ""), fn.get("arguments") or "{}")
+        )
     return ChatResponse(
         id=body.get("id") or completion_id(),
         model=body.get("model", ""),
@@ -680,8 +752,8 @@ _WHOLE_KEYS = frozenset({"role", "type", "id", "index", "expires_at"})
 
 
 class MessageAccumulator:
-    """A stream's chunks gathered into the (first choice's) message they carry, every key kept: what a
-    session stores of a same-wire stream. Strings are appended (content, refusal, reasoning, audio
+    """A stream's chunks gathered into the (first choice's) message they carry, every key kept: what
+    a session stores of a same-wire stream. Strings are appended (content, refusal, reasoning, audio
     data), lists extended (annotations), objects merged; tool calls are merged by their index."""
 
     def __init__(self) -> None:
@@ -701,7 +773,8 @@ class MessageAccumulator:
         message = dict(self.message)
         if self._calls:
             message["tool_calls"] = [
-                {k: v for k, v in self._calls[i].items() if k != "index"} for i in sorted(self._calls)
+                {k: v for k, v in self._calls[i].items() if k != "index"}
+                for i in sorted(self._calls)
             ]
         return assistant_message(message)
 
@@ -720,8 +793,12 @@ def replay_chunks(resp: ChatResponse, ev: Event) -> list[dict[str, Any]]:
     annotations, audio, unknown ones) in one delta before the finish, then the usage chunk, which
     the encoder removes for a client that did not ask."""
     created = resp.created or int(time.time())
-    base = {"id": resp.id, "object": "chat.completion.chunk", "created": created,
-            "model": resp.model}
+    base = {
+        "id": resp.id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": resp.model,
+    }
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -735,12 +812,17 @@ def replay_chunks(resp: ChatResponse, ev: Event) -> list[dict[str, Any]]:
     if isinstance(ev, ThinkingDelta):
         return [chunk({reasoning[0] if reasoning else "reasoning_content": ev.text})]
     if isinstance(ev, ToolCallStart | ToolArgsDelta):
-        k = sum(isinstance(p, ToolCall) for p in resp.content[:ev.index])
+        k = sum(isinstance(p, ToolCall) for p in resp.content[: ev.index])
         if isinstance(ev, ToolArgsDelta):
             return [chunk({"tool_calls": [{"index": k, "function": {"arguments": ev.fragment}}]})]
         own = resp.content[ev.index].extra  # type: ignore[union-attr]
-        call = {**own, "index": k, "id": ev.id, "type": "function",
-                "function": {"name": ev.name, "arguments": ""}}
+        call = {
+            **own,
+            "index": k,
+            "id": ev.id,
+            "type": "function",
+            "function": {"name": ev.name, "arguments": ""},
+        }
         return [chunk({"tool_calls": [call]})]
     if isinstance(ev, Finish):
         streamed = {"role", "content", *(reasoning[:1] if reasoning else ())}
@@ -780,7 +862,10 @@ def upstream_error(status: int, body: Any, retry_after: float | None = None) -> 
 
 def _as_response(chunk: dict[str, Any]) -> dict[str, Any]:
     """A chunk shaped as the response it is part of (each choice's delta as its message)."""
-    choices = [{**c, "message": c.get("delta")} if isinstance(c, dict) else c for c in chunk.get("choices") or []]
+    choices = [
+        {**c, "message": c.get("delta")} if isinstance(c, dict) else c
+        for c in chunk.get("choices") or []
+    ]
     return {**chunk, "choices": choices}
 
 
@@ -796,7 +881,8 @@ class ChunkDecoder:
 
     def __init__(self, tap: RawTap | None = None, dropped: set[str] | None = None) -> None:
         self.tap = tap
-        self.dropped = dropped if tap is None else None  # translated: what the other wire cannot carry
+        # translated: what the other wire cannot carry
+        self.dropped = dropped if tap is None else None
         self.started = False
         self.next_index = 0
         self.text_index: int | None = None

@@ -24,7 +24,8 @@ class RawTap:
         self._pending.append((name, data))
 
     def take(self) -> Raw:
-        """The events waiting since the last take (SAME_RAW when they went with an earlier event)."""
+        """The events waiting since the last take (SAME_RAW when they went with an
+        earlier event)."""
         if not self._pending:
             return SAME_RAW
         raw, self._pending = Raw(self.wire, self._pending), []

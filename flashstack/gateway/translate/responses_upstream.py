@@ -48,7 +48,13 @@ def usage_from_json(u: dict[str, Any] | None) -> Usage:
         return Usage()
     cached = (u.get("input_tokens_details") or {}).get("cached_tokens") or 0
     reasoning = (u.get("output_tokens_details") or {}).get("reasoning_tokens") or 0
-    return Usage(max(0, (u.get("input_tokens") or 0) - cached), u.get("output_tokens") or 0, cached, 0, reasoning)
+    return Usage(
+        max(0, (u.get("input_tokens") or 0) - cached),
+        u.get("output_tokens") or 0,
+        cached,
+        0,
+        reasoning,
+    )
 
 
 def stop_reason(body: dict[str, Any], has_calls: bool) -> StopReason:
@@ -64,17 +70,29 @@ def response_from_json(body: dict[str, Any]) -> ChatResponse:
     for item in body.get("output") or []:
         kind = item.get("type")
         if kind == "message":
-            text = "".join(c.get("text", "") for c in item.get("content") or [] if c.get("type") == "output_text")
+            text = "".join(
+                c.get("text", "")
+                for c in item.get("content") or []
+                if c.get("type") == "output_text"
+            )
             content.append(Text(text))
         elif kind == "function_call":
-            content.append(ToolCall(item.get("call_id", ""), item.get("name", ""), item.get("arguments", "")))
+            content.append(
+                ToolCall(item.get("call_id", ""), item.get("name", ""), item.get("arguments", ""))
+            )
         elif kind == "reasoning":
             summary = "".join(s.get("text", "") for s in item.get("summary") or [])
             content.append(Thinking(summary, item.get("encrypted_content")))
     has_calls = any(isinstance(p, ToolCall) for p in content)
-    return ChatResponse(id=body.get("id", ""), model=body.get("model", ""), content=content,
-                        stop_reason=stop_reason(body, has_calls), usage=usage_from_json(body.get("usage")),
-                        created=int(body.get("created_at") or 0), raw=Raw(WIRE, [("", body)]))
+    return ChatResponse(
+        id=body.get("id", ""),
+        model=body.get("model", ""),
+        content=content,
+        stop_reason=stop_reason(body, has_calls),
+        usage=usage_from_json(body.get("usage")),
+        created=int(body.get("created_at") or 0),
+        raw=Raw(WIRE, [("", body)]),
+    )
 
 
 def failure(data: dict[str, Any]) -> GatewayError:
@@ -103,7 +121,10 @@ class EventDecoder:
         if kind == "response.created":
             resp = data.get("response") or {}
             yield Start(resp.get("id", ""), resp.get("model", ""))
-        elif kind == "response.output_item.added" and (data.get("item") or {}).get("type") == "function_call":
+        elif (
+            kind == "response.output_item.added"
+            and (data.get("item") or {}).get("type") == "function_call"
+        ):
             item = data["item"]
             self.calls = True
             yield ToolCallStart(self._open(at), item.get("call_id", ""), item.get("name", ""))
@@ -127,4 +148,6 @@ class EventDecoder:
         return idx
 
     def _block(self, output_index: Any) -> int:
-        return self.blocks[output_index] if output_index in self.blocks else self._open(output_index)
+        return (
+            self.blocks[output_index] if output_index in self.blocks else self._open(output_index)
+        )

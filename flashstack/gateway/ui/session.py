@@ -29,7 +29,9 @@ class Signer:
     """Issues and checks console cookies for one master key."""
 
     def __init__(self, master_key: str, ttl: float) -> None:
-        self._key = hmac.new(master_key.encode(), b"flashstack console session", hashlib.sha256).digest()
+        self._key = hmac.new(
+            master_key.encode(), b"flashstack console session", hashlib.sha256
+        ).digest()
         self.ttl = ttl
 
     def _mac(self, text: str) -> str:

@@ -36,7 +36,8 @@ def _tag(known: tuple[str, ...]) -> Any:
 
 
 ImageSource = Annotated[
-    Annotated[Base64Source, Tag("base64")] | Annotated[URLSource, Tag("url")]
+    Annotated[Base64Source, Tag("base64")]
+    | Annotated[URLSource, Tag("url")]
     | Annotated[OtherSource, Tag("other")],
     _tag(("base64", "url")),
 ]
@@ -67,7 +68,9 @@ class OtherBlock(_Wire):
 
 
 ResultBlock = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")] | Annotated[OtherBlock, Tag("other")],
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
+    | Annotated[OtherBlock, Tag("other")],
     _tag(("text", "image")),
 ]
 
@@ -91,16 +94,20 @@ class RedactedThinkingBlock(_Wire):
 
 
 ContentBlock = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
-    | Annotated[ToolUseBlock, Tag("tool_use")] | Annotated[ToolResultBlock, Tag("tool_result")]
-    | Annotated[ThinkingBlock, Tag("thinking")] | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
     | Annotated[OtherBlock, Tag("other")],
     _tag(("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")),
 ]
 
 
 class MessageParam(_Wire):
-    role: Literal["user", "assistant", "system"]  # system: an instruction mid-conversation (Claude Code sends one)
+    # system: an instruction mid-conversation (Claude Code sends one)
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

@@ -44,8 +44,10 @@ def _part_tag(v: Any) -> str:
 
 
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
-    | Annotated[RefusalPart, Tag("refusal")] | Annotated[OtherPart, Tag("other")],
+    Annotated[TextPart, Tag("text")]
+    | Annotated[ImagePart, Tag("image_url")]
+    | Annotated[RefusalPart, Tag("refusal")]
+    | Annotated[OtherPart, Tag("other")],
     Discriminator(_part_tag),
 ]
 
