@@ -1,4 +1,5 @@
-"""Bad input gets a 4xx in the caller's wire format, changes nothing, and the server keeps serving."""
+"""Bad input gets a 4xx in the caller's wire format, changes nothing, and the server
+keeps serving."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import pytest
 
 OPENAI_PATH, ANTHROPIC_PATH = "/v1/chat/completions", "/v1/messages"
 OK_OPENAI = {"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}
-OK_ANTHROPIC = {"model": "claude", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+OK_ANTHROPIC = {
+    "model": "claude",
+    "max_tokens": 10,
+    "messages": [{"role": "user", "content": "hi"}],
+}
 
 
 def _assert_openai_error(r: httpx.Response, status: int, needle: str) -> None:
@@ -27,7 +32,10 @@ def _assert_anthropic_error(r: httpx.Response, status: int, needle: str) -> None
 
 
 def _still_serves(gw: httpx.Client) -> None:
-    assert gw.post(OPENAI_PATH, json=OK_OPENAI).json()["choices"][0]["message"]["content"] == "echo: hi"
+    assert (
+        gw.post(OPENAI_PATH, json=OK_OPENAI).json()["choices"][0]["message"]["content"]
+        == "echo: hi"
+    )
     assert gw.post(ANTHROPIC_PATH, json=OK_ANTHROPIC).json()["content"][0]["text"] == "echo: hi"
 
 
@@ -45,9 +53,24 @@ BAD_BODIES = [
     ("missing-messages", b'{"model": "gpt"}', 400, "messages"),
     ("wrong-type", b'{"model": "gpt", "messages": "hello"}', 400, "messages"),
     ("empty-messages", b'{"model": "gpt", "messages": []}', 400, "messages"),
-    ("bad-role", b'{"model": "gpt", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages"),
-    ("bad-temperature", b'{"model": "gpt", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
-    ("unknown-model", b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "nope"),
+    (
+        "bad-role",
+        b'{"model": "gpt", "messages": [{"role": "wizard", "content": "x"}]}',
+        400,
+        "messages",
+    ),
+    (
+        "bad-temperature",
+        b'{"model": "gpt", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
+        400,
+        "temperature",
+    ),
+    (
+        "unknown-model",
+        b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}',
+        404,
+        "nope",
+    ),
 ]
 
 
@@ -61,16 +84,39 @@ def test_openai_bad_bodies(gw, name, body, status, needle):
 
 BAD_ANTHROPIC = [
     ("malformed-json", b'{"model": "claude", ', 400, "not valid JSON"),
-    ("missing-max-tokens", b'{"model": "claude", "messages": [{"role": "user", "content": "x"}]}', 400, "max_tokens"),
-    ("wrong-type", b'{"model": "claude", "max_tokens": "ten", "messages": [{"role": "user", "content": "x"}]}', 400, "max_tokens"),
+    (
+        "missing-max-tokens",
+        b'{"model": "claude", "messages": [{"role": "user", "content": "x"}]}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "wrong-type",
+        b'{"model": "claude", "max_tokens": "ten", "messages": [{"role": "user", "content": "x"}]}',
+        400,
+        "max_tokens",
+    ),
     # An unknown block type passes to an Anthropic upstream (it may be newer than the gateway); to
     # an OpenAI-compatible one it has no counterpart: a 400 naming it.
-    ("bad-block", b'{"model": "gpt", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}', 400, "type=video"),
-    ("unknown-model", b'{"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}', 404, "nope"),
+    (
+        "bad-block",
+        b'{"model": "gpt", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": '
+        b'"video"}]}]}',
+        400,
+        "type=video",
+    ),
+    (
+        "unknown-model",
+        b'{"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}',
+        404,
+        "nope",
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,body,status,needle", BAD_ANTHROPIC, ids=[b[0] for b in BAD_ANTHROPIC])
+@pytest.mark.parametrize(
+    "name,body,status,needle", BAD_ANTHROPIC, ids=[b[0] for b in BAD_ANTHROPIC]
+)
 def test_anthropic_bad_bodies(gw, name, body, status, needle):
     r = gw.post(ANTHROPIC_PATH, content=body, headers={"content-type": "application/json"})
     _assert_anthropic_error(r, status, needle)
@@ -84,7 +130,9 @@ def test_oversize_body_is_refused_in_both_formats(gw):
     r = gw.post(OPENAI_PATH, json={"model": "gpt", "messages": [{"role": "user", "content": big}]})
     _assert_openai_error(r, 413, "limit")
     assert r.headers["connection"] == "close"  # the unread rest of the body ends the connection
-    r = gw.post(ANTHROPIC_PATH, json={**OK_ANTHROPIC, "messages": [{"role": "user", "content": big}]})
+    r = gw.post(
+        ANTHROPIC_PATH, json={**OK_ANTHROPIC, "messages": [{"role": "user", "content": big}]}
+    )
     _assert_anthropic_error(r, 413, "limit")
     assert r.json()["error"]["type"] == "request_too_large"
 
@@ -105,14 +153,24 @@ def test_invalid_base64_image(gw):
     r = gw.post(OPENAI_PATH, json={"model": "gpt", "messages": [{"role": "user", "content": bad}]})
     _assert_openai_error(r, 400, "base64")
     assert r.json()["error"]["param"].startswith("messages[0].content[0]")
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "%%%"}}
-    r = gw.post(ANTHROPIC_PATH, json={**OK_ANTHROPIC, "messages": [{"role": "user", "content": [block]}]})
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "%%%"},
+    }
+    r = gw.post(
+        ANTHROPIC_PATH, json={**OK_ANTHROPIC, "messages": [{"role": "user", "content": [block]}]}
+    )
     _assert_anthropic_error(r, 400, "base64")
 
 
 def test_unsupported_media_type(gw):
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AAAA"}}
-    r = gw.post(ANTHROPIC_PATH, json={**OK_ANTHROPIC, "messages": [{"role": "user", "content": [block]}]})
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/tiff", "data": "AAAA"},
+    }
+    r = gw.post(
+        ANTHROPIC_PATH, json={**OK_ANTHROPIC, "messages": [{"role": "user", "content": [block]}]}
+    )
     _assert_anthropic_error(r, 400, "image/tiff")
 
 
@@ -120,7 +178,9 @@ def test_image_to_text_only_model_is_a_clear_400(gw, upstreams):
     before = len(upstreams["openai"].requests)
     url = "data:image/png;base64,iVBORw0KGgo="
     content = [{"type": "image_url", "image_url": {"url": url}}]
-    r = gw.post(OPENAI_PATH, json={"model": "textonly", "messages": [{"role": "user", "content": content}]})
+    r = gw.post(
+        OPENAI_PATH, json={"model": "textonly", "messages": [{"role": "user", "content": content}]}
+    )
     _assert_openai_error(r, 400, "does not accept images")
     assert len(upstreams["openai"].requests) == before, "nothing may reach the upstream"
 

@@ -19,12 +19,22 @@ from flashstack.engine.bundled import SMOLLM2_NAME, smollm2_path
 from tests.gateway.sessions.support import free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-_DISCOVERY_ENV = ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL", "OLLAMA_HOST")
+_DISCOVERY_ENV = (
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+    "OLLAMA_HOST",
+)
 
 
 def _bare_env() -> dict[str, str]:
     """The environment of a new user: no provider keys, no flashstack settings."""
-    return {k: v for k, v in os.environ.items() if k not in _DISCOVERY_ENV and not k.startswith("FLASHSTACK_")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _DISCOVERY_ENV and not k.startswith("FLASHSTACK_")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +45,10 @@ def gateway(tmp_path_factory):
     log = cwd / "serve.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "flashstack.cli", "serve", "--port", str(port)],
-        cwd=cwd, env=_bare_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        cwd=cwd,
+        env=_bare_env(),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -73,20 +86,27 @@ def test_banner_and_models_name_the_trained_default(gateway) -> None:
 
 def test_openai_sdk_gets_paris(gateway) -> None:
     client = openai.OpenAI(base_url=gateway[0] + "/v1", api_key="-", max_retries=0)
-    r = client.chat.completions.create(model=SMOLLM2_NAME, messages=QUESTION, temperature=0, max_tokens=24)
+    r = client.chat.completions.create(
+        model=SMOLLM2_NAME, messages=QUESTION, temperature=0, max_tokens=24
+    )
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"  # the answer ends with the model's own end of turn
-    chunks = client.chat.completions.create(model=SMOLLM2_NAME, messages=QUESTION, temperature=0,
-                                            max_tokens=24, stream=True)
+    chunks = client.chat.completions.create(
+        model=SMOLLM2_NAME, messages=QUESTION, temperature=0, max_tokens=24, stream=True
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == r.choices[0].message.content
 
 
 def test_anthropic_sdk_gets_paris(gateway) -> None:
     client = anthropic.Anthropic(base_url=gateway[0], api_key="-", max_retries=0)
-    m = client.messages.create(model=SMOLLM2_NAME, max_tokens=24, extra_body={"temperature": 0}, messages=QUESTION)
+    m = client.messages.create(
+        model=SMOLLM2_NAME, max_tokens=24, extra_body={"temperature": 0}, messages=QUESTION
+    )
     assert "Paris" in m.content[0].text and m.stop_reason == "end_turn"
-    with client.messages.stream(model=SMOLLM2_NAME, max_tokens=24, extra_body={"temperature": 0}, messages=QUESTION) as s:
+    with client.messages.stream(
+        model=SMOLLM2_NAME, max_tokens=24, extra_body={"temperature": 0}, messages=QUESTION
+    ) as s:
         streamed = "".join(s.text_stream)
     assert streamed == m.content[0].text
 
@@ -123,11 +143,18 @@ def test_default_sampling_is_the_model_cards(monkeypatch, tmp_path) -> None:
 def test_bad_gguf_is_a_config_error_before_serving(tmp_path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(smollm2_path().read_bytes()[:4096])
-    for argv in (["serve", "--model", str(bad), "--port", str(free_port())],
-                 ["engine", "serve", "--model", str(bad), "--port", str(free_port())]):
-        done = subprocess.run([sys.executable, "-m", "flashstack.cli", *argv], cwd=tmp_path,
-                              env={**_bare_env(), "COLUMNS": "400"},
-                              capture_output=True, text=True, timeout=60)
+    for argv in (
+        ["serve", "--model", str(bad), "--port", str(free_port())],
+        ["engine", "serve", "--model", str(bad), "--port", str(free_port())],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "flashstack.cli", *argv],
+            cwd=tmp_path,
+            env={**_bare_env(), "COLUMNS": "400"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 2, done.stderr
         said = " ".join(done.stderr.split())  # the console wraps long lines
         assert f"{bad}: not a readable GGUF file" in said and "truncated or corrupt" in said
@@ -137,7 +164,11 @@ def test_bad_gguf_is_a_config_error_before_serving(tmp_path) -> None:
 def test_model_flag_takes_a_gguf_file(monkeypatch, tmp_path) -> None:
     monkeypatch.chdir(tmp_path)
     (cfg,) = resolve_config(None, [smollm2_path()]).models
-    assert (cfg.name, cfg.provider, cfg.model) == ("SmolLM2-135M-Instruct.Q4_1", "local", str(smollm2_path()))
+    assert (cfg.name, cfg.provider, cfg.model) == (
+        "SmolLM2-135M-Instruct.Q4_1",
+        "local",
+        str(smollm2_path()),
+    )
 
 
 def test_engine_serve_takes_a_gguf_file(tmp_path) -> None:
@@ -145,9 +176,23 @@ def test_engine_serve_takes_a_gguf_file(tmp_path) -> None:
     port = free_port()
     log = tmp_path / "engine.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flashstack.cli", "engine", "serve", "--model", str(smollm2_path()),
-         "--port", str(port), "--device", "cpu"],
-        cwd=tmp_path, env=_bare_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "flashstack.cli",
+            "engine",
+            "serve",
+            "--model",
+            str(smollm2_path()),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
+        cwd=tmp_path,
+        env=_bare_env(),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -161,8 +206,9 @@ def test_engine_serve_takes_a_gguf_file(tmp_path) -> None:
                 time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
         assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct.Q4_1"]
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, temperature=0,
-                                           max_tokens=24)
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, temperature=0, max_tokens=24
+        )
         assert "Paris" in r.choices[0].message.content
     finally:
         proc.terminate()

@@ -27,5 +27,7 @@ print(json.dumps([m for m in HEAVY if m in sys.modules]))
 
 def test_plain_chat_path_loads_no_heavy_modules():
     code = f"HEAVY = {HEAVY!r}\n" + SCRIPT
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

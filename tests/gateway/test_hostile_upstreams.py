@@ -1,4 +1,5 @@
-"""Upstreams that attack the gateway (tests/fakes/hostile_upstream.py), over loopback, on both wires.
+"""Upstreams that attack the gateway (tests/fakes/hostile_upstream.py), over
+loopback, on both wires.
 
 Each attack asserts what the client gets (status, its wire's error format), that no credential or
 upstream address reaches it or the log, that memory stayed bounded where the upstream floods, and
@@ -31,7 +32,8 @@ SECRETS = [OAI_KEY, ANT_KEY, PROXY_PASS, QUERY_KEY, BASIC]
 LIMITS = UpstreamLimits(max_body_bytes=1 << 20, max_error_bytes=64 << 10, max_line_bytes=256 << 10)
 FLOOD = 256 << 20  # what a flooding upstream offers: far past every cap
 EXCERPT_MAX = LIMITS.error_excerpt_chars + 512  # an excerpt plus the gateway's own words
-# OpenAI-format upstream, Anthropic-format, Ollama (NDJSON streams), OpenAI behind basic auth and ?api-key.
+# OpenAI-format upstream, Anthropic-format, Ollama (NDJSON streams), OpenAI behind basic
+# auth and ?api-key.
 MODELS = ["oai", "ant", "oll", "basic"]
 UPSTREAM_FORMATS = ["oai", "ant", "oll"]
 
@@ -39,8 +41,11 @@ UPSTREAM_FORMATS = ["oai", "ant", "oll"]
 @pytest.fixture(scope="module")
 def hostile():
     plain = FakeServer(hostile_upstream.create_app()).start()
-    guarded = FakeServer(hostile_upstream.create_app(require={"authorization": f"Basic {BASIC}"},
-                                                     require_query={"api-key": QUERY_KEY})).start()
+    guarded = FakeServer(
+        hostile_upstream.create_app(
+            require={"authorization": f"Basic {BASIC}"}, require_query={"api-key": QUERY_KEY}
+        )
+    ).start()
     yield plain, guarded
     plain.stop()
     guarded.stop()
@@ -49,15 +54,31 @@ def hostile():
 def _config(hostile, **router) -> Config:
     plain, guarded = hostile
     models = [
-        ModelConfig(name="oai", provider="openai", model="m", api_base=plain.url + "/v1", api_key=OAI_KEY),
-        ModelConfig(name="ant", provider="anthropic", model="m", api_base=plain.url, api_key=ANT_KEY),
+        ModelConfig(
+            name="oai", provider="openai", model="m", api_base=plain.url + "/v1", api_key=OAI_KEY
+        ),
+        ModelConfig(
+            name="ant", provider="anthropic", model="m", api_base=plain.url, api_key=ANT_KEY
+        ),
         ModelConfig(name="oll", provider="ollama", model="m", api_base=plain.url),
-        ModelConfig(name="basic", provider="openai", model="m",
-                    api_base=f"http://{PROXY_USER}:{PROXY_PASS}@{guarded.host}:{guarded.port}/v1?api-key={QUERY_KEY}"),
+        ModelConfig(
+            name="basic",
+            provider="openai",
+            model="m",
+            api_base=f"http://{PROXY_USER}:{PROXY_PASS}@{guarded.host}:{guarded.port}/v1?api-key={QUERY_KEY}",
+        ),
     ]
-    routing = dict(num_retries=0, retry_backoff=0, health_check_interval=0, breaker_failures=10**6,
-                   breaker_min_requests=10**6, upstream_limits=LIMITS)
-    return Config(models=models, router=RouterConfig(**{**routing, **router}), compression={"mode": "off"})
+    routing = dict(
+        num_retries=0,
+        retry_backoff=0,
+        health_check_interval=0,
+        breaker_failures=10**6,
+        breaker_min_requests=10**6,
+        upstream_limits=LIMITS,
+    )
+    return Config(
+        models=models, router=RouterConfig(**{**routing, **router}), compression={"mode": "off"}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +96,8 @@ def no_secret_in_logs(caplog):
 
 
 def _assert_clean(text: str, hostile) -> None:
-    """No credential and no upstream address (even one the upstream quoted itself) in what a client got."""
+    """No credential and no upstream address (even one the upstream quoted itself) in what
+    a client got."""
     for secret in SECRETS:
         assert secret not in text, f"secret {secret!r} leaked"
     for server in hostile:
@@ -95,7 +117,11 @@ def _ask(gw, wire: str, model: str, text: str, stream: bool) -> str:
     messages = [{"role": "user", "content": text}]
     if wire == "openai":
         r = _openai(gw).chat.completions.create(model=model, messages=messages, stream=stream)
-        return "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else r.choices[0].message.content
+        return (
+            "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            if stream
+            else r.choices[0].message.content
+        )
     client = _anthropic(gw)
     if stream:
         with client.messages.stream(model=model, max_tokens=50, messages=messages) as s:
@@ -104,7 +130,8 @@ def _ask(gw, wire: str, model: str, text: str, stream: bool) -> str:
 
 
 def _refused(gw, wire: str, model: str, text: str, stream: bool, hostile):
-    """The SDK's error for an attack refused before the first byte, checked for its wire's format."""
+    """The SDK's error for an attack refused before the first byte, checked for its
+    wire's format."""
     error = openai.APIStatusError if wire == "openai" else anthropic.APIStatusError
     with pytest.raises(error) as exc:
         _ask(gw, wire, model, text, stream)
@@ -126,31 +153,40 @@ def _still_works(gw, wire: str, model: str, stream: bool) -> None:
 
 
 WIRES = ["openai", "anthropic"]
-matrix = pytest.mark.parametrize("wire,model,stream", [
-    (w, m, s) for w in WIRES for m in MODELS for s in (False, True)])
+matrix = pytest.mark.parametrize(
+    "wire,model,stream", [(w, m, s) for w in WIRES for m in MODELS for s in (False, True)]
+)
 # Attacks on what the upstream sends back: "basic" is the same OpenAI-format upstream as "oai".
-formats = pytest.mark.parametrize("wire,model,stream", [
-    (w, m, s) for w in WIRES for m in UPSTREAM_FORMATS for s in (False, True)])
+formats = pytest.mark.parametrize(
+    "wire,model,stream", [(w, m, s) for w in WIRES for m in UPSTREAM_FORMATS for s in (False, True)]
+)
 
 
 @matrix
-def test_normal_requests_work_on_every_upstream_including_basic_auth_and_query_keys(gw, wire, model, stream):
+def test_normal_requests_work_on_every_upstream_including_basic_auth_and_query_keys(
+    gw, wire, model, stream
+):
     _still_works(gw, wire, model, stream)
 
 
 @matrix
 @pytest.mark.parametrize("status", [401, 403])
-def test_echoed_credentials_on_refusal_become_a_502_without_them(gw, hostile, wire, model, stream, status):
+def test_echoed_credentials_on_refusal_become_a_502_without_them(
+    gw, hostile, wire, model, stream, status
+):
     e, message = _refused(gw, wire, model, f"[[hostile:echo_{status}]]", stream, hostile)
     assert e.status_code == 502, "the client's own key was fine: never its 401/403"
     assert "upstream credentials rejected" in message and f"{model}#0" in message
-    assert e.response.headers["x-flashstack-route"] == f"{model}#0=502"  # an attempt failed on the upstream
+    # an attempt failed on the upstream
+    assert e.response.headers["x-flashstack-route"] == f"{model}#0=502"
     _still_works(gw, wire, model, stream)
 
 
 @matrix
 @pytest.mark.parametrize("status", [400, 500])
-def test_echoed_credentials_in_other_errors_are_redacted_and_cut(gw, hostile, wire, model, stream, status):
+def test_echoed_credentials_in_other_errors_are_redacted_and_cut(
+    gw, hostile, wire, model, stream, status
+):
     e, message = _refused(gw, wire, model, f"[[hostile:echo_{status}]]", stream, hostile)
     assert e.status_code == status
     assert f"upstream {model}#0 said: failed for " in message and "***" in message
@@ -164,15 +200,29 @@ def _rss() -> int:
 
 # (directive, streamed?, what the client sees): floods refused while the gateway reads them.
 FLOODS = [
-    ("big_body", False, 502), ("big_declared", False, 502), ("big_error", False, 500),
-    ("big_error", True, 500), ("giant_line", True, 502), ("giant_event", True, 502),
+    ("big_body", False, 502),
+    ("big_declared", False, 502),
+    ("big_error", False, 500),
+    ("big_error", True, 500),
+    ("giant_line", True, 502),
+    ("giant_event", True, 502),
 ]
 
 
 @pytest.mark.parametrize("wire", WIRES)
-@pytest.mark.parametrize("model,mode,stream,status", [  # NDJSON (oll) has no events: its flood is giant_line
-    (m, *flood) for m in UPSTREAM_FORMATS for flood in FLOODS if not (m == "oll" and flood[0] == "giant_event")])
-def test_floods_are_cut_off_while_reading_with_bounded_memory(gw, hostile, wire, model, mode, stream, status):
+# NDJSON (oll) has no events: its flood is giant_line
+@pytest.mark.parametrize(
+    "model,mode,stream,status",
+    [
+        (m, *flood)
+        for m in UPSTREAM_FORMATS
+        for flood in FLOODS
+        if not (m == "oll" and flood[0] == "giant_event")
+    ],
+)
+def test_floods_are_cut_off_while_reading_with_bounded_memory(
+    gw, hostile, wire, model, mode, stream, status
+):
     before = _rss()
     e, message = _refused(gw, wire, model, f"[[hostile:{mode}:{FLOOD}]]", stream, hostile)
     grew = _rss() - before
@@ -187,16 +237,25 @@ def test_floods_are_cut_off_while_reading_with_bounded_memory(gw, hostile, wire,
 
 @formats
 @pytest.mark.parametrize("mode", ["empty_json", "wrong_shape"])
-def test_wrong_shapes_are_a_502_naming_the_deployment_never_an_empty_success(gw, hostile, wire, model, stream, mode):
+def test_wrong_shapes_are_a_502_naming_the_deployment_never_an_empty_success(
+    gw, hostile, wire, model, stream, mode
+):
     e, message = _refused(gw, wire, model, f"[[hostile:{mode}]]", stream, hostile)
-    assert e.status_code == 502 and f"upstream {model}#0 sent" in message and "unexpected shape" in message
+    assert (
+        e.status_code == 502
+        and f"upstream {model}#0 sent" in message
+        and "unexpected shape" in message
+    )
     _still_works(gw, wire, model, stream)
 
 
 def _stream_raw(gw, wire: str, model: str, text: str) -> httpx.Response:
     """A streamed request as bytes: the whole SSE body, error event included."""
-    path, body = ("/v1/chat/completions", {"model": model, "stream": True}) if wire == "openai" else \
-        ("/v1/messages", {"model": model, "stream": True, "max_tokens": 50})
+    path, body = (
+        ("/v1/chat/completions", {"model": model, "stream": True})
+        if wire == "openai"
+        else ("/v1/messages", {"model": model, "stream": True, "max_tokens": 50})
+    )
     body["messages"] = [{"role": "user", "content": text}]
     return httpx.post(gw.url + path, json=body, timeout=30)
 
@@ -204,9 +263,13 @@ def _stream_raw(gw, wire: str, model: str, text: str) -> httpx.Response:
 @pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("model", UPSTREAM_FORMATS)
 @pytest.mark.parametrize("mode", ["late_echo", f"late_giant_line:{FLOOD}"])
-def test_failures_after_the_first_token_are_error_events_without_secrets(gw, hostile, wire, model, mode):
+def test_failures_after_the_first_token_are_error_events_without_secrets(
+    gw, hostile, wire, model, mode
+):
     r = _stream_raw(gw, wire, model, f"[[hostile:{mode}]]")
-    assert r.status_code == 200 and "first" in r.text, "the token before the failure reached the client"
+    assert r.status_code == 200 and "first" in r.text, (
+        "the token before the failure reached the client"
+    )
     _assert_clean(r.text, hostile)
     errors = [line for line in r.text.splitlines() if '"error"' in line]
     assert errors and all(len(line) <= EXCERPT_MAX + 200 for line in errors), r.text[-2000:]
@@ -242,11 +305,14 @@ def test_readiness_names_no_address_and_no_credential(gw, hostile):
     assert r.status_code == 200, r.text  # the basic-auth deployment's probe passes too
     _assert_clean(r.text, hostile)
     assert "127.0.0.1" not in r.text
-    assert {d["deployment"] for deps in r.json()["models"].values() for d in deps} == {f"{m}#0" for m in MODELS}
+    assert {d["deployment"] for deps in r.json()["models"].values() for d in deps} == {
+        f"{m}#0" for m in MODELS
+    }
 
 
 def test_line_splitter_is_linear_in_a_long_line_fed_in_small_pieces():
-    """32 MiB in 4 KiB reads: joined once at the end (the old splitter copied the line at every read)."""
+    """32 MiB in 4 KiB reads: joined once at the end (the old splitter copied the line
+    at every read)."""
     splitter = LineSplitter()
     piece = b"a" * 4096
     t0 = time.process_time()

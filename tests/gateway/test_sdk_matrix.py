@@ -1,4 +1,5 @@
-"""{OpenAI client, Anthropic client} × {anthropic, openai, ollama upstream} × {sync, stream} × {text, tools, image}.
+"""{OpenAI client, Anthropic client} × {anthropic, openai, ollama upstream} × {sync, stream} ×
+{text, tools, image}.
 
 The official SDKs are the clients; the upstreams are the faithful fakes in tests/fakes.
 """
@@ -47,9 +48,15 @@ def _openai_run(client, stream: bool, **kwargs):
     if not stream:
         r = client.chat.completions.create(**kwargs)
         msg = r.choices[0].message
-        calls = [(c.id, c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+        calls = [
+            (c.id, c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []
+        ]
         return msg.content or "", calls, r.choices[0].finish_reason, r.usage
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
     text, calls, finish, usage = "", {}, None, None
     for ch in chunks:
         if ch.usage:
@@ -71,7 +78,10 @@ def _openai_run(client, stream: bool, **kwargs):
 @pytest.mark.parametrize("model", UPSTREAMS)
 def test_openai_client_text(openai_client, model, stream):
     text, calls, finish, usage = _openai_run(
-        openai_client, stream, model=model, messages=[{"role": "user", "content": "hello there world"}]
+        openai_client,
+        stream,
+        model=model,
+        messages=[{"role": "user", "content": "hello there world"}],
     )
     assert text == "echo: hello there world"
     assert calls == [] and finish == "stop"
@@ -83,18 +93,31 @@ def test_openai_client_text(openai_client, model, stream):
 @pytest.mark.parametrize("model", UPSTREAMS)
 def test_openai_client_tools(openai_client, model, stream):
     messages = [{"role": "user", "content": "weather in Paris?"}]
-    text, calls, finish, _ = _openai_run(openai_client, stream, model=model, messages=messages, tools=[WEATHER_OPENAI])
+    text, calls, finish, _ = _openai_run(
+        openai_client, stream, model=model, messages=messages, tools=[WEATHER_OPENAI]
+    )
     assert finish == "tool_calls"
     assert len(calls) == 1
     call_id, name, args = calls[0]
     assert name == "get_weather" and args == {"city": "Paris", "unit": "celsius"} and call_id
     # Second turn: the tool result goes back and the model answers from it.
     messages += [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(args)},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": call_id, "content": "18C and sunny"},
     ]
-    text, calls, finish, _ = _openai_run(openai_client, stream, model=model, messages=messages, tools=[WEATHER_OPENAI])
+    text, calls, finish, _ = _openai_run(
+        openai_client, stream, model=model, messages=messages, tools=[WEATHER_OPENAI]
+    )
     assert text == "tool said: 18C and sunny" and finish == "stop" and calls == []
 
 
@@ -106,7 +129,9 @@ def test_openai_client_image(openai_client, model, stream):
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
     ]
-    text, _, finish, _ = _openai_run(openai_client, stream, model=model, messages=[{"role": "user", "content": content}])
+    text, _, finish, _ = _openai_run(
+        openai_client, stream, model=model, messages=[{"role": "user", "content": content}]
+    )
     assert text == f"image: image/png {size}" and finish == "stop"
 
 
@@ -127,8 +152,13 @@ def _anthropic_run(client, stream: bool, **kwargs):
 @pytest.mark.parametrize("stream", [False, True], ids=["sync", "stream"])
 @pytest.mark.parametrize("model", UPSTREAMS)
 def test_anthropic_client_text(anthropic_client, model, stream):
-    msg = _anthropic_run(anthropic_client, stream, model=model, max_tokens=100,
-                         messages=[{"role": "user", "content": "hello there world"}])
+    msg = _anthropic_run(
+        anthropic_client,
+        stream,
+        model=model,
+        max_tokens=100,
+        messages=[{"role": "user", "content": "hello there world"}],
+    )
     assert [b.type for b in msg.content] == ["text"]
     assert msg.content[0].text == "echo: hello there world"
     assert msg.stop_reason == "end_turn"
@@ -140,16 +170,35 @@ def test_anthropic_client_text(anthropic_client, model, stream):
 @pytest.mark.parametrize("model", UPSTREAMS)
 def test_anthropic_client_tools(anthropic_client, model, stream):
     messages = [{"role": "user", "content": "weather in Paris?"}]
-    msg = _anthropic_run(anthropic_client, stream, model=model, max_tokens=100, messages=messages, tools=[WEATHER_ANTHROPIC])
+    msg = _anthropic_run(
+        anthropic_client,
+        stream,
+        model=model,
+        max_tokens=100,
+        messages=messages,
+        tools=[WEATHER_ANTHROPIC],
+    )
     assert msg.stop_reason == "tool_use"
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert len(uses) == 1
     assert uses[0].name == "get_weather" and uses[0].input == {"city": "Paris", "unit": "celsius"}
     messages += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "18C and sunny"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": uses[0].id, "content": "18C and sunny"}
+            ],
+        },
     ]
-    msg = _anthropic_run(anthropic_client, stream, model=model, max_tokens=100, messages=messages, tools=[WEATHER_ANTHROPIC])
+    msg = _anthropic_run(
+        anthropic_client,
+        stream,
+        model=model,
+        max_tokens=100,
+        messages=messages,
+        tools=[WEATHER_ANTHROPIC],
+    )
     assert msg.content[0].text == "tool said: 18C and sunny" and msg.stop_reason == "end_turn"
 
 
@@ -161,5 +210,11 @@ def test_anthropic_client_image(anthropic_client, model, stream):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
         {"type": "text", "text": "what is this?"},
     ]
-    msg = _anthropic_run(anthropic_client, stream, model=model, max_tokens=100, messages=[{"role": "user", "content": content}])
+    msg = _anthropic_run(
+        anthropic_client,
+        stream,
+        model=model,
+        max_tokens=100,
+        messages=[{"role": "user", "content": content}],
+    )
     assert msg.content[0].text == f"image: image/png {size}"

@@ -26,14 +26,22 @@ from flashstack.gateway.server_limits import uvicorn_options
 from tests.fakes.server import FakeServer
 from tests.gateway.conftest import gateway_config
 
-LIMITS = dict(max_body_bytes=256 * 1024, max_header_bytes=16 * 1024, header_timeout=0.5, body_timeout=0.4,
-              body_min_rate=2000, keep_alive_timeout=0.5)
+LIMITS = dict(
+    max_body_bytes=256 * 1024,
+    max_header_bytes=16 * 1024,
+    header_timeout=0.5,
+    body_timeout=0.4,
+    body_min_rate=2000,
+    keep_alive_timeout=0.5,
+)
 OK_OPENAI = b'{"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}'
 MiB = 1024 * 1024
 
 
 def start_gateway(config: Config) -> FakeServer:
-    return FakeServer(create_app(config), lifespan="on", loop="uvloop", **uvicorn_options(config.server)).start()
+    return FakeServer(
+        create_app(config), lifespan="on", loop="uvloop", **uvicorn_options(config.server)
+    ).start()
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +56,9 @@ def still_serves(gateway):
     """After the test: a normal chat request on a fresh connection gets its answer."""
     yield
     with httpx.Client(base_url=gateway.url, timeout=5) as c:
-        r = c.post("/v1/chat/completions", content=OK_OPENAI, headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/chat/completions", content=OK_OPENAI, headers={"content-type": "application/json"}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == "echo: hi"
 
@@ -74,10 +84,14 @@ def read_all(s: socket.socket, timeout: float = 5) -> bytes:
     return out
 
 
-def send_until_answered(s: socket.socket, head: bytes, filler: bytes, total: int, polite: bool = True) -> int:
-    """Send `head`, then `filler` over and over up to `total` bytes; a polite client stops at the reply.
+def send_until_answered(
+    s: socket.socket, head: bytes, filler: bytes, total: int, polite: bool = True
+) -> int:
+    """Send `head`, then `filler` over and over up to `total` bytes; a polite client
+    stops at the reply.
 
-    Returns the bytes sent before the reply arrived, or (impolite) before the server stopped reading.
+    Returns the bytes sent before the reply arrived, or (impolite) before the server
+    stopped reading.
     """
     s.sendall(head)
     sent = len(head)
@@ -111,7 +125,9 @@ class Reply:
         head, _, self.body = raw.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         self.status = int(lines[0].split()[1]) if lines[0] else 0
-        self.headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        self.headers = {
+            k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])
+        }
 
     def openai_error(self, needle: str) -> dict:
         assert self.headers["content-type"] == "application/json"
@@ -140,7 +156,8 @@ def test_huge_header_is_refused_early_with_bounded_memory(gateway, still_serves,
     before = rss()
     with connect(gateway) as s:
         head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ".encode()
-        # An attacker ignores the reply and keeps sending: the server discards a little, then hangs up.
+        # An attacker ignores the reply and keeps sending: the server discards a
+        # little, then hangs up.
         sent = send_until_answered(s, head, filler, 64 * MiB, polite=False)
         reply = Reply(read_all(s))
     grown = rss() - before
@@ -154,7 +171,8 @@ def test_huge_header_is_refused_early_with_bounded_memory(gateway, still_serves,
 
 
 def test_many_headers_count_towards_the_limit(gateway, still_serves):
-    headers = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(400))  # 40 KB of small ones
+    # 40 KB of small ones
+    headers = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(400))
     with connect(gateway) as s:
         s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers + b"\r\n")
         Reply(read_all(s)).openai_error("16384 bytes")
@@ -164,7 +182,9 @@ def test_oversized_second_request_on_a_keep_alive_connection_gets_431(gateway, s
     with connect(gateway) as s:
         s.sendall(b"GET /health/liveness HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
-        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n")
+        s.sendall(
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n"
+        )
         reply = Reply(read_all(s))
     assert reply.status == 431
     reply.openai_error("server.max_header_bytes")
@@ -172,8 +192,11 @@ def test_oversized_second_request_on_a_keep_alive_connection_gets_431(gateway, s
 
 def test_headers_under_the_limit_pass(gateway):
     with httpx.Client(base_url=gateway.url, timeout=5) as c:
-        r = c.post("/v1/chat/completions", content=OK_OPENAI,
-                   headers={"content-type": "application/json", "x-pad": "p" * 12_000})
+        r = c.post(
+            "/v1/chat/completions",
+            content=OK_OPENAI,
+            headers={"content-type": "application/json", "x-pad": "p" * 12_000},
+        )
     assert r.status_code == 200, r.text
 
 
@@ -211,8 +234,10 @@ def test_keep_alive_connection_is_closed_after_its_idle_timeout(gateway, still_s
 def test_slow_body_gets_408(gateway, still_serves):
     t0 = time.monotonic()
     with connect(gateway) as s:
-        s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{")
+        s.sendall(
+            b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
+        )
         trickle(s, b" ", 0.1, 3)  # 10 bytes/s, under body_min_rate
         reply = Reply(read_all(s))
     assert reply.status == 408
@@ -222,8 +247,11 @@ def test_slow_body_gets_408(gateway, still_serves):
 
 def test_never_ending_slow_chunked_body_gets_408(gateway, still_serves):
     with connect(gateway) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: chunked\r\n\r\n")
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         trickle(s, b"1\r\n \r\n", 0.1, 3)
         reply = Reply(read_all(s))
     assert reply.status == 408
@@ -234,8 +262,11 @@ def test_never_ending_fast_chunked_body_gets_413_and_the_connection_closes(gatew
     chunk = b"%x\r\n%s\r\n" % (16384, b" " * 16384)
     before = rss()
     with connect(gateway) as s:
-        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n")
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         sent = send_until_answered(s, head, chunk, 32 * MiB)
         reply = Reply(read_all(s))
     assert reply.status == 413
@@ -287,7 +318,9 @@ from flashstack.gateway.server_limits import uvicorn_options
 limits = uvicorn_options(ServerConfig(max_connections=4096))["http"].limits
 print(limits.max_connections, limits.overflow, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     cap, overflow, soft = map(int, out.stdout.split())
     assert cap + overflow == (600 - 256) // 2 and cap >= 7 * overflow > 0 and soft == 600
     assert "ulimit -n" in out.stderr and "server.max_connections" in out.stderr
@@ -302,10 +335,14 @@ from flashstack.gateway.server_limits import uvicorn_options
 limits = uvicorn_options(ServerConfig(max_connections=1000))["http"].limits
 print(limits.max_connections, limits.overflow, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 """
-    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] not in (resource.RLIM_INFINITY,) and \
-            resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 20000:
+    if (
+        resource.getrlimit(resource.RLIMIT_NOFILE)[1] not in (resource.RLIM_INFINITY,)
+        and resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 20000
+    ):
         pytest.skip("this machine's hard descriptor limit is below 20000")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.split() == ["1000", "125", str(256 + 2 * 1125)]
 
 
@@ -327,7 +364,9 @@ def test_protocol_errors_are_json_in_the_callers_format(gateway, still_serves, p
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() + rest)
         reply = Reply(read_all(s))
     assert reply.status == 400
-    (reply.anthropic_error if path == "/v1/messages" else reply.openai_error)("malformed HTTP request")
+    (reply.anthropic_error if path == "/v1/messages" else reply.openai_error)(
+        "malformed HTTP request"
+    )
 
 
 def test_malformed_request_line_is_json(gateway, still_serves):
@@ -340,7 +379,11 @@ def test_malformed_request_line_is_json(gateway, still_serves):
 
 def _chat(gateway, body: bytes, **headers: str) -> httpx.Response:
     with httpx.Client(base_url=gateway.url, timeout=5) as c:
-        return c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json", **headers})
+        return c.post(
+            "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json", **headers},
+        )
 
 
 @pytest.mark.parametrize("encoding,compress", [("gzip", gzip.compress), ("deflate", zlib.compress)])
@@ -383,7 +426,13 @@ def _post(gateway, path: str, body: bytes, **headers: str) -> httpx.Response:
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8400", "127.0.0.1.nip.io"])
 def test_foreign_host_is_refused_without_auth(gateway, still_serves, host):
-    r = _post(gateway, "/v1/chat/completions", OK_OPENAI, host=host, **{"content-type": "application/json"})
+    r = _post(
+        gateway,
+        "/v1/chat/completions",
+        OK_OPENAI,
+        host=host,
+        **{"content-type": "application/json"},
+    )
     assert r.status_code == 403 and "server.allowed_hosts" in r.json()["error"]["message"]
     r = _post(gateway, "/v1/messages", b"{}", host=host, **{"content-type": "application/json"})
     assert r.status_code == 403
@@ -392,20 +441,40 @@ def test_foreign_host_is_refused_without_auth(gateway, still_serves, host):
         assert c.get("/v1/models").status_code == 403  # a rebound page could read the answer
 
 
-@pytest.mark.parametrize("host", ["localhost", "LOCALHOST.", "127.0.0.1", "[::1]:8400", "10.1.2.3:80", "app.localhost"])
+@pytest.mark.parametrize(
+    "host", ["localhost", "LOCALHOST.", "127.0.0.1", "[::1]:8400", "10.1.2.3:80", "app.localhost"]
+)
 def test_loopback_and_ip_hosts_are_served(gateway, host):
-    r = _post(gateway, "/v1/chat/completions", OK_OPENAI, host=host, **{"content-type": "application/json"})
+    r = _post(
+        gateway,
+        "/v1/chat/completions",
+        OK_OPENAI,
+        host=host,
+        **{"content-type": "application/json"},
+    )
     assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("origin", ["https://evil.example", "null", "http://127.0.0.1:1"])
 def test_cross_origin_request_is_refused_without_auth(gateway, still_serves, origin):
-    r = _post(gateway, "/v1/chat/completions", OK_OPENAI, origin=origin, **{"content-type": "application/json"})
+    r = _post(
+        gateway,
+        "/v1/chat/completions",
+        OK_OPENAI,
+        origin=origin,
+        **{"content-type": "application/json"},
+    )
     assert r.status_code == 403 and "server.allowed_origins" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("ctype", ["text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
-                                   "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize(
+    "ctype",
+    [
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ],
+)
 def test_browser_simple_content_types_are_refused(gateway, still_serves, ctype):
     r = _post(gateway, "/v1/messages", OK_OPENAI, **{"content-type": ctype})
     assert r.status_code == 415
@@ -414,17 +483,40 @@ def test_browser_simple_content_types_are_refused(gateway, still_serves, ctype):
 
 
 def test_configured_hosts_and_origins_are_served(upstreams):
-    config = gateway_config(upstreams, allowed_hosts=["*.corp.example"], allowed_origins=["https://ui.corp.example"])
+    config = gateway_config(
+        upstreams, allowed_hosts=["*.corp.example"], allowed_origins=["https://ui.corp.example"]
+    )
     server = start_gateway(config)
     try:
-        r = _post(server, "/v1/chat/completions", OK_OPENAI, host="gw.corp.example",
-                  origin="https://ui.corp.example", **{"content-type": "application/json"})
+        r = _post(
+            server,
+            "/v1/chat/completions",
+            OK_OPENAI,
+            host="gw.corp.example",
+            origin="https://ui.corp.example",
+            **{"content-type": "application/json"},
+        )
         assert r.status_code == 200, r.text
-        same_origin = _post(server, "/v1/chat/completions", OK_OPENAI, host="gw.corp.example",
-                            origin="http://gw.corp.example", **{"content-type": "application/json"})
+        same_origin = _post(
+            server,
+            "/v1/chat/completions",
+            OK_OPENAI,
+            host="gw.corp.example",
+            origin="http://gw.corp.example",
+            **{"content-type": "application/json"},
+        )
         assert same_origin.status_code == 200
-        assert _post(server, "/v1/chat/completions", OK_OPENAI, host="gw.corp.example",
-                     origin="https://other.example", **{"content-type": "application/json"}).status_code == 403
+        assert (
+            _post(
+                server,
+                "/v1/chat/completions",
+                OK_OPENAI,
+                host="gw.corp.example",
+                origin="https://other.example",
+                **{"content-type": "application/json"},
+            ).status_code
+            == 403
+        )
     finally:
         server.stop()
 

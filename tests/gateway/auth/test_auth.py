@@ -45,15 +45,20 @@ def _chat(client: openai.OpenAI, model: str = "gpt", text: str = "hi"):
 
 
 def _message(client: anthropic.Anthropic, model: str = "claude", text: str = "hi"):
-    return client.messages.create(model=model, max_tokens=20, messages=[{"role": "user", "content": text}])
+    return client.messages.create(
+        model=model, max_tokens=20, messages=[{"role": "user", "content": text}]
+    )
 
 
 def test_missing_key_is_401_in_each_wire_format(gw):
     r = httpx.post(gw.url + "/v1/chat/completions", json={"model": "gpt", "messages": []})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    r = httpx.post(gw.url + "/v1/messages", json={"model": "claude", "max_tokens": 5, "messages": []})
+    r = httpx.post(
+        gw.url + "/v1/messages", json={"model": "claude", "max_tokens": 5, "messages": []}
+    )
     assert r.status_code == 401 and r.json() == {
-        "type": "error", "error": {"type": "authentication_error", "message": r.json()["error"]["message"]},
+        "type": "error",
+        "error": {"type": "authentication_error", "message": r.json()["error"]["message"]},
     }
     assert "Authorization: Bearer" in r.json()["error"]["message"]
 
@@ -128,10 +133,15 @@ def test_streamed_tokens_count_toward_tpm(gw):
     key = create_key(gw.url, name="tpm-stream", tpm=10)["key"]
     client = _oai(gw, key)
     stream = client.chat.completions.create(
-        model="gpt", stream=True,
-        messages=[{"role": "user", "content": "one two three four five six seven eight nine ten eleven"}],
+        model="gpt",
+        stream=True,
+        messages=[
+            {"role": "user", "content": "one two three four five six seven eight nine ten eleven"}
+        ],
     )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).startswith("echo:")
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).startswith(
+        "echo:"
+    )
     with pytest.raises(openai.RateLimitError):
         _chat(client)
 
@@ -157,12 +167,26 @@ def test_only_the_master_key_manages_keys(gw):
         assert r.status_code == 403, r.text
         r = httpx.request(method, gw.url + path, json={"name": "x"})
         assert r.status_code == 401, r.text
-    bad = [{"name": ""}, {"name": "x", "rpm": 0}, {"name": "x", "models": "gpt"}, {"name": "x", "extra": 1}]
+    bad = [
+        {"name": ""},
+        {"name": "x", "rpm": 0},
+        {"name": "x", "models": "gpt"},
+        {"name": "x", "extra": 1},
+    ]
     before = len(httpx.get(gw.url + "/v1/keys", headers=auth_headers(MASTER_KEY)).json()["data"])
     for body in bad:
-        assert httpx.post(gw.url + "/v1/keys", json=body, headers=auth_headers(MASTER_KEY)).status_code == 400
-    assert len(httpx.get(gw.url + "/v1/keys", headers=auth_headers(MASTER_KEY)).json()["data"]) == before
-    assert httpx.delete(gw.url + "/v1/keys/key_nope", headers=auth_headers(MASTER_KEY)).status_code == 404
+        assert (
+            httpx.post(gw.url + "/v1/keys", json=body, headers=auth_headers(MASTER_KEY)).status_code
+            == 400
+        )
+    assert (
+        len(httpx.get(gw.url + "/v1/keys", headers=auth_headers(MASTER_KEY)).json()["data"])
+        == before
+    )
+    assert (
+        httpx.delete(gw.url + "/v1/keys/key_nope", headers=auth_headers(MASTER_KEY)).status_code
+        == 404
+    )
 
 
 def test_without_master_key_auth_is_off(upstreams, tmp_path):

@@ -1,5 +1,5 @@
-"""Issue 24, keys and limits: every route but liveness needs a key, and tokens-per-minute limits hold
-under concurrency, for aborted streams, and across replicas sharing Redis."""
+"""Issue 24, keys and limits: every route but liveness needs a key, and tokens-per-minute limits
+hold under concurrency, for aborted streams, and across replicas sharing Redis."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def gw(upstreams, store, tmp_path_factory):
 
 def _chat(url: str, key: str, text: str = "hi", **extra) -> httpx.Response:
     body = {"model": "gpt", "messages": [{"role": "user", "content": text}], **extra}
-    return httpx.post(url + "/v1/chat/completions", json=body, headers=auth_headers(key), timeout=20)
+    return httpx.post(
+        url + "/v1/chat/completions", json=body, headers=auth_headers(key), timeout=20
+    )
 
 
 # ---- every route but liveness ----------------------------------------------------------------
@@ -51,12 +53,18 @@ def _chat(url: str, key: str, text: str = "hi", **extra) -> httpx.Response:
 def test_guarded_routes_refuse_without_a_valid_key(gw, path, key):
     r = httpx.get(gw.url + path, headers=auth_headers(key))
     assert r.status_code == 401, r.text
-    assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
+    assert (
+        r.json()["error"]["type"] == "authentication_error"
+        and r.json()["error"]["code"] == "invalid_api_key"
+    )
     assert "gpt" not in r.text and "deployment" not in r.text  # nothing about the models leaks
     r = httpx.get(gw.url + path, headers={**auth_headers(key), **ANTHROPIC})
     assert r.status_code == 401
     message = r.json()["error"]["message"]
-    assert r.json() == {"type": "error", "error": {"type": "authentication_error", "message": message}}
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": message},
+    }
     # Liveness alone answers anyone; a valid key gets the route.
     assert httpx.get(gw.url + "/health/liveness").json() == {"status": "ok"}
     assert httpx.get(gw.url + path, headers=auth_headers(MASTER_KEY)).status_code == 200
@@ -65,12 +73,15 @@ def test_guarded_routes_refuse_without_a_valid_key(gw, path, key):
 def test_a_key_sees_only_its_models(gw):
     key = create_key(gw.url, name="gpt-only-lister", models=["gpt"])["key"]
     listed = httpx.get(gw.url + "/v1/models", headers=auth_headers(key)).json()
-    assert [m["id"] for m in listed["data"]] == ["gpt"] and listed["first_id"] == listed["last_id"] == "gpt"
+    assert [m["id"] for m in listed["data"]] == ["gpt"] and listed["first_id"] == listed[
+        "last_id"
+    ] == "gpt"
     assert httpx.get(gw.url + "/v1/models/gpt", headers=auth_headers(key)).json()["id"] == "gpt"
     hidden = httpx.get(gw.url + "/v1/models/claude", headers=auth_headers(key))
     missing = httpx.get(gw.url + "/v1/models/nonexistent", headers=auth_headers(key))
     assert hidden.status_code == missing.status_code == 404
-    assert hidden.json()["error"]["message"] == "model 'claude' does not exist"  # as if it did not exist
+    # as if it did not exist
+    assert hidden.json()["error"]["message"] == "model 'claude' does not exist"
     everything = httpx.get(gw.url + "/v1/models", headers=auth_headers(MASTER_KEY)).json()
     assert {m["id"] for m in everything["data"]} == {"gpt", "claude", "minilm"}
 
@@ -91,17 +102,26 @@ def test_readiness_detail_is_for_the_master_key(gw):
 
 def _estimate(text: str, max_tokens: int) -> int:
     """What the gateway holds for one such request (the tpm of the test keys is well above it)."""
-    return request_tokens(ChatRequest("gpt", [Message("user", [Text(text)])], max_tokens=max_tokens), 1024)[1]
+    return request_tokens(
+        ChatRequest("gpt", [Message("user", [Text(text)])], max_tokens=max_tokens), 1024
+    )[1]
 
 
 async def _open_streams(url: str, key: str, text: str, n: int, max_tokens: int):
-    """Start `n` streams at once; returns the client, the admitted (open) responses and the refused ones."""
+    """Start `n` streams at once; returns the client, the admitted (open) responses and the
+    refused ones."""
     client = httpx.AsyncClient(timeout=20, limits=httpx.Limits(max_connections=n + 5))
-    body = {"model": "gpt", "stream": True, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": text}]}
+    body = {
+        "model": "gpt",
+        "stream": True,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": text}],
+    }
 
     async def one() -> httpx.Response:
-        request = client.build_request("POST", url + "/v1/chat/completions", json=body, headers=auth_headers(key))
+        request = client.build_request(
+            "POST", url + "/v1/chat/completions", json=body, headers=auth_headers(key)
+        )
         return await client.send(request, stream=True)
 
     responses = await asyncio.gather(*(one() for _ in range(n)))
@@ -246,7 +266,9 @@ async def replicas():
 async def test_redis_holds_bound_admissions_across_replicas(replicas):
     a, b = replicas
     holds = [_hold(10) for _ in range(20)]
-    results = await asyncio.gather(*(replicas[i % 2].admit("key_c", None, 30, h) for i, h in enumerate(holds)))
+    results = await asyncio.gather(
+        *(replicas[i % 2].admit("key_c", None, 30, h) for i, h in enumerate(holds))
+    )
     admitted = [h for h, r in zip(holds, results) if r is None]
     assert len(admitted) == 3
     # A hold taken through one replica is settled through the other.
@@ -276,7 +298,9 @@ async def test_concurrent_streams_across_two_gateways_sharing_redis(upstreams, t
         marker = uuid.uuid4().hex[:4]
         text, max_tokens = f"[[slow:0.2]] {marker}", 1
         fit = 30 // _estimate(text, max_tokens)
-        opened = await asyncio.gather(*(_open_streams(g.url, key, text, 10, max_tokens) for g in gateways))
+        opened = await asyncio.gather(
+            *(_open_streams(g.url, key, text, 10, max_tokens) for g in gateways)
+        )
         try:
             assert sum(len(admitted) for _, admitted, _ in opened) == fit
             assert all(r.status_code == 429 for _, _, refused in opened for r in refused)
@@ -287,7 +311,9 @@ async def test_concurrent_streams_across_two_gateways_sharing_redis(upstreams, t
                 await client.aclose()
         await _until_upstream_cancelled(upstreams, marker, fit)
         for g in gateways:  # charged on both replicas' shared window
-            assert (await asyncio.to_thread(_chat, g.url, key, "hi", max_tokens=1)).status_code == 429
+            assert (
+                await asyncio.to_thread(_chat, g.url, key, "hi", max_tokens=1)
+            ).status_code == 429
         assert (await asyncio.to_thread(_chat, gateways[1].url, MASTER_KEY)).status_code == 200
     finally:
         for g in gateways:

@@ -56,7 +56,9 @@ async def replicas():
 @pytest.mark.redis
 async def test_redis_limit_holds_across_replicas(replicas):
     # 150 concurrent requests at a 100 rpm key, spread over two replicas: exactly 100 admitted.
-    results = await asyncio.gather(*(replicas[i % 2].admit("key_shared", 100, None) for i in range(150)))
+    results = await asyncio.gather(
+        *(replicas[i % 2].admit("key_shared", 100, None) for i in range(150))
+    )
     admitted = [r for r in results if r is None]
     assert len(admitted) == 100
     assert all(0 < r <= 60 for r in results if r is not None)

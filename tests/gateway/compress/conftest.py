@@ -1,4 +1,5 @@
-"""Shared pieces: one embedder per test session, conversations with tool calls, a small-window gateway."""
+"""Shared pieces: one embedder per test session, conversations with tool calls, a
+small-window gateway."""
 
 from __future__ import annotations
 
@@ -43,10 +44,20 @@ def compressor(embedder):
 
 
 def model(**kw) -> ModelConfig:
-    return ModelConfig(**{"name": "m", "provider": "openai", "model": "gpt-4-0613", "api_base": "http://unused", **kw})
+    return ModelConfig(
+        **{
+            "name": "m",
+            "provider": "openai",
+            "model": "gpt-4-0613",
+            "api_base": "http://unused",
+            **kw,
+        }
+    )
 
 
-def long_conversation(n: int = 40, tools_every: int = 5, fact: str = "The vault code is 7351.") -> ChatRequest:
+def long_conversation(
+    n: int = 40, tools_every: int = 5, fact: str = "The vault code is 7351."
+) -> ChatRequest:
     """n older messages over four topics, a tool call + result every few turns, one planted fact."""
     msgs: list[Message] = []
     for i in range(n):
@@ -54,7 +65,9 @@ def long_conversation(n: int = 40, tools_every: int = 5, fact: str = "The vault 
         if i % tools_every == tools_every - 1:
             call = ToolCall(f"call_{i}", "lookup", f'{{"q": "item {i}"}}')
             msgs.append(Message("assistant", [Text(f"Let me look up item {i}."), call]))
-            msgs.append(Message("user", [ToolResult(f"call_{i}", [Text(f"Item {i}: {topic} " * 3)])]))
+            msgs.append(
+                Message("user", [ToolResult(f"call_{i}", [Text(f"Item {i}: {topic} " * 3)])])
+            )
             continue
         role = "user" if len(msgs) % 2 == 0 else "assistant"
         text = f"Message {i}. {topic} " * 4
@@ -73,16 +86,30 @@ def small_gateway(upstreams):
     config = Config(
         server=ServerConfig(max_body_bytes=4 * 1024 * 1024),
         models=[
-            ModelConfig(name="tiny", provider="openai", model="gpt-4-0613", context_window=SMALL_WINDOW,
-                        max_output_tokens=100, api_base=upstreams["openai"].url + "/v1", api_key=API_KEY),
-            ModelConfig(name="tiny-claude", provider="anthropic", model="claude-sonnet-4-5",
-                        context_window=SMALL_WINDOW, max_output_tokens=100,
-                        api_base=upstreams["anthropic"].url, api_key=API_KEY),
+            ModelConfig(
+                name="tiny",
+                provider="openai",
+                model="gpt-4-0613",
+                context_window=SMALL_WINDOW,
+                max_output_tokens=100,
+                api_base=upstreams["openai"].url + "/v1",
+                api_key=API_KEY,
+            ),
+            ModelConfig(
+                name="tiny-claude",
+                provider="anthropic",
+                model="claude-sonnet-4-5",
+                context_window=SMALL_WINDOW,
+                max_output_tokens=100,
+                api_base=upstreams["anthropic"].url,
+                api_key=API_KEY,
+            ),
         ],
         compression=CompressionConfig(cache_dir=MODELS_DIR, preload=True),
         state_dir=MODELS_DIR.parent,
     )
     server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
-    assert server.app.services.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
+    # preloaded: no request is truncated meanwhile
+    assert server.app.services.compressor.wait_loaded(60)
     yield server
     server.stop()

@@ -1,4 +1,5 @@
-"""What one request may cost compression (issue 24): a budget, a truncation fallback, no model load on its path."""
+"""What one request may cost compression (issue 24): a budget, a truncation fallback, no model
+load on its path."""
 
 from __future__ import annotations
 
@@ -26,15 +27,28 @@ from .test_gateway import history
 
 QUESTION = {"role": "user", "content": "What is the vault code?"}
 # The newest messages are always kept: short ones, so that the window holds them.
-TAIL = [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Fine."},
-        {"role": "assistant", "content": "Noted."}, QUESTION]
+TAIL = [
+    {"role": "assistant", "content": "Noted."},
+    {"role": "user", "content": "Fine."},
+    {"role": "assistant", "content": "Noted."},
+    QUESTION,
+]
 
 
 def gateway_for(upstreams, **compression) -> FakeServer:
     config = Config(
         server=ServerConfig(max_body_bytes=8 * 1024 * 1024),
-        models=[ModelConfig(name="tiny", provider="openai", model="gpt-4-0613", context_window=SMALL_WINDOW,
-                            max_output_tokens=100, api_base=upstreams["openai"].url + "/v1", api_key=API_KEY)],
+        models=[
+            ModelConfig(
+                name="tiny",
+                provider="openai",
+                model="gpt-4-0613",
+                context_window=SMALL_WINDOW,
+                max_output_tokens=100,
+                api_base=upstreams["openai"].url + "/v1",
+                api_key=API_KEY,
+            )
+        ],
         compression=CompressionConfig(**{"cache_dir": MODELS_DIR, **compression}),
         state_dir=MODELS_DIR.parent,
     )
@@ -45,9 +59,13 @@ def pathological(n: int = 300, words: int = 300, seed: int = 0) -> list[dict]:
     """n long messages of words never seen before: nothing is cached, every sentence is new."""
     rng = random.Random(seed)
     vocab = ["".join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(7)) for _ in range(4_000)]
-    return [{"role": "user" if i % 2 == 0 else "assistant",
-             "content": ". ".join(" ".join(rng.choices(vocab, k=10)) for _ in range(words // 10))}
-            for i in range(n)]
+    return [
+        {
+            "role": "user" if i % 2 == 0 else "assistant",
+            "content": ". ".join(" ".join(rng.choices(vocab, k=10)) for _ in range(words // 10)),
+        }
+        for i in range(n)
+    ]
 
 
 def rss_mb() -> float:
@@ -55,15 +73,17 @@ def rss_mb() -> float:
 
 
 def post(url: str, messages: list[dict]) -> httpx.Response:
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": messages}, timeout=60)
+    r = httpx.post(
+        url + "/v1/chat/completions", json={"model": "tiny", "messages": messages}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r
 
 
 @pytest.fixture(scope="module")
 def budgeted(upstreams):
-    # Room for an ordinary cold 40-turn history (~3.2 k word pieces), not for 300 messages of new words
-    # (their chunks alone are 153.6 k: ~8–20 s of both cores without a budget).
+    # Room for an ordinary cold 40-turn history (~3.2 k word pieces), not for 300 messages of new
+    # words (their chunks alone are 153.6 k: ~8–20 s of both cores without a budget).
     server = gateway_for(upstreams, preload=True, max_embed_tokens=8_000, max_plan_seconds=8)
     assert server.app.services.compressor.wait_loaded(60)
     yield server
@@ -78,7 +98,8 @@ def test_a_pathological_request_is_truncated_within_its_budget(budgeted):
     assert r.headers["x-flashstack-compression"] == "truncated"
     assert r.headers["x-flashstack-compression-fallback"] == "budget"
     assert r.json()["choices"][0]["message"]["content"] == "echo: What is the vault code?"
-    assert wall < 10 and cpu < 20, (wall, cpu)  # 8 k word pieces: ~0.5 s on two idle cores, ≤ 8 s by deadline
+    # 8 k word pieces: ~0.5 s on two idle cores, ≤ 8 s by deadline
+    assert wall < 10 and cpu < 20, (wall, cpu)
     assert rss_mb() - before < 300
     # The next ordinary conversation is compressed as usual.
     r = post(budgeted.url, [*history(40), QUESTION])
@@ -102,15 +123,25 @@ def test_the_deadline_counts_from_arrival(upstreams):
 
 async def test_too_many_old_messages_skip_straight_to_truncation(embedder):
     c = Compressor(CompressionConfig(max_units=20), MODELS_DIR.parent, embedder=embedder)
-    msgs = [Message("user" if i % 2 == 0 else "assistant", [Text(f"message {i} " * 30)]) for i in range(60)]
+    msgs = [
+        Message("user" if i % 2 == 0 else "assistant", [Text(f"message {i} " * 30)])
+        for i in range(60)
+    ]
     req = ChatRequest(model="m", messages=[*msgs, Message("user", [Text("and?")])])
-    out, outcome = await c.maybe_compress(req, model(context_window=SMALL_WINDOW, max_output_tokens=100))
-    assert outcome.action == "truncated" and outcome.fallback == "budget" and len(out.messages) < len(req.messages)
+    out, outcome = await c.maybe_compress(
+        req, model(context_window=SMALL_WINDOW, max_output_tokens=100)
+    )
+    assert (
+        outcome.action == "truncated"
+        and outcome.fallback == "budget"
+        and len(out.messages) < len(req.messages)
+    )
 
 
 def test_a_spent_budget_keeps_what_it_embedded(embedder):
     texts = [f"budget probe {i}: " + "quartz " * (i // 4) for i in range(150)]
-    budget = Budget.of(2_000, 60)  # the 64 shortest (one group, ~1.3 k padded tokens) fit; the rest do not
+    # the 64 shortest (one group, ~1.3 k padded tokens) fit; the rest do not
+    budget = Budget.of(2_000, 60)
     with pytest.raises(BudgetExceeded):
         embedder.embed(texts, budget)
     cached = [embedder.cached(t) for t in texts]
@@ -118,7 +149,7 @@ def test_a_spent_budget_keeps_what_it_embedded(embedder):
     assert embedder.embed(texts).shape == (len(texts), 384)
 
 
-# ---- the model load is off every request's path ---------------------------------------------------
+# ---- the model load is off every request's path --------------------------------------------------
 
 
 def test_requests_while_the_model_loads_are_truncated_then_compressed(upstreams, monkeypatch):
@@ -130,7 +161,8 @@ def test_requests_while_the_model_loads_are_truncated_then_compressed(upstreams,
         return load(self)
 
     monkeypatch.setattr(Compressor, "_load_embedder", slow_load)
-    server = gateway_for(upstreams)  # preload off: the first request that needs the model starts the load
+    # preload off: the first request that needs the model starts the load
+    server = gateway_for(upstreams)
     try:
         compressor = server.app.services.compressor
         assert compressor.state == "idle"
@@ -140,12 +172,16 @@ def test_requests_while_the_model_loads_are_truncated_then_compressed(upstreams,
         assert r.headers["x-flashstack-compression"] == "truncated"
         assert r.headers["x-flashstack-compression-fallback"] == "warming-up"
         ready = httpx.get(server.url + "/health/readiness")
-        assert ready.status_code == 503 and ready.json()["compression"] == {"embedding_model": "loading"}
+        assert ready.status_code == 503 and ready.json()["compression"] == {
+            "embedding_model": "loading"
+        }
         gate.set()
         assert compressor.wait_loaded(60)
         r = post(server.url, [*history(40), QUESTION])
         assert r.headers["x-flashstack-compression"] == "compressed"
-        assert httpx.get(server.url + "/health/readiness").json()["compression"] == {"embedding_model": "ready"}
+        assert httpx.get(server.url + "/health/readiness").json()["compression"] == {
+            "embedding_model": "ready"
+        }
     finally:
         gate.set()
         server.stop()
@@ -165,9 +201,15 @@ print(json.dumps([loaded, c.state, [m for m in ("torch", "transformers") if m in
 def test_the_model_is_built_in_a_child_and_a_failed_build_leaves_truncation(tmp_path, upstreams):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the model directory would go: the build fails at once")
-    out = subprocess.run([sys.executable, "-c", FAILED_BUILD, str(blocker)], capture_output=True, text=True,
-                         timeout=60, check=True)
-    # The export (torch, transformers: ~900 MB never given back) ran, and failed, in a child process.
+    out = subprocess.run(
+        [sys.executable, "-c", FAILED_BUILD, str(blocker)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    # The export (torch, transformers: ~900 MB never given back) ran, and failed, in
+    # a child process.
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, "failed", []]
     assert "building the embedding model" in out.stderr and "failed" in out.stderr
     server = gateway_for(upstreams, preload=True, cache_dir=blocker)
@@ -175,6 +217,8 @@ def test_the_model_is_built_in_a_child_and_a_failed_build_leaves_truncation(tmp_
         assert not server.app.services.compressor.wait_loaded(60)
         r = post(server.url, [*history(40), QUESTION])
         assert r.headers["x-flashstack-compression-fallback"] == "unavailable"
-        assert httpx.get(server.url + "/health/readiness").json()["compression"] == {"embedding_model": "failed"}
+        assert httpx.get(server.url + "/health/readiness").json()["compression"] == {
+            "embedding_model": "failed"
+        }
     finally:
         server.stop()

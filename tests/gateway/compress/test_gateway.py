@@ -21,17 +21,24 @@ def history(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def oai(small_gateway):
-    return openai.OpenAI(base_url=small_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=small_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")
 def claude(small_gateway):
-    return anthropic.Anthropic(base_url=small_gateway.url, api_key="unused", max_retries=0, timeout=60)
+    return anthropic.Anthropic(
+        base_url=small_gateway.url, api_key="unused", max_retries=0, timeout=60
+    )
 
 
 def test_long_conversation_is_compressed_and_answered(oai):
-    messages = [{"role": "system", "content": "Be brief."}, *history(40),
-                {"role": "user", "content": "What is the vault code?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        *history(40),
+        {"role": "user", "content": "What is the vault code?"},
+    ]
     raw = oai.chat.completions.with_raw_response.create(model="tiny", messages=messages)
     resp = raw.parse()
     assert resp.choices[0].message.content == "echo: What is the vault code?"
@@ -47,30 +54,36 @@ def test_long_conversation_is_compressed_and_answered(oai):
 
 def test_streaming_gets_the_same_headers(oai):
     messages = [*history(40), {"role": "user", "content": "What is the vault code?"}]
-    with oai.chat.completions.with_streaming_response.create(model="tiny", messages=messages, stream=True) as r:
+    with oai.chat.completions.with_streaming_response.create(
+        model="tiny", messages=messages, stream=True
+    ) as r:
         assert r.headers["x-flashstack-compression"] == "compressed"
         text = "".join(c.choices[0].delta.content or "" for c in r.parse() if c.choices)
     assert text == "echo: What is the vault code?"
 
 
 def test_short_conversation_untouched(oai):
-    raw = oai.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    raw = oai.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}]
+    )
     assert "x-flashstack-compression" not in raw.headers
     assert raw.parse().choices[0].message.content == "echo: hi"
 
 
 def test_truncate_on_request(oai):
     messages = [*history(40), {"role": "user", "content": "What is the vault code?"}]
-    raw = oai.chat.completions.with_raw_response.create(model="tiny", messages=messages,
-                                                        extra_body={"compression": "truncate"})
+    raw = oai.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, extra_body={"compression": "truncate"}
+    )
     assert raw.headers["x-flashstack-compression"] == "truncated"
     assert int(raw.headers["x-flashstack-messages-dropped"]) > 0
 
 
 def test_off_on_request_passes_through(oai):
     messages = [*history(40), {"role": "user", "content": "What is the vault code?"}]
-    raw = oai.chat.completions.with_raw_response.create(model="tiny", messages=messages,
-                                                        extra_body={"compression": "off"})
+    raw = oai.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, extra_body={"compression": "off"}
+    )
     assert "x-flashstack-compression" not in raw.headers
     assert raw.parse().usage.prompt_tokens >= sum(len(m["content"].split()) for m in messages)
 
@@ -89,23 +102,47 @@ def test_unfittable_is_400_in_anthropic_format(claude):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="tiny-claude", max_tokens=50, messages=messages)
     assert e.value.status_code == 400
-    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert (
+        e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    )
 
 
 def test_anthropic_tool_use_history_compressed_without_splitting(claude, upstreams):
     msgs: list[dict] = []
     for i in range(24):
         msgs.append({"role": "user", "content": f"Turn {i}. {TOPICS[i % 4]} " * 3})
-        msgs.append({"role": "assistant", "content": [
-            {"type": "text", "text": "Checking."},
-            {"type": "tool_use", "id": f"toolu_{i:03d}", "name": "lookup", "input": {"q": i}}]})
-        msgs.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": f"toolu_{i:03d}", "content": f"result {i} " * 10}]})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Checking."},
+                    {
+                        "type": "tool_use",
+                        "id": f"toolu_{i:03d}",
+                        "name": "lookup",
+                        "input": {"q": i},
+                    },
+                ],
+            }
+        )
+        msgs.append(
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": f"toolu_{i:03d}",
+                        "content": f"result {i} " * 10,
+                    }
+                ],
+            }
+        )
         msgs.append({"role": "assistant", "content": f"Result {i} noted."})
     msgs.append({"role": "user", "content": "Summarize the results."})
     tools = [{"name": "lookup", "description": "look up", "input_schema": {"type": "object"}}]
-    raw = claude.messages.with_raw_response.create(model="tiny-claude", max_tokens=50, messages=msgs, tools=tools,
-                                                   tool_choice={"type": "none"})
+    raw = claude.messages.with_raw_response.create(
+        model="tiny-claude", max_tokens=50, messages=msgs, tools=tools, tool_choice={"type": "none"}
+    )
     assert raw.http_response.status_code == 200
     assert raw.headers["x-flashstack-compression"] == "compressed"
     # What the upstream received: every tool_result right after the assistant turn with its tool_use
@@ -124,8 +161,11 @@ def test_anthropic_tool_use_history_compressed_without_splitting(claude, upstrea
 
 def test_bad_compression_field_is_400(small_gateway, oai):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                    extra_body={"compression": "squash"})
+        oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"compression": "squash"},
+        )
     assert "compression" in e.value.message
 
 
@@ -133,7 +173,10 @@ def test_metrics_count_compressions(small_gateway, oai):
     messages = [*history(40), {"role": "user", "content": "What is the vault code?"}]
     oai.chat.completions.create(model="tiny", messages=messages)
     body = httpx.get(small_gateway.url + "/metrics").text
-    line = next(ln for ln in body.splitlines()
-                if ln.startswith('flashstack_compression_requests_total{action="compressed",model="tiny"}'))
+    line = next(
+        ln
+        for ln in body.splitlines()
+        if ln.startswith('flashstack_compression_requests_total{action="compressed",model="tiny"}')
+    )
     assert float(line.split()[-1]) >= 1
     assert "flashstack_compression_tokens_saved_total" in body

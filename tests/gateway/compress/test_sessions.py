@@ -1,5 +1,6 @@
 """Compression inside sessions: the session's mode, and embeddings and summaries kept in the store,
-so a turn after a restart (a new app on the same database) embeds and summarizes only what is new."""
+so a turn after a restart (a new app on the same database) embeds and summarizes
+only what is new."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ QUESTION = "What is the vault code?"
 FOLLOW_UP = "And which city does the train leave from?"
 
 
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
 def store(request, tmp_path_factory):
     if request.param == "postgres" and not pg_available():
         pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
@@ -70,8 +73,17 @@ class Gateway:
     def __init__(self, upstreams, store: ScratchStore, tmp) -> None:
         self.config = Config(
             server=ServerConfig(max_body_bytes=4 * 1024 * 1024),
-            models=[ModelConfig(name="tiny", provider="openai", model="gpt-4-0613", context_window=SMALL_WINDOW,
-                                max_output_tokens=100, api_base=upstreams["openai"].url + "/v1", api_key=API_KEY)],
+            models=[
+                ModelConfig(
+                    name="tiny",
+                    provider="openai",
+                    model="gpt-4-0613",
+                    context_window=SMALL_WINDOW,
+                    max_output_tokens=100,
+                    api_base=upstreams["openai"].url + "/v1",
+                    api_key=API_KEY,
+                )
+            ],
             store=store.config(),
             compression=CompressionConfig(cache_dir=MODELS_DIR, preload=True),
             state_dir=tmp,
@@ -80,7 +92,8 @@ class Gateway:
 
     def start(self) -> Gateway:
         self.server = FakeServer(create_app(self.config), lifespan="on", loop="uvloop").start()
-        assert self.server.app.services.compressor.wait_loaded(60)  # preloaded: no request is truncated meanwhile
+        # preloaded: no request is truncated meanwhile
+        assert self.server.app.services.compressor.wait_loaded(60)
         return self
 
     def stop(self) -> None:
@@ -99,14 +112,22 @@ class Gateway:
         return r.json()["id"]
 
     def chat(self, sid: str, messages: list[dict], **extra) -> httpx.Headers:
-        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60
+        )
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=messages, extra_headers={"x-session-id": sid}, extra_body=extra or None)
+            model="tiny",
+            messages=messages,
+            extra_headers={"x-session-id": sid},
+            extra_body=extra or None,
+        )
         raw.parse()
         return raw.headers
 
     def post(self, sid: str, text: str, **extra) -> httpx.Response:
-        r = httpx.post(f"{self.url}/v1/sessions/{sid}/messages", json={"content": text, **extra}, timeout=60)
+        r = httpx.post(
+            f"{self.url}/v1/sessions/{sid}/messages", json={"content": text, **extra}, timeout=60
+        )
         assert r.status_code == 200, r.text
         return r
 
@@ -128,16 +149,21 @@ def test_bad_session_mode_is_400_at_create_and_update(gateway):
     sid = gateway.session(compression="off")
     r = httpx.post(f"{gateway.url}/v1/sessions/{sid}", json={"metadata": {"compression": "zip"}})
     assert r.status_code == 400 and "auto, off, truncate" in r.json()["error"]["message"]
-    assert httpx.get(f"{gateway.url}/v1/sessions/{sid}").json()["metadata"] == {"compression": "off"}
+    assert httpx.get(f"{gateway.url}/v1/sessions/{sid}").json()["metadata"] == {
+        "compression": "off"
+    }
 
 
 def test_session_mode_applies_to_every_turn_unless_the_request_overrides_it(gateway, upstreams):
     sid = gateway.session(compression="off")
     headers = gateway.chat(sid, long_history())
-    assert "x-flashstack-compression" not in headers  # the session said off: the model got all of it
+    # the session said off: the model got all of it
+    assert "x-flashstack-compression" not in headers
     r = gateway.post(sid, "Anything else?")  # the session endpoint too
     assert "x-flashstack-compression" not in r.headers
-    assert r.json()["usage"]["input_tokens"] >= sum(len(m["content"].split()) for m in long_history())
+    assert r.json()["usage"]["input_tokens"] >= sum(
+        len(m["content"].split()) for m in long_history()
+    )
     r = gateway.post(sid, "And now?", compression="auto")  # the request wins over the session
     assert r.headers["x-flashstack-compression"] == "compressed"
     headers = gateway.chat(sid, [{"role": "user", "content": "Once more?"}], compression="truncate")
@@ -153,7 +179,9 @@ def test_session_mode_applies_to_every_turn_unless_the_request_overrides_it(gate
 
 def test_bad_compression_on_a_session_turn_is_400(gateway):
     sid = gateway.session()
-    r = httpx.post(f"{gateway.url}/v1/sessions/{sid}/messages", json={"content": "hi", "compression": "zip"})
+    r = httpx.post(
+        f"{gateway.url}/v1/sessions/{sid}/messages", json={"content": "hi", "compression": "zip"}
+    )
     assert r.status_code == 400 and "compression" in r.json()["error"]["message"]
     assert httpx.get(f"{gateway.url}/v1/sessions/{sid}/messages").json()["data"] == []
 
@@ -161,7 +189,9 @@ def test_bad_compression_on_a_session_turn_is_400(gateway):
 def test_bad_compression_on_a_chat_joined_to_a_session_changes_nothing(gateway):
     sid = gateway.session()
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "compression": "zip"}
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"x-session-id": sid}, timeout=30)
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json=body, headers={"x-session-id": sid}, timeout=30
+    )
     assert r.status_code == 400 and "compression" in r.json()["error"]["message"]
     assert httpx.get(f"{gateway.url}/v1/sessions/{sid}/messages").json()["data"] == []
 
@@ -170,7 +200,11 @@ def test_pinned_indexes_count_from_the_callers_own_messages():
     from flashstack.gateway.compress import shift_pinned
     from flashstack.gateway.core import ChatRequest, Message, Text
 
-    req = ChatRequest("m", [Message("user", [Text("x")])], extensions={"compression": {"mode": "auto", "pinned": [0, 2]}})
+    req = ChatRequest(
+        "m",
+        [Message("user", [Text("x")])],
+        extensions={"compression": {"mode": "auto", "pinned": [0, 2]}},
+    )
     shift_pinned(req, 5)
     assert req.extensions["compression"]["pinned"] == [5, 7]
     shift_pinned(req, 0)
@@ -193,10 +227,14 @@ def test_after_a_restart_a_turn_embeds_and_summarizes_only_what_is_new(gateway, 
     gateway.chat(warm, long_history())
     assert counts.encoded and counts.summaries  # the first turn embedded and summarized cold
     first = set(counts.encoded)
-    assert store.query("SELECT COUNT(*) FROM fs_message_vectors WHERE session_id = ?", warm)[0][0] >= 40
+    assert (
+        store.query("SELECT COUNT(*) FROM fs_message_vectors WHERE session_id = ?", warm)[0][0]
+        >= 40
+    )
     n_summaries = store.query("SELECT COUNT(*) FROM fs_summaries WHERE session_id = ?", warm)[0][0]
     assert n_summaries > 0
-    cold = gateway.session()  # the same conversation, its memory then wiped: what turn two costs without it
+    # the same conversation, its memory then wiped: what turn two costs without it
+    cold = gateway.session()
     gateway.chat(cold, long_history())
     store.query("DELETE FROM fs_message_vectors WHERE session_id = ?", cold)
     store.query("DELETE FROM fs_summaries WHERE session_id = ?", cold)
@@ -220,9 +258,13 @@ def test_after_a_restart_a_turn_embeds_and_summarizes_only_what_is_new(gateway, 
 def test_deleting_a_session_deletes_its_memory(gateway, store):
     sid = gateway.session()
     gateway.chat(sid, long_history())
-    assert store.query("SELECT COUNT(*) FROM fs_message_vectors WHERE session_id = ?", sid)[0][0] > 0
+    assert (
+        store.query("SELECT COUNT(*) FROM fs_message_vectors WHERE session_id = ?", sid)[0][0] > 0
+    )
     assert httpx.delete(f"{gateway.url}/v1/sessions/{sid}").status_code == 200
-    assert store.query("SELECT COUNT(*) FROM fs_message_vectors WHERE session_id = ?", sid) == [(0,)]
+    assert store.query("SELECT COUNT(*) FROM fs_message_vectors WHERE session_id = ?", sid) == [
+        (0,)
+    ]
     assert store.query("SELECT COUNT(*) FROM fs_summaries WHERE session_id = ?", sid) == [(0,)]
 
 
@@ -243,7 +285,9 @@ class MemoryStore:
 class FakeTurn:
     """A turn of session `s` whose history is every message but the last."""
 
-    def __init__(self, store: MemoryStore, messages: list[Message], metadata: dict | None = None) -> None:
+    def __init__(
+        self, store: MemoryStore, messages: list[Message], metadata: dict | None = None
+    ) -> None:
         self.sessions = type("S", (), {"store": store})()
         self.session_id, self.in_session = "s", True
         self.history, self.inputs = messages[:-1], messages[-1:]
@@ -263,13 +307,21 @@ async def test_llm_summaries_are_kept_per_session_across_replicas(embedder):
 
     store, req = MemoryStore(), long_conversation(60)
     routers = [StubRouter("Short summary."), StubRouter("Short summary.")]
-    replicas = [Compressor(CompressionConfig(summarizer="llm"), MODELS_DIR.parent, r, embedder=embedder)
-                for r in routers]
-    out, _ = await replicas[0].compress(req, model(), 1200, memory=SessionMemory.of(FakeTurn(store, req.messages)))
-    assert "- Short summary." in out.system[-1].text and routers[0].calls == len(store.summaries) > 0
+    replicas = [
+        Compressor(CompressionConfig(summarizer="llm"), MODELS_DIR.parent, r, embedder=embedder)
+        for r in routers
+    ]
+    out, _ = await replicas[0].compress(
+        req, model(), 1200, memory=SessionMemory.of(FakeTurn(store, req.messages))
+    )
+    assert (
+        "- Short summary." in out.system[-1].text and routers[0].calls == len(store.summaries) > 0
+    )
     assert all(k for k in store.summaries)
     # Another replica (no in-process cache) summarizes none of those clusters again.
-    again, _ = await replicas[1].compress(req, model(), 1200, memory=SessionMemory.of(FakeTurn(store, req.messages)))
+    again, _ = await replicas[1].compress(
+        req, model(), 1200, memory=SessionMemory.of(FakeTurn(store, req.messages))
+    )
     assert routers[1].calls == 0 and again.system == out.system
     # Without a session the replica has nothing to reuse: the in-process cache is per replica.
     await replicas[1].compress(req, model(), 1200)

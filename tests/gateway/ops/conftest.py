@@ -6,7 +6,10 @@ import pytest
 
 from tests.gateway.sessions.support import ScratchStore, pg_available
 
-STORES = [pytest.param("sqlite", id="sqlite"), pytest.param("postgres", id="postgres", marks=pytest.mark.postgres)]
+STORES = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+]
 
 
 @pytest.fixture(params=STORES)

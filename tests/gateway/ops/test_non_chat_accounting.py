@@ -36,10 +36,16 @@ from tests.gateway.sessions.support import (
     redis_available,
 )
 
-ROUTING = RouterConfig(num_retries=0, retry_backoff=0, health_check_interval=0, breaker_failures=10**6,
-                       breaker_min_requests=10**6)
+ROUTING = RouterConfig(
+    num_retries=0,
+    retry_backoff=0,
+    health_check_interval=0,
+    breaker_failures=10**6,
+    breaker_min_requests=10**6,
+)
 MINI = DEFAULT_PRICES["gpt-4o-mini"]
-INPUT, CACHED, OUT = 1000, 100, 20  # what the metered upstream reports (OUT: the request's max_tokens)
+# what the metered upstream reports (OUT: the request's max_tokens)
+INPUT, CACHED, OUT = 1000, 100, 20
 EMBED_COST = INPUT * MINI.input / 1e6
 COMPLETION_COST = (INPUT * MINI.input + CACHED * MINI.cache_read + OUT * MINI.output) / 1e6
 
@@ -47,16 +53,39 @@ COMPLETION_COST = (INPUT * MINI.input + CACHED * MINI.cache_read + OUT * MINI.ou
 def _config(store: ScratchStore, tmp, upstream: FakeServer, redis_url: str | None = None) -> Config:
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: every attempt there fails
     return Config(
-        router=ROUTING, state_dir=tmp, store=store.config(), compression=CompressionConfig(cache_dir=MODELS_DIR),
+        router=ROUTING,
+        state_dir=tmp,
+        store=store.config(),
+        compression=CompressionConfig(cache_dir=MODELS_DIR),
         models=[
-            ModelConfig(name="dead", provider="openai", model="gpt-4o-mini", api_base=dead, api_key="sk-up",
-                        fallbacks=["mini"]),
-            ModelConfig(name="mini", provider="openai", model="gpt-4o-mini", api_base=upstream.url + "/v1",
-                        api_key="sk-up"),
-            ModelConfig(name="claude", provider="anthropic", model="claude-sonnet-4-5", api_base=upstream.url,
-                        api_key="sk-up"),
+            ModelConfig(
+                name="dead",
+                provider="openai",
+                model="gpt-4o-mini",
+                api_base=dead,
+                api_key="sk-up",
+                fallbacks=["mini"],
+            ),
+            ModelConfig(
+                name="mini",
+                provider="openai",
+                model="gpt-4o-mini",
+                api_base=upstream.url + "/v1",
+                api_key="sk-up",
+            ),
+            ModelConfig(
+                name="claude",
+                provider="anthropic",
+                model="claude-sonnet-4-5",
+                api_base=upstream.url,
+                api_key="sk-up",
+            ),
         ],
-        auth=AuthConfig(master_key=MASTER_KEY, redis_url=redis_url, redis_prefix=f"fs-test-{uuid.uuid4().hex[:8]}:"),
+        auth=AuthConfig(
+            master_key=MASTER_KEY,
+            redis_url=redis_url,
+            redis_prefix=f"fs-test-{uuid.uuid4().hex[:8]}:",
+        ),
         spend=SpendConfig(flush_interval=0.05),
     )
 
@@ -72,10 +101,17 @@ def _post(url: str, path: str, key: str, **body) -> httpx.Response:
 
 
 def _rows(store: ScratchStore, url: str, key_id: str) -> list[tuple]:
-    """The key's fs_requests rows, oldest first (the spend endpoint flushes the log's write buffer)."""
-    assert httpx.get(f"{url}/v1/keys/{key_id}/spend", headers=auth_headers(MASTER_KEY)).status_code == 200
-    return store.query("SELECT model, deployment, status, input_tokens, output_tokens, cache_read_tokens, "
-                       "cost_usd, detail FROM fs_requests WHERE key_id = ? ORDER BY created_at", key_id)
+    """The key's fs_requests rows, oldest first (the spend endpoint flushes the log's
+    write buffer)."""
+    assert (
+        httpx.get(f"{url}/v1/keys/{key_id}/spend", headers=auth_headers(MASTER_KEY)).status_code
+        == 200
+    )
+    return store.query(
+        "SELECT model, deployment, status, input_tokens, output_tokens, cache_read_tokens, "
+        "cost_usd, detail FROM fs_requests WHERE key_id = ? ORDER BY created_at",
+        key_id,
+    )
 
 
 def _sse_data(text: str) -> list:
@@ -85,34 +121,66 @@ def _sse_data(text: str) -> list:
 def test_routed_logged_and_charged_as_a_chat_is(store, upstream, tmp_path):
     tracing_exporter = InMemorySpanExporter()
     tracing = Tracing.with_processor(SimpleSpanProcessor(tracing_exporter))
-    with FakeServer(create_app(_config(store, tmp_path, upstream), tracing=tracing), lifespan="on") as gw:
+    with FakeServer(
+        create_app(_config(store, tmp_path, upstream), tracing=tracing), lifespan="on"
+    ) as gw:
         key = create_key(gw.url, name="non-chat", budget_day_usd=5)
         emb = _post(gw.url, "/v1/embeddings", key["key"], model="dead", input=["a", "b"])
-        done = _post(gw.url, "/v1/completions", key["key"], model="dead", prompt="Say", max_tokens=OUT)
-        streamed = _post(gw.url, "/v1/completions", key["key"], model="dead", prompt="Say", max_tokens=OUT,
-                         stream=True)
-        local = _post(gw.url, "/v1/embeddings", key["key"], model="minilm", input="a sentence to embed")
+        done = _post(
+            gw.url, "/v1/completions", key["key"], model="dead", prompt="Say", max_tokens=OUT
+        )
+        streamed = _post(
+            gw.url,
+            "/v1/completions",
+            key["key"],
+            model="dead",
+            prompt="Say",
+            max_tokens=OUT,
+            stream=True,
+        )
+        local = _post(
+            gw.url, "/v1/embeddings", key["key"], model="minilm", input="a sentence to embed"
+        )
         rows = _rows(store, gw.url, key["id"])
-        spend = httpx.get(f"{gw.url}/v1/keys/{key['id']}/spend", headers=auth_headers(MASTER_KEY)).json()
-    for r in (emb, done, streamed):  # the dead deployment failed, its fallback served: as a chat's route says
+        spend = httpx.get(
+            f"{gw.url}/v1/keys/{key['id']}/spend", headers=auth_headers(MASTER_KEY)
+        ).json()
+    # the dead deployment failed, its fallback served: as a chat's route says
+    for r in (emb, done, streamed):
         assert r.status_code == 200, r.text
-        assert r.headers["x-flashstack-route"].startswith("dead#0=") and r.headers["x-flashstack-deployment"] == "mini#0"
+        assert (
+            r.headers["x-flashstack-route"].startswith("dead#0=")
+            and r.headers["x-flashstack-deployment"] == "mini#0"
+        )
         assert r.headers["x-flashstack-route"].endswith(" mini#0=ok")
     assert emb.json()["model"] == done.json()["model"] == "dead"
     assert len(emb.json()["data"]) == 2 and done.json()["choices"][0]["text"] == "metered"
-    # Streamed without include_usage: the gateway asked the upstream for usage (the key is charged by
-    # it) and kept the usage chunk from the client.
-    assert streamed.status_code == 200 and upstream.app.state.bodies[-1]["stream_options"] == {"include_usage": True}
+    # Streamed without include_usage: the gateway asked the upstream for usage (the key is charged
+    # by it) and kept the usage chunk from the client.
+    assert streamed.status_code == 200 and upstream.app.state.bodies[-1]["stream_options"] == {
+        "include_usage": True
+    }
     chunks = _sse_data(streamed.text)
-    assert chunks and all("usage" not in c for c in chunks) and streamed.text.endswith("data: [DONE]\n\n")
+    assert (
+        chunks
+        and all("usage" not in c for c in chunks)
+        and streamed.text.endswith("data: [DONE]\n\n")
+    )
     assert all(c["model"] == "dead" for c in chunks)
     assert local.status_code == 200 and local.headers["x-flashstack-deployment"] == "minilm"
 
-    (m_emb, d_emb, s_emb, in_emb, out_emb, c_emb, cost_emb, detail_emb), done_row, stream_row, local_row = rows
+    (
+        (m_emb, d_emb, s_emb, in_emb, out_emb, c_emb, cost_emb, detail_emb),
+        done_row,
+        stream_row,
+        local_row,
+    ) = rows
     assert (m_emb, d_emb, s_emb, in_emb, out_emb, c_emb) == ("dead", "mini#0", 200, INPUT, 0, 0)
     assert cost_emb == pytest.approx(EMBED_COST)
     assert [a["result"] for a in orjson.loads(detail_emb)["route"]] == ["502", "ok"]
-    assert done_row[:6] == ("dead", "mini#0", 200, INPUT, OUT, CACHED) and done_row[6] == pytest.approx(COMPLETION_COST)
+    assert done_row[:6] == ("dead", "mini#0", 200, INPUT, OUT, CACHED) and done_row[
+        6
+    ] == pytest.approx(COMPLETION_COST)
     assert stream_row[:6] == ("dead", "mini#0", 200, INPUT, OUT, CACHED)
     assert stream_row[6] == pytest.approx(COMPLETION_COST)
     assert local_row[:3] == ("minilm", "minilm", 200) and local_row[3] > 3 and local_row[6] == 0
@@ -120,10 +188,16 @@ def test_routed_logged_and_charged_as_a_chat_is(store, upstream, tmp_path):
 
     spans = tracing_exporter.get_finished_spans()
     roots = [s for s in spans if s.kind.name == "SERVER"]
-    assert [s.name for s in roots] == ["embeddings dead", "text_completion dead", "text_completion dead",
-                                       "embeddings minilm"]
+    assert [s.name for s in roots] == [
+        "embeddings dead",
+        "text_completion dead",
+        "text_completion dead",
+        "embeddings minilm",
+    ]
     embed_root = roots[0]
-    attempts = [s for s in spans if s.parent is not None and s.parent.span_id == embed_root.context.span_id]
+    attempts = [
+        s for s in spans if s.parent is not None and s.parent.span_id == embed_root.context.span_id
+    ]
     assert [a.name for a in attempts] == ["embeddings gpt-4o-mini"] * 2
     assert [a.attributes["flashstack.deployment"] for a in attempts] == ["dead#0", "mini#0"]
     assert attempts[1].attributes["gen_ai.operation.name"] == "embeddings"
@@ -131,7 +205,10 @@ def test_routed_logged_and_charged_as_a_chat_is(store, upstream, tmp_path):
     assert embed_root.attributes["flashstack.cost_usd"] == pytest.approx(EMBED_COST)
 
 
-LEDGERS = [pytest.param(None, id="local"), pytest.param(REDIS_URL, id="redis", marks=pytest.mark.redis)]
+LEDGERS = [
+    pytest.param(None, id="local"),
+    pytest.param(REDIS_URL, id="redis", marks=pytest.mark.redis),
+]
 
 
 @pytest.mark.parametrize("redis_url", LEDGERS)
@@ -143,7 +220,10 @@ def test_the_keys_models_limits_and_budget_hold(store, upstream, tmp_path, redis
         for path, field in (("/v1/embeddings", "input"), ("/v1/completions", "prompt")):
             r = _post(gw.url, path, only_claude, model="mini", **{field: "x"})
             assert r.status_code == 403 and r.json()["error"]["param"] == "model", r.text
-        assert _post(gw.url, "/v1/embeddings", "fsk_not-a-key", model="mini", input="x").status_code == 401
+        assert (
+            _post(gw.url, "/v1/embeddings", "fsk_not-a-key", model="mini", input="x").status_code
+            == 401
+        )
 
         slow = create_key(gw.url, name="one-a-minute", rpm=1)["key"]
         assert _post(gw.url, "/v1/embeddings", slow, model="mini", input="x").status_code == 200
@@ -151,10 +231,21 @@ def test_the_keys_models_limits_and_budget_hold(store, upstream, tmp_path, redis
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
         assert "over its limit (1 requests/min)" in refused.json()["error"]["message"]
 
-        # A budget below one completion: the first, alone in flight, may go over; the next is refused.
+        # A budget below one completion: the first, alone in flight, may go over; the
+        # next is refused.
         broke = create_key(gw.url, name="broke", budget_day_usd=COMPLETION_COST / 2)
-        assert _post(gw.url, "/v1/completions", broke["key"], model="mini", prompt="x", max_tokens=OUT,
-                     stream=True).status_code == 200
+        assert (
+            _post(
+                gw.url,
+                "/v1/completions",
+                broke["key"],
+                model="mini",
+                prompt="x",
+                max_tokens=OUT,
+                stream=True,
+            ).status_code
+            == 200
+        )
         # The stream's charge settled before its last byte went out.
         over = _post(gw.url, "/v1/embeddings", broke["key"], model="mini", input="x")
         assert over.status_code == 429, over.text
@@ -170,5 +261,7 @@ def test_chat_only_and_unknown_models_are_refused_in_openai_format(upstream, tmp
             chat_only = _post(gw.url, path, MASTER_KEY, model="claude", **{field: "x"})
             assert chat_only.status_code == 400 and chat_only.json()["error"]["param"] == "model"
             unknown = _post(gw.url, path, MASTER_KEY, model="nope", **{field: "x"})
-            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+            assert (
+                unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+            )
             assert unknown.headers["x-request-id"].startswith("req_")

@@ -1,4 +1,5 @@
-"""OpenTelemetry: a server span per request, a client span per attempt, GenAI attributes, W3C context."""
+"""OpenTelemetry: a server span per request, a client span per attempt, GenAI
+attributes, W3C context."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def _closed_port() -> int:
 
 @pytest.fixture(scope="module")
 def upstream():
-    server = FakeServer(metered_upstream.create_app(input_tokens=1000, cache_read=100, cache_write=50)).start()
+    server = FakeServer(
+        metered_upstream.create_app(input_tokens=1000, cache_read=100, cache_write=50)
+    ).start()
     yield server
     server.stop()
 
@@ -44,15 +47,32 @@ def upstream():
 def _config(upstream: FakeServer, tmp, **telemetry_fields) -> Config:
     dead = f"http://127.0.0.1:{_closed_port()}"
     return Config(
-        router=RouterConfig(num_retries=1, retry_backoff=0, health_check_interval=0, breaker_failures=10**6,
-                            breaker_min_requests=10**6),
+        router=RouterConfig(
+            num_retries=1,
+            retry_backoff=0,
+            health_check_interval=0,
+            breaker_failures=10**6,
+            breaker_min_requests=10**6,
+        ),
         models=[
-            ModelConfig(name="flaky", provider="anthropic", model="claude-haiku-4-5", api_base=dead, api_key="k",
-                        fallbacks=["sonnet"]),
-            ModelConfig(name="sonnet", provider="anthropic", model="claude-sonnet-4-5", api_base=upstream.url,
-                        api_key="k"),
+            ModelConfig(
+                name="flaky",
+                provider="anthropic",
+                model="claude-haiku-4-5",
+                api_base=dead,
+                api_key="k",
+                fallbacks=["sonnet"],
+            ),
+            ModelConfig(
+                name="sonnet",
+                provider="anthropic",
+                model="claude-sonnet-4-5",
+                api_base=upstream.url,
+                api_key="k",
+            ),
         ],
-        telemetry=TelemetryConfig(**telemetry_fields), state_dir=tmp,
+        telemetry=TelemetryConfig(**telemetry_fields),
+        state_dir=tmp,
     )
 
 
@@ -66,11 +86,22 @@ def traced(upstream, tmp_path_factory):
     server.stop()
 
 
-def _post(url: str, stream: bool = False, model: str = "flaky", headers: dict | None = None) -> httpx.Response:
-    body = {"model": model, "max_tokens": 100, "stream": stream, "temperature": 0.5,
-            "messages": [{"role": "user", "content": "hello"}]}
-    return httpx.post(url + "/v1/messages", json=body, timeout=20,
-                      headers={"anthropic-version": "2023-06-01", **(headers or {})})
+def _post(
+    url: str, stream: bool = False, model: str = "flaky", headers: dict | None = None
+) -> httpx.Response:
+    body = {
+        "model": model,
+        "max_tokens": 100,
+        "stream": stream,
+        "temperature": 0.5,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    return httpx.post(
+        url + "/v1/messages",
+        json=body,
+        timeout=20,
+        headers={"anthropic-version": "2023-06-01", **(headers or {})},
+    )
 
 
 def _wait_for(exporter: InMemorySpanExporter, n: int) -> list:
@@ -92,27 +123,49 @@ def test_span_tree_retries_and_fallback(traced, upstream, stream):
     attempts = sorted((s for s in spans if s.kind.name == "CLIENT"), key=lambda s: s.start_time)
     assert len(spans) == 4 and len(attempts) == 3
     # The client's trace continues: the request span is the child of its traceparent.
-    assert f"{root.context.trace_id:032x}" == CLIENT_TRACE and f"{root.parent.span_id:016x}" == CLIENT_SPAN
-    assert all(a.parent.span_id == root.context.span_id for a in attempts)  # retries and fallbacks: siblings
+    assert (
+        f"{root.context.trace_id:032x}" == CLIENT_TRACE
+        and f"{root.parent.span_id:016x}" == CLIENT_SPAN
+    )
+    # retries and fallbacks: siblings
+    assert all(a.parent.span_id == root.context.span_id for a in attempts)
     assert root.name == "chat flaky"
-    assert root.attributes["gen_ai.request.model"] == "flaky" and root.attributes["http.response.status_code"] == 200
-    assert root.attributes["flashstack.attempts"] == 3 and root.attributes["flashstack.deployment"] == "sonnet#0"
+    assert (
+        root.attributes["gen_ai.request.model"] == "flaky"
+        and root.attributes["http.response.status_code"] == 200
+    )
+    assert (
+        root.attributes["flashstack.attempts"] == 3
+        and root.attributes["flashstack.deployment"] == "sonnet#0"
+    )
     # Two attempts on the dead deployment (the retry, then the fallback's), both failed.
     for a in attempts[:2]:
         assert a.name == "chat claude-haiku-4-5" and a.status.status_code.name == "ERROR"
-        assert a.attributes["flashstack.deployment"] == "flaky#0" and a.attributes["error.type"] == "502"
+        assert (
+            a.attributes["flashstack.deployment"] == "flaky#0"
+            and a.attributes["error.type"] == "502"
+        )
     ok = attempts[2]
     assert ok.name == "chat claude-sonnet-4-5" and ok.status.status_code.name == "UNSET"
     assert [a.attributes["flashstack.attempt"] for a in attempts] == [1, 2, 3]
     expected = {
-        "gen_ai.operation.name": "chat", "gen_ai.provider.name": "anthropic", "gen_ai.request.model": "claude-sonnet-4-5",
-        "gen_ai.request.max_tokens": 100, "gen_ai.request.temperature": 0.5, "gen_ai.response.model": "claude-sonnet-4-5",
-        "gen_ai.response.finish_reasons": ("end_turn",), "gen_ai.usage.input_tokens": 1150,
-        "gen_ai.usage.output_tokens": 100, "gen_ai.usage.cache_read.input_tokens": 100,
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "anthropic",
+        "gen_ai.request.model": "claude-sonnet-4-5",
+        "gen_ai.request.max_tokens": 100,
+        "gen_ai.request.temperature": 0.5,
+        "gen_ai.response.model": "claude-sonnet-4-5",
+        "gen_ai.response.finish_reasons": ("end_turn",),
+        "gen_ai.usage.input_tokens": 1150,
+        "gen_ai.usage.output_tokens": 100,
+        "gen_ai.usage.cache_read.input_tokens": 100,
         "gen_ai.usage.cache_creation.input_tokens": 50,
     }
     assert {k: ok.attributes.get(k) for k in expected} == expected
-    assert root.attributes["gen_ai.usage.input_tokens"] == 1150 and root.attributes["flashstack.cost_usd"] > 0
+    assert (
+        root.attributes["gen_ai.usage.input_tokens"] == 1150
+        and root.attributes["flashstack.cost_usd"] > 0
+    )
     # The serving attempt's context went upstream.
     sent = upstream.app.state.headers[-1]["traceparent"]
     assert sent == f"00-{CLIENT_TRACE}-{ok.context.span_id:016x}-01"
@@ -132,8 +185,12 @@ def test_off_by_default_and_the_standard_variables():
     assert not telemetry.enabled(off, {})
     assert Tracing.from_config(off, {}) is None
     assert telemetry.enabled(off, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
-    assert not telemetry.enabled(off, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_SDK_DISABLED": "true"})
-    assert not telemetry.enabled(TelemetryConfig(enabled=False), {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c"})
+    assert not telemetry.enabled(
+        off, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_SDK_DISABLED": "true"}
+    )
+    assert not telemetry.enabled(
+        TelemetryConfig(enabled=False), {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c"}
+    )
     assert telemetry.outgoing_headers({"a": "b"}) == {"a": "b"}  # no attempt traced: nothing added
 
 
@@ -154,28 +211,46 @@ class Receiver:
                 self.tokens.append(request.headers.get("x-collector-token", ""))
             return Response(b"", media_type="application/x-protobuf")
 
-        self.server = FakeServer(Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])).start()
+        self.server = FakeServer(
+            Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])
+        ).start()
 
     def spans(self) -> list:
         with self.lock:
-            return [(r.resource, s) for m in self.requests for r in m.resource_spans
-                    for ss in r.scope_spans for s in ss.spans]
+            return [
+                (r.resource, s)
+                for m in self.requests
+                for r in m.resource_spans
+                for ss in r.scope_spans
+                for s in ss.spans
+            ]
 
 
 def test_exported_over_otlp_http_protobuf(upstream, tmp_path):
     receiver = Receiver()
     try:
-        config = _config(upstream, tmp_path, enabled=True, endpoint=receiver.server.url + "/v1/traces",
-                         service_name="gw-under-test", headers={"x-collector-token": "t0ken"})
+        config = _config(
+            upstream,
+            tmp_path,
+            enabled=True,
+            endpoint=receiver.server.url + "/v1/traces",
+            service_name="gw-under-test",
+            headers={"x-collector-token": "t0ken"},
+        )
         gateway = FakeServer(create_app(config), lifespan="on", loop="uvloop").start()
         try:
-            assert _post(gateway.url, model="sonnet", headers={"traceparent": TRACEPARENT}).status_code == 200
+            assert (
+                _post(gateway.url, model="sonnet", headers={"traceparent": TRACEPARENT}).status_code
+                == 200
+            )
         finally:
             gateway.stop()  # shutdown flushes the batch
         spans = receiver.spans()
     finally:
         receiver.server.stop()
-    assert receiver.content_types and all(c == "application/x-protobuf" for c in receiver.content_types)
+    assert receiver.content_types and all(
+        c == "application/x-protobuf" for c in receiver.content_types
+    )
     assert len(spans) == 2
     resource = {a.key: a.value.string_value for a in spans[0][0].attributes}
     assert resource["service.name"] == "gw-under-test"

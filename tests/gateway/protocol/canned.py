@@ -23,7 +23,8 @@ from tests.fakes.recording import EventStream, init_state, record
 @dataclass
 class Reply:
     body: dict[str, Any] = field(default_factory=dict)  # the non-stream answer
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (SSE event name or "", data)
+    # (SSE event name or "", data)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     status: int = 200  # of the non-stream answer
     done: bool = True  # OpenAI streams end with data: [DONE]
@@ -40,8 +41,11 @@ def _sse(events: list[tuple[str, dict[str, Any]]], done: bool) -> AsyncIterator[
     return body()
 
 
-def _usage_as_asked(events: list[tuple[str, dict[str, Any]]], body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """As OpenAI streams: usage (and the usage-only chunk) only with stream_options.include_usage."""
+def _usage_as_asked(
+    events: list[tuple[str, dict[str, Any]]], body: dict[str, Any]
+) -> list[tuple[str, dict[str, Any]]]:
+    """As OpenAI streams: usage (and the usage-only chunk) only with
+    stream_options.include_usage."""
     if (body.get("stream_options") or {}).get("include_usage"):
         return events
     out = []
@@ -53,7 +57,8 @@ def _usage_as_asked(events: list[tuple[str, dict[str, Any]]], body: dict[str, An
 
 
 def create_app(wire: str) -> FastAPI:
-    """A canned upstream of `wire` ("openai": /v1/chat/completions; "anthropic": /v1/messages[/count_tokens])."""
+    """A canned upstream of `wire` ("openai": /v1/chat/completions; "anthropic":
+    /v1/messages[/count_tokens])."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     init_state(app)
     app.state.reply = Reply()
@@ -63,9 +68,19 @@ def create_app(wire: str) -> FastAPI:
         reply: Reply = request.app.state.reply
         if isinstance(body, dict) and body.get("stream"):
             events = reply.events if wire != "openai" else _usage_as_asked(reply.events, body)
-            return EventStream(_sse(events, reply.done and wire == "openai"), "text/event-stream",
-                               reply.headers, index, request.app.state.cancelled)
-        return Response(orjson.dumps(reply.body), reply.status, media_type="application/json", headers=reply.headers)
+            return EventStream(
+                _sse(events, reply.done and wire == "openai"),
+                "text/event-stream",
+                reply.headers,
+                index,
+                request.app.state.cancelled,
+            )
+        return Response(
+            orjson.dumps(reply.body),
+            reply.status,
+            media_type="application/json",
+            headers=reply.headers,
+        )
 
     if wire == "openai":
         app.add_route("/v1/chat/completions", answer, methods=["POST"])

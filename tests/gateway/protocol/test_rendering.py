@@ -12,8 +12,12 @@ def _request(wire: str, *messages: Message) -> ChatRequest:
 
 
 def test_history_goes_to_openai_as_strings():
-    history = [Message("user", [Text("a"), Text("b")]), Message("user", [ToolResult("call_1", [Text("18 C")])])]
-    own = Message("user", [Text("c")], plain=False)  # the client sent [{"type": "text", "text": "c"}]
+    history = [
+        Message("user", [Text("a"), Text("b")]),
+        Message("user", [ToolResult("call_1", [Text("18 C")])]),
+    ]
+    # the client sent [{"type": "text", "text": "c"}]
+    own = Message("user", [Text("c")], plain=False)
     body = openai.request_json(_request("openai", *history, own), "up")
     assert body["messages"] == [
         {"role": "user", "content": "ab"},
@@ -23,9 +27,16 @@ def test_history_goes_to_openai_as_strings():
 
 
 def test_history_goes_to_anthropic_as_blocks_or_a_string():
-    body = anthropic.request_json(_request("anthropic", Message("user", [Text("a")]),
-                                           Message("assistant", [Text("b"), Text("c")])), "up")
+    body = anthropic.request_json(
+        _request(
+            "anthropic", Message("user", [Text("a")]), Message("assistant", [Text("b"), Text("c")])
+        ),
+        "up",
+    )
     assert body["messages"] == [
         {"role": "user", "content": "a"},
-        {"role": "assistant", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}],
+        },
     ]

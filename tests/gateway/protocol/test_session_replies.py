@@ -158,8 +158,12 @@ def test_an_idempotent_stream_replay_carries_every_block(session_gateway, upstre
     upstream["anthropic"].app.state.reply = canned.Reply(body=reply, events=_events(reply))
     with httpx.Client(base_url=session_gateway.url, headers=HEADERS, timeout=20) as c:
         sid = c.post("/v1/sessions", json={"model": "claude"}).json()["id"]
-        body = {"model": "claude", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}],
-                "stream": True}
+        body = {
+            "model": "claude",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+        }
         headers = {"x-session-id": sid, "idempotency-key": f"replay-{sid}"}
         first, again = (_streamed_blocks(c, body, headers) for _ in range(2))
     assert len(upstream["anthropic"].requests) == 1  # the retry was answered from the store
@@ -170,12 +174,15 @@ def test_an_idempotent_stream_replay_carries_every_block(session_gateway, upstre
 def _streamed_blocks(c: httpx.Client, body: dict, headers: dict) -> list[dict]:
     with c.stream("POST", "/v1/messages", json=body, headers=headers) as r:
         assert r.status_code == 200, r.read()
-        events = [("", json.loads(line[6:])) for line in r.iter_lines() if line.startswith("data: ")]
+        events = [
+            ("", json.loads(line[6:])) for line in r.iter_lines() if line.startswith("data: ")
+        ]
     return _streamed_blocks_of(events)
 
 
 def _streamed_blocks_of(events: list[tuple[str, dict]]) -> list[dict]:
-    """The content blocks a client assembles from a Messages stream (as the SDK's accumulator does)."""
+    """The content blocks a client assembles from a Messages stream (as the SDK's
+    accumulator does)."""
     blocks: dict[int, dict] = {}
     partial: dict[int, str] = {}
     for _, e in events:
@@ -202,12 +209,27 @@ OPENAI_REPLY_MESSAGE = {
     "role": "assistant",
     "content": "Sunny, says the web.",
     "refusal": None,
-    "annotations": [{"type": "url_citation", "url_citation": {
-        "url": "https://example.com", "title": "a", "start_index": 0, "end_index": 5}}],
+    "annotations": [
+        {
+            "type": "url_citation",
+            "url_citation": {
+                "url": "https://example.com",
+                "title": "a",
+                "start_index": 0,
+                "end_index": 5,
+            },
+        }
+    ],
     "audio": {"id": "audio_1", "expires_at": 1760003600, "data": "UklGRg", "transcript": "Sunny."},
     "x_message_future": {"kept": True},
-    "tool_calls": [{"id": "call_9", "type": "function", "x_call_future": 1,
-                    "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}],
+    "tool_calls": [
+        {
+            "id": "call_9",
+            "type": "function",
+            "x_call_future": 1,
+            "function": {"name": "get_time", "arguments": '{"tz": "CET"}'},
+        }
+    ],
 }
 
 
@@ -215,23 +237,33 @@ OPENAI_REPLY_MESSAGE = {
 def test_an_openai_reply_is_replayed_whole(session_gateway, upstream, stream):
     reply = samples.openai_response()
     reply["choices"][0]["message"] = OPENAI_REPLY_MESSAGE
-    upstream["openai"].app.state.reply = canned.Reply(body=reply, events=_openai_events(OPENAI_REPLY_MESSAGE))
+    upstream["openai"].app.state.reply = canned.Reply(
+        body=reply, events=_openai_events(OPENAI_REPLY_MESSAGE)
+    )
     with httpx.Client(base_url=session_gateway.url, headers=HEADERS, timeout=20) as c:
         sid = c.post("/v1/sessions", json={"model": "oai"}).json()["id"]
         for word in ("first", "second"):
-            body = {"model": "oai", "messages": [{"role": "user", "content": word}],
-                    "stream": stream and word == "first"}
+            body = {
+                "model": "oai",
+                "messages": [{"role": "user", "content": word}],
+                "stream": stream and word == "first",
+            }
             r = c.post("/v1/chat/completions", headers={"x-session-id": sid}, json=body)
             assert r.status_code == 200, r.text
         sent = upstream["openai"].requests[-1].body["messages"]
         assert sent[1] == OPENAI_REPLY_MESSAGE
         # On the Messages wire the keys only OpenAI has are dropped, and named.
         upstream["anthropic"].app.state.reply = canned.Reply(body=samples.anthropic_response())
-        body = {"model": "claude", "max_tokens": 64, "messages": [{"role": "user", "content": "third"}]}
+        body = {
+            "model": "claude",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": "third"}],
+        }
         r = c.post("/v1/messages", headers={"x-session-id": sid}, json=body)
         assert r.status_code == 200, r.text
     assert {"messages[].annotations", "messages[].audio", "messages[].x_message_future"} <= set(
-        r.headers["x-flashstack-dropped"].split(","))
+        r.headers["x-flashstack-dropped"].split(",")
+    )
     crossed = upstream["anthropic"].requests[-1].body["messages"][1]
     assert crossed["role"] == "assistant" and "annotations" not in crossed
 
@@ -239,22 +271,31 @@ def test_an_openai_reply_is_replayed_whole(session_gateway, upstream, stream):
 def _openai_events(message: dict) -> list[tuple[str, dict]]:
     """`message` as Chat Completions streams it: the role, the content in pieces, the other keys,
     then each tool call's head and its arguments in pieces."""
-    base = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1, "model": "gpt-upstream-1"}
+    base = {
+        "id": "chatcmpl-s",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "gpt-upstream-1",
+    }
 
     def chunk(delta: dict, finish: str | None = None) -> tuple[str, dict]:
         return "", {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
     text = message["content"]
     events = [chunk({"role": "assistant", "content": "", "refusal": None})]
-    events += [chunk({"content": text[i:i + 6]}) for i in range(0, len(text), 6)]
-    rest = {k: v for k, v in message.items() if k not in ("role", "content", "refusal", "tool_calls")}
+    events += [chunk({"content": text[i : i + 6]}) for i in range(0, len(text), 6)]
+    rest = {
+        k: v for k, v in message.items() if k not in ("role", "content", "refusal", "tool_calls")
+    }
     events.append(chunk(rest))
     for k, call in enumerate(message["tool_calls"]):
         args = call["function"]["arguments"]
         head = {**call, "index": k, "function": {"name": call["function"]["name"], "arguments": ""}}
         events.append(chunk({"tool_calls": [head]}))
-        events += [chunk({"tool_calls": [{"index": k, "function": {"arguments": args[i:i + 5]}}]})
-                   for i in range(0, len(args), 5)]
+        events += [
+            chunk({"tool_calls": [{"index": k, "function": {"arguments": args[i : i + 5]}}]})
+            for i in range(0, len(args), 5)
+        ]
     return [*events, chunk({}, "tool_calls")]
 
 

@@ -15,29 +15,49 @@ from tests.gateway.protocol.conftest import CLIENT_KEY
 DOC = Path(__file__).resolve().parents[3] / "docs" / "protocols.md"
 # (client wire, path, model of that wire, model of the other wire, minimal body)
 WIRES = {
-    "openai": ("/v1/chat/completions", "oai", "claude",
-               {"messages": [{"role": "user", "content": "hi"}]}),
-    "anthropic": ("/v1/messages", "claude", "oai",
-                  {"max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}),
+    "openai": (
+        "/v1/chat/completions",
+        "oai",
+        "claude",
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ),
+    "anthropic": (
+        "/v1/messages",
+        "claude",
+        "oai",
+        {"max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]},
+    ),
 }
 TABLES = {"openai": fields.OPENAI_REQUEST, "anthropic": fields.ANTHROPIC_REQUEST}
 PART_TABLES = {"openai": fields.OPENAI_PARTS, "anthropic": fields.ANTHROPIC_PARTS}
 
 
 def _rows(fate_filter) -> list:
-    return [pytest.param(wire, row, id=f"{wire}:{row.name}") for wire, table in TABLES.items() for row in table
-            if row.sample is not None and fate_filter(row)]
+    return [
+        pytest.param(wire, row, id=f"{wire}:{row.name}")
+        for wire, table in TABLES.items()
+        for row in table
+        if row.sample is not None and fate_filter(row)
+    ]
 
 
 def _post(gateway, wire: str, model: str, **extra) -> httpx.Response:
     path, _, _, body = WIRES[wire]
-    headers = {"authorization": f"Bearer {CLIENT_KEY}", "x-api-key": CLIENT_KEY, "anthropic-version": "2023-06-01"}
-    return httpx.post(gateway.url + path, json={"model": model, **body, **extra}, headers=headers, timeout=20)
+    headers = {
+        "authorization": f"Bearer {CLIENT_KEY}",
+        "x-api-key": CLIENT_KEY,
+        "anthropic-version": "2023-06-01",
+    }
+    return httpx.post(
+        gateway.url + path, json={"model": model, **body, **extra}, headers=headers, timeout=20
+    )
 
 
 def test_the_doc_is_the_table():
     assert DOC.read_text() == fields.render_markdown(), (
-        "docs/protocols.md is stale: python -m flashstack.gateway.translate.fields > docs/protocols.md")
+        "docs/protocols.md is stale: python -m flashstack.gateway.translate.fields > "
+        "docs/protocols.md"
+    )
 
 
 @pytest.mark.parametrize("wire,row", _rows(lambda r: r.same is Fate.PASSED))
@@ -74,7 +94,8 @@ def test_across_wires_an_optimisation_is_dropped_and_named(protocol_gateway, ans
     assert r.status_code == 200, r.text
     assert row.name in _request_dropped(r.headers)
     sent = answered[other].requests[-1].body
-    assert sent.get(row.name) != row.sample  # not sent as such (a field of the same name is the target's own)
+    # not sent as such (a field of the same name is the target's own)
+    assert sent.get(row.name) != row.sample
 
 
 @pytest.mark.parametrize("wire,row", _rows(lambda r: r.cross is Fate.MAPPED and r.name != "model"))
@@ -84,10 +105,18 @@ def test_across_wires_a_mapped_field_is_taken_silently(protocol_gateway, answere
     assert not _request_dropped(r.headers)
 
 
-@pytest.mark.parametrize("wire,row,value", [
-    pytest.param(w, row, v, id=f"{w}:{row.name}={v}") for w, t in TABLES.items() for row in t for v in row.harmless])
+@pytest.mark.parametrize(
+    "wire,row,value",
+    [
+        pytest.param(w, row, v, id=f"{w}:{row.name}={v}")
+        for w, t in TABLES.items()
+        for row in t
+        for v in row.harmless
+    ],
+)
 def test_across_wires_a_value_that_asks_for_nothing_is_neither_refused_nor_named(
-        protocol_gateway, answered, wire, row, value):
+    protocol_gateway, answered, wire, row, value
+):
     r = _post(protocol_gateway, wire, WIRES[wire][2], **{row.name: value})
     assert r.status_code == 200, r.text
     assert row.name not in _request_dropped(r.headers)
@@ -97,13 +126,21 @@ def test_a_field_newer_than_the_table_is_dropped_and_named_across_wires(protocol
     r = _post(protocol_gateway, "openai", "claude", x_future_field=1)
     assert r.status_code == 200 and _request_dropped(r.headers) == ["x_future_field"]
     r = _post(protocol_gateway, "openai", "oai", x_future_field=1)
-    assert answered["openai"].requests[-1].body["x_future_field"] == 1 and "x-flashstack-dropped" not in r.headers
+    assert (
+        answered["openai"].requests[-1].body["x_future_field"] == 1
+        and "x-flashstack-dropped" not in r.headers
+    )
 
 
-# ---- part rows: each sample is a body fragment (messages, system or tools) carrying the part -------
+# ---- part rows: each sample is a body fragment (messages, system or tools) carrying the part -----
+
 
 def _part_rows() -> list:
-    return [pytest.param(wire, row, id=f"{wire}:{row.name}") for wire, table in PART_TABLES.items() for row in table]
+    return [
+        pytest.param(wire, row, id=f"{wire}:{row.name}")
+        for wire, table in PART_TABLES.items()
+        for row in table
+    ]
 
 
 @pytest.mark.parametrize("wire,row", _part_rows())

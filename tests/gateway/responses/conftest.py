@@ -1,5 +1,5 @@
-"""A gateway (auth on, SQLite store) in front of the recording OpenAI-compatible and Anthropic fakes,
-and the official `openai` SDK pointed at it with two keys of its own."""
+"""A gateway (auth on, SQLite store) in front of the recording OpenAI-compatible and Anthropic
+fakes, and the official `openai` SDK pointed at it with two keys of its own."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ UPSTREAM_KEY = "sk-upstream"
 
 @pytest.fixture(scope="session")
 def fakes():
-    servers = {"openai": FakeServer(openai_upstream.create_app()).start(),
-               "anthropic": FakeServer(anthropic_upstream.create_app()).start()}
+    servers = {
+        "openai": FakeServer(openai_upstream.create_app()).start(),
+        "anthropic": FakeServer(anthropic_upstream.create_app()).start(),
+    }
     yield servers
     for s in servers.values():
         s.stop()
@@ -33,10 +35,20 @@ def gateway(fakes, tmp_path_factory):
         router=ROUTING,
         auth=AuthConfig(master_key=MASTER),
         models=[
-            ModelConfig(name="oai", provider="openai", model="gpt-4o-mini", api_base=fakes["openai"].url + "/v1",
-                        api_key=UPSTREAM_KEY),
-            ModelConfig(name="claude", provider="anthropic", model="claude-sonnet-4-5",
-                        api_base=fakes["anthropic"].url, api_key=UPSTREAM_KEY),
+            ModelConfig(
+                name="oai",
+                provider="openai",
+                model="gpt-4o-mini",
+                api_base=fakes["openai"].url + "/v1",
+                api_key=UPSTREAM_KEY,
+            ),
+            ModelConfig(
+                name="claude",
+                provider="anthropic",
+                model="claude-sonnet-4-5",
+                api_base=fakes["anthropic"].url,
+                api_key=UPSTREAM_KEY,
+            ),
         ],
     )
     server = FakeServer(create_app(config), lifespan="on").start()
@@ -52,7 +64,9 @@ def upstream(fakes):
 
 
 def _key(url: str, name: str) -> str:
-    r = httpx.post(url + "/v1/keys", json={"name": name}, headers={"authorization": f"Bearer {MASTER}"})
+    r = httpx.post(
+        url + "/v1/keys", json={"name": name}, headers={"authorization": f"Bearer {MASTER}"}
+    )
     assert r.status_code == 200, r.text
     return r.json()["key"]
 

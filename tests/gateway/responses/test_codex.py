@@ -43,7 +43,8 @@ def codex() -> Path:
 
 
 def shell_upstream() -> FastAPI:
-    """A streaming chat-completions upstream: a call of exec_command first, then the tool's output."""
+    """A streaming chat-completions upstream: a call of exec_command first, then the
+    tool's output."""
     app = FastAPI()
     app.state.bodies = []
 
@@ -56,8 +57,15 @@ def shell_upstream() -> FastAPI:
             delta = {"role": "assistant", "content": "the command printed: " + last["content"]}
             finish = "stop"
         else:
-            call = {"index": 0, "id": "call_codex1", "type": "function",
-                    "function": {"name": "exec_command", "arguments": json.dumps({"cmd": "cat marker.txt"})}}
+            call = {
+                "index": 0,
+                "id": "call_codex1",
+                "type": "function",
+                "function": {
+                    "name": "exec_command",
+                    "arguments": json.dumps({"cmd": "cat marker.txt"}),
+                },
+            }
             delta, finish = {"role": "assistant", "tool_calls": [call]}, "tool_calls"
         return Response(_sse(body["model"], delta, finish), media_type="text/event-stream")
 
@@ -66,10 +74,20 @@ def shell_upstream() -> FastAPI:
 
 def _sse(model: str, delta: dict, finish: str) -> bytes:
     head = {"id": "chatcmpl-codex", "object": "chat.completion.chunk", "created": 0, "model": model}
-    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
-              {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
-              {**head, "choices": [], "usage": {"prompt_tokens": 900, "completion_tokens": 12, "total_tokens": 912,
-                                                 "prompt_tokens_details": {"cached_tokens": 100}}}]
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+        {
+            **head,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 900,
+                "completion_tokens": 12,
+                "total_tokens": 912,
+                "prompt_tokens_details": {"cached_tokens": 100},
+            },
+        },
+    ]
     return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
@@ -79,9 +97,19 @@ def test_codex_exec_runs_a_tool_through_the_gateway(codex, tmp_path):
     work.mkdir()
     (work / "marker.txt").write_text(marker + "\n")
     with FakeServer(shell_upstream()) as fake:
-        config = Config(state_dir=tmp_path / "state", router=ROUTING, models=[
-            ModelConfig(name="coder", provider="openai", model="upstream-coder", api_base=fake.url + "/v1",
-                        api_key="sk-upstream")])
+        config = Config(
+            state_dir=tmp_path / "state",
+            router=ROUTING,
+            models=[
+                ModelConfig(
+                    name="coder",
+                    provider="openai",
+                    model="upstream-coder",
+                    api_base=fake.url + "/v1",
+                    api_key="sk-upstream",
+                )
+            ],
+        )
         with FakeServer(create_app(config), lifespan="on") as gateway:
             done = _run(codex, gateway.url, tmp_path / "codex-home", work)
         bodies = fake.app.state.bodies
@@ -91,10 +119,15 @@ def test_codex_exec_runs_a_tool_through_the_gateway(codex, tmp_path):
     assert first["stream"] is True and first["messages"][0]["role"] == "system"
     assert first["messages"][-1] == {"role": "user", "content": "Print the marker file."}
     names = {t["function"]["name"] for t in first["tools"]}
-    assert "exec_command" in names and any("__" in n for n in names)  # a namespace's tools, flattened
+    # a namespace's tools, flattened
+    assert "exec_command" in names and any("__" in n for n in names)
     assert second["messages"][-2]["tool_calls"][0]["function"]["name"] == "exec_command"
     tool = second["messages"][-1]
-    assert tool["role"] == "tool" and tool["tool_call_id"] == "call_codex1" and marker in tool["content"]
+    assert (
+        tool["role"] == "tool"
+        and tool["tool_call_id"] == "call_codex1"
+        and marker in tool["content"]
+    )
 
 
 def test_codex_exec_answers_from_smollm2_on_the_local_engine(codex, tmp_path):
@@ -107,24 +140,47 @@ def test_codex_exec_answers_from_smollm2_on_the_local_engine(codex, tmp_path):
     # The first request loads the engine, then prefills ~1,100 tokens on a CPU: more than the
     # default 30 s to the first token on a busy machine, which Codex would answer by retrying.
     # Codex sends no temperature; sampled, the 135M model answers right about three times in four.
-    config = Config(state_dir=tmp_path / "state", router=ROUTING, models=[
-        ModelConfig(name=SMOLLM2_NAME, provider="local", model=str(smollm2_path()), supports_images=False,
-                    ttft_timeout=240, default_temperature=0)])
+    config = Config(
+        state_dir=tmp_path / "state",
+        router=ROUTING,
+        models=[
+            ModelConfig(
+                name=SMOLLM2_NAME,
+                provider="local",
+                model=str(smollm2_path()),
+                supports_images=False,
+                ttft_timeout=240,
+                default_temperature=0,
+            )
+        ],
+    )
     app = create_app(config)
     with FakeServer(app, lifespan="on") as gateway:
-        done = _run(codex, gateway.url, tmp_path / "codex-home", work, SMOLLM2_NAME,
-                    prompt="What is the capital of France?", small=True, timeout=300)
+        done = _run(
+            codex,
+            gateway.url,
+            tmp_path / "codex-home",
+            work,
+            SMOLLM2_NAME,
+            prompt="What is the capital of France?",
+            small=True,
+            timeout=300,
+        )
         served = [r.summary() for r in app.services.requests.ring]
     assert done.returncode == 0, done.stderr[-2000:]
     assert "paris" in done.stdout.lower(), done.stdout
-    assert "unrecognized configuration setting" not in done.stderr  # SMALL_MODEL_CONFIG is all Codex's own
-    assert served and all(r["status"] == 200 and r["deployment"] == f"{SMOLLM2_NAME}#0" for r in served), served
+    # SMALL_MODEL_CONFIG is all Codex's own
+    assert "unrecognized configuration setting" not in done.stderr
+    assert served and all(
+        r["status"] == 200 and r["deployment"] == f"{SMOLLM2_NAME}#0" for r in served
+    ), served
     # Codex's tool schemas (exec_command, write_stdin, request_user_input) went into the prompt.
     assert served[0]["input_tokens"] > 500 and served[-1]["output_tokens"] > 0
 
 
-# What a 135M-parameter model with a 8K-token window can take: Codex's own short instructions instead
-# of its ~18 KB system prompt, and the tools and context blocks it can do without turned off.
+# What a 135M-parameter model with a 8K-token window can take: Codex's own short instructions
+# instead of its ~18 KB system prompt, and the tools and context blocks it can do without turned
+# off.
 SMALL_MODEL_CONFIG = """model_instructions_file = "{home}/instructions.md"
 include_environment_context = false
 include_permissions_instructions = false
@@ -150,15 +206,24 @@ sleep_tool = false
 
 # Per run: Codex's session and turn ids, its turn's start time, and the fake's call ids (a digest of
 # the prompt, which names the run's home directory).
-PER_RUN = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|call_[0-9a-f]{24}|"
-                     rb"\\?\"turn_started_at_unix_ms\\?\":\d+")
+PER_RUN = re.compile(
+    rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|call_[0-9a-f]{24}|"
+    rb"\\?\"turn_started_at_unix_ms\\?\":\d+"
+)
 
 
 def _bodies(fake: FakeServer, home: Path) -> list[bytes]:
     """Each /v1/responses body with its per-run ids, timestamps and home directory masked."""
-    return [PER_RUN.sub(b"<id>", orjson.dumps(r.body, option=orjson.OPT_SORT_KEYS).replace(str(home).encode(),
-                                                                                           b"<home>"))
-            for r in fake.requests if r.path == "/v1/responses"]
+    return [
+        PER_RUN.sub(
+            b"<id>",
+            orjson.dumps(r.body, option=orjson.OPT_SORT_KEYS).replace(
+                str(home).encode(), b"<home>"
+            ),
+        )
+        for r in fake.requests
+        if r.path == "/v1/responses"
+    ]
 
 
 def test_codex_sends_through_the_gateway_what_it_sends_directly(codex, tmp_path):
@@ -170,9 +235,20 @@ def test_codex_sends_through_the_gateway_what_it_sends_directly(codex, tmp_path)
         assert direct.returncode == 0, direct.stderr[-2000:]
         sent_direct = _bodies(fake, tmp_path / "home-direct")
         fake.requests.clear()
-        config = Config(state_dir=tmp_path / "state", router=ROUTING, models=[
-            ModelConfig(name=model, provider="openai", model=model, api_base=fake.url + "/v1", api_key="sk-up",
-                        responses_api=True)])
+        config = Config(
+            state_dir=tmp_path / "state",
+            router=ROUTING,
+            models=[
+                ModelConfig(
+                    name=model,
+                    provider="openai",
+                    model=model,
+                    api_base=fake.url + "/v1",
+                    api_key="sk-up",
+                    responses_api=True,
+                )
+            ],
+        )
         with FakeServer(create_app(config), lifespan="on") as gateway:
             through = _run(codex, gateway.url, tmp_path / "home-gateway", work, model)
         sent_through = _bodies(fake, tmp_path / "home-gateway")
@@ -181,11 +257,21 @@ def test_codex_sends_through_the_gateway_what_it_sends_directly(codex, tmp_path)
     assert len(sent_direct) >= 2 and sent_through == sent_direct
 
 
-def _run(codex: Path, gateway_url: str, home: Path, cwd: Path, model: str = "coder",
-         prompt: str = "Print the marker file.", small: bool = False, timeout: float = 90) -> subprocess.CompletedProcess:
+def _run(
+    codex: Path,
+    gateway_url: str,
+    home: Path,
+    cwd: Path,
+    model: str = "coder",
+    prompt: str = "Print the marker file.",
+    small: bool = False,
+    timeout: float = 90,
+) -> subprocess.CompletedProcess:
     home.mkdir()
     if small:
-        (home / "instructions.md").write_text("You are a helpful assistant. Answer the question in one sentence.\n")
+        (home / "instructions.md").write_text(
+            "You are a helpful assistant. Answer the question in one sentence.\n"
+        )
     # Codex offers OpenAI's hosted web_search unless told not to; the gateway refuses it by name.
     (home / "config.toml").write_text(f"""model = "{model}"
 model_provider = "flashstack"
@@ -197,6 +283,18 @@ base_url = "{gateway_url}/v1"
 env_key = "FLASHSTACK_API_KEY"
 wire_api = "responses"
 """)
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home), "FLASHSTACK_API_KEY": "sk-codex"}
-    return subprocess.run([str(codex), "exec", "--skip-git-repo-check", "-s", "read-only", prompt],
-                          env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "CODEX_HOME": str(home),
+        "FLASHSTACK_API_KEY": "sk-codex",
+    }
+    return subprocess.run(
+        [str(codex), "exec", "--skip-git-repo-check", "-s", "read-only", prompt],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

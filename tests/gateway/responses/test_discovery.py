@@ -7,7 +7,8 @@ from flashstack.gateway.routing import discovery
 
 
 def test_only_openai_itself_is_taken_to_serve_responses(monkeypatch):
-    monkeypatch.setattr(discovery, "_list_openai_models", lambda base, key, timeout: ["m1"])  # no network here
+    # no network here
+    monkeypatch.setattr(discovery, "_list_openai_models", lambda base, key, timeout: ["m1"])
     (own,) = discovery.discover_models({"OPENAI_API_KEY": "sk-1"})
     assert own.responses_api and own.api_base == discovery.OPENAI_API
     (other,) = discovery.discover_models({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"})

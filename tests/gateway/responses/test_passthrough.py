@@ -15,16 +15,29 @@ from tests.fakes.server import FakeServer
 from tests.gateway.protocol.conftest import ROUTING
 
 UPSTREAM_MODEL = "gpt-5-upstream"
-TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}},
-         {"type": "web_search", "external_web_access": False}]
+TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+    {"type": "web_search", "external_web_access": False},
+]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     with FakeServer(responses_upstream.create_app()) as up:
-        config = Config(state_dir=tmp_path_factory.mktemp("passthrough"), router=ROUTING, models=[
-            ModelConfig(name="gpt", provider="openai", model=UPSTREAM_MODEL, api_base=up.url + "/v1",
-                        api_key="sk-up", responses_api=True)])
+        config = Config(
+            state_dir=tmp_path_factory.mktemp("passthrough"),
+            router=ROUTING,
+            models=[
+                ModelConfig(
+                    name="gpt",
+                    provider="openai",
+                    model=UPSTREAM_MODEL,
+                    api_base=up.url + "/v1",
+                    api_key="sk-up",
+                    responses_api=True,
+                )
+            ],
+        )
         with FakeServer(create_app(config), lifespan="on") as gw:
             yield gw, up
 
@@ -43,16 +56,29 @@ def _client(url: str) -> openai.OpenAI:
 
 def test_the_request_and_the_reply_pass_whole(setup):
     gw, up = setup
-    body = {"model": "gpt", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
-            "tools": TOOLS, "tool_choice": "none", "include": ["web_search_call.results"], "prompt_cache_key": "k",
-            "client_metadata": {"a": "b"}, "x_future": {"n": [1, 2.5]}, "store": False}
+    body = {
+        "model": "gpt",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        "tools": TOOLS,
+        "tool_choice": "none",
+        "include": ["web_search_call.results"],
+        "prompt_cache_key": "k",
+        "client_metadata": {"a": "b"},
+        "x_future": {"n": [1, 2.5]},
+        "store": False,
+    }
     r = httpx.post(gw.url + "/v1/responses", json=body)
     assert r.status_code == 200, r.text
     assert up.requests[-1].body == {**body, "model": UPSTREAM_MODEL}
-    direct = httpx.post(up.url + "/v1/responses", json={**body, "model": UPSTREAM_MODEL},
-                        headers={"authorization": "Bearer sk"}).json()
+    direct = httpx.post(
+        up.url + "/v1/responses",
+        json={**body, "model": UPSTREAM_MODEL},
+        headers={"authorization": "Bearer sk"},
+    ).json()
     assert _without_ids(r.json()) == _without_ids({**direct, "model": "gpt"})  # ids: per request
-    assert r.json()["x_fake_extra"] == {"kept": True} and r.json()["billing"] == {"payer": "developer"}
+    assert r.json()["x_fake_extra"] == {"kept": True} and r.json()["billing"] == {
+        "payer": "developer"
+    }
     assert "x-flashstack-dropped" not in r.headers
 
 
@@ -70,9 +96,15 @@ def test_the_stream_is_the_upstreams_own(setup):
     assert _without_ids(through) == _without_ids(direct)
     through[-1]["response"]["model"] = "gpt"
     assert [e["sequence_number"] for e in through] == list(range(len(direct)))
-    assert through[-1]["response"]["model"] == "gpt" and through[-1]["response"]["x_fake_extra"] == {"kept": True}
+    assert through[-1]["response"]["model"] == "gpt" and through[-1]["response"][
+        "x_fake_extra"
+    ] == {"kept": True}
     raw = httpx.post(gw.url + "/v1/responses", json={"model": "gpt", "stream": True, **kwargs}).text
-    assert raw.count('"obfuscation":"x"') == len([e for e in direct if e["type"].endswith(".delta")]) > 0
+    assert (
+        raw.count('"obfuscation":"x"')
+        == len([e for e in direct if e["type"].endswith(".delta")])
+        > 0
+    )
 
 
 def test_previous_response_id_expands_into_the_input(setup):

@@ -16,8 +16,13 @@ from tests.fakes.server import FakeServer
 from tests.gateway.router.faulty import FaultyUpstream
 
 # Fast defaults for tests: short backoff and cooldown, no background probes unless a test asks.
-FAST = dict(retry_backoff=0.01, retry_backoff_max=0.05, breaker_cooldown=0.5, health_check_interval=0,
-            ttft_timeout=5.0)
+FAST = dict(
+    retry_backoff=0.01,
+    retry_backoff_max=0.05,
+    breaker_cooldown=0.5,
+    health_check_interval=0,
+    ttft_timeout=5.0,
+)
 
 
 @pytest.fixture
@@ -30,16 +35,25 @@ def ups():
 
 
 def deployment(name: str, up: FaultyUpstream, **extra) -> ModelConfig:
-    return ModelConfig(name=name, provider="openai", model="m", api_base=up.url, api_key="k",
-                       **{"timeout": 10.0, "connect_timeout": 2.0, **extra})
+    return ModelConfig(
+        name=name,
+        provider="openai",
+        model="m",
+        api_base=up.url,
+        api_key="k",
+        **{"timeout": 10.0, "connect_timeout": 2.0, **extra},
+    )
 
 
 @contextmanager
 def gateway(models: list[ModelConfig], **router):
     """A real gateway (uvicorn in a thread) with `models` and RouterConfig(FAST | router)."""
     # Compression off: a prompt over a window must reach the router (context_window_fallbacks).
-    cfg = Config(models=models, router=RouterConfig(**{**FAST, **router}), compression={"mode": "off"})
-    with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:  # as `flashstack serve` runs
+    cfg = Config(
+        models=models, router=RouterConfig(**{**FAST, **router}), compression={"mode": "off"}
+    )
+    # as `flashstack serve` runs
+    with FakeServer(create_app(cfg), lifespan="on", loop="uvloop") as gw:
         yield gw
 
 
@@ -61,7 +75,9 @@ def ask(client: openai.OpenAI, model: str, tag: str, stream: bool = False):
     if not stream:
         raw = client.chat.completions.with_raw_response.create(model=model, messages=messages)
         return raw.parse().choices[0].message.content, raw.headers
-    with client.chat.completions.with_streaming_response.create(model=model, messages=messages, stream=True) as r:
+    with client.chat.completions.with_streaming_response.create(
+        model=model, messages=messages, stream=True
+    ) as r:
         text = "".join(c.choices[0].delta.content or "" for c in r.parse() if c.choices)
         return text, r.headers
 

@@ -52,7 +52,9 @@ class Fault:
 class FaultyUpstream:
     """A fault-injecting fake; runs its own event loop in a daemon thread."""
 
-    def __init__(self, name: str, chunks: int = 3, interval: float = 0.0, first_byte_delay: float = 0.0) -> None:
+    def __init__(
+        self, name: str, chunks: int = 3, interval: float = 0.0, first_byte_delay: float = 0.0
+    ) -> None:
         self.name = name
         self.chunks, self.interval, self.first_byte_delay = chunks, interval, first_byte_delay
         self.fault = Fault()
@@ -68,7 +70,9 @@ class FaultyUpstream:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         sock.close()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"faulty-{name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"faulty-{name}", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -81,8 +85,17 @@ class FaultyUpstream:
         self._call(self._listen())
         return self
 
-    def fail(self, mode: str, *, times: int | None = None, status: int = 500, retry_after: str | None = None,
-             after: int = 2, message: str | None = None, code: str | None = None) -> None:
+    def fail(
+        self,
+        mode: str,
+        *,
+        times: int | None = None,
+        status: int = 500,
+        retry_after: str | None = None,
+        after: int = 2,
+        message: str | None = None,
+        code: str | None = None,
+    ) -> None:
         with self._lock:
             self.fault = Fault(mode, times, status, retry_after, after, message, code)
         if mode == "refuse":
@@ -121,7 +134,9 @@ class FaultyUpstream:
 
     async def _listen(self) -> None:
         if self._server is None:
-            self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
+            self._server = await asyncio.start_server(
+                self._serve, "127.0.0.1", self.port, reuse_address=True
+            )
 
     async def _unlisten(self) -> None:
         if self._server is not None:
@@ -155,7 +170,9 @@ class FaultyUpstream:
             if not writer.is_closing():
                 writer.close()
 
-    async def _answer(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+    async def _answer(
+        self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter
+    ) -> bool:
         """Answer one request; True when the connection stays open for the next."""
         if method == "GET" and path.endswith("/models"):
             self.health_probes += 1
@@ -163,9 +180,13 @@ class FaultyUpstream:
                 await asyncio.sleep(3600)
             await asyncio.sleep(self.health_delay)
             if self.health == "ok":
-                await _respond(writer, 200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+                await _respond(
+                    writer, 200, {"object": "list", "data": [{"id": "m", "object": "model"}]}
+                )
             else:
-                await _respond(writer, 503, {"error": {"message": "unhealthy", "type": "server_error"}})
+                await _respond(
+                    writer, 503, {"error": {"message": "unhealthy", "type": "server_error"}}
+                )
             return True
         payload = json.loads(body)
         stream = bool(payload.get("stream"))
@@ -179,8 +200,19 @@ class FaultyUpstream:
         if f.mode == "status":
             extra = {"retry-after": f.retry_after} if f.retry_after else {}
             message = f.message or f"{self.name} says {f.status}"
-            await _respond(w, f.status, {"error": {"message": message, "type": "server_error",
-                                                   "param": None, "code": f.code}}, extra)
+            await _respond(
+                w,
+                f.status,
+                {
+                    "error": {
+                        "message": message,
+                        "type": "server_error",
+                        "param": None,
+                        "code": f.code,
+                    }
+                },
+                extra,
+            )
             return True
         if f.mode == "hang":
             await asyncio.sleep(3600)
@@ -219,7 +251,11 @@ class FaultyUpstream:
             w.write(_sse(_chunk({"content": word})))
             await w.drain()
         w.write(_sse(_chunk({}, "stop")))
-        usage = {"prompt_tokens": 3, "completion_tokens": self.chunks + 1, "total_tokens": self.chunks + 4}
+        usage = {
+            "prompt_tokens": 3,
+            "completion_tokens": self.chunks + 1,
+            "total_tokens": self.chunks + 4,
+        }
         w.write(_sse({**_chunk({}), "choices": [], "usage": usage}))
         w.write(b"data: [DONE]\n\n")
         await w.drain()
@@ -228,10 +264,24 @@ class FaultyUpstream:
         return [f"{self.name}:"] + [f" w{i}" for i in range(self.chunks)]
 
     def _completion(self) -> dict:
-        return {"id": "chatcmpl-f", "object": "chat.completion", "created": 1, "model": "m",
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": "".join(self._words())}}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": self.chunks + 1, "total_tokens": self.chunks + 4}}
+        return {
+            "id": "chatcmpl-f",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "".join(self._words())},
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": self.chunks + 1,
+                "total_tokens": self.chunks + 4,
+            },
+        }
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
@@ -239,14 +289,21 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
     lines = head.decode("latin-1").split("\r\n")
     method, path, _ = lines[0].split(" ", 2)
     headers = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
-    length = int({k.strip().lower(): v.strip() for k, v in headers.items()}.get("content-length", "0"))
+    length = int(
+        {k.strip().lower(): v.strip() for k, v in headers.items()}.get("content-length", "0")
+    )
     body = await reader.readexactly(length) if length else b""
     return method, path, body
 
 
 def _head_bytes(status: int, content_type: str, extra: dict | None = None) -> bytes:
-    close = not extra or "content-length" not in extra  # no length: the body ends with the connection
-    lines = [f"HTTP/1.1 {status} X", f"content-type: {content_type}", f"connection: {'close' if close else 'keep-alive'}"]
+    # no length: the body ends with the connection
+    close = not extra or "content-length" not in extra
+    lines = [
+        f"HTTP/1.1 {status} X",
+        f"content-type: {content_type}",
+        f"connection: {'close' if close else 'keep-alive'}",
+    ]
     lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
@@ -256,15 +313,25 @@ async def _head(w: asyncio.StreamWriter, status: int, content_type: str) -> None
     await w.drain()
 
 
-async def _respond(w: asyncio.StreamWriter, status: int, body: dict, extra: dict | None = None) -> None:
+async def _respond(
+    w: asyncio.StreamWriter, status: int, body: dict, extra: dict | None = None
+) -> None:
     data = json.dumps(body).encode()
-    w.write(_head_bytes(status, "application/json", {"content-length": len(data), **(extra or {})}) + data)
+    w.write(
+        _head_bytes(status, "application/json", {"content-length": len(data), **(extra or {})})
+        + data
+    )
     await w.drain()
 
 
 def _chunk(delta: dict, finish: str | None = None) -> dict:
-    return {"id": "chatcmpl-f", "object": "chat.completion.chunk", "created": 1, "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return {
+        "id": "chatcmpl-f",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
 
 
 def _sse(obj: dict) -> bytes:

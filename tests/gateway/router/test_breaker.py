@@ -1,4 +1,5 @@
-"""Circuit breakers: the state machine on both stores, and recovery through half-open over real HTTP."""
+"""Circuit breakers: the state machine on both stores, and recovery through half-open
+over real HTTP."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 async def store(request):
-    s = MemoryState() if request.param == "memory" else RedisState(REDIS_URL, f"test:{uuid.uuid4().hex}:")
+    s = (
+        MemoryState()
+        if request.param == "memory"
+        else RedisState(REDIS_URL, f"test:{uuid.uuid4().hex}:")
+    )
     yield s
     if isinstance(s, RedisState):
         keys = [k async for k in s.redis.scan_iter(match=s.prefix + "*")]
@@ -116,7 +121,9 @@ def test_open_breaker_is_skipped_then_recovers_through_half_open(ups):
         assert breaker_of(gw, "primary#0")["breaker"] == "open"
         tag = new_tag()
         text, headers = ask(client, "primary", tag)
-        assert text.startswith("b:") and headers["x-flashstack-attempts"] == "1", "skipped, not tried"
+        assert text.startswith("b:") and headers["x-flashstack-attempts"] == "1", (
+            "skipped, not tried"
+        )
         assert tag not in ups["a"].tags()
 
         ups["a"].heal()
@@ -128,9 +135,14 @@ def test_open_breaker_is_skipped_then_recovers_through_half_open(ups):
 
 
 def test_half_open_sends_a_single_probe(ups):
-    models = [deployment("primary", ups["a"], fallbacks=["backup"], timeout=1.5), deployment("backup", ups["b"])]
+    models = [
+        deployment("primary", ups["a"], fallbacks=["backup"], timeout=1.5),
+        deployment("backup", ups["b"]),
+    ]
     ups["a"].fail("status", status=500)
-    with gateway(models, num_retries=0, breaker_failures=1, breaker_cooldown=0.3, ttft_timeout=1.5) as gw:
+    with gateway(
+        models, num_retries=0, breaker_failures=1, breaker_cooldown=0.3, ttft_timeout=1.5
+    ) as gw:
         client = openai_client(gw)
         ask(client, "primary", new_tag())
         ups["a"].fail("hang")  # the probe will hang until its timeout

@@ -22,7 +22,9 @@ def test_200_streams_survive_a_deployment_killed_midway():
     ups = {n: FaultyUpstream(n, chunks=CHUNKS, interval=0.08).start() for n in "abc"}
     try:
         models = [deployment("m", ups[n], timeout=20) for n in "abc"]
-        with gateway(models, num_retries=2, breaker_failures=3, breaker_cooldown=30, ttft_timeout=5) as gw:
+        with gateway(
+            models, num_retries=2, breaker_failures=3, breaker_cooldown=30, ttft_timeout=5
+        ) as gw:
             results = asyncio.run(_run(gw.url, ups["b"]))
             metrics = httpx.get(gw.url + "/metrics").text
     finally:
@@ -32,21 +34,28 @@ def test_200_streams_survive_a_deployment_killed_midway():
     outcomes = Counter(r[0] for r in results)
     stats = {"served_by_b": sum(r[2] == "m#1" for r in results), "outcomes": outcomes}
     assert outcomes["hung"] == 0, outcomes
-    assert 'flashstack_breaker_state{deployment="m#1"} 2.0' in metrics, "the dead deployment's breaker opened"
+    assert 'flashstack_breaker_state{deployment="m#1"} 2.0' in metrics, (
+        "the dead deployment's breaker opened"
+    )
     assert outcomes["ok"] + outcomes["error"] == STREAMS
     assert outcomes["ok"] >= STREAMS // 2, outcomes
     assert outcomes["error"] >= 5, "the kill cut streams that had begun"
-    # b took ~20 streams before the kill; had it not been skipped afterwards it would serve ~1/3 of 200.
+    # b took ~20 streams before the kill; had it not been skipped afterwards it would
+    # serve ~1/3 of 200.
     assert stats["served_by_b"] <= 45, stats
     logs = {n: u.tags() for n, u in ups.items()}
     for kind, tag, served_by, text, _ in results:
         owner = {"m#0": "a", "m#1": "b", "m#2": "c"}[served_by]
         assert logs[owner].count(tag) == 1, "served once by the deployment the header names"
         if kind == "ok":
-            assert text == f"{owner}:" + "".join(f" w{i}" for i in range(CHUNKS)), "whole answers only"
+            assert text == f"{owner}:" + "".join(f" w{i}" for i in range(CHUNKS)), (
+                "whole answers only"
+            )
         else:
             assert owner == "b", "only streams cut by the kill end in an error event"
-        assert sum(tags.count(tag) for tags in logs.values()) <= 3, "never more attempts than allowed"
+        assert sum(tags.count(tag) for tags in logs.values()) <= 3, (
+            "never more attempts than allowed"
+        )
 
 
 async def _run(url: str, victim: FaultyUpstream) -> list[tuple[str, str, str, str, int]]:

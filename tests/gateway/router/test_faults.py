@@ -1,7 +1,9 @@
-"""Fault injection: for each upstream failure, what the client sees, who served, and the upstream logs.
+"""Fault injection: for each upstream failure, what the client sees, who served, and
+the upstream logs.
 
-Topology: model `primary` runs on upstream a, with `fallbacks: [backup]`; `backup` runs on upstream b.
-Every request carries a unique tag, so the upstream logs show exactly how often each was attempted.
+Topology: model `primary` runs on upstream a, with `fallbacks: [backup]`; `backup` runs on upstream
+b. Every request carries a unique tag, so the upstream logs show exactly how often each was
+attempted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ NUM_RETRIES = 1  # attempts on `primary` = 2
 
 
 def primary_backup(ups, **primary):
-    return [deployment("primary", ups["a"], fallbacks=["backup"], **primary), deployment("backup", ups["b"])]
+    return [
+        deployment("primary", ups["a"], fallbacks=["backup"], **primary),
+        deployment("backup", ups["b"]),
+    ]
 
 
 def assert_served_once_by_backup(ups, tag, headers, text, attempts_on_a):
@@ -49,7 +54,9 @@ def test_server_errors_retry_then_fall_back(ups, status, stream):
         tag = new_tag()
         text, headers = ask(openai_client(gw), "primary", tag, stream)
     assert_served_once_by_backup(ups, tag, headers, text, attempts_on_a=1 + NUM_RETRIES)
-    assert headers["x-flashstack-route"].startswith(f"primary#0={status} primary#0={status} backup#0=ok")
+    assert headers["x-flashstack-route"].startswith(
+        f"primary#0={status} primary#0={status} backup#0=ok"
+    )
 
 
 def test_retry_after_is_waited_for_on_the_same_deployment(ups):
@@ -143,12 +150,15 @@ def test_failure_after_first_byte_is_an_error_event_not_a_retry(ups, mode):
         tag = new_tag()
         got = []
         stream = openai_client(gw).chat.completions.create(
-            model="primary", stream=True, messages=[{"role": "user", "content": f"go #{tag}"}])
+            model="primary", stream=True, messages=[{"role": "user", "content": f"go #{tag}"}]
+        )
         with pytest.raises(openai.APIError) as exc:
             for chunk in stream:
                 got.extend(c.delta.content or "" for c in chunk.choices)
         assert "".join(got) == "a: w0", "the tokens before the failure reach the client"
-        assert "upstream" in str(exc.value.message) or "ended the stream early" in str(exc.value.message)
+        assert "upstream" in str(exc.value.message) or "ended the stream early" in str(
+            exc.value.message
+        )
     assert ups["a"].tags() == [tag] and ups["b"].log == [], "no second attempt once bytes were sent"
 
 
@@ -159,8 +169,9 @@ def test_failure_after_first_byte_anthropic_client(ups):
         tag = new_tag()
         seen = []
         with pytest.raises(anthropic.APIStatusError):
-            with client.messages.stream(model="primary", max_tokens=50,
-                                        messages=[{"role": "user", "content": f"go #{tag}"}]) as s:
+            with client.messages.stream(
+                model="primary", max_tokens=50, messages=[{"role": "user", "content": f"go #{tag}"}]
+            ) as s:
                 seen.extend(ev.type for ev in s)
         assert "content_block_delta" in seen
     assert ups["a"].tags() == [tag] and ups["b"].log == []
@@ -195,8 +206,8 @@ def test_slow_first_byte_past_ttft_fails_over(ups):
 
 @pytest.mark.parametrize("status", [401, 403, 404])
 def test_upstream_auth_failures_count_against_the_upstream_and_fall_back(ups, status):
-    """The gateway's credentials (or its model name, 404) for `a` are wrong: a's fault (breaker), never
-    the client's 401/403/404."""
+    """The gateway's credentials (or its model name, 404) for `a` are wrong: a's fault (breaker),
+    never the client's 401/403/404."""
     ups["a"].fail("status", status=status)
     with gateway(primary_backup(ups), num_retries=0, breaker_failures=1) as gw:
         tag = new_tag()
@@ -227,7 +238,9 @@ def test_every_deployment_failing_gives_the_last_error_in_the_callers_format(ups
         client = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0, timeout=20)
         tag = new_tag()
         with pytest.raises(anthropic.InternalServerError) as exc:
-            client.messages.create(model="primary", max_tokens=5, messages=[{"role": "user", "content": f"#{tag}"}])
+            client.messages.create(
+                model="primary", max_tokens=5, messages=[{"role": "user", "content": f"#{tag}"}]
+            )
         assert exc.value.status_code == 500 and "b says 500" in exc.value.message
         assert exc.value.response.headers["x-flashstack-attempts"] == "4"
     assert ups["a"].tags().count(tag) == 2 and ups["b"].tags().count(tag) == 2
@@ -237,14 +250,21 @@ def test_truncated_stream_from_any_provider_is_an_error_event(ups):
     """An Anthropic-format upstream that stops after a text delta, without message_stop."""
     truncated = _AnthropicTruncating().start()
     try:
-        models = [ModelConfig(name="claude", provider="anthropic", model="m", api_base=truncated.url, api_key="k")]
+        models = [
+            ModelConfig(
+                name="claude", provider="anthropic", model="m", api_base=truncated.url, api_key="k"
+            )
+        ]
         with gateway(models) as gw:
             seen = []
             with pytest.raises(anthropic.APIStatusError) as exc:
-                with anthropic_client(gw).messages.stream(model="claude", max_tokens=20,
-                                                          messages=[{"role": "user", "content": "hi"}]) as s:
+                with anthropic_client(gw).messages.stream(
+                    model="claude", max_tokens=20, messages=[{"role": "user", "content": "hi"}]
+                ) as s:
                     seen.extend(ev.type for ev in s)
-            assert "content_block_delta" in seen and "ended the stream before it finished" in str(exc.value)
+            assert "content_block_delta" in seen and "ended the stream before it finished" in str(
+                exc.value
+            )
     finally:
         truncated.stop()
 
@@ -264,13 +284,40 @@ class _AnthropicTruncating:
         return self
 
     def _serve(self) -> None:
-        events = [("message_start", {"type": "message_start", "message": {
-            "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 0}}}),
-            ("content_block_start", {"type": "content_block_start", "index": 0,
-                                     "content_block": {"type": "text", "text": ""}}),
-            ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                     "delta": {"type": "text_delta", "text": "half an"}})]
+        events = [
+            (
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": "msg_1",
+                        "type": "message",
+                        "role": "assistant",
+                        "model": "m",
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": 1, "output_tokens": 0},
+                    },
+                },
+            ),
+            (
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            ),
+            (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": "half an"},
+                },
+            ),
+        ]
         body = "".join(f"event: {n}\ndata: {json.dumps(d)}\n\n" for n, d in events).encode()
         while True:
             try:
@@ -282,11 +329,22 @@ class _AnthropicTruncating:
                 while b"\r\n\r\n" not in data:
                     data += conn.recv(65536)
                 head, _, rest = data.partition(b"\r\n\r\n")
-                length = int(next((ln.split(b":")[1] for ln in head.split(b"\r\n")
-                                   if ln.lower().startswith(b"content-length")), b"0"))
+                length = int(
+                    next(
+                        (
+                            ln.split(b":")[1]
+                            for ln in head.split(b"\r\n")
+                            if ln.lower().startswith(b"content-length")
+                        ),
+                        b"0",
+                    )
+                )
                 while len(rest) < length:
                     rest += conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + body)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: "
+                    b"close\r\n\r\n" + body
+                )
 
     def stop(self) -> None:
         self.sock.close()

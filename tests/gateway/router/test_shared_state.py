@@ -16,7 +16,14 @@ import pytest
 import redis
 import yaml
 
-from tests.gateway.router.conftest import ask, breaker_of, deployment, gateway, new_tag, openai_client
+from tests.gateway.router.conftest import (
+    ask,
+    breaker_of,
+    deployment,
+    gateway,
+    new_tag,
+    openai_client,
+)
 
 pytestmark = pytest.mark.redis
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -38,7 +45,13 @@ def models(ups):
 
 
 def test_a_breaker_opened_by_one_gateway_is_open_in_the_other(ups, prefix):
-    shared = dict(redis_url=REDIS_URL, redis_prefix=prefix, num_retries=0, breaker_failures=2, breaker_cooldown=30)
+    shared = dict(
+        redis_url=REDIS_URL,
+        redis_prefix=prefix,
+        num_retries=0,
+        breaker_failures=2,
+        breaker_cooldown=30,
+    )
     ups["a"].fail("status", status=503)
     with gateway(models(ups), **shared) as gw1, gateway(models(ups), **shared) as gw2:
         assert breaker_of(gw2, "primary#0")["breaker"] == "closed"
@@ -81,8 +94,14 @@ def test_two_gateway_processes_share_breaker_state(ups, prefix, tmp_path: Path):
     ups["a"].fail("status", status=503)
     config = {
         "models": [m.model_dump(exclude_none=True) for m in models(ups)],
-        "router": {"redis_url": REDIS_URL, "redis_prefix": prefix, "num_retries": 0, "breaker_failures": 2,
-                   "breaker_cooldown": 30, "health_check_interval": 0},
+        "router": {
+            "redis_url": REDIS_URL,
+            "redis_prefix": prefix,
+            "num_retries": 0,
+            "breaker_failures": 2,
+            "breaker_cooldown": 30,
+            "health_check_interval": 0,
+        },
     }
     path = tmp_path / "gw.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -90,9 +109,20 @@ def test_two_gateway_processes_share_breaker_state(ups, prefix, tmp_path: Path):
     with ExitStack() as stack:
         for port in ports:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from flashstack.cli import main; main()", "serve", "--config", str(path),
-                 "--port", str(port)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                [
+                    sys.executable,
+                    "-c",
+                    "from flashstack.cli import main; main()",
+                    "serve",
+                    "--config",
+                    str(path),
+                    "--port",
+                    str(port),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             stack.callback(_stop, proc)
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for url in urls:

@@ -1,4 +1,5 @@
-"""One gateway per store kind (SQLite file, PostgreSQL schema), with auth on; both run every test."""
+"""One gateway per store kind (SQLite file, PostgreSQL schema), with auth on; both
+run every test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Stores, gateways (in a thread or as processes) and small clients for the session and auth tests."""
+"""Stores, gateways (in a thread or as processes) and small clients for the session
+and auth tests."""
 
 from __future__ import annotations
 
@@ -48,11 +49,15 @@ class ScratchStore:
 
     def __init__(self, kind: str, tmp: Path) -> None:
         self.kind = kind
-        self.schema = f"fs_test_{os.getpid()}_{uuid.uuid4().hex[:8]}" if kind == "postgres" else None
+        self.schema = (
+            f"fs_test_{os.getpid()}_{uuid.uuid4().hex[:8]}" if kind == "postgres" else None
+        )
         self.url = PG_URL if kind == "postgres" else f"sqlite+aiosqlite:///{tmp / 'flashstack.db'}"
 
     def config(self) -> StoreConfig:
-        return StoreConfig(database_url=self.url, db_schema=self.schema, lease_ttl=5.0, lock_timeout=60.0)
+        return StoreConfig(
+            database_url=self.url, db_schema=self.schema, lease_ttl=5.0, lock_timeout=60.0
+        )
 
     def drop(self) -> None:
         if self.schema is None:
@@ -70,6 +75,7 @@ class ScratchStore:
     def query(self, sql: str, *args: Any) -> list[Any]:
         """Rows of `sql` run directly on the database (asyncpg / sqlite3 parameter style `?`)."""
         if self.kind == "postgres":
+
             async def run() -> list[Any]:
                 import asyncpg
 
@@ -77,7 +83,9 @@ class ScratchStore:
                     "postgresql://127.0.0.1:5432/test", server_settings={"search_path": self.schema}
                 )
                 n = iter(range(1, 100))
-                rows = await conn.fetch("".join(f"${next(n)}" if c == "?" else c for c in sql), *args)
+                rows = await conn.fetch(
+                    "".join(f"${next(n)}" if c == "?" else c for c in sql), *args
+                )
                 await conn.close()
                 return [tuple(r) for r in rows]
 
@@ -92,21 +100,41 @@ class ScratchStore:
 
 def models(upstreams: Any) -> list[ModelConfig]:
     return [
-        ModelConfig(name="gpt", provider="openai", model="gpt-4o-mini",
-                    api_base=upstreams["openai"].url + "/v1", api_key=API_KEY),
-        ModelConfig(name="claude", provider="anthropic", model="claude-sonnet-4-5",
-                    api_base=upstreams["anthropic"].url, api_key=API_KEY),
+        ModelConfig(
+            name="gpt",
+            provider="openai",
+            model="gpt-4o-mini",
+            api_base=upstreams["openai"].url + "/v1",
+            api_key=API_KEY,
+        ),
+        ModelConfig(
+            name="claude",
+            provider="anthropic",
+            model="claude-sonnet-4-5",
+            api_base=upstreams["anthropic"].url,
+            api_key=API_KEY,
+        ),
     ]
 
 
-def gateway_config(upstreams: Any, store: ScratchStore, tmp: Path, master_key: str | None = MASTER_KEY,
-                   redis_url: str | None = None, **store_overrides: Any) -> Config:
+def gateway_config(
+    upstreams: Any,
+    store: ScratchStore,
+    tmp: Path,
+    master_key: str | None = MASTER_KEY,
+    redis_url: str | None = None,
+    **store_overrides: Any,
+) -> Config:
     store_cfg = store.config().model_copy(update=store_overrides)
     return Config(
         server=ServerConfig(max_body_bytes=4 * 1024 * 1024),
         models=models(upstreams),
         store=store_cfg,
-        auth=AuthConfig(master_key=master_key, redis_url=redis_url, redis_prefix=f"fs-test-{uuid.uuid4().hex[:8]}:"),
+        auth=AuthConfig(
+            master_key=master_key,
+            redis_url=redis_url,
+            redis_prefix=f"fs-test-{uuid.uuid4().hex[:8]}:",
+        ),
         state_dir=tmp,
     )
 
@@ -138,8 +166,19 @@ class GatewayProcess:
     def launch(self) -> GatewayProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHSTACK_")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flashstack.cli", "serve", "--config", str(self.path), "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("ab"), env=env,
+            [
+                sys.executable,
+                "-m",
+                "flashstack.cli",
+                "serve",
+                "--config",
+                str(self.path),
+                "--port",
+                str(self.port),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("ab"),
+            env=env,
         )
         return self
 
@@ -176,6 +215,8 @@ def auth_headers(key: str | None) -> dict[str, str]:
 
 
 def create_key(url: str, **fields: Any) -> dict[str, Any]:
-    r = httpx.post(url + "/v1/keys", json={"name": "test", **fields}, headers=auth_headers(MASTER_KEY))
+    r = httpx.post(
+        url + "/v1/keys", json={"name": "test", **fields}, headers=auth_headers(MASTER_KEY)
+    )
     assert r.status_code == 200, r.text
     return r.json()

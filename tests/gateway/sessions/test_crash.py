@@ -32,15 +32,20 @@ def store(request, tmp_path):
     s.drop()
 
 
-async def _client_loop(url: str, sid: str, i: int, completed: set[tuple[int, int]], started: list[int]) -> None:
+async def _client_loop(
+    url: str, sid: str, i: int, completed: set[tuple[int, int]], started: list[int]
+) -> None:
     """Stream turns into one session until the gateway dies; remember those seen to finish."""
     async with httpx.AsyncClient(headers=auth_headers(MASTER_KEY), timeout=60) as c:
         for n in range(10_000):
             # Every fifth session streams slowly, so some streams are always mid-way at the kill.
             text = f"s{i} t{n}" + (" [[slow:0.05]]" if i % 5 == 0 else "")
             try:
-                async with c.stream("POST", f"{url}/v1/sessions/{sid}/messages",
-                                    json={"content": text, "stream": True}) as r:
+                async with c.stream(
+                    "POST",
+                    f"{url}/v1/sessions/{sid}/messages",
+                    json={"content": text, "stream": True},
+                ) as r:
                     started[i] += 1
                     async for line in r.aiter_lines():
                         if line == "data: [DONE]" and r.status_code == 200:
@@ -52,7 +57,10 @@ async def _client_loop(url: str, sid: str, i: int, completed: set[tuple[int, int
 async def _run_until_killed(gw: GatewayProcess, sids: list[str]) -> set[tuple[int, int]]:
     completed: set[tuple[int, int]] = set()
     started = [0] * STREAMS
-    tasks = [asyncio.create_task(_client_loop(gw.url, sid, i, completed, started)) for i, sid in enumerate(sids)]
+    tasks = [
+        asyncio.create_task(_client_loop(gw.url, sid, i, completed, started))
+        for i, sid in enumerate(sids)
+    ]
     deadline = time.monotonic() + 30
     while (len(completed) < 2 * STREAMS or min(started) == 0) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -66,7 +74,9 @@ def test_sigkill_mid_stream_leaves_only_whole_turns(upstreams, store, tmp_path):
     gw = GatewayProcess(config, tmp_path).start()
     try:
         sids = [
-            httpx.post(gw.url + "/v1/sessions", json={"model": "gpt"}, headers=auth_headers(MASTER_KEY)).json()["id"]
+            httpx.post(
+                gw.url + "/v1/sessions", json={"model": "gpt"}, headers=auth_headers(MASTER_KEY)
+            ).json()["id"]
             for _ in range(STREAMS)
         ]
         completed = asyncio.run(_run_until_killed(gw, sids))
@@ -74,7 +84,8 @@ def test_sigkill_mid_stream_leaves_only_whole_turns(upstreams, store, tmp_path):
         gw = GatewayProcess(config, tmp_path, port=gw.port).start()
 
         rows = store.query(
-            "SELECT session_id, seq, turn_id, role, status, content FROM fs_messages ORDER BY session_id, seq"
+            "SELECT session_id, seq, turn_id, role, status, content FROM fs_messages ORDER BY "
+            "session_id, seq"
         )
         by_session: dict[str, list[tuple]] = defaultdict(list)
         for row in rows:
@@ -88,7 +99,10 @@ def test_sigkill_mid_stream_leaves_only_whole_turns(upstreams, store, tmp_path):
                 turns[m[2]].append(m)
             for turn in turns.values():
                 shape = [(m[3], m[4]) for m in turn]
-                assert shape in ([("user", "completed"), ("assistant", "completed")], [("user", "incomplete")]), shape
+                assert shape in (
+                    [("user", "completed"), ("assistant", "completed")],
+                    [("user", "incomplete")],
+                ), shape
                 if shape[0][1] == "completed":
                     user_text = turn[0][5].split('"text":"')[1].split('"')[0]
                     assert f'"echo: {user_text}"' in turn[1][5]
@@ -101,8 +115,12 @@ def test_sigkill_mid_stream_leaves_only_whole_turns(upstreams, store, tmp_path):
         # (their lock from the dead process expires after store.lease_ttl).
         async def one_more_turn() -> list[int]:
             async with httpx.AsyncClient(headers=auth_headers(MASTER_KEY), timeout=30) as c:
-                calls = [c.post(f"{gw.url}/v1/sessions/{sid}/messages", json={"content": "after restart"})
-                         for sid in sids[:10]]
+                calls = [
+                    c.post(
+                        f"{gw.url}/v1/sessions/{sid}/messages", json={"content": "after restart"}
+                    )
+                    for sid in sids[:10]
+                ]
                 return [r.status_code for r in await asyncio.gather(*calls)]
 
         assert asyncio.run(one_more_turn()) == [200] * 10

@@ -19,11 +19,18 @@ def test_a_chain_is_stored_per_key(gw, key_a, key_b, upstreams):
     three = alice.responses.create(model="gpt", input="third", previous_response_id=two.id)
     assert three.output_text == "echo: third"
     sent = upstreams["openai"].requests[-1].body["messages"]
-    assert [m["content"] for m in sent] == ["first", "echo: first", "second", "echo: second", "third"]
+    assert [m["content"] for m in sent] == [
+        "first",
+        "echo: first",
+        "second",
+        "echo: second",
+        "third",
+    ]
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(three.id)
     assert [i.content[0].text for i in alice.responses.input_items.list(three.id).data] == ["third"]
     alice.responses.delete(one.id)
     with pytest.raises(openai.NotFoundError):
         alice.responses.create(model="gpt", input="again", previous_response_id=one.id)
-    assert alice.responses.retrieve(two.id).previous_response_id == one.id  # the rest of the chain stays
+    # the rest of the chain stays
+    assert alice.responses.retrieve(two.id).previous_response_id == one.id

@@ -1,4 +1,5 @@
-"""The database layer on both stores: versioned migrations, SQLite in WAL mode, whole-turn commits."""
+"""The database layer on both stores: versioned migrations, SQLite in WAL mode,
+whole-turn commits."""
 
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ async def db(store):
 
 async def test_migrations_are_versioned_and_idempotent(db, store):
     await db.open()  # a second start-up applies nothing
-    assert store.query("SELECT version FROM fs_schema_version") == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+    assert store.query("SELECT version FROM fs_schema_version") == [
+        (v,) for v in range(1, SCHEMA_VERSION + 1)
+    ]
     if store.kind == "sqlite":
         assert store.query("PRAGMA journal_mode") == [("wal",)]
 
 
 async def test_a_newer_schema_is_refused(db, store):
     async with db.write() as conn:
-        await conn.execute(sa.text("INSERT INTO fs_schema_version (version, applied_at) VALUES (999, 0)"))
+        await conn.execute(
+            sa.text("INSERT INTO fs_schema_version (version, applied_at) VALUES (999, 0)")
+        )
     with pytest.raises(ConfigError, match="newer than this flashstack"):
         await Database(store.url, store.schema).open()
     async with db.write() as conn:
@@ -44,6 +49,7 @@ async def test_a_turn_commits_whole_or_not_at_all(db, store, monkeypatch):
     with pytest.raises(LeaseLost):
         await sessions.commit_turn(s["id"], "someone-else", [Message("user", [Text("q")])], reply)
     assert store.query("SELECT COUNT(*) FROM fs_messages WHERE session_id = ?", s["id"]) == [(0,)]
+
     # A failure after the messages are inserted (here: freeing the lease) rolls them back.
     async def broken_release(*args):
         raise RuntimeError("the database went away mid-commit")

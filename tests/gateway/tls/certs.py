@@ -30,7 +30,9 @@ class Issued:
     @property
     def key_pem(self) -> bytes:
         return self.key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
         )
 
     def write(self, directory: Path, stem: str) -> Issued:
@@ -45,11 +47,18 @@ def make_ca(name: str) -> Issued:
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.now(UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=1))
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -57,8 +66,14 @@ def make_ca(name: str) -> Issued:
 
 
 def issue(
-    ca: Issued, common_name: str, *, dns: tuple[str, ...] = (), ips: tuple[str, ...] = (), client: bool = False,
-    not_before: datetime | None = None, not_after: datetime | None = None,
+    ca: Issued,
+    common_name: str,
+    *,
+    dns: tuple[str, ...] = (),
+    ips: tuple[str, ...] = (),
+    client: bool = False,
+    not_before: datetime | None = None,
+    not_after: datetime | None = None,
 ) -> Issued:
     """A leaf signed by `ca`: server usage by default, client usage with `client=True`."""
     key = ec.generate_private_key(ec.SECP256R1())
@@ -69,7 +84,9 @@ def issue(
     builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-        .issuer_name(ca.cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
         .not_valid_before(not_before or now - timedelta(minutes=5))
         .not_valid_after(not_after or now + timedelta(hours=1))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -83,7 +100,9 @@ def issue(
     return Issued(builder.sign(ca.key, hashes.SHA256()), key)
 
 
-def client_context(ca_file: Path, client: Issued | None = None, **versions: ssl.TLSVersion) -> ssl.SSLContext:
+def client_context(
+    ca_file: Path, client: Issued | None = None, **versions: ssl.TLSVersion
+) -> ssl.SSLContext:
     """What a caller of the gateway uses: trust `ca_file`, present `client` if given."""
     ctx = ssl.create_default_context(cafile=str(ca_file))
     for attr, version in versions.items():

@@ -33,15 +33,30 @@ class PKI:
         self.other_ca = make_ca("some other CA").write(d, "other-ca")
         self.server = self.server_cert("server")
         past = datetime.now(UTC) - timedelta(days=2)
-        self.client = issue(self.ca, CLIENT_NAME, dns=(CLIENT_NAME,), client=True).write(d, "client")
-        self.foreign = issue(self.other_ca, CLIENT_NAME, dns=(CLIENT_NAME,), client=True).write(d, "foreign")
-        self.expired = issue(self.ca, CLIENT_NAME, dns=(CLIENT_NAME,), client=True, not_before=past,
-                             not_after=past + timedelta(hours=1)).write(d, "expired")
-        self.wrong_name = issue(self.ca, "intruder.example", dns=("intruder.example",), client=True).write(d, "wrong")
-        self.server_usage = issue(self.ca, CLIENT_NAME, dns=(CLIENT_NAME,)).write(d, "server-usage")  # no clientAuth
+        self.client = issue(self.ca, CLIENT_NAME, dns=(CLIENT_NAME,), client=True).write(
+            d, "client"
+        )
+        self.foreign = issue(self.other_ca, CLIENT_NAME, dns=(CLIENT_NAME,), client=True).write(
+            d, "foreign"
+        )
+        self.expired = issue(
+            self.ca,
+            CLIENT_NAME,
+            dns=(CLIENT_NAME,),
+            client=True,
+            not_before=past,
+            not_after=past + timedelta(hours=1),
+        ).write(d, "expired")
+        self.wrong_name = issue(
+            self.ca, "intruder.example", dns=("intruder.example",), client=True
+        ).write(d, "wrong")
+        # no clientAuth
+        self.server_usage = issue(self.ca, CLIENT_NAME, dns=(CLIENT_NAME,)).write(d, "server-usage")
 
     def server_cert(self, stem: str, **kw: object) -> Issued:
-        return issue(self.ca, "gateway.test", dns=("localhost",), ips=("127.0.0.1",), **kw).write(self.dir, stem)  # type: ignore[arg-type]
+        return issue(self.ca, "gateway.test", dns=("localhost",), ips=("127.0.0.1",), **kw).write(
+            self.dir, stem
+        )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +85,8 @@ def openai_upstream():
 
 
 def tls_app(config: Config, tls: ServerTLS) -> FastAPI:
-    """The gateway app plus two probe routes: who am I (the mTLS identity) and a slow finite stream."""
+    """The gateway app plus two probe routes: who am I (the mTLS identity) and a slow
+    finite stream."""
     app = create_app(config, tls=tls)
     app.state.hits = 0
 
@@ -79,11 +95,14 @@ def tls_app(config: Config, tls: ServerTLS) -> FastAPI:
         request.app.state.hits += 1
         identity = client_identity(request)
         tls_ext = request.scope.get("extensions", {}).get("tls", {})
-        return JSONResponse({
-            "identity": asdict(identity) if identity else None,
-            "state": bool(getattr(request.state, "client_cert", None)),
-            "tls_version": tls_ext.get("tls_version"), "client_cert_name": tls_ext.get("client_cert_name"),
-        })
+        return JSONResponse(
+            {
+                "identity": asdict(identity) if identity else None,
+                "state": bool(getattr(request.state, "client_cert", None)),
+                "tls_version": tls_ext.get("tls_version"),
+                "client_cert_name": tls_ext.get("client_cert_name"),
+            }
+        )
 
     @app.get("/_test/slow")
     async def slow(chunks: int, interval: float) -> StreamingResponse:
@@ -103,8 +122,18 @@ class TLSGateway:
 
     def __init__(self, tls: ServerTLS, upstream_url: str, **uvicorn: object) -> None:
         self.tls = tls
-        config = Config(server=ServerConfig(), models=[ModelConfig(
-            name="gpt", provider="openai", model="gpt-4o-mini", api_base=upstream_url + "/v1", api_key=API_KEY)])
+        config = Config(
+            server=ServerConfig(),
+            models=[
+                ModelConfig(
+                    name="gpt",
+                    provider="openai",
+                    model="gpt-4o-mini",
+                    api_base=upstream_url + "/v1",
+                    api_key=API_KEY,
+                )
+            ],
+        )
         self.app = tls_app(config, tls)
         options = {"lifespan": "on", "loop": "asyncio", **uvicorn}
         options |= tls.uvicorn_options(str(options.pop("http", "httptools")))

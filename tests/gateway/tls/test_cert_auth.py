@@ -39,14 +39,33 @@ async def _create_key(config: Config, name: str, models: list[str] | None) -> st
 @pytest.fixture(scope="module")
 def cert_gateway(pki: PKI, openai_upstream, tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    models = [ModelConfig(name="gpt", provider="openai", model="gpt-4o-mini",
-                          api_base=openai_upstream.url + "/v1", api_key=API_KEY)]
-    config = Config(server=ServerConfig(), models=models, state_dir=state,
-                    store=StoreConfig(database_url=f"sqlite+aiosqlite:///{state}/gw.db"))
+    models = [
+        ModelConfig(
+            name="gpt",
+            provider="openai",
+            model="gpt-4o-mini",
+            api_base=openai_upstream.url + "/v1",
+            api_key=API_KEY,
+        )
+    ]
+    config = Config(
+        server=ServerConfig(),
+        models=models,
+        state_dir=state,
+        store=StoreConfig(database_url=f"sqlite+aiosqlite:///{state}/gw.db"),
+    )
     key_id = asyncio.run(_create_key(config, "svc-a", ["gpt"]))
-    config.auth = AuthConfig(master_key=MASTER, client_cert_keys={CLIENT_NAME: key_id, "svc-*.test": "key_missing"})
-    tls = ServerTLS.from_config(TLSConfig(cert_file=pki.server.cert_file, key_file=pki.server.key_file,
-                                          client_ca_file=pki.ca.cert_file, client_auth="optional"))
+    config.auth = AuthConfig(
+        master_key=MASTER, client_cert_keys={CLIENT_NAME: key_id, "svc-*.test": "key_missing"}
+    )
+    tls = ServerTLS.from_config(
+        TLSConfig(
+            cert_file=pki.server.cert_file,
+            key_file=pki.server.key_file,
+            client_ca_file=pki.ca.cert_file,
+            client_auth="optional",
+        )
+    )
     app = tls_app(config, tls)
     server = FakeServer(app, lifespan="on", loop="uvloop", **tls.uvicorn_options("httptools"))
     tls.start()
@@ -74,7 +93,11 @@ def test_without_certificate_or_key_is_401(cert_gateway, pki):
 
 
 def test_explicit_key_wins_over_the_certificate(cert_gateway, pki):
-    r = _chat(cert_gateway, client_context(pki.ca.cert_file, pki.client), {"authorization": "Bearer fsk_wrong"})
+    r = _chat(
+        cert_gateway,
+        client_context(pki.ca.cert_file, pki.client),
+        {"authorization": "Bearer fsk_wrong"},
+    )
     assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
 
 

@@ -44,9 +44,13 @@ def test_changed_files_are_served_to_new_connections_while_open_ones_keep_theirs
     first = pki.server_cert("rot-1")
     cert_file, key_file = tmp_path / "tls.crt", tmp_path / "tls.key"
     replace_files(first, cert_file, key_file)
-    cfg = TLSConfig(cert_file=cert_file, key_file=key_file, client_ca_file=pki.ca.cert_file, watch_interval=0.1)
-    with TLSGateway(ServerTLS.from_config(cfg), openai_upstream.url, loop=loop) as gw, \
-            httpx.Client(verify=client_context(pki.ca.cert_file, pki.client), timeout=10) as kept:
+    cfg = TLSConfig(
+        cert_file=cert_file, key_file=key_file, client_ca_file=pki.ca.cert_file, watch_interval=0.1
+    )
+    with (
+        TLSGateway(ServerTLS.from_config(cfg), openai_upstream.url, loop=loop) as gw,
+        httpx.Client(verify=client_context(pki.ca.cert_file, pki.client), timeout=10) as kept,
+    ):
         r = kept.get(gw.url + "/_test/whoami")
         assert peer_serial(r.extensions["network_stream"]) == first.cert.serial_number
 
@@ -62,11 +66,15 @@ def test_changed_files_are_served_to_new_connections_while_open_ones_keep_theirs
         assert "server certificate rotated" in tls_log.text
 
 
-def test_a_broken_pair_keeps_the_current_certificate_and_warns_until_fixed(pki, openai_upstream, tmp_path, tls_log):
+def test_a_broken_pair_keeps_the_current_certificate_and_warns_until_fixed(
+    pki, openai_upstream, tmp_path, tls_log
+):
     good = pki.server_cert("broken-1")
     cert_file, key_file = tmp_path / "tls.crt", tmp_path / "tls.key"
     replace_files(good, cert_file, key_file)
-    cfg = TLSConfig(cert_file=cert_file, key_file=key_file, client_ca_file=pki.ca.cert_file, watch_interval=0.1)
+    cfg = TLSConfig(
+        cert_file=cert_file, key_file=key_file, client_ca_file=pki.ca.cert_file, watch_interval=0.1
+    )
     with TLSGateway(ServerTLS.from_config(cfg), openai_upstream.url) as gw:
         nxt = pki.server_cert("broken-2")
         cert_file.write_bytes(nxt.cert_pem)  # the certificate lands, its key not yet
@@ -87,7 +95,9 @@ def test_a_broken_pair_keeps_the_current_certificate_and_warns_until_fixed(pki, 
 def test_an_expired_file_certificate_makes_readiness_fail(pki, openai_upstream, tmp_path):
     soon = datetime.now(UTC) + timedelta(seconds=2)
     short = pki.server_cert("short", not_after=soon)
-    cfg = TLSConfig(cert_file=short.cert_file, key_file=short.key_file, client_ca_file=pki.ca.cert_file)
+    cfg = TLSConfig(
+        cert_file=short.cert_file, key_file=short.key_file, client_ca_file=pki.ca.cert_file
+    )
     with TLSGateway(ServerTLS.from_config(cfg), openai_upstream.url) as gw:
         assert gw.tls.status()["status"] in ("ok", "warning")
         wait_for(lambda: time.time() > soon.timestamp() + 0.5)
@@ -98,7 +108,8 @@ def test_an_expired_file_certificate_makes_readiness_fail(pki, openai_upstream, 
 
 def _readiness(gw: TLSGateway, pki: PKI, verify_server: bool = True) -> httpx.Response:
     ctx = client_context(pki.ca.cert_file, pki.client)
-    if not verify_server:  # the server certificate has expired: probe like a kubelet, which does not verify
+    # the server certificate has expired: probe like a kubelet, which does not verify
+    if not verify_server:
         ctx.check_hostname = False
         ctx.verify_mode = __import__("ssl").CERT_NONE
     with httpx.Client(verify=ctx, timeout=10) as c:
@@ -118,11 +129,16 @@ def test_a_new_client_ca_applies_to_new_handshakes(pki, openai_upstream, tmp_pat
 
     ca_file = tmp_path / "clients-ca.pem"
     ca_file.write_bytes(pki.ca.cert_pem)
-    cfg = TLSConfig(cert_file=pki.server.cert_file, key_file=pki.server.key_file, client_ca_file=ca_file,
-                    watch_interval=0.1)
+    cfg = TLSConfig(
+        cert_file=pki.server.cert_file,
+        key_file=pki.server.key_file,
+        client_ca_file=ca_file,
+        watch_interval=0.1,
+    )
     new_ca = make_ca("next client CA")
     newcomer = issue(new_ca, "svc-b.test", client=True).write(tmp_path, "newcomer")
     with TLSGateway(ServerTLS.from_config(cfg), openai_upstream.url) as gw:
+
         def status(client: Issued) -> int | None:
             try:
                 with httpx.Client(verify=client_context(pki.ca.cert_file, client), timeout=10) as c:

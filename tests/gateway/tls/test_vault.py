@@ -1,4 +1,5 @@
-"""Certificates from a real OpenBao PKI engine: issue, rotate under load, survive Vault going away."""
+"""Certificates from a real OpenBao PKI engine: issue, rotate under load, survive
+Vault going away."""
 
 from __future__ import annotations
 
@@ -29,17 +30,26 @@ def token(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def vault_config(bao: BaoServer, **kw: object) -> VaultConfig:
     options: dict[str, object] = dict(
-        addr=bao.addr, ca_bundle=bao.ca_file, token_env=TOKEN_ENV, role=SERVER_ROLE, common_name="gateway.test",
-        ip_sans=["127.0.0.1"], ttl="1h", retry_min=0.2, retry_max=0.8,
+        addr=bao.addr,
+        ca_bundle=bao.ca_file,
+        token_env=TOKEN_ENV,
+        role=SERVER_ROLE,
+        common_name="gateway.test",
+        ip_sans=["127.0.0.1"],
+        ttl="1h",
+        retry_min=0.2,
+        retry_max=0.8,
     )
     return VaultConfig(**(options | kw))
 
 
 @pytest.fixture(scope="module")
 def client_ctx(bao, tmp_path_factory) -> ssl.SSLContext:
-    """A caller with a client certificate issued by OpenBao's client role, trusting OpenBao's PKI root."""
+    """A caller with a client certificate issued by OpenBao's client role, trusting
+    OpenBao's PKI root."""
     data = bao.client().secrets.pki.generate_certificate(
-        name=CLIENT_ROLE, common_name=CLIENT_NAME, extra_params={"ttl": "10m"})["data"]
+        name=CLIENT_ROLE, common_name=CLIENT_NAME, extra_params={"ttl": "10m"}
+    )["data"]
     d = tmp_path_factory.mktemp("bao-client")
     (d / "client.crt").write_text(data["certificate"])
     (d / "client.key").write_text(data["private_key"])
@@ -49,13 +59,17 @@ def client_ctx(bao, tmp_path_factory) -> ssl.SSLContext:
 
 
 def vault_tls(bao: BaoServer, **kw: object) -> ServerTLS:
-    cfg = TLSConfig(vault=vault_config(bao, **kw), client_ca_file=bao.root_file, client_names=[CLIENT_NAME])
+    cfg = TLSConfig(
+        vault=vault_config(bao, **kw), client_ca_file=bao.root_file, client_names=[CLIENT_NAME]
+    )
     tls = ServerTLS.from_config(cfg)
     assert tls is not None
     return tls
 
 
-async def new_connection(url: str, ctx: ssl.SSLContext, path: str = "/_test/whoami") -> tuple[int, httpx.Response]:
+async def new_connection(
+    url: str, ctx: ssl.SSLContext, path: str = "/_test/whoami"
+) -> tuple[int, httpx.Response]:
     async with httpx.AsyncClient(verify=ctx, timeout=20) as client:
         r = await client.get(url + path)
         return peer_serial(r.extensions["network_stream"]), r
@@ -69,7 +83,11 @@ def test_token_auth_issues_the_served_certificate(bao, token, openai_upstream, c
         ready = asyncio.run(new_connection(gw.url, client_ctx, "/health/readiness"))[1]
         assert ready.status_code == 200
         report = ready.json()["tls"]
-        assert (report["status"], report["source"], report["serial"]) == ("ok", "vault", gw.tls.bundle.serial_hex)
+        assert (report["status"], report["source"], report["serial"]) == (
+            "ok",
+            "vault",
+            gw.tls.bundle.serial_hex,
+        )
 
 
 def test_approle_auth(bao, monkeypatch):
@@ -77,7 +95,9 @@ def test_approle_auth(bao, monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.setenv("T_ROLE_ID", role_id)
     monkeypatch.setenv("T_SECRET_ID", secret_id)
-    issuer = VaultIssuer(vault_config(bao, role_id_env="T_ROLE_ID", secret_id_env="T_SECRET_ID", ttl="5m"))
+    issuer = VaultIssuer(
+        vault_config(bao, role_id_env="T_ROLE_ID", secret_id_env="T_SECRET_ID", ttl="5m")
+    )
     issued = issuer.issue()
     assert "BEGIN CERTIFICATE" in issued.cert_pem and issuer.client.token != ROOT_TOKEN
     bao.client().auth.token.revoke(issuer.client.token)  # as if the AppRole token had expired
@@ -94,27 +114,34 @@ def test_no_credentials_says_which_variables_to_set(bao, monkeypatch):
 
 
 def test_vaults_own_certificate_is_verified(bao, token, pki):
-    # Without the dev CA (system store only), or with a CA that did not sign Vault's certificate: refused.
+    # Without the dev CA (system store only), or with a CA that did not sign Vault's
+    # certificate: refused.
     for ca_bundle in (None, pki.other_ca.cert_file):
         with pytest.raises(VaultError, match="cannot verify"):
             VaultIssuer(vault_config(bao, ca_bundle=ca_bundle)).issue()
     with pytest.raises(VaultError, match="https"):
         VaultIssuer(vault_config(bao, addr="http://vault.example.com:8200"))
-    with pytest.raises(TLSError, match="no server certificate"):  # start-up fails loudly, after retries
+    # start-up fails loudly, after retries
+    with pytest.raises(TLSError, match="no server certificate"):
         vault_tls(bao, ca_bundle=pki.other_ca.cert_file)
 
 
 async def test_rotation_under_load_drops_nothing(bao, token, openai_upstream, client_ctx, tls_log):
-    """50 streams open across a rotation (TTL 6 s, renewal at 2/3): all finish; new handshakes get the new serial."""
+    """50 streams open across a rotation (TTL 6 s, renewal at 2/3): all finish; new handshakes get
+    the new serial."""
     chunks, interval = 40, 0.15  # each stream lasts ~6 s; the renewal comes at ~4 s
     with TLSGateway(vault_tls(bao, ttl="6s"), openai_upstream.url) as gw:
         first = gw.tls.bundle.serial
 
         async def stream() -> tuple[int, list[str]]:
             async with httpx.AsyncClient(verify=client_ctx, timeout=30) as client:
-                async with client.stream("GET", gw.url + f"/_test/slow?chunks={chunks}&interval={interval}") as r:
+                async with client.stream(
+                    "GET", gw.url + f"/_test/slow?chunks={chunks}&interval={interval}"
+                ) as r:
                     assert r.status_code == 200
-                    return peer_serial(r.extensions["network_stream"]), [line async for line in r.aiter_lines()]
+                    return peer_serial(r.extensions["network_stream"]), [
+                        line async for line in r.aiter_lines()
+                    ]
 
         async def probe(until: asyncio.Task) -> list[tuple[int, int]]:
             seen = []
@@ -128,9 +155,14 @@ async def test_rotation_under_load_drops_nothing(bao, token, openai_upstream, cl
         probes = await probe(streams)
         results = await streams
 
-        assert all(serial == first for serial, _ in results), "every stream started on the first certificate"
-        assert all(lines == [f"chunk {i}" for i in range(chunks)] + ["done"] for _, lines in results)
-        assert 1 <= gw.tls.rotations <= 3  # renewed at 2/3 of the lifetime, not in a loop (Vault backdates 30 s)
+        assert all(serial == first for serial, _ in results), (
+            "every stream started on the first certificate"
+        )
+        assert all(
+            lines == [f"chunk {i}" for i in range(chunks)] + ["done"] for _, lines in results
+        )
+        # renewed at 2/3 of the lifetime, not in a loop (Vault backdates 30 s)
+        assert 1 <= gw.tls.rotations <= 3
         assert {status for _, status in probes} == {200}
         assert probes[0][0] == first and probes[-1][0] != first
         serial, r = await new_connection(gw.url, client_ctx)
@@ -138,7 +170,9 @@ async def test_rotation_under_load_drops_nothing(bao, token, openai_upstream, cl
         assert "server certificate rotated" in tls_log.text
 
 
-def test_vault_down_at_renewal_keeps_serving_until_expiry(tmp_path, token, openai_upstream, tls_log):
+def test_vault_down_at_renewal_keeps_serving_until_expiry(
+    tmp_path, token, openai_upstream, tls_log
+):
     bao = BaoServer(tmp_path / "bao").start()
     try:
         bao.setup_pki()
@@ -169,7 +203,8 @@ def test_vault_down_at_renewal_keeps_serving_until_expiry(tmp_path, token, opena
 
         while time.time() < not_after + 0.3:
             time.sleep(0.1)
-        unverified = ssl.create_default_context()  # the certificate expired: probe like a kubelet does
+        # the certificate expired: probe like a kubelet does
+        unverified = ssl.create_default_context()
         unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
         _, ready = asyncio.run(new_connection(gw.url, unverified, "/health/readiness"))
         assert ready.status_code == 503

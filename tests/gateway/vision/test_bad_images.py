@@ -1,4 +1,5 @@
-"""Hostile and broken images get the right 4xx in the caller's format; nothing reaches an upstream."""
+"""Hostile and broken images get the right 4xx in the caller's format; nothing
+reaches an upstream."""
 
 from __future__ import annotations
 

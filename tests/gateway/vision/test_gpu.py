@@ -1,7 +1,7 @@
 """The GPU paths against the CPU ones (needs CUDA, torchvision and triton; skipped without them).
 
-Runs without the gateway's conftest (`pytest --noconftest tests/gateway/vision/test_gpu.py`) on a GPU
-machine that has no web stack.
+Runs without the gateway's conftest (`pytest --noconftest tests/gateway/vision/test_gpu.py`) on a
+GPU machine that has no web stack.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""http(s) image URLs: fetched only when enabled, only from allowed public hosts, capped in size and time."""
+"""http(s) image URLs: fetched only when enabled, only from allowed public hosts, capped in
+size and time."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def test_loopback_refused_when_only_public_addresses_are_allowed(
     assert chat_request_count(upstreams) == before
 
 
-# ---- the fetcher, with a fake resolver and transport ------------------------------------------------
+# ---- the fetcher, with a fake resolver and transport ---------------------------------------------
 
 DNS = {
     "cdn.example.com": ["93.184.216.34"],
@@ -116,7 +117,8 @@ def test_fetch_public_host_by_its_checked_address():
     [
         ("http://cdn.example.com/to-private", "public addresses"),
         ("http://cdn.example.com/to-loopback-ip", "public addresses"),
-        ("http://rebind.example.com/x.png", "public addresses"),  # one bad address in the answer is enough
+        # one bad address in the answer is enough
+        ("http://rebind.example.com/x.png", "public addresses"),
         ("http://169.254.169.254/latest/meta-data", "public addresses"),  # cloud metadata
         ("http://cdn.example.com/loop", "redirects more than"),
         ("ftp://cdn.example.com/x.png", "http(s)"),
@@ -130,6 +132,7 @@ def test_fetch_refusals(url, needle):
 
 def test_internal_and_unresolvable_hosts_get_the_same_answer():
     """Which internal names resolve is not the caller's to learn."""
+
     async def no_such_host(host: str, port: int) -> list[str]:
         if host == "nowhere.example.com":
             raise OSError("Name or service not known")
@@ -139,8 +142,15 @@ def test_internal_and_unresolvable_hosts_get_the_same_answer():
     messages = []
     for host in ("nowhere.example.com", "evil.example.com"):
         with pytest.raises(GatewayError) as e:
-            asyncio.run(fetch_image(f"http://{host}/x.png", config, "p", resolve=no_such_host,
-                                    transport=httpx.MockTransport(_handler)))
+            asyncio.run(
+                fetch_image(
+                    f"http://{host}/x.png",
+                    config,
+                    "p",
+                    resolve=no_such_host,
+                    transport=httpx.MockTransport(_handler),
+                )
+            )
         messages.append(e.value.message.replace(host, "HOST"))
     assert messages[0] == messages[1] and "Name or service" not in messages[0]
 

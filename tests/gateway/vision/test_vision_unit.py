@@ -1,4 +1,5 @@
-"""The vision pieces on their own: sniffing, completeness, header checks, targets, the base64 oracle."""
+"""The vision pieces on their own: sniffing, completeness, header checks, targets, the
+base64 oracle."""
 
 from __future__ import annotations
 
@@ -122,15 +123,14 @@ def test_large_payloads_and_all_resizing_run_off_the_event_loop(monkeypatch):
     text = b64(image_bytes("image/png", 300, 300))
     claude = [ModelConfig(name="c", provider="anthropic", model="m")]
     for offload, configs in ((False, []), (True, []), (False, claude)):
-        req = ChatRequest(
-            "m", [Message("user", [ImagePayload(media_type="image/png", data=text)])]
-        )
+        req = ChatRequest("m", [Message("user", [ImagePayload(media_type="image/png", data=text)])])
         cfg = VisionConfig(
             offload_bytes=len(text) - 1 if offload else len(text),
             model_targets={"c": ImageTargetLimits(max_long_edge=100)},
         )
         asyncio.run(pipeline.prepare(req, configs, cfg))
-    # small, fits: checked inline; large: checked in a thread; small but too big: resized in a thread
+    # small, fits: checked inline; large: checked in a thread; small but too big:
+    # resized in a thread
     assert seen == [("check", True), ("check", False), ("check", True), ("resize", False)]
 
 
