@@ -28,17 +28,31 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flashstack", description="LLM gateway, engine and CUDA toolkit")
+    p = argparse.ArgumentParser(
+        prog="flashstack", description="LLM gateway, engine and CUDA toolkit"
+    )
     sub = p.add_subparsers()
 
     serve = sub.add_parser("serve", help="run the gateway (OpenAI + Anthropic endpoints)")
     serve.add_argument("--config", type=Path, help="YAML config (default: embedded defaults)")
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8400)")
-    serve.add_argument("--model", type=Path, action="append", default=[], help="serve a local HF model directory or a .gguf file")
-    serve.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate chain (reloaded on change)")
+    serve.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        default=[],
+        help="serve a local HF model directory or a .gguf file",
+    )
+    serve.add_argument(
+        "--tls-cert",
+        type=Path,
+        help="serve HTTPS with this PEM certificate chain (reloaded on change)",
+    )
     serve.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
-    serve.add_argument("--tls-client-ca", type=Path, help="mTLS: require client certificates signed by this CA")
+    serve.add_argument(
+        "--tls-client-ca", type=Path, help="mTLS: require client certificates signed by this CA"
+    )
     serve.set_defaults(func=_serve)
 
     models = sub.add_parser("models", help="list the models the gateway would serve")
@@ -49,20 +63,46 @@ def _parser() -> argparse.ArgumentParser:
 
     engine = sub.add_parser("engine", help="the inference engine")
     engine_sub = engine.add_subparsers()
-    eserve = engine_sub.add_parser("serve", help="OpenAI-compatible server for one model, like `vllm serve`")
-    eserve.add_argument("--model", type=Path, required=True, help="a local HF model directory or a .gguf file")
+    eserve = engine_sub.add_parser(
+        "serve", help="OpenAI-compatible server for one model, like `vllm serve`"
+    )
+    eserve.add_argument(
+        "--model", type=Path, required=True, help="a local HF model directory or a .gguf file"
+    )
     eserve.add_argument("--host", default="127.0.0.1")
     eserve.add_argument("--port", type=int, default=8000)
     eserve.add_argument("--block-size", type=int, default=None)
     eserve.add_argument("--max-num-seqs", type=int, default=None)
     eserve.add_argument("--device", default="auto")
     eserve.add_argument("--dtype", default="auto")
-    eserve.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence, prompt + output (default: the model's)")
-    eserve.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory the engine may take (default 0.9)")
+    eserve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt + output (default: the model's)",
+    )
+    eserve.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of GPU memory the engine may take (default 0.9)",
+    )
     eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
-    eserve.add_argument("--served-model-name", nargs="+", default=[], help="name(s) clients use; the first is reported (default: the file's name)")
-    eserve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)")
-    eserve.add_argument("--drain-timeout", type=_seconds, default=30.0, help="on SIGTERM, seconds running requests get to finish (default 30)")
+    eserve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="name(s) clients use; the first is reported (default: the file's name)",
+    )
+    eserve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: no key)"
+    )
+    eserve.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish (default 30)",
+    )
     eserve.set_defaults(func=_engine_serve)
     return p
 
@@ -78,21 +118,27 @@ def _seconds(value: str) -> float:
 def _add_keys_parser(sub: argparse._SubParsersAction) -> None:
     """`flashstack keys create|list|revoke`: API keys in the database the gateway uses."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", type=Path, help="YAML config naming store.database_url (default: SQLite in .flashstack)")
+    common.add_argument(
+        "--config",
+        type=Path,
+        help="YAML config naming store.database_url (default: SQLite in .flashstack)",
+    )
     keys = sub.add_parser("keys", help="API keys (stored hashed; a new key is shown once)")
     keys_sub = keys.add_subparsers()
     create = keys_sub.add_parser("create", parents=[common], help="create a key and print it, once")
     create.add_argument("--name", required=True)
-    create.add_argument("--models", help="comma-separated model names the key may use (default: all)")
+    create.add_argument(
+        "--models", help="comma-separated model names the key may use (default: all)"
+    )
     create.add_argument("--rpm", type=int, help="requests per minute")
     create.add_argument("--tpm", type=int, help="tokens per minute")
     create.add_argument("--expires-in", help="lifetime: 3600, 90m, 12h or 30d (default: never)")
     create.add_argument("--budget-day", type=float, help="USD per UTC day (default: no budget)")
     create.add_argument("--budget-month", type=float, help="USD per UTC month (default: no budget)")
     create.set_defaults(func=_keys, action="create")
-    keys_sub.add_parser("list", parents=[common], help="list keys (never their secrets)").set_defaults(
-        func=_keys, action="list"
-    )
+    keys_sub.add_parser(
+        "list", parents=[common], help="list keys (never their secrets)"
+    ).set_defaults(func=_keys, action="list")
     revoke = keys_sub.add_parser("revoke", parents=[common], help="revoke a key by id")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=_keys, action="revoke")
@@ -106,7 +152,9 @@ def _keys(args: argparse.Namespace) -> None:
     for line in asyncio.run(keys_command(load_config(args.config), args)):
         print(line)
     if args.action == "create":
-        console.print("[yellow]Save this key now: it is stored hashed and cannot be shown again.[/yellow]")
+        console.print(
+            "[yellow]Save this key now: it is stored hashed and cannot be shown again.[/yellow]"
+        )
 
 
 def resolve_config(path: Path | None, local_models: list[Path] | None = None) -> Config:
@@ -133,7 +181,9 @@ def _check_local_gguf(config: Config) -> None:
     """A local GGUF model that cannot load is a config error before anything is served (the engine
     itself loads on the first request; the parsed file is cached for it). Its context window comes
     from the file unless the config sets one."""
-    ggufs = [m for m in config.models if m.provider == "local" and m.model.lower().endswith(".gguf")]
+    ggufs = [
+        m for m in config.models if m.provider == "local" and m.model.lower().endswith(".gguf")
+    ]
     if not ggufs:  # the module imports torch: +190 MB of RSS for a gateway that serves no GGUF
         return
     from flashstack.engine.gguf import GGUFError, open_gguf
@@ -155,18 +205,32 @@ def _embedded_local_models(config: Config) -> list[ModelConfig]:
         return []
     path = smollm2_path()
     if path is not None:
-        # Sampling as its model card recommends (HuggingFaceTB/SmolLM2-135M-Instruct), when a request
-        # sets none.
+        # Sampling as its model card recommends (HuggingFaceTB/SmolLM2-135M-Instruct), when a
+        # request sets none.
         return [
-            ModelConfig(name=SMOLLM2_NAME, provider="local", model=str(path), description=SMOLLM2_DESCRIPTION,
-                        supports_images=False, max_output_tokens=512, default_temperature=0.2, default_top_p=0.9)
+            ModelConfig(
+                name=SMOLLM2_NAME,
+                provider="local",
+                model=str(path),
+                description=SMOLLM2_DESCRIPTION,
+                supports_images=False,
+                max_output_tokens=512,
+                default_temperature=0.2,
+                default_top_p=0.9,
+            )
         ]
     from flashstack.engine.tiny import DESCRIPTION, TINY_NAME, ensure_tiny_model
 
     path = ensure_tiny_model(config.state_dir / "models" / TINY_NAME)
     return [
-        ModelConfig(name=TINY_NAME, provider="local", model=str(path), description=DESCRIPTION,
-                    supports_images=False, max_output_tokens=128)
+        ModelConfig(
+            name=TINY_NAME,
+            provider="local",
+            model=str(path),
+            description=DESCRIPTION,
+            supports_images=False,
+            max_output_tokens=128,
+        )
     ]
 
 
@@ -181,14 +245,26 @@ def _serve(args: argparse.Namespace) -> None:
     config.server.host = host = args.host or config.server.host
     port = args.port or config.server.port
     tls = _server_tls(config, args)
-    _print_models(config, host, port, from_file=args.config is not None, scheme="https" if tls else "http")
+    _print_models(
+        config, host, port, from_file=args.config is not None, scheme="https" if tls else "http"
+    )
     app = create_app(config, tls=tls)  # readiness reports the certificate
-    # Header, timeout and connection limits live in the HTTP protocol class (gateway/server_limits.py).
+    # Header, timeout and connection limits live in the HTTP protocol class
+    # (gateway/server_limits.py).
     options = uvicorn_options(config.server, tls.start() if tls else None)
     try:
-        # access_log=False: uvicorn would build an access-log record per request only for it to be dropped.
-        uvicorn.run(app, host=host, port=port, loop="uvloop", log_level="warning", timeout_graceful_shutdown=5,
-                    access_log=False, **options)
+        # access_log=False: uvicorn would build an access-log record per request only for
+        # it to be dropped.
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            loop="uvloop",
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            access_log=False,
+            **options,
+        )
     finally:
         if tls:
             tls.close()
@@ -199,7 +275,11 @@ def _server_tls(config: Config, args: argparse.Namespace):  # -> ServerTLS | Non
     from flashstack.gateway.config import TLSConfig
     from flashstack.gateway.tls import ServerTLS
 
-    flags = {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca}
+    flags = {
+        "cert_file": args.tls_cert,
+        "key_file": args.tls_key,
+        "client_ca_file": args.tls_client_ca,
+    }
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
         merged = config.server.tls.model_dump(exclude_unset=True) | flags
@@ -212,13 +292,19 @@ def _server_tls(config: Config, args: argparse.Namespace):  # -> ServerTLS | Non
     return ServerTLS.from_config(config.server.tls)
 
 
-def _print_models(config: Config, host: str, port: int, from_file: bool, scheme: str = "http") -> None:
+def _print_models(
+    config: Config, host: str, port: int, from_file: bool, scheme: str = "http"
+) -> None:
     url = f"{scheme}://{host}:{port}"
-    console.print(f"[bold]flashstack gateway[/bold] on {url}  (OpenAI: {url}/v1/chat/completions, Anthropic: {url}/v1/messages)")
+    console.print(
+        f"[bold]flashstack gateway[/bold] on {url}  (OpenAI: {url}/v1/chat/completions, Anthropic: "
+        f"{url}/v1/messages)"
+    )
     if not config.models:
         console.print("[yellow]no models configured[/yellow]")
     for m in config.models:
-        where = redact_url(m.api_base) if m.api_base else m.model  # an api_base may carry credentials
+        # an api_base may carry credentials
+        where = redact_url(m.api_base) if m.api_base else m.model
         note = f" — {m.description}" if m.description else ""
         console.print(f"  • [cyan]{m.name}[/cyan]  {m.provider}  {where}{note}")
     if not from_file:
@@ -241,7 +327,9 @@ def _engine_serve(args: argparse.Namespace) -> None:
     from flashstack.engine.server import serve
 
     extra = {
-        "block_size": args.block_size, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }
     extra = {k: v for k, v in extra.items() if v}
@@ -249,9 +337,19 @@ def _engine_serve(args: argparse.Namespace) -> None:
         extra["tensor_parallel_size"] = args.tp
     try:
         options = ServeOptions(
-            served_model_names=args.served_model_name, api_key=args.api_key, drain_timeout_s=args.drain_timeout
+            served_model_names=args.served_model_name,
+            api_key=args.api_key,
+            drain_timeout_s=args.drain_timeout,
         )
-        serve(str(args.model), host=args.host, port=args.port, options=options, device=args.device, dtype=args.dtype, **extra)
+        serve(
+            str(args.model),
+            host=args.host,
+            port=args.port,
+            options=options,
+            device=args.device,
+            dtype=args.dtype,
+            **extra,
+        )
     except GGUFError as e:  # a bad .gguf is the user's input, not a crash: say what is wrong
         raise ConfigError(str(e)) from None
 

@@ -63,33 +63,63 @@ def primary(gguf, peer_logs):
 def gateway(primary, engine_server, tmp_path_factory):
     # weight 0: the engine is a standby, taking a request only when llama.cpp failed it or is open.
     models = [
-        ModelConfig(name="smol", id=PRIMARY, provider="openai", model=LLAMACPP_MODEL, api_base=primary.url + "/v1",
-                    supports_images=False),
-        ModelConfig(name="smol", id=STANDBY, provider="openai", model=ENGINE_MODEL,
-                    api_base=engine_server.url + "/v1", supports_images=False, weight=0),
+        ModelConfig(
+            name="smol",
+            id=PRIMARY,
+            provider="openai",
+            model=LLAMACPP_MODEL,
+            api_base=primary.url + "/v1",
+            supports_images=False,
+        ),
+        ModelConfig(
+            name="smol",
+            id=STANDBY,
+            provider="openai",
+            model=ENGINE_MODEL,
+            api_base=engine_server.url + "/v1",
+            supports_images=False,
+            weight=0,
+        ),
     ]
-    router = RouterConfig(num_retries=1, retry_backoff=0, breaker_failures=5, breaker_min_requests=10**6,
-                          breaker_cooldown=COOLDOWN_S, breaker_max_cooldown=COOLDOWN_S,
-                          health_check_interval=0.5, ttft_timeout=60,
-                          # llama-cpp-python answers GET /v1/models behind the lock its generations
-                          # hold: a probe waits for the running answer (the long one: ~10 s, more on
-                          # busy cores). A shorter bound would read a busy llama.cpp as down and send
-                          # the 49 to the standby before the kill.
-                          health_check_timeout=30.0)
+    router = RouterConfig(
+        num_retries=1,
+        retry_backoff=0,
+        breaker_failures=5,
+        breaker_min_requests=10**6,
+        breaker_cooldown=COOLDOWN_S,
+        breaker_max_cooldown=COOLDOWN_S,
+        health_check_interval=0.5,
+        ttft_timeout=60,
+        # llama-cpp-python answers GET /v1/models behind the lock its generations
+        # hold: a probe waits for the running answer (the long one: ~10 s, more on
+        # busy cores). A shorter bound would read a busy llama.cpp as down and
+        # send the 49 to the standby before the kill.
+        health_check_timeout=30.0,
+    )
     server = start_gateway(models, router, tmp_path_factory.mktemp("fallback-state"))
     yield server
     server.stop()
 
 
 def _body(i: int, stream: bool, max_tokens: int = MAX_TOKENS, **extra: object) -> bytes:
-    return orjson.dumps({"model": "smol", "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-                         "messages": [{"role": "user", "content": f"Write a short poem about the number {i}."}],
-                         **extra})
+    return orjson.dumps(
+        {
+            "model": "smol",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+            "messages": [{"role": "user", "content": f"Write a short poem about the number {i}."}],
+            **extra,
+        }
+    )
 
 
-async def _stream(client: httpx.AsyncClient, body: bytes, out: Outcome, first_token: asyncio.Event) -> None:
-    async with client.stream("POST", "/v1/chat/completions", content=body,
-                             headers={"content-type": "application/json"}) as resp:
+async def _stream(
+    client: httpx.AsyncClient, body: bytes, out: Outcome, first_token: asyncio.Event
+) -> None:
+    async with client.stream(
+        "POST", "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    ) as resp:
         assert resp.status_code == 200, await resp.aread()
         out.deployment = resp.headers.get("x-flashstack-deployment")
         async for line in resp.aiter_lines():
@@ -123,7 +153,9 @@ async def _until_in_flight(client: httpx.AsyncClient, n: int, timeout: float) ->
         ready = {d["deployment"]: d for d in body["models"]["smol"]}
         if ready[PRIMARY]["in_flight"] >= n:
             return
-        assert time.monotonic() < deadline, f"{n} streams in flight on llama.cpp within {timeout:g} s: {ready}"
+        assert time.monotonic() < deadline, (
+            f"{n} streams in flight on llama.cpp within {timeout:g} s: {ready}"
+        )
         await asyncio.sleep(0.02)
 
 
@@ -136,12 +168,19 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 def _ask(gateway) -> str:
     """Who served one request; the whole route (every attempt) when it was not the first try."""
-    r = httpx.post(gateway.url + "/v1/chat/completions", content=_body(0, False),
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=_body(0, False),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
-    return r.headers["x-flashstack-deployment"] if r.headers["x-flashstack-attempts"] == "1" else \
-        r.headers["x-flashstack-route"]
+    return (
+        r.headers["x-flashstack-deployment"]
+        if r.headers["x-flashstack-attempts"] == "1"
+        else r.headers["x-flashstack-route"]
+    )
 
 
 def test_sigkill_under_50_streams_fails_over_then_the_probe_brings_traffic_back(gateway, primary):
@@ -155,7 +194,9 @@ def test_sigkill_under_50_streams_fails_over_then_the_probe_brings_traffic_back(
         async def kill_under_50_streams(client: httpx.AsyncClient) -> None:
             await long_first.wait()  # llama.cpp is answering the long one, holding its one lock
             for i, o in enumerate(outcomes[1:], 1):
-                tasks.append(asyncio.create_task(_stream(client, _body(i, True), o, asyncio.Event())))
+                tasks.append(
+                    asyncio.create_task(_stream(client, _body(i, True), o, asyncio.Event()))
+                )
             await _until_in_flight(client, STREAMS, timeout=30)
             primary.kill()
             killed["at"] = time.monotonic()
@@ -169,33 +210,49 @@ def test_sigkill_under_50_streams_fails_over_then_the_probe_brings_traffic_back(
                     await kill_under_50_streams(client)
                     await asyncio.gather(*tasks)
             except TimeoutError:
-                pytest.fail(f"streams hung (killed: {killed}): " + "; ".join(
-                    f"{o.deployment} chunks={o.chunks} finish={o.finish} error={o.error}" for o in outcomes
-                    if o.finish is None and o.error is None))
+                pytest.fail(
+                    f"streams hung (killed: {killed}): "
+                    + "; ".join(
+                        f"{o.deployment} chunks={o.chunks} finish={o.finish} error={o.error}"
+                        for o in outcomes
+                        if o.finish is None and o.error is None
+                    )
+                )
 
     asyncio.run(run())
     at = killed["at"]
     started = [o for o in outcomes if o.first_at is not None and o.first_at <= at]
     not_started = [o for o in outcomes if o not in started]
-    # The stream llama.cpp was answering: its first token, then a clean error event in OpenAI's format.
+    # The stream llama.cpp was answering: its first token, then a clean error event in
+    # OpenAI's format.
     assert started == [outcomes[0]], [(o.deployment, o.chunks, o.finish) for o in started]
     cut = started[0]
-    assert (cut.deployment, cut.finish) == (PRIMARY, None) and cut.chunks >= 1, (cut.deployment, cut.events)
+    assert (cut.deployment, cut.finish) == (PRIMARY, None) and cut.chunks >= 1, (
+        cut.deployment,
+        cut.events,
+    )
     assert cut.error is not None and cut.error["message"] and cut.error["type"], cut.events[-1]
     assert "error" in cut.events[-1], "the error event ends the stream"
     # Every other stream was still queued in llama.cpp: each finished whole on the engine server.
     assert {o.deployment for o in not_started} == {STANDBY}
-    assert all(o.error is None and o.finish in ("stop", "length") and o.text for o in not_started), \
-        [(o.finish, o.error) for o in not_started if o.error or not o.finish]
+    assert all(
+        o.error is None and o.finish in ("stop", "length") and o.text for o in not_started
+    ), [(o.finish, o.error) for o in not_started if o.error or not o.finish]
 
     ready = _readiness(gateway)
-    assert ready[PRIMARY]["breaker"] == "open" and ready[PRIMARY]["cooldown_s"] > COOLDOWN_S - 60, ready[PRIMARY]
+    assert ready[PRIMARY]["breaker"] == "open" and ready[PRIMARY]["cooldown_s"] > COOLDOWN_S - 60, (
+        ready[PRIMARY]
+    )
     _wait_for(lambda: _readiness(gateway)[PRIMARY]["detail"], 5, "the probe sees llama.cpp down")
     assert _ask(gateway) == STANDBY, "the open breaker keeps traffic on the engine"
 
     primary.start(LLAMACPP_START_S)  # the same port: the gateway's config has not changed
     t0 = time.monotonic()
-    _wait_for(lambda: _readiness(gateway)[PRIMARY]["breaker"] != "open", 10, "the health probe ends the cooldown")
+    _wait_for(
+        lambda: _readiness(gateway)[PRIMARY]["breaker"] != "open",
+        10,
+        "the health probe ends the cooldown",
+    )
     assert time.monotonic() - t0 < 10 < COOLDOWN_S
     assert _ask(gateway) == PRIMARY, "the first request after the probe is llama.cpp's trial"
     assert _readiness(gateway)[PRIMARY]["breaker"] == "closed"

@@ -53,5 +53,6 @@ def test_readiness_probes_every_real_peer(peer_gateway):
 
 def test_the_gateway_lists_its_own_model_names(peer_gateway):
     ids = [m["id"] for m in httpx.get(peer_gateway.url + "/v1/models", timeout=10).json()["data"]]
-    # minilm: the gateway's own embedding model (POST /v1/embeddings), listed beside the configured ones.
+    # minilm: the gateway's own embedding model (POST /v1/embeddings), listed beside the
+    # configured ones.
     assert ids == ["llamacpp", "engine", "litellm-chat", "litellm-messages", "local", "minilm"]

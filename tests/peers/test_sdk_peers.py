@@ -1,4 +1,5 @@
-"""Both official SDKs × {llama.cpp, engine server, LiteLLM (chat and messages)} × {stream, non-stream}.
+"""Both official SDKs × {llama.cpp, engine server, LiteLLM (chat and messages)} ×
+{stream, non-stream}.
 
 Each answer through the gateway is compared with the same request sent straight to the peer in the
 same mode (stream or not), greedy: the same text and the same usage, so nothing is lost, invented or
@@ -19,9 +20,12 @@ from tests.peers.conftest import ENGINE_MODEL, LITELLM_MODEL, LLAMACPP_MODEL
 QUESTION = "What is the capital of France? Answer in one word."
 MAX_TOKENS = 12
 # The peer each gateway model sends to, and the wire it speaks there.
-PEER_OF = {"llamacpp": ("llamacpp", "openai", LLAMACPP_MODEL), "engine": ("engine_server", "openai", ENGINE_MODEL),
-           "litellm-chat": ("litellm", "openai", LITELLM_MODEL),
-           "litellm-messages": ("litellm", "anthropic", LITELLM_MODEL)}
+PEER_OF = {
+    "llamacpp": ("llamacpp", "openai", LLAMACPP_MODEL),
+    "engine": ("engine_server", "openai", ENGINE_MODEL),
+    "litellm-chat": ("litellm", "openai", LITELLM_MODEL),
+    "litellm-messages": ("litellm", "anthropic", LITELLM_MODEL),
+}
 MODELS = list(PEER_OF)
 # llama-cpp-python 0.3.36 sends no usage in a stream (it ignores stream_options.include_usage): the
 # gateway counts with the GGUF's tokenizer (the llamacpp model's `tokenizer`) and says so.
@@ -34,22 +38,41 @@ class Answer:
     input_tokens: int | None  # None: the answer carried no usage
     output_tokens: int | None
     stop: str  # OpenAI's finish_reason words, whichever wire answered
-    estimated: str | None = None  # the usage's flashstack_estimate: the gateway counted, not the upstream
+    # the usage's flashstack_estimate: the gateway counted, not the upstream
+    estimated: str | None = None
 
 
-_ANTHROPIC_STOP = {"end_turn": "stop", "max_tokens": "length", "stop_sequence": "stop", "tool_use": "tool_calls"}
+_ANTHROPIC_STOP = {
+    "end_turn": "stop",
+    "max_tokens": "length",
+    "stop_sequence": "stop",
+    "tool_use": "tool_calls",
+}
 
 
 def ask_openai(client: openai.OpenAI, model: str, stream: bool, content: str = QUESTION) -> Answer:
-    kwargs = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0)
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
     if not stream:
         r = client.chat.completions.create(**kwargs)
         u = r.usage
         assert u.total_tokens == u.prompt_tokens + u.completion_tokens
-        return Answer(r.choices[0].message.content or "", u.prompt_tokens, u.completion_tokens,
-                      r.choices[0].finish_reason)
+        return Answer(
+            r.choices[0].message.content or "",
+            u.prompt_tokens,
+            u.completion_tokens,
+            r.choices[0].finish_reason,
+        )
     text, finish, usage = "", None, None
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
     for ch in chunks:
         usage = ch.usage or usage
         for choice in ch.choices:
@@ -59,25 +82,39 @@ def ask_openai(client: openai.OpenAI, model: str, stream: bool, content: str = Q
         return Answer(text, None, None, finish)
     assert chunks[-1].usage is not None, "the usage chunk comes last"
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    return Answer(text, usage.prompt_tokens, usage.completion_tokens, finish,
-                  (usage.model_extra or {}).get(ESTIMATE_FIELD))
+    return Answer(
+        text,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        finish,
+        (usage.model_extra or {}).get(ESTIMATE_FIELD),
+    )
 
 
-def ask_anthropic(client: anthropic.Anthropic, model: str, stream: bool, content: str = QUESTION) -> Answer:
+def ask_anthropic(
+    client: anthropic.Anthropic, model: str, stream: bool, content: str = QUESTION
+) -> Answer:
     # This SDK has no `temperature` argument any more; the Messages API still takes the field.
-    kwargs = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
-                  extra_body={"temperature": 0})
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
+        extra_body={"temperature": 0},
+    )
     estimated = None
     if stream:
         with client.messages.stream(**kwargs) as s:
             for event in s:
-                if event.type == "message_delta":  # the SDK's final message keeps no unknown usage field
+                # the SDK's final message keeps no unknown usage field
+                if event.type == "message_delta":
                     estimated = (event.usage.model_extra or {}).get(ESTIMATE_FIELD)
             r = s.get_final_message()
     else:
         r = client.messages.create(**kwargs)
     text = "".join(b.text for b in r.content if b.type == "text")
-    return Answer(text, r.usage.input_tokens, r.usage.output_tokens, _ANTHROPIC_STOP[r.stop_reason], estimated)
+    return Answer(
+        text, r.usage.input_tokens, r.usage.output_tokens, _ANTHROPIC_STOP[r.stop_reason], estimated
+    )
 
 
 def openai_at(url: str) -> openai.OpenAI:
@@ -96,8 +133,11 @@ def direct_answer(request: pytest.FixtureRequest, model: str, stream: bool) -> A
     if (model, stream) not in _DIRECT:
         fixture, wire, upstream_model = PEER_OF[model]
         peer = request.getfixturevalue(fixture)
-        ask = ask_openai(openai_at(peer.url), upstream_model, stream) if wire == "openai" else \
-            ask_anthropic(anthropic_at(peer.url), upstream_model, stream)
+        ask = (
+            ask_openai(openai_at(peer.url), upstream_model, stream)
+            if wire == "openai"
+            else ask_anthropic(anthropic_at(peer.url), upstream_model, stream)
+        )
         _DIRECT[model, stream] = ask
     return _DIRECT[model, stream]
 
@@ -128,9 +168,12 @@ def test_anthropic_sdk_gets_the_peers_answer(request, gw_anthropic, model, strea
     assert_same_answer(request, got, model, stream)
 
 
-def assert_same_answer(request: pytest.FixtureRequest, got: Answer, model: str, stream: bool) -> None:
+def assert_same_answer(
+    request: pytest.FixtureRequest, got: Answer, model: str, stream: bool
+) -> None:
     """The peer's own text, stop reason and counts; where its stream had no counts (llama.cpp), the
-    gateway's count equals the peer's own in its non-stream answer, and is marked as the gateway's."""
+    gateway's count equals the peer's own in its non-stream answer, and is marked as
+    the gateway's."""
     want = direct_answer(request, model, stream)
     assert (got.text, got.stop) == (want.text, want.stop)
     assert got.estimated == COUNTED_BY_GATEWAY.get((model, stream)), got
@@ -142,17 +185,20 @@ def assert_same_answer(request: pytest.FixtureRequest, got: Answer, model: str, 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["sync", "stream"])
 def test_engine_server_and_in_process_engine_answer_alike(gw_openai, stream):
-    """`flashstack engine serve` over HTTP and the `local` provider run one engine: greedy, one answer."""
+    """`flashstack engine serve` over HTTP and the `local` provider run one engine:
+    greedy, one answer."""
     assert ask_openai(gw_openai, "engine", stream) == ask_openai(gw_openai, "local", stream)
 
 
-# A prompt longer than every peer's context (llama.cpp here: 2048 tokens; the engine: the GGUF's 8192).
+# A prompt longer than every peer's context (llama.cpp here: 2048 tokens; the engine:
+# the GGUF's 8192).
 TOO_LONG = "word " * 9000
 
 
 def refusal_status(model: str, stream: bool) -> int:
-    """What the caller gets: the peer's 400, except where llama.cpp streams. llama-cpp-python answers a
-    stream it cannot run with 200 and an empty body, so the gateway can only say the upstream failed."""
+    """What the caller gets: the peer's 400, except where llama.cpp streams. llama-cpp-python
+    answers a stream it cannot run with 200 and an empty body, so the gateway can only say the
+    upstream failed."""
     return 502 if model == "llamacpp" and stream else 400
 
 
