@@ -373,11 +373,6 @@ class GatewayError(Exception):
         self.code = code
         self.retry_after = retry_after
 
-    @property
-    def retryable(self) -> bool:
-        """True for failures another attempt or deployment may not hit (never for 4xx-by-caller)."""
-        return self.status in (408, 429) or self.status >= 500
-
     def __repr__(self) -> str:
         return f"GatewayError({self.kind.value}, {self.status}, {self.message!r})"
 
