@@ -110,12 +110,22 @@ def test_n_choices_share_the_prompt_blocks(client, smol) -> None:
 
 def test_completions_n_and_best_of(client) -> None:
     r = client.completions.create(
-        model="alias", prompt=["The sky is", "Water is"], n=2, max_tokens=4, temperature=1.0,
+        model="alias",
+        prompt=["The sky is", "Water is"],
+        n=2,
+        max_tokens=4,
+        temperature=1.0,
         extra_body={"ignore_eos": True},
     )
     assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 16
     best = client.completions.create(
-        model=NAME, prompt="The sky is", n=1, best_of=3, max_tokens=4, temperature=1.0, logprobs=0,
+        model=NAME,
+        prompt="The sky is",
+        n=1,
+        best_of=3,
+        max_tokens=4,
+        temperature=1.0,
+        logprobs=0,
         extra_body={"ignore_eos": True},
     )
     assert len(best.choices) == 1 and len(best.choices[0].logprobs.token_logprobs) == 4
@@ -148,7 +158,9 @@ def test_streamed_chat_n_choices(client) -> None:
     kw = dict(model=NAME, messages=MESSAGES, n=3, max_tokens=5, temperature=1.0, seed=7)
     kw["extra_body"] = {"ignore_eos": True}
     whole = client.chat.completions.create(**kw)
-    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     texts, roles, finals, order = {}, {}, {}, []
     for c in chunks[:-1]:
         for ch in c.choices:
@@ -244,7 +256,10 @@ def test_sigterm_drains(tiny_model_dir) -> None:
         url = served.url + "/v1"
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
         stream = client.completions.create(
-            model="tiny-random", prompt="def main():", max_tokens=150, stream=True,
+            model="tiny-random",
+            prompt="def main():",
+            max_tokens=150,
+            stream=True,
             extra_body={"ignore_eos": True},
         )
         first = next(iter(stream))
