@@ -73,7 +73,10 @@ $(PEERS)/litellm/.installed: Makefile
 run: install
 	$(VENV)/bin/flashstack serve
 
+# Format and lint first ([tool.ruff] in pyproject.toml): seconds, before minutes of tests.
 test: install peers
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # No browser and no peers: the GPU tests need neither.
