@@ -228,7 +228,9 @@ class _Handler:
             return None
         tok = self.engine.tokenizer
         if tok is None:
-            raise APIError(400, "structured output needs the model's tokenizer", param="response_format")
+            raise APIError(
+                400, "structured output needs the model's tokenizer", param="response_format"
+            )
         if self._grammars is None:
             vocab = self.engine.info.vocab_size
             self._grammars = await asyncio.to_thread(GrammarCompiler, tok, vocab)
@@ -415,8 +417,11 @@ def _structured(req: _Sampling, plan: ToolPlan | None = None) -> GuideSpec | Non
         raise APIError(400, str(exc), param=getattr(exc, "param", "guided_json")) from exc
     forced = plan.guide() if plan is not None else None
     if forced is not None and spec is not None:
-        raise APIError(400, f"tool_choice={plan.mode!r} already constrains the output; drop "
-                       f"{spec.describe()}", param="tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice={plan.mode!r} already constrains the output; drop {spec.describe()}",
+            param="tool_choice",
+        )
     return forced or spec
 
 
@@ -469,7 +474,8 @@ async def _chat(h: _Handler, req: ChatRequest) -> Any:
         choice = {
             "index": i,
             "message": message,
-            "finish_reason": "tool_calls" if called and deltas[-1].finish_reason == "stop"
+            "finish_reason": "tool_calls"
+            if called and deltas[-1].finish_reason == "stop"
             else _finish(deltas[-1].finish_reason),
             "logprobs": h.chat_logprobs(deltas, top) if req.logprobs else None,
         }
@@ -510,7 +516,9 @@ async def _chat_chunks(
             yield event(i, {"role": "assistant", "content": ""}, None)
         last[i] = d
         parser = tools[i]
-        delta = parser.feed(d.text, d.finished) if parser else ({"content": d.text} if d.text else {})
+        delta = (
+            parser.feed(d.text, d.finished) if parser else ({"content": d.text} if d.text else {})
+        )
         finish = _finish(d.finish_reason)
         if parser and parser.called and finish == "stop":
             finish = "tool_calls"

@@ -34,12 +34,16 @@ def _check_tools(tools: list[dict[str, Any]]) -> None:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if t.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
+            raise RequestError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools"
+            )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"tools[{i}].function.name must be a non-empty string", "tools")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            raise RequestError(
+                f"tools[{i}].function.parameters must be a JSON schema object", "tools"
+            )
 
 
 @dataclass(slots=True)
@@ -51,7 +55,9 @@ class ToolPlan:
     style: str = "hermes"
     name: str | None = None
 
-    def prompt(self, messages: list[dict[str, Any]], template: str | None) -> tuple[list[dict[str, Any]], Any]:
+    def prompt(
+        self, messages: list[dict[str, Any]], template: str | None
+    ) -> tuple[list[dict[str, Any]], Any]:
         """(messages, tools for the template): a template that ignores tools gets them in a
         Hermes system prompt instead, so the model still sees them."""
         if self.mode == "none" or not self.tools:
@@ -80,8 +86,13 @@ class ToolPlan:
         if self.mode == "none" or not self.tools:
             return {"role": "assistant", "content": text}, False
         if self.mode == "named":
-            calls = [{"id": _call_id(), "type": "function",
-                      "function": {"name": self.name, "arguments": text}}]
+            calls = [
+                {
+                    "id": _call_id(),
+                    "type": "function",
+                    "function": {"name": self.name, "arguments": text},
+                }
+            ]
             return {"role": "assistant", "content": None, "tool_calls": calls}, True
         parsed = parse(text, "json_list" if self.mode == "required" else self.style)
         if not parsed.calls:
@@ -96,8 +107,10 @@ class ToolDeltas:
         self.plan = plan
         self.called = False
         self._named_started = False
-        self._stream = None if plan.mode == "named" else ToolCallStream(
-            "json_list" if plan.mode == "required" else plan.style
+        self._stream = (
+            None
+            if plan.mode == "named"
+            else ToolCallStream("json_list" if plan.mode == "required" else plan.style)
         )
 
     def feed(self, text: str, final: bool) -> dict[str, Any]:
@@ -134,8 +147,12 @@ def _wire_piece(p: CallDelta) -> dict[str, Any]:
     return out
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, template: str | None,
-               parser: str | None = None) -> ToolPlan:
+def plan_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    template: str | None,
+    parser: str | None = None,
+) -> ToolPlan:
     """The request's ToolPlan; RequestError for tools or a tool_choice that do not fit."""
     tools = tools or []
     _check_tools(tools)
@@ -145,13 +162,18 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, template: s
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
             raise RequestError(
-                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
+                "tool_choice must be 'none', 'auto', 'required' or a named function, "
+                f"got {tool_choice!r}",
                 "tool_choice",
             )
         if tool_choice == "required" and not tools:
-            raise RequestError("tool_choice='required' needs at least one tool in `tools`", "tool_choice")
+            raise RequestError(
+                "tool_choice='required' needs at least one tool in `tools`", "tool_choice"
+            )
         return ToolPlan(tool_choice, tools, style)
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    name = (
+        (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    )
     if not isinstance(name, str):
         raise RequestError(
             "a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice"
@@ -187,7 +209,8 @@ def guide_spec(
     if len(specs) > 1:
         raise RequestError(
             f"give one of response_format / guided_json / guided_regex / guided_choice, got "
-            f"{[n for n, _ in specs]}", specs[1][0]
+            f"{[n for n, _ in specs]}",
+            specs[1][0],
         )
     return specs[0][1] if specs else None
 
