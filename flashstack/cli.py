@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
     eserve.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        default=None,
+        help="fp8: linear weights quantized at load to float8 (default: the checkpoint's)",
+    )
+    eserve.add_argument(
         "--served-model-name",
         nargs="+",
         default=[],
@@ -331,6 +337,7 @@ def _engine_serve(args: argparse.Namespace) -> None:
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "quantization": args.quantization,
     }
     extra = {k: v for k, v in extra.items() if v}
     if args.tp > 1:

@@ -10,6 +10,7 @@ import torch
 from flashstack.cuda.torch_interop import device_for
 
 TP_ALL_REDUCES = ("push", "nccl")
+QUANTIZATIONS = (None, "fp8")
 DEFAULT_TP_TIMEOUT_S = 300.0
 
 
@@ -131,6 +132,10 @@ class EngineConfig:
     # The estimate's constants; None takes engine/swap.py's DEVICE_DEFAULTS for the device type.
     swap_bandwidth_gbps: float | None = None  # host<->device copy rate, GB/s
     recompute_tflops: float | None = None  # achieved prefill rate, TFLOP/s
+    # "fp8": the decoder's linear weights quantized at load to float8_e4m3fn with one scale per
+    # output row (as vLLM's --quantization fp8); embeddings, lm_head and norms keep `dtype`. An fp8
+    # checkpoint (compressed-tensors) is fp8 whatever this says.
+    quantization: str | None = None
     kernels: KernelOptions = field(default_factory=KernelOptions)
     hf_config: dict[str, Any] = field(default_factory=dict)
 
@@ -144,6 +149,16 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None (the checkpoint's weights) or 'fp8', "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "quantization='fp8' runs on one device: set tensor_parallel_size=1 or leave "
+                "quantization unset"
+            )
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(
                 "preemption_mode must be 'auto', 'swap' or 'recompute', "

@@ -70,6 +70,7 @@ class EngineOptions(BaseModel):
     swap_space_gb: float | None = Field(None, ge=0)
     swap_bandwidth_gbps: float | None = Field(None, gt=0)
     recompute_tflops: float | None = Field(None, gt=0)
+    quantization: Literal["fp8"] | None = None  # linear weights in fp8, quantized at load
     kernels: KernelSwitches | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
