@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         help="fp8: linear weights quantized at load to float8 (default: the checkpoint's)",
     )
     eserve.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default=None,
+        help="fp8: the KV cache in float8 e4m3 with per-layer scales, half the bytes of bf16 "
+        "(default auto: the model's dtype)",
+    )
+    eserve.add_argument(
         "--served-model-name",
         nargs="+",
         default=[],
@@ -338,6 +345,7 @@ def _engine_serve(args: argparse.Namespace) -> None:
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     extra = {k: v for k, v in extra.items() if v}
     if args.tp > 1:

@@ -12,6 +12,7 @@ from flashstack.cuda.torch_interop import device_for
 TP_ALL_REDUCES = ("push", "nccl")
 QUANTIZATIONS = (None, "fp8")
 DEFAULT_TP_TIMEOUT_S = 300.0
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,6 +137,9 @@ class EngineConfig:
     # output row (as vLLM's --quantization fp8); embeddings, lm_head and norms keep `dtype`. An fp8
     # checkpoint (compressed-tensors) is fp8 whatever this says.
     quantization: str | None = None
+    # "fp8": the KV cache in float8_e4m3fn (half the bytes of bf16) with one K and one V scale per
+    # layer, calibrated at start-up (engine/kv_cache.py); "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
     kernels: KernelOptions = field(default_factory=KernelOptions)
     hf_config: dict[str, Any] = field(default_factory=dict)
 
@@ -158,6 +162,15 @@ class EngineConfig:
             raise ValueError(
                 "quantization='fp8' runs on one device: set tensor_parallel_size=1 or leave "
                 "quantization unset"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "fp8" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "kv_cache_dtype='fp8' runs on one device for now: set tensor_parallel_size=1 or "
+                "kv_cache_dtype='auto'"
             )
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(

@@ -71,6 +71,7 @@ class EngineOptions(BaseModel):
     swap_bandwidth_gbps: float | None = Field(None, gt=0)
     recompute_tflops: float | None = Field(None, gt=0)
     quantization: Literal["fp8"] | None = None  # linear weights in fp8, quantized at load
+    kv_cache_dtype: Literal["auto", "fp8"] | None = None  # fp8: the KV cache in float8_e4m3fn
     kernels: KernelSwitches | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
