@@ -110,7 +110,14 @@ class LLMEngine:
         verb = "dequantizing" if is_gguf(path) else "loading"
         task = progress.add_task(f"{verb} {path.name}", total=checkpoint_tensor_count(path))
         tp = self.workers.tp if self.workers is not None else None
-        return load_model(path, self.dtype, self.device, lambda: progress.advance(task), tp)
+        return load_model(
+            path,
+            self.dtype,
+            self.device,
+            lambda: progress.advance(task),
+            tp,
+            self.config.quantization,
+        )
 
     def _size_kv_cache(self, progress: Progress) -> int:
         cfg = self.config

@@ -1,10 +1,13 @@
 """Load a checkpoint: a local Hugging Face directory (config.json plus (sharded) *.safetensors,
-memory-mapped) or a GGUF file (engine/gguf.py, dequantized at load)."""
+memory-mapped) or a GGUF file (engine/gguf.py, dequantized at load). fp8 weights
+(engine/quantization.py) come from an fp8 checkpoint as they are, or are quantized row by row as
+they are copied in."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +18,8 @@ from flashstack.cuda import cuda_available
 from flashstack.engine.gguf import is_gguf, open_gguf
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
-from flashstack.engine.models.linear import Source, checkpoint_sources
+from flashstack.engine.models.linear import Source, checkpoint_sources, to_compute_dtype
+from flashstack.engine.quantization import FP8, quantize_rows, resolve_quantization
 
 if TYPE_CHECKING:
     from flashstack.engine.tp.group import TensorParallel
@@ -96,13 +100,22 @@ def count_tensors(files: list[Path]) -> int:
 
 
 def build_model(
-    hf: dict[str, Any], dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+    hf: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Allocate an uninitialised model (weights come from the checkpoint); `tp`: this rank's
-    shard."""
+    shard; `quantization`: "fp8" for fp8 projection weights."""
+    if quantization and tp is not None:
+        raise ValueError(
+            "fp8 weights run on one device: load this checkpoint with tensor_parallel_size=1"
+        )
     cls = model_class(hf)
+    args = replace(cls.args_from_hf(hf), quantization=quantization)
     with torch.device("meta"):
-        model = cls(cls.args_from_hf(hf), tp).to(dtype)
+        model = to_compute_dtype(cls(args, tp), dtype)
     model.to_empty(device=device)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -123,6 +136,16 @@ def _safetensors_part(sf: Any, key: str, source: Source | None) -> torch.Tensor:
 
 def _narrow(w: torch.Tensor, source: Source | None) -> torch.Tensor:
     return w if source is None else w.narrow(source.dim, source.start, source.stop - source.start)
+
+
+def _scale_rows(scale: torch.Tensor, source: Source | None, target: torch.Tensor) -> torch.Tensor:
+    # A checkpoint's weight_scale: one per output channel ([N, 1]) or one for the tensor ([1], []),
+    # spread over the rows it covers.
+    scale = scale.reshape(-1).float()
+    rows = target.shape[0] if source is None else source.stop - source.start
+    if scale.numel() == 1:
+        return scale.expand(rows)
+    return scale if source is None else scale[source.start : source.stop]
 
 
 class _Filler:
@@ -150,16 +173,32 @@ class _Filler:
         """Fill every place checkpoint tensor `key` goes; `read(source)` gives its slice (None:
         all)."""
         for param, source in self.sources[key]:
-            part = read(source)
-            if source is None:
-                self.params[param].copy_(part)
-                continue
             target = self.params[param]
-            # the last vocabulary part is padded so every rank's logits gather evenly
-            if source.pads:
-                target.zero_()
-            target.narrow(source.dim, source.offset, part.shape[source.dim]).copy_(part)
+            if param.endswith(".weight_scale"):
+                self._place(target, source, _scale_rows(read(None), source, target))
+                continue
+            part = read(source)
+            if part.dtype == FP8 and target.dtype != FP8:
+                raise ValueError(
+                    f"{key} is stored in fp8, but the engine keeps {param} in {target.dtype} "
+                    "(only the decoder layers' projections take fp8 weights)"
+                )
+            if target.dtype == FP8 and part.dtype != FP8:  # quantized as it is copied in
+                part, scale = quantize_rows(part.to(target.device))
+                self._place(self.params[param + "_scale"], source, scale)
+                self.missing.discard(key + "_scale")
+            self._place(target, source, part)
         self.missing.discard(key)
+
+    @staticmethod
+    def _place(target: torch.Tensor, source: Source | None, part: torch.Tensor) -> None:
+        if source is None:
+            target.copy_(part)
+            return
+        # the last vocabulary part is padded so every rank's logits gather evenly
+        if source.pads:
+            target.zero_()
+        target.narrow(source.dim, source.offset, part.shape[source.dim]).copy_(part)
 
     def check(self, source: str | Path) -> None:
         if self.model.args.tie_word_embeddings:
@@ -208,10 +247,13 @@ def load_model(
     device: torch.device,
     on_tensor: Callable[[], None] | None = None,
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """config.json + safetensors, or a GGUF file -> a ready model in eval mode (`tp`: only this
-    rank's shard)."""
-    model = build_model(read_hf_config(path), dtype, device, tp)
+    rank's shard; `quantization`: "fp8" to quantize the projections' weights at load, which an
+    fp8 checkpoint implies)."""
+    hf = read_hf_config(path)
+    model = build_model(hf, dtype, device, tp, resolve_quantization(quantization, hf))
     if is_gguf(path):
         load_gguf_weights(model, path, on_tensor)
     else:

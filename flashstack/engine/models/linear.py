@@ -5,6 +5,10 @@ q/k/v and gate/up are one weight each (one matmul, one contiguous read); under t
 every part is this rank's slice. A parameter that is not filled by its own checkpoint tensor, whole,
 names its sources (`Source`) on its module; the loader (loader.py) copies each checkpoint tensor, or
 the slice of it this rank needs, straight into its place: no model surgery after loading.
+
+An fp8 projection (`fp8=True`, engine/quantization.py) stores its weight as float8_e4m3fn beside
+one float32 scale per output row, `weight_scale`, which a packed projection's parts fill row by row
+as they fill the weight.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
+
+from flashstack.engine.quantization import FP8, dequantized_linear
 
 if TYPE_CHECKING:
     from flashstack.engine.tp.group import TensorParallel
@@ -53,9 +60,47 @@ def checkpoint_sources(model: nn.Module) -> dict[str, list[tuple[str, Source]]]:
 
 
 class Linear(nn.Linear):
-    """nn.Linear on one device (`tp` is None); RowParallelLinear is the one that sums over ranks."""
+    """nn.Linear on one device (`tp` is None); RowParallelLinear is the one that sums over ranks.
+
+    `fp8`: the weight is float8_e4m3fn and `weight_scale` [out_features] float32 holds each row's
+    scale (None otherwise); the kernels read both (models/ops.py), `forward` dequantizes."""
 
     tp: TensorParallel | None = None
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, fp8: bool = False
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        if not fp8:
+            self.register_parameter("weight_scale", None)
+            return
+        device = self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.ones(out_features, dtype=torch.float32, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return dequantized_linear(x, self.weight, self.weight_scale, self.bias)
+
+
+def to_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """model.to(dtype), except that fp8 weights and their float32 scales keep their dtypes."""
+    for module in model.modules():
+        stored = (
+            ("weight", "weight_scale")
+            if isinstance(module, Linear) and module.weight_scale is not None
+            else ()
+        )
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, t in tensors:
+            if t.is_floating_point() and name not in stored:
+                t.data = t.data.to(dtype)
+    return model
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +117,12 @@ class PackedLinear(Linear):
     """Several checkpoint projections side by side in one weight (q/k/v, gate/up), each cut to the
     rows this rank keeps (column parallelism: no communication)."""
 
-    def __init__(self, in_features: int, parts: list[Part], bias: bool) -> None:
-        super().__init__(in_features, sum(p.stop - p.start for p in parts), bias=bias)
+    def __init__(self, in_features: int, parts: list[Part], bias: bool, fp8: bool = False) -> None:
+        super().__init__(in_features, sum(p.stop - p.start for p in parts), bias=bias, fp8=fp8)
         offset = 0
         for p in parts:
             names = ("weight", "bias") if bias else ("weight",)
+            names += ("weight_scale",) if fp8 else ()
             for param in names:
                 add_source(
                     self,

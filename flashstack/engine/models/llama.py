@@ -47,6 +47,13 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # "fp8": the decoder layers' projections store fp8 weights (engine/quantization.py)
+    quantization: str | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the decoder layers' projections store fp8 weights."""
+        return self.quantization == "fp8"
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **overrides: Any) -> ModelArgs:
@@ -85,9 +92,11 @@ class Attention(nn.Module):
             Part("k_proj", k0, k0 + nkv),
             Part("v_proj", k0, k0 + nkv),
         ]
-        self.qkv_proj = PackedLinear(h, parts, bias=a.qkv_bias)
+        self.qkv_proj = PackedLinear(h, parts, bias=a.qkv_bias, fp8=a.fp8)
         self.o_proj = (
-            RowParallelLinear(h, q0, q0 + nq, a.o_bias, tp) if tp else Linear(nq, h, bias=a.o_bias)
+            RowParallelLinear(h, q0, q0 + nq, a.o_bias, tp)
+            if tp
+            else Linear(nq, h, bias=a.o_bias, fp8=a.fp8)
         )
         if a.qk_norm:
             self.q_norm = RMSNorm(d, a.rms_norm_eps)
@@ -120,12 +129,15 @@ class GatedMLP(nn.Module):
         part = a.intermediate_size // world
         i0, i1 = rank * part, (rank + 1) * part
         self.gate_up_proj = PackedLinear(
-            a.hidden_size, [Part("gate_proj", i0, i1), Part("up_proj", i0, i1)], bias=a.mlp_bias
+            a.hidden_size,
+            [Part("gate_proj", i0, i1), Part("up_proj", i0, i1)],
+            bias=a.mlp_bias,
+            fp8=a.fp8,
         )
         self.down_proj = (
             RowParallelLinear(a.hidden_size, i0, i1, a.mlp_bias, tp)
             if tp
-            else Linear(part, a.hidden_size, bias=a.mlp_bias)
+            else Linear(part, a.hidden_size, bias=a.mlp_bias, fp8=a.fp8)
         )
 
 

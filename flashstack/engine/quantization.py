@@ -1,0 +1,93 @@
+"""fp8 weights: float8_e4m3fn values with one float32 scale per output row, w = scale[:, None] * q.
+
+Made at load from a bf16 checkpoint (`quantize_rows`, EngineConfig.quantization = "fp8") or read
+from an fp8 Hugging Face checkpoint in the compressed-tensors format (`checkpoint_quantization`):
+`<proj>.weight` in float8_e4m3fn beside `<proj>.weight_scale`, one scale per output channel
+([N, 1]) or one for the whole tensor ([1] or []), which the loader spreads over the rows. Only the
+weights are quantized: activations stay in the compute dtype (W8A16), so a checkpoint's
+`input_scale` (static activation quantization) is not read, and dynamic activation schemes need
+nothing. The products: kernels/triton_gemv.py for one row on CUDA (the scale applied after the
+fp32 dot), `dequantized_linear` elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# compressed-tensors formats whose fp8 weights are stored as plain float8_e4m3fn tensors
+_FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): w [N, K] as float8_e4m3fn with one float32 scale per row, the row's largest
+    magnitude mapped to fp8's largest (448); an all-zero row gets scale 1."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight an fp8 one stands for, in `dtype` (rounded once, from float32)."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def dequantized_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ (scale * q).T (+ bias) in x's dtype: plain torch, any number of rows, any device.
+
+    q is exact in bf16 and float32 (3 mantissa bits), so the product is taken with q itself and
+    scaled after, in float32, as the GEMV does."""
+    y = (nn.functional.linear(x, q.to(x.dtype)) * scale).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def checkpoint_quantization(hf: dict[str, Any]) -> str | None:
+    """'fp8' for a compressed-tensors checkpoint of fp8 weights (per channel or per tensor), None
+    for an unquantized one; any other scheme is a ValueError naming it."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported: the engine reads "
+            "compressed-tensors fp8 checkpoints, or quantizes a bf16 one at load "
+            "(quantization='fp8')"
+        )
+    fmt = qc.get("format")
+    if fmt == "dense":
+        return None
+    groups = qc.get("config_groups") or {}
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        scheme = (
+            f"format {fmt!r}, group {name!r}: {w.get('num_bits')}-bit {w.get('type')} weights "
+            f"by {w.get('strategy')}"
+        )
+        supported = (
+            fmt in _FP8_FORMATS
+            and w.get("num_bits") == 8
+            and w.get("type") == "float"
+            and w.get("strategy") in ("channel", "tensor")
+            and w.get("symmetric", True)
+            and not w.get("dynamic")
+        )
+        if not supported:
+            raise ValueError(
+                f"compressed-tensors scheme not supported ({scheme}): the engine reads 8-bit "
+                "float weights quantized by channel or by tensor (format 'float-quantized')"
+            )
+    return "fp8" if groups else None
+
+
+def resolve_quantization(requested: str | None, hf: dict[str, Any]) -> str | None:
+    """What the linear weights are stored as: the checkpoint's fp8, else what was asked for."""
+    return checkpoint_quantization(hf) or requested
