@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import hmac
-import json
 import signal
 import time
 from types import FrameType
 from typing import Any
 
+import orjson
 import uvicorn
 from pydantic import BaseModel, Field
+
+from flashstack.gateway.wire.openai import error_body
 
 # Open to anyone, as in vLLM: probes and scrapers carry no API key.
 _PUBLIC_PATHS = frozenset({"/health", "/metrics"})
@@ -51,8 +53,7 @@ class Drain:
 
 
 def _error(status: int, message: str, type_: str, code: str) -> tuple[int, bytes]:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return status, json.dumps(body).encode()
+    return status, orjson.dumps(error_body(message, type_, code=code))
 
 
 class EdgeMiddleware:

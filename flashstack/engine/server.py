@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,29 +24,11 @@ from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.server_tools import RequestError, ToolPlan, guide_spec, plan_tools
 
-# The gateway's OpenAI wire types, so both servers read `stream_options` alike (issue 27).
+# One OpenAI front end: the gateway's wire types, error shape and SSE framing.
+from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
+from flashstack.gateway.translate.openai import error_json
+from flashstack.gateway.wire import openai as wire
 from flashstack.gateway.wire.openai import StreamOptions
-
-
-class APIError(Exception):
-    """An error returned to the client as OpenAI's `{"error": {...}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
 
 
 class _Sampling(BaseModel):
@@ -107,18 +89,10 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1, le=128)
 
 
-class ChatMessage(BaseModel):
-    """One chat message; content may be a string or a list of text parts."""
-
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
 class ChatRequest(_Sampling):
     """POST /v1/chat/completions body."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[wire.Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -142,7 +116,7 @@ class TokenizeChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[wire.Message] = Field(min_length=1)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
@@ -156,25 +130,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _error_body(
-    status: int,
-    message: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}},
-        status_code=status,
-    )
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def _error_response(err: GatewayError) -> JSONResponse:
+    return JSONResponse(error_json(err), status_code=err.status)
 
 
 def _finish(reason: str | None) -> str | None:
@@ -182,37 +139,38 @@ def _finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 class _TextEvents:
     """SSE events of a completion stream without logprobs, the fields that never change encoded
-    once per stream: a token's event costs one small json.dumps, not the whole chunk's."""
+    once per stream: a token's event costs one small dump, not the whole chunk's."""
 
     def __init__(self, chunk: dict[str, Any]) -> None:
-        head = json.dumps(chunk, separators=(",", ":"))[:-1]
-        self.head = f'data: {head},"choices":[{{"index":'
+        head = orjson.dumps(chunk)[:-1]
+        self.head = b"data: " + head + b',"choices":[{"index":'
 
-    def event(self, index: int, text: str, finish: str | None) -> str:
-        """The chunk `_sse` would write for this choice's delta, byte for byte."""
-        reason = "null" if finish is None else json.dumps(finish)
-        text = json.dumps(text)
-        return f'{self.head}{index},"text":{text},"finish_reason":{reason},"logprobs":null}}]}}\n\n'
+    def event(self, index: int, text: str, finish: str | None) -> bytes:
+        """The chunk `wire.sse_event` would write for this choice's delta, byte for byte."""
+        reason = orjson.dumps(finish)
+        return b'%s%d,"text":%s,"finish_reason":%s,"logprobs":null}]}\n\n' % (
+            self.head,
+            index,
+            orjson.dumps(text),
+            reason,
+        )
 
 
-def _message_text(m: ChatMessage) -> dict[str, Any]:
-    content = m.content
+def _message_text(m: BaseModel) -> dict[str, Any]:
+    """A chat message as the model's template reads it: text parts joined into one string."""
+    message = m.model_dump(exclude_none=True)
+    content = message.get("content")
     if isinstance(content, list):
         kinds = {p.get("type") for p in content}
         if kinds - {"text"}:
-            raise APIError(
-                400,
+            raise invalid_request(
                 f"only text content parts are supported, got {sorted(kinds - {'text'})}",
                 param="messages",
             )
         content = "".join(p.get("text", "") for p in content)
-    return {**m.model_dump(exclude_none=True), "content": content or ""}
+    return {**message, "content": content or ""}
 
 
 class _Handler:
@@ -228,8 +186,8 @@ class _Handler:
             return None
         tok = self.engine.tokenizer
         if tok is None:
-            raise APIError(
-                400, "structured output needs the model's tokenizer", param="response_format"
+            raise invalid_request(
+                "structured output needs the model's tokenizer", param="response_format"
             )
         if self._grammars is None:
             vocab = self.engine.info.vocab_size
@@ -237,15 +195,15 @@ class _Handler:
         try:
             return await asyncio.to_thread(self._grammars.compile, spec)
         except GrammarError as exc:
-            raise APIError(400, str(exc), param=spec.describe()) from exc
+            raise invalid_request(str(exc), param=spec.describe()) from exc
 
     _grammars: GrammarCompiler | None = None
 
     def check_model(self, name: str) -> None:
         """404 for a model this server does not serve."""
         if name not in (*self.model_names, self.engine.info.model):
-            raise APIError(
-                404,
+            raise GatewayError(
+                ErrorKind.NOT_FOUND,
                 f"model {name!r} is not served here; use {self.model_name!r}",
                 param="model",
                 code="model_not_found",
@@ -271,7 +229,7 @@ class _Handler:
             gen = self.engine.stream(prompt, params)
             first = await gen.__anext__()
         except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from exc
+            raise invalid_request(str(exc), param="prompt") from exc
         if first.finished:
             self.metrics.observe_finished(first)
         yield first
@@ -314,7 +272,7 @@ class _Handler:
         `run_choices`."""
         each = [_choice_params(params, i) for i in range(n)]
         gen = self.stream(prompt, each[0])
-        first = await gen.__anext__()  # raises APIError before any byte is sent
+        first = await gen.__anext__()  # raises GatewayError before any byte is sent
         yield 0, first
         if n == 1:
             async for d in gen:
@@ -403,10 +361,10 @@ def _cumulative_logprob(deltas: list[StreamDelta]) -> float:
 
 def _check_choices(n: int, best_of: int | None, stream: bool) -> None:
     if best_of is not None and best_of < n:
-        raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+        raise invalid_request(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
     if stream and best_of is not None and best_of != n:
         # As vLLM: the best choices are only known at the end, so there is nothing to stream.
-        raise APIError(400, "best_of cannot be streamed; drop stream or best_of", param="best_of")
+        raise invalid_request("best_of cannot be streamed; drop stream or best_of", param="best_of")
 
 
 def _structured(req: _Sampling, plan: ToolPlan | None = None) -> GuideSpec | None:
@@ -414,11 +372,10 @@ def _structured(req: _Sampling, plan: ToolPlan | None = None) -> GuideSpec | Non
     try:
         spec = guide_spec(req.response_format, req.guided_json, req.guided_regex, req.guided_choice)
     except (RequestError, ValueError) as exc:
-        raise APIError(400, str(exc), param=getattr(exc, "param", "guided_json")) from exc
+        raise invalid_request(str(exc), param=getattr(exc, "param", "guided_json")) from exc
     forced = plan.guide() if plan is not None else None
     if forced is not None and spec is not None:
-        raise APIError(
-            400,
+        raise invalid_request(
             f"tool_choice={plan.mode!r} already constrains the output; drop {spec.describe()}",
             param="tool_choice",
         )
@@ -430,14 +387,13 @@ def _tool_plan(h: _Handler, req: ChatRequest) -> ToolPlan:
     try:
         return plan_tools(req.tools, req.tool_choice, tok.chat_template if tok else None)
     except RequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
+        raise invalid_request(str(exc), param=exc.param) from exc
 
 
 def _chat_prompt(h: _Handler, req: ChatRequest, plan: ToolPlan) -> list[int]:
     tok = h.engine.tokenizer
     if tok is None:
-        raise APIError(
-            400,
+        raise invalid_request(
             "this model has no tokenizer, so chat is unavailable; use /v1/completions "
             "with token ids",
         )
@@ -445,9 +401,9 @@ def _chat_prompt(h: _Handler, req: ChatRequest, plan: ToolPlan) -> list[int]:
         messages, tools = plan.prompt([_message_text(m) for m in req.messages], tok.chat_template)
         return tok.encode_chat(messages, tools=tools)
     except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
+        raise invalid_request(str(exc), param="messages") from exc
     except Exception as exc:  # jinja errors from the model's own template (raise_exception)
-        raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+        raise invalid_request(f"chat template failed: {exc}", param="messages") from exc
 
 
 async def _chat(h: _Handler, req: ChatRequest) -> Any:
@@ -485,7 +441,7 @@ async def _chat(h: _Handler, req: ChatRequest) -> Any:
         **base,
         "object": "chat.completion",
         "choices": choices,
-        "usage": _usage(results[0][1][-1].prompt_tokens, completion_tokens),
+        "usage": wire.usage_body(results[0][1][-1].prompt_tokens, completion_tokens),
     }
 
 
@@ -499,18 +455,18 @@ async def _chat_chunks(
     logprobs: bool,
     plan: ToolPlan | None = None,
     n: int = 1,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """Chat chunks of `n` choices, interleaved as they come, each with its index (as OpenAI)."""
     chunk = {**base, "object": "chat.completion.chunk"}
     tools = [plan.stream() if plan is not None else None for _ in range(n)]
     last: dict[int, StreamDelta] = {}
 
-    def event(i: int, delta: dict[str, Any], finish: str | None, lps: Any = None) -> str:
+    def event(i: int, delta: dict[str, Any], finish: str | None, lps: Any = None) -> bytes:
         choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lps}
-        return _sse({**chunk, "choices": [choice]})
+        return wire.sse_event({**chunk, "choices": [choice]})
 
     greeted: set[int] = set()
-    async for i, d in h.stream_choices(prompt, params, n):  # raises APIError before any byte
+    async for i, d in h.stream_choices(prompt, params, n):  # raises GatewayError before any byte
         if i not in greeted:  # every choice opens with the assistant role
             greeted.add(i)
             yield event(i, {"role": "assistant", "content": ""}, None)
@@ -526,9 +482,9 @@ async def _chat_chunks(
             yield event(i, delta, finish, h.chat_logprobs([d], top) if logprobs else None)
     if include_usage and last:
         completion_tokens = sum(d.completion_tokens for d in last.values())
-        usage = _usage(last[0].prompt_tokens, completion_tokens)
-        yield _sse({**chunk, "choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
+        usage = wire.usage_body(last[0].prompt_tokens, completion_tokens)
+        yield wire.sse_event({**chunk, "choices": [], "usage": usage})
+    yield wire.SSE_DONE
 
 
 def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -536,7 +492,7 @@ def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     if isinstance(p, str) or (p and isinstance(p[0], int)):
         return [p]  # type: ignore[list-item]
     if not p:
-        raise APIError(400, "prompt is empty", param="prompt")
+        raise invalid_request("prompt is empty", param="prompt")
     return list(p)  # type: ignore[arg-type]
 
 
@@ -549,7 +505,7 @@ async def _completions(h: _Handler, req: CompletionRequest) -> Any:
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": h.model_name}
     if req.stream:
         if len(prompts) != 1:
-            raise APIError(400, "streaming supports one prompt per request", param="prompt")
+            raise invalid_request("streaming supports one prompt per request", param="prompt")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await _stream_response(
             _completion_chunks(h, prompts[0], params, base, include_usage, req)
@@ -580,7 +536,7 @@ async def _completions(h: _Handler, req: CompletionRequest) -> Any:
         **base,
         "object": "text_completion",
         "choices": choices,
-        "usage": _usage(prompt_tokens, completion_tokens),
+        "usage": wire.usage_body(prompt_tokens, completion_tokens),
     }
 
 
@@ -591,7 +547,7 @@ async def _completion_chunks(
     base: dict[str, Any],
     include_usage: bool,
     req: CompletionRequest,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     chunk = {**base, "object": "text_completion"}
     last: dict[int, StreamDelta] = {}
     plain = _TextEvents(chunk) if req.logprobs is None else None
@@ -600,7 +556,7 @@ async def _completion_chunks(
         if plain is not None and (d.text or d.finished):
             yield plain.event(i, d.text, _finish(d.finish_reason))
         elif d.text or d.finished:
-            yield _sse(
+            yield wire.sse_event(
                 {
                     **chunk,
                     "choices": [
@@ -617,16 +573,16 @@ async def _completion_chunks(
             )
     if include_usage and last:
         completion_tokens = sum(d.completion_tokens for d in last.values())
-        usage = _usage(last[0].prompt_tokens, completion_tokens)
-        yield _sse({**chunk, "choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
+        usage = wire.usage_body(last[0].prompt_tokens, completion_tokens)
+        yield wire.sse_event({**chunk, "choices": [], "usage": usage})
+    yield wire.SSE_DONE
 
 
-async def _stream_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+async def _stream_response(chunks: AsyncIterator[bytes]) -> StreamingResponse:
     # Pull the first chunk now so request errors become a 4xx response instead of a broken stream.
     first = await chunks.__anext__()
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         yield first
         async for c in chunks:
             yield c
@@ -642,7 +598,7 @@ def _tokenizer(h: _Handler, model: str | None):
     if model is not None:
         h.check_model(model)
     if h.engine.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer; send and read token ids instead")
+        raise invalid_request("this model has no tokenizer; send and read token ids instead")
     return h.engine.tokenizer
 
 
@@ -654,10 +610,10 @@ def _tokenize(h: _Handler, req: TokenizeCompletionRequest | TokenizeChatRequest)
             ids = tok.encode_chat(
                 messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools
             )
-        except APIError:
+        except GatewayError:
             raise
         except Exception as exc:  # the model's own template may raise (raise_exception)
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from exc
+            raise invalid_request(f"chat template failed: {exc}", param="messages") from exc
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = None
@@ -672,7 +628,7 @@ def _detokenize(h: _Handler, req: DetokenizeRequest) -> dict[str, str]:
     bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
     if bad:
         message = f"token ids out of the vocabulary (0..{tok.vocab_size - 1}): {bad[:5]}"
-        raise APIError(400, message, param="tokens")
+        raise invalid_request(message, param="tokens")
     return {"prompt": tok.decode(req.tokens)}
 
 
@@ -690,16 +646,16 @@ def build_app(
     app.state.drain = drain = Drain(options.drain_timeout_s)
     app.add_middleware(EdgeMiddleware, drain=drain, api_key=options.api_key)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_body(exc.status, exc.message, exc.type, exc.param, exc.code)
+    @app.exception_handler(GatewayError)
+    async def _api_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         loc = ".".join(str(x) for x in errors[0]["loc"][1:]) if errors else None
         msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in errors[:5])
-        return _error_body(400, msg or "invalid request", param=loc or None)
+        return _error_response(invalid_request(msg or "invalid request", loc or None))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -37,6 +37,7 @@ from flashstack.gateway.providers.openai_compat import OpenAICompatProvider
 from flashstack.gateway.routing import Deployment, Router, RouteTrace
 from flashstack.gateway.streaming import EventStream, pulled
 from flashstack.gateway.translate.openai import FINISH_REASON, error_json
+from flashstack.gateway.wire.openai import SSE_DONE, sse_event, usage_body
 
 if TYPE_CHECKING:
     from flashstack.gateway.services import Services
@@ -163,7 +164,7 @@ async def _ended_by_error(chunks: AsyncIterator[bytes], trace: RouteTrace) -> As
             yield chunk
     except GatewayError as e:
         trace.error = e.message
-        yield _sse(error_json(e))
+        yield sse_event(error_json(e))
 
 
 def _parse(body: Any) -> CompletionRequest:
@@ -235,7 +236,7 @@ def _relayed(line: bytes, model: str, include_usage: bool, trace: RouteTrace) ->
         chunk.pop("usage", None)
     if "model" in chunk:
         chunk["model"] = model
-    return _sse(chunk)
+    return sse_event(chunk)
 
 
 # ---- the local engine ------------------------------------------------------------------------
@@ -353,30 +354,22 @@ class _Encoder:
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}],
         }
         if usage is not None:
-            out["usage"] = {
-                "prompt_tokens": usage.input_tokens,
-                "completion_tokens": usage.output_tokens,
-                "total_tokens": usage.input_tokens + usage.output_tokens,
-            }
+            out["usage"] = usage_body(usage.input_tokens, usage.output_tokens)
         return out
 
     async def sse(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         async for ev in pulled(events):
             if isinstance(ev, TextDelta):
-                yield _sse(self.body(ev.text, None, None))
+                yield sse_event(self.body(ev.text, None, None))
             elif isinstance(ev, Finish):
-                yield _sse(self.body("", ev, None))
+                yield sse_event(self.body("", ev, None))
                 if self.include_usage:
-                    yield _sse({**self.body("", None, ev.usage), "choices": []})
-                yield b"data: [DONE]\n\n"
+                    yield sse_event({**self.body("", None, ev.usage), "choices": []})
+                yield SSE_DONE
             elif isinstance(ev, Error):
-                yield _sse(error_json(ev.error))
+                yield sse_event(error_json(ev.error))
 
 
 def _finish_reason(stop: StopReason) -> str:
     reason = FINISH_REASON[stop]
     return reason if reason in ("stop", "length") else "stop"
-
-
-def _sse(body: Any) -> bytes:
-    return b"data: " + orjson.dumps(body) + b"\n\n"

@@ -198,9 +198,12 @@ def _served_engine(base_url: str) -> AsyncLLM:
 
 
 def test_completion_events_match_the_generic_encoder() -> None:
-    from flashstack.engine.server import _sse, _TextEvents
+    from flashstack.engine.server import _TextEvents
+    from flashstack.gateway.wire.openai import sse_event
 
     chunk = {"id": "cmpl-1", "created": 1, "model": 'q"uoted', "object": "text_completion"}
     for text, finish in (('héllo\n"', None), ("", "length"), ("\u2028x", "stop")):
         choice = {"index": 2, "text": text, "finish_reason": finish, "logprobs": None}
-        assert _TextEvents(chunk).event(2, text, finish) == _sse({**chunk, "choices": [choice]})
+        assert _TextEvents(chunk).event(2, text, finish) == sse_event(
+            {**chunk, "choices": [choice]}
+        )

@@ -8,8 +8,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import orjson
-
 from flashstack.gateway.core import (
     ESTIMATE_FIELD,
     SAME_RAW,
@@ -348,15 +346,8 @@ def _stored_call_json(p: ToolCall) -> dict[str, Any]:
 
 
 def error_json(err: GatewayError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": err.message,
-            "type": ERROR_TYPE[err.kind],
-            "param": err.param,
-            # model_not_found only where a model is unknown (router, /v1/models/{id})
-            "code": err.code,
-        }
-    }
+    # code: model_not_found only where a model is unknown (router, /v1/models/{id})
+    return w.error_body(err.message, ERROR_TYPE[err.kind], err.param, err.code)
 
 
 class StreamEncoder:
@@ -382,8 +373,8 @@ class StreamEncoder:
             yield from self._raw(raw)
             if isinstance(ev, Finish):
                 if self.include_usage and ev.usage.estimated:  # the upstream sent no usage chunk
-                    yield _sse(self._envelope([], usage=usage_json(ev.usage)))
-                yield b"data: [DONE]\n\n"
+                    yield w.sse_event(self._envelope([], usage=usage_json(ev.usage)))
+                yield w.SSE_DONE
         elif isinstance(ev, Start):
             yield self._chunk({"role": "assistant", "content": ""})
         elif isinstance(ev, TextDelta):
@@ -407,10 +398,10 @@ class StreamEncoder:
         elif isinstance(ev, Finish):
             yield self._chunk({}, FINISH_REASON[ev.stop_reason], self.dropped)
             if self.include_usage:
-                yield _sse(self._envelope([], usage=usage_json(ev.usage)))
-            yield b"data: [DONE]\n\n"
+                yield w.sse_event(self._envelope([], usage=usage_json(ev.usage)))
+            yield w.SSE_DONE
         elif isinstance(ev, Error):
-            yield _sse(error_json(ev.error))
+            yield w.sse_event(error_json(ev.error))
 
     def _raw(self, raw: Raw) -> Iterator[bytes]:
         for _, chunk in raw.items:
@@ -423,7 +414,7 @@ class StreamEncoder:
             # A chunk the gateway adds (a usage it counted) carries the upstream's
             # id, as the others.
             self.id, self.created = chunk.get("id", self.id), chunk.get("created", self.created)
-            yield _sse(chunk)
+            yield w.sse_event(chunk)
 
     def _chunk(
         self,
@@ -435,7 +426,7 @@ class StreamEncoder:
         body = self._envelope([choice])
         if dropped:
             body[fields.DROPPED_FIELD] = ",".join(sorted(dropped))
-        return _sse(body)
+        return w.sse_event(body)
 
     def _envelope(self, choices: list[Any], usage: Any = None) -> dict[str, Any]:
         body = {
@@ -448,10 +439,6 @@ class StreamEncoder:
         if self.include_usage:
             body["usage"] = usage
         return body
-
-
-def _sse(body: Any) -> bytes:
-    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 # ---- canonical → upstream --------------------------------------------------------------------

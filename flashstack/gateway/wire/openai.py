@@ -1,10 +1,39 @@
-"""OpenAI chat-completions request types, field for field as the official SDK names them."""
+"""OpenAI's wire: chat-completions request types, field for field as the official SDK names them,
+and the framing every OpenAI front end writes (SSE events, error and usage bodies). The gateway and
+the engine's server (flashstack.engine.server) both speak through this module."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(body: Any) -> bytes:
+    """One server-sent event carrying `body` as JSON, as OpenAI streams chunks."""
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error object, `{"error": {...}}`, with all four keys the SDK reads."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's `usage` object from the two counts."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class _Wire(BaseModel):
