@@ -19,6 +19,10 @@ where
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
 
+fp8 weights (`scale`: engine/quantization.py) stream as float8_e4m3fn, half the bytes of bf16, and
+widen to float32 in registers like a bf16 chunk does; each row's dot is multiplied by the row's
+scale before the bias and the residual.
+
 The weights stream one chunk ahead of the multiply, either in registers or (`stages` >= 2 in the
 configuration) through shared memory, stages - 1 chunks ahead, by Triton's software pipeliner:
 more bytes in flight per program without spending registers on them. Same chunks, same order, same
@@ -35,6 +39,7 @@ import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.quantization import dequantized_linear
 
 
 @triton.jit
@@ -63,11 +68,13 @@ def _gemv_kernel(
     y_ptr,
     r_ptr,
     g_ptr,
+    s_ptr,
     N,
     K,
     stride_w,
     eps,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     NORM_IN: tl.constexpr,
     SILU_IN: tl.constexpr,
     ADD_OUT: tl.constexpr,
@@ -127,6 +134,8 @@ def _gemv_kernel(
             nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
     y = tl.sum(acc, 1)
+    if HAS_SCALE:  # fp8 weights: each row's scale
+        y *= tl.load(s_ptr + rows, mask=rmask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if ADD_OUT:  # r_ptr is the residual: round the projection first, as `proj(x) + residual` would
@@ -164,10 +173,15 @@ def linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = True,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear (into `out` if given), through `gemv_triton` when x is one row on CUDA."""
+    """F.linear (into `out` if given), through `gemv_triton` when x is one row on CUDA. `scale`:
+    the weight is fp8 with these per-row scales (engine/quantization.py)."""
     if x.shape[0] == 1 and x.is_cuda:
-        return gemv_triton(weight, x, bias, out=out, pdl=pdl)
+        return gemv_triton(weight, x, bias, out=out, pdl=pdl, scale=scale)
+    if scale is not None:
+        assert out is None, "fp8 weights: no `out`"
+        return dequantized_linear(x, weight, scale, bias)
     if out is None:
         return torch.nn.functional.linear(x, weight, bias)
     torch.matmul(x, weight.t(), out=out)
@@ -185,6 +199,7 @@ def gemv_triton(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = True,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
@@ -192,12 +207,15 @@ def gemv_triton(
     is taken with silu(x[:, :K]) * x[:, K:]. `residual` [1, N]: add the product into it in place and
     return it. `out` [1, N]: write the result there (residual added, if given) and return it.
     `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic
-    dependent launch where the device has it (EngineConfig.kernels.pdl)."""
+    dependent launch where the device has it (EngineConfig.kernels.pdl). `scale` [N] float32: the
+    weight is float8_e4m3fn and row n of the product is multiplied by scale[n]."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
     fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
     block_n, block_k, warps, *stages = config or gemv_config(n, k, fused)
+    if scale is not None:
+        assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous()
     if residual is not None:
         assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
     if out is not None:
@@ -218,11 +236,13 @@ def gemv_triton(
         y,
         residual if residual is not None else y,
         norm_weight,
+        scale if scale is not None else y,
         n,
         k,
         weight.stride(0),
         eps,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         NORM_IN=norm is not None,
         SILU_IN=silu,
         ADD_OUT=residual is not None,

@@ -115,7 +115,7 @@ class TritonOps(TorchOps):
         from flashstack.engine.kernels.triton_gemv import linear
 
         # one-row products: the Triton GEMV
-        return linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl)
+        return linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl, scale=proj.weight_scale)
 
     def norm_project(
         self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
@@ -222,7 +222,12 @@ class Batch1Ops(TritonOps):
             assert h is not None
             residual = h
         out = gemv_triton(
-            proj.weight, residual, proj.bias, norm=(norm.weight, norm.eps), pdl=self.kernels.pdl
+            proj.weight,
+            residual,
+            proj.bias,
+            norm=(norm.weight, norm.eps),
+            pdl=self.kernels.pdl,
+            scale=proj.weight_scale,
         )
         return out, residual
 
@@ -241,7 +246,13 @@ class Batch1Ops(TritonOps):
         pdl, tp = self.kernels.pdl, proj.tp
         if tp is None:
             return None, gemv_triton(
-                proj.weight, x, proj.bias, silu=silu, residual=residual, pdl=pdl
+                proj.weight,
+                x,
+                proj.bias,
+                silu=silu,
+                residual=residual,
+                pdl=pdl,
+                scale=proj.weight_scale,
             )
         driver = tp.is_driver
         fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)

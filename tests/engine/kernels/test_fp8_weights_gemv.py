@@ -1,0 +1,131 @@
+"""The batch-1 GEMV on fp8 weights (float8_e4m3fn, one scale per row) against the plain-torch
+product of the dequantized weight, with each input prologue and output epilogue the decoder uses."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flashstack.engine.kernels.attention import get_attention_backend
+from flashstack.engine.models import LlamaForCausalLM
+from flashstack.engine.models.layers import RMSNorm
+from flashstack.engine.models.linear import Linear
+from flashstack.engine.models.ops import Batch1Ops, TorchOps, TritonOps
+from flashstack.engine.quantization import dequantize_rows, dequantized_linear, quantize_rows
+
+tg = pytest.importorskip("flashstack.engine.kernels.triton_gemv")
+from tests.engine.kernels.test_batch1_decoder import (  # noqa: E402
+    BLOCK,
+    _args,
+    _meta,
+    _triton_backend,
+)
+
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+CONFIGS = [None, (16, 1024, 8), (2, 1024, 4), (4, 1024, 4), (8, 512, 4, 3), (4, 1024, 4, 2)]
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+
+
+def _fp8(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # rows of very different magnitudes: a missing or misplaced per-row scale shows
+    w = torch.randn(n, k, device=device) / k**0.5 * torch.logspace(-2, 1, n, device=device)[:, None]
+    q, scale = quantize_rows(w)
+    return w, q, scale
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("n,k", [(37, 300), (64, 2100)])  # ragged rows and chunks, several chunks
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_gemv_is_the_dequantized_product(device, config, n, k, with_bias):
+    torch.manual_seed(0)
+    w, q, scale = _fp8(n, k, device)
+    x = torch.randn(1, k, dtype=DTYPE, device=device)
+    b = torch.randn(n, dtype=DTYPE, device=device) if with_bias else None
+    want = torch.nn.functional.linear(
+        x.float(), dequantize_rows(q, scale, torch.float32), None if b is None else b.float()
+    ).to(DTYPE)
+    got = tg.gemv_triton(q, x, b, config, scale=scale)
+    torch.testing.assert_close(got, want, **_tol(DTYPE))
+    # and the fp8 weight is close to the weight it came from: the scale is the row's own
+    exact = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+    assert (got.float() - exact.float()).norm() < 0.08 * exact.float().norm()
+
+
+def test_fp8_prologues_and_epilogue(device):
+    """norm, SiLU-and-mul and the residual add on fp8 weights: each the dequantized reference."""
+    torch.manual_seed(1)
+    n, k = 48, 640
+    _, q, scale = _fp8(n, k, device)
+    ref = dequantize_rows(q, scale, torch.float32)
+    x = torch.randn(1, k, dtype=DTYPE, device=device)
+    g = torch.rand(k, dtype=DTYPE, device=device) + 0.5
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5)).to(DTYPE) * g
+    want = torch.nn.functional.linear(normed.float(), ref).to(DTYPE)
+    got = tg.gemv_triton(q, x, None, norm=(g, 1e-5), scale=scale)
+    torch.testing.assert_close(got, want, **_tol(DTYPE))
+
+    _, q2, scale2 = _fp8(n, k // 2, device)
+    gate_up = torch.randn(1, k, dtype=DTYPE, device=device)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate.float()).to(DTYPE) * up).float()
+    want = torch.nn.functional.linear(act, dequantize_rows(q2, scale2, torch.float32)).to(DTYPE)
+    residual = torch.randn(1, n, dtype=DTYPE, device=device)
+    before = residual.clone()
+    out = tg.gemv_triton(q2, gate_up, None, silu=True, residual=residual, scale=scale2)
+    assert out.data_ptr() == residual.data_ptr()  # in place
+    torch.testing.assert_close(out, (want.float() + before.float()).to(DTYPE), **_tol(DTYPE))
+
+
+def test_linear_takes_fp8_weights_for_any_rows(device):
+    """What the Triton ops call for an fp8 projection: the GEMV for one row on CUDA, the plain-torch
+    dequantized product otherwise; the same product either way."""
+    torch.manual_seed(2)
+    _, q, scale = _fp8(40, 96, device)
+    x = torch.randn(5, 96, dtype=DTYPE, device=device)
+    b = torch.randn(40, dtype=DTYPE, device=device)
+    many = tg.linear(x, q, b, scale=scale)
+    torch.testing.assert_close(many, dequantized_linear(x, q, scale, b))
+    torch.testing.assert_close(tg.linear(x[:1], q, b, scale=scale), many[:1], **_tol(DTYPE))
+
+
+def _fp8_model(device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(replace(_args(qk_norm=False), quantization="fp8")).to(device)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear) and module.weight_scale is not None:
+                n, k = module.weight.shape
+                q, scale = quantize_rows(torch.randn(n, k, device=device) * 0.2)
+                module.weight.copy_(q)
+                module.weight_scale.copy_(scale)
+            elif isinstance(module, RMSNorm):
+                module.weight.uniform_(0.8, 1.2)
+            elif isinstance(module, (Linear, torch.nn.Embedding)):
+                module.weight.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@torch.inference_mode()
+def test_batch1_step_on_fp8_weights_matches_torch_ops(device):
+    """A decode step through the batch-1 ops (every projection an fp8 GEMV with its prologue or
+    epilogue) gives the plain-torch ops' hidden state on the same fp8 weights."""
+    model = _fp8_model(device)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    ops = TritonOps(_triton_backend()).for_tokens(1)
+    assert isinstance(ops, Batch1Ops)
+    args, context = model.args, 7
+    caches = [
+        torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
+    batch1_caches = [c.clone() for c in caches]
+    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
+    reference = TorchOps(get_attention_backend("reference", device))
+    want = model(ids, pos, _meta(context, device), caches, reference)
+    got = model(ids, pos, _meta(context, device), batch1_caches, ops)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
