@@ -326,3 +326,27 @@ async def test_llm_summaries_are_kept_per_session_across_replicas(embedder):
     # Without a session the replica has nothing to reuse: the in-process cache is per replica.
     await replicas[1].compress(req, model(), 1200)
     assert routers[1].calls == routers[0].calls
+
+
+def test_pinned_on_a_responses_turn_names_the_callers_own_input(gateway, upstreams):
+    sid = gateway.session(compression="off")
+    gateway.chat(sid, long_history())  # 41 stored messages and the reply come before this turn
+    fillers = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Filler {i}. " + "words " * 30}
+        for i in range(12)
+    ]
+    pinned = {"role": "user", "content": "Remember this: the launch word is heliotrope."}
+    body = {
+        "model": "tiny",
+        "input": [pinned, *fillers, {"role": "user", "content": "What is the launch word?"}],
+        "compression": {"mode": "truncate", "pinned": [0]},
+    }
+    r = httpx.post(
+        f"{gateway.url}/v1/responses", json=body, headers={"x-session-id": sid}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-flashstack-compression"] == "truncated"
+    sent = str(upstreams["openai"].app.state.requests[-1].body["messages"])
+    # index 0 is the caller's first input item, not the session's oldest stored message
+    assert "heliotrope" in sent
+    assert "Turn 0." not in sent
