@@ -23,7 +23,13 @@ from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import graph_buckets
 from flashstack.engine.gguf import is_gguf, open_gguf
-from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
+from flashstack.engine.kernels.attention import FP8, AttentionMetadata, get_attention_backend
+from flashstack.engine.kv_cache import (
+    calibrate_kv_scales,
+    calibration_ids,
+    resolve_kv_dtype,
+    set_kv_scales,
+)
 from flashstack.engine.loader import (
     checkpoint_tensor_count,
     load_model,
@@ -75,13 +81,17 @@ class LLMEngine:
             open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
         )
         self.tokenizer = Tokenizer(path) if has_tokenizer else None
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
+            if self.kv_dtype == FP8:
+                ids = calibration_ids(self.tokenizer, self.model.args.vocab_size)
+                set_kv_scales(self.model, calibrate_kv_scales(self.model, ids, self.dtype))
             num_blocks = self._size_kv_cache(progress)
         if self.workers is not None:  # every rank's cache gets rank 0's block count
             num_blocks = self.workers.start(num_blocks)
         self._set_max_model_len(num_blocks)
-        per_block = kv_bytes_per_block(self.model.args, config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model.args, config.block_size, self.kv_dtype)
         num_host = num_host_blocks(config, per_block)  # 0: swap off (recompute mode, or TP)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, num_host
@@ -122,7 +132,7 @@ class LLMEngine:
     def _size_kv_cache(self, progress: Progress) -> int:
         cfg = self.config
         task = progress.add_task("sizing KV cache", total=1)
-        per_block = kv_bytes_per_block(self.model.args, cfg.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model.args, cfg.block_size, self.kv_dtype)
         max_len = self._declared_max_len()
         # No point reserving more than every sequence at full length could use.
         enough = cfg.max_num_seqs * -(-max_len // cfg.block_size)
@@ -180,7 +190,7 @@ class LLMEngine:
                 cfg.block_size,
                 a.num_kv_heads,
                 a.head_dim,
-                dtype=self.dtype,
+                dtype=self.kv_dtype,
                 device=self.device,
             )
             for _ in range(a.num_layers)

@@ -12,6 +12,7 @@ import torch
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
+from flashstack.engine.kv_cache import resolve_kv_dtype
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.models.ops import select_ops
 from flashstack.engine.sampling import needs_host, sample, sample_on_device
@@ -62,7 +63,7 @@ class ModelRunner:
         weakref.finalize(self, self.peers.close)
         a = model.args
         # [layers, blocks, K|V, block_size, kv_heads, head_dim]: one block of one layer is
-        # contiguous.
+        # contiguous. fp8 (kv_cache_dtype): each layer's scales are on its attention module.
         self.kv_cache = torch.zeros(
             a.num_layers,
             num_blocks,
@@ -70,7 +71,7 @@ class ModelRunner:
             config.block_size,
             a.num_kv_heads,
             a.head_dim,
-            dtype=dtype,
+            dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
             device=device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))

@@ -4,6 +4,11 @@ KV cache layout, per layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim
 One block of one layer (K and V) is a single contiguous region: a decode kernel streams it at once.
 Queries are packed varlen: sequence i owns rows ``query_start_loc[i]:query_start_loc[i+1]`` and its
 queries are the *last* ``query_len`` positions of its ``context_len`` cached tokens.
+
+An fp8 cache (float8_e4m3fn) holds K / k_scale and V / v_scale, saturated at e4m3's largest value;
+``kv_scale`` is the layer's ``[k_scale, v_scale]`` (fp32, on the cache's device; engine/kv_cache.py
+calibrates them). Readers dequantize to the queries' dtype. Any other cache dtype holds K and V as
+they are, and its kv_scale is None.
 """
 
 from __future__ import annotations
@@ -52,9 +57,24 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+# (k, v, kv_cache, slot_mapping, kv_scale) -> None
+StoreFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], None
+]
+# (q, kv_cache, meta, scale, sliding_window, kernels, kv_scale) -> out
 AttendFn = Callable[
-    [torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None", KernelOptions],
+    [
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        float,
+        "int | None",
+        KernelOptions,
+        "torch.Tensor | None",
+    ],
     torch.Tensor,
 ]
 GridBoundsFn = Callable[[int, int], list[int]]
@@ -71,8 +91,8 @@ class AttentionBackend:
     engine's kernel options (`get_attention_backend` binds them)."""
 
     name: str
-    store_kvcache: StoreFn  # (k, v, kv_cache, slot_mapping) -> None
-    paged_attention: AttendFn  # (q, kv_cache, meta, scale, sliding_window, kernels) -> out
+    store_kvcache: StoreFn
+    paged_attention: AttendFn
     # (batch, max_model_len) -> the grid bounds decode graphs of `batch` sequences are captured for
     decode_grid_bounds: GridBoundsFn = one_grid_bound
     kernels: KernelOptions = KernelOptions()
@@ -84,9 +104,12 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of q over the paged cache with this backend's kernel options."""
-        return self.paged_attention(q, kv_cache, meta, scale, sliding_window, self.kernels)
+        return self.paged_attention(
+            q, kv_cache, meta, scale, sliding_window, self.kernels, kv_scale
+        )
 
 
 def _flat_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -95,15 +118,39 @@ def _flat_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     return (slots // block_size) * (2 * block_size) + slots % block_size
 
 
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float8_e4m3fn, rounded to nearest even and saturated at +-448."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def check_kv_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """True for an fp8 cache (which needs its layer's [k_scale, v_scale]); False otherwise."""
+    if kv_cache.dtype != FP8:
+        return False
+    assert kv_scale is not None and kv_scale.numel() == 2, "an fp8 KV cache needs its kv_scale"
+    return True
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # fp8 tensors as uint8: CPU torch has no index_copy_ / index_select for float8 yet.
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
 def store_kvcache_reference(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Write k, v [num_tokens, kv_heads, head_dim] into the cache at `slot_mapping`."""
     bs = kv_cache.shape[2]
     rows = _flat_rows(slot_mapping, bs)
-    flat = kv_cache.view(-1, *kv_cache.shape[3:])
-    flat.index_copy_(0, rows, k.to(kv_cache.dtype))
-    flat.index_copy_(0, rows + bs, v.to(kv_cache.dtype))
+    flat = _bytes(kv_cache).view(-1, *kv_cache.shape[3:])
+    if check_kv_scale(kv_cache, kv_scale):
+        k, v = quantize_fp8(k, kv_scale[0]), quantize_fp8(v, kv_scale[1])
+    flat.index_copy_(0, rows, _bytes(k.to(kv_cache.dtype)))
+    flat.index_copy_(0, rows + bs, _bytes(v.to(kv_cache.dtype)))
 
 
 def _context_rows(block_tables: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
@@ -112,14 +159,22 @@ def _context_rows(block_tables: torch.Tensor, num_tokens: int, block_size: int) 
     return block_tables.long()[:, pos // block_size] * (2 * block_size) + pos % block_size
 
 
-def _gather(kv_cache: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Row gathers (index_select) on the flat view: reads only live positions, whatever the block
-    # size.
-    flat = kv_cache.view(-1, *kv_cache.shape[3:])
+    # size. An fp8 cache's rows come back dequantized, in `dtype`.
+    flat = _bytes(kv_cache).view(-1, *kv_cache.shape[3:])
     bs = kv_cache.shape[2]
     shape = (*rows.shape, *kv_cache.shape[3:])
     k = flat.index_select(0, rows.flatten()).view(shape)
     v = flat.index_select(0, (rows + bs).flatten()).view(shape)
+    if check_kv_scale(kv_cache, kv_scale):
+        k = (k.view(FP8).float() * kv_scale[0]).to(dtype)
+        v = (v.view(FP8).float() * kv_scale[1]).to(dtype)
     return k.transpose(-3, -2), v.transpose(-3, -2)  # [..., H, T, D]
 
 
@@ -147,6 +202,7 @@ def _decode_batched(
     meta: AttentionMetadata,
     scale: float,
     window: int | None,
+    kv_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     # One query per sequence: one gather for the whole batch, masked past each context length.
     key = ("decode", window)
@@ -156,7 +212,7 @@ def _decode_batched(
         q_pos = (meta.context_lens.long() - 1)[:, None, None, None]
         meta.scratch[key] = (rows, _window_mask(q_pos, k_pos, window))
     rows, mask = meta.scratch[key]
-    k, v = _gather(kv_cache, rows)
+    k, v = _gather(kv_cache, rows, kv_scale, q.dtype)
     out = _sdpa(q[:, :, None, :].to(k.dtype), k, v, mask, scale)
     return out[:, :, 0].to(q.dtype)
 
@@ -179,17 +235,18 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     kernels: KernelOptions | None = None,  # torch's kernels take no launch options
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache."""
     if meta.is_decode_only:
-        return _decode_batched(q, kv_cache, meta, scale, sliding_window)
+        return _decode_batched(q, kv_cache, meta, scale, sliding_window, kv_scale)
     key = ("prefill", sliding_window)
     if key not in meta.scratch:
         meta.scratch[key] = _prefill_plan(meta, sliding_window, q.device)
     out = torch.empty_like(q)
     start = 0
     for n, rows, mask in meta.scratch[key]:
-        k, v = _gather(kv_cache, rows)  # [1, H, ctx, D]
+        k, v = _gather(kv_cache, rows, kv_scale, q.dtype)  # [1, H, ctx, D]
         qi = q[start : start + n].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, n, D]
         out[start : start + n] = _sdpa(qi, k, v, mask, scale)[0].transpose(0, 1).to(q.dtype)
         start += n
@@ -215,7 +272,11 @@ def sdpa_prefill_applies(meta: AttentionMetadata, sliding_window: int | None) ->
 
 
 def paged_prefill_sdpa(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of long query chunks q [num_tokens, heads, head_dim] through
     scaled_dot_product_attention: each sequence's context is gathered out of its blocks into one
@@ -228,7 +289,8 @@ def paged_prefill_sdpa(
     out = torch.empty_like(q)
     start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
-        k, v = _gather(kv_cache, _context_rows(meta.block_tables[i : i + 1], ctx, meta.block_size))
+        rows = _context_rows(meta.block_tables[i : i + 1], ctx, meta.block_size)
+        k, v = _gather(kv_cache, rows, kv_scale, q.dtype)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         qi = q[start : start + n].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, n, D]

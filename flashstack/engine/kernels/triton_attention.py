@@ -17,6 +17,10 @@ entries before its loop, so the pipeliner keeps tiles in flight without register
 arithmetic per element. Its launch keeps one wave of programs (tma_launch). Measured on the H200:
 docs/benchmarks.md, "Long context" and "Decode attention launch". Merging inside the split kernel
 (the last split to finish merges) measured slower everywhere, by up to 45 % at 32K.
+
+An fp8 cache (attention.py) is quantized where K and V are stored and dequantized in registers:
+tiles are converted to the queries' dtype before the dot products, k_scale is folded into the
+queries' softmax scale and v_scale into the output: no multiply per element beyond the conversion.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.config import KernelOptions
 from flashstack.engine.kernels.attention import (
+    FP8,
     AttentionMetadata,
+    check_kv_scale,
     paged_prefill_sdpa,
     sdpa_prefill_applies,
 )
@@ -44,11 +50,28 @@ _PROGRAMS_PER_SM = 2
 
 
 @triton.jit
+def fp8_e4m3(x):
+    """fp32 x in float8_e4m3fn: rounded to nearest even and saturated at +-448, as torch's
+    quantize_fp8 (attention.py) does. The rounding is done here, in integer arithmetic, so the cast
+    is exact: the Triton interpreter's own fp32 -> fp8 rounding drops the carry into the exponent
+    (7.98 becomes 4.0)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    # keep 3 of fp32's 23 mantissa bits, ties to even; a carry rounds up into the exponent
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    # below e4m3's smallest normal, 2^-6: multiples of 2^-9 (adding 1.5 * 2^23 rounds to integers)
+    a = tl.abs(x)
+    sub = ((a * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(a < 0.015625, tl.where(x < 0, -sub, sub), normal).to(tl.float8e4nv)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
     cache_ptr,
     slot_ptr,
+    kvs_ptr,
     stride_kt,
     stride_vt,
     stride_cb,
@@ -57,6 +80,7 @@ def _store_kv_kernel(
     block_size,
     HD: tl.constexpr,
     BLOCK_HD: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -69,14 +93,23 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
     dst = cache_ptr + blk * stride_cb + off * stride_cs + cols
+    if FP8:
+        k = fp8_e4m3(tl.math.div_rn(k.to(tl.float32), tl.load(kvs_ptr)))
+        v = fp8_e4m3(tl.math.div_rn(v.to(tl.float32), tl.load(kvs_ptr + 1)))
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache_triton(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v [num_tokens, kv_heads, head_dim] into `kv_cache` at `slot_mapping` (-1 = skip)."""
+    """Write k, v [num_tokens, kv_heads, head_dim] into `kv_cache` at `slot_mapping` (-1 = skip);
+    an fp8 cache gets them quantized by its layer's `kv_scale`."""
+    fp8 = check_kv_scale(kv_cache, kv_scale)
     num_tokens, heads, dim = k.shape
     assert k.stride(-1) == 1 and k.stride(-2) == dim and v.stride(-1) == 1 and v.stride(-2) == dim
     hd = heads * dim
@@ -85,6 +118,7 @@ def store_kvcache_triton(
         v,
         kv_cache,
         slot_mapping,
+        kv_scale if fp8 else slot_mapping,
         k.stride(0),
         v.stride(0),
         kv_cache.stride(0),
@@ -93,6 +127,7 @@ def store_kvcache_triton(
         kv_cache.shape[2],
         HD=hd,
         BLOCK_HD=triton.next_power_of_2(hd),
+        FP8=fp8,
     )
 
 
@@ -154,6 +189,7 @@ def _decode_kernel(
     slot_ptr,
     cache_ptr,
     cache_desc,
+    kvs_ptr,
     tables_ptr,
     ctx_ptr,
     out_ptr,
@@ -196,10 +232,14 @@ def _decode_kernel(
     TMA: tl.constexpr,
     TABLE_SPAN: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
+    if FP8:  # the layer's scales: fixed for the engine's life, safe before the wait
+        k_scale = tl.load(kvs_ptr)
+        v_scale = tl.load(kvs_ptr + 1)
     # a step input, written before the forward pass: safe before the wait
     ctx = tl.load(ctx_ptr + b)
     wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
@@ -239,10 +279,14 @@ def _decode_kernel(
             QK_NORM,
         )
         # as the q/k/v kernel stores it
-        k_new = k_new.to(k_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty)
-        v_new = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + d[None, :]).to(
-            cache_ptr.dtype.element_ty
-        )
+        k_new = k_new.to(k_ptr.dtype.element_ty)
+        v_new = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + d[None, :])
+        if FP8:
+            k_new = fp8_e4m3(tl.math.div_rn(k_new.to(tl.float32), k_scale))
+            v_new = fp8_e4m3(tl.math.div_rn(v_new.to(tl.float32), v_scale))
+        else:
+            k_new = k_new.to(cache_ptr.dtype.element_ty)
+            v_new = v_new.to(cache_ptr.dtype.element_ty)
         last = tl.maximum(ctx, 1) - 1
         owner = split == last // tokens_per_split
         hi = tl.minimum(hi, last)
@@ -257,7 +301,10 @@ def _decode_kernel(
             tl.store(cache_ptr + stride_ckv + row + d[None, :], v_new)
     else:
         q = tl.load(q_rows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-    q = (q * scale).to(cache_ptr.dtype.element_ty)
+    if FP8:  # the dot products run in q's dtype on dequantized tiles; k_scale rides on q
+        q = (q * (scale * k_scale)).to(q_ptr.dtype.element_ty)
+    else:
+        q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -291,6 +338,8 @@ def _decode_kernel(
             row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
@@ -301,9 +350,13 @@ def _decode_kernel(
             # A tile's rows past the context hold other tokens' values or never-written memory:
             # their scores are masked above, and V is zeroed so a stale NaN cannot reach the sum.
             v = cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, D_PAD)
+            if FP8:
+                v = v.to(q.dtype)
             v = tl.where(nmask[:, None], v, 0.0)
         else:
             v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if FP8:
+                v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     if NEW:
@@ -313,12 +366,15 @@ def _decode_kernel(
             p = tl.exp(s - m_new)
             alpha = tl.exp(m - m_new)
             row_sum = row_sum * alpha + p
-            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(
+            # p rounded as the tiles' dot rounds it (q's dtype is the tiles' after conversion)
+            acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v_new.to(
                 tl.float32
             )
             m = m_new
     has = row_sum > 0
     out = acc / tl.where(has, row_sum, 1.0)[:, None]
+    if FP8:
+        out = out * v_scale
     omask = gmask[:, None] & dmask[None, :]
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if split < active:
@@ -396,9 +452,11 @@ def _merge_splits_kernel(
         )
 
 
-def _precision(kv_cache: torch.Tensor) -> str:
+def _precision(kv_cache: torch.Tensor, q: torch.Tensor) -> str:
     # fp32 caches are for exactness checks: keep their dot products in full precision, not tf32.
-    return "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    # An fp8 cache's tiles are converted to q's dtype first.
+    dot_dtype = q.dtype if kv_cache.dtype == FP8 else kv_cache.dtype
+    return "ieee" if dot_dtype == torch.float32 else "tf32"
 
 
 # Fewest tokens a split reads, unless the whole context is shorter (see _decode_kernel). Measured on
@@ -440,11 +498,11 @@ def short_decode(batch: int, max_context_len: int) -> bool:
 
 def tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
     """Whether decode tiles can go through the tensor-memory accelerator (TMA): Hopper or later, a
-    contiguous 16-bit cache whose blocks hold whole tiles and a power-of-two head size."""
+    contiguous 16-bit or fp8 cache whose blocks hold whole tiles and a power-of-two head size."""
     dim = kv_cache.shape[-1]
     return (
         kv_cache.is_cuda
-        and kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and kv_cache.dtype in (torch.bfloat16, torch.float16, FP8)
         and device_for(kv_cache.device).compute_capability >= (9, 0)
         and kv_cache.is_contiguous()
         and kv_cache.data_ptr() % 16 == 0
@@ -581,12 +639,15 @@ def paged_decode_triton(
     plan: DecodePlan,
     sliding_window: int | None = None,
     new: NewTokens | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
     says (plan_decode); returns [batch, heads, head_dim] in q's dtype. With `new`, q is the
     unrotated q straight from the q/k/v projection and the new k/v are not in the cache yet: the
-    kernel rotates them, stores them and attends with them (see NewTokens).
+    kernel rotates them, stores them and attends with them (see NewTokens). `kv_scale`: an fp8
+    cache's [k_scale, v_scale].
     """
+    fp8 = check_kv_scale(kv_cache, kv_scale)
     batch, heads, dim = q.shape
     kv_heads = kv_cache.shape[3]
     group = heads // kv_heads
@@ -631,6 +692,7 @@ def paged_decode_triton(
         slots,
         kv_cache,
         desc,
+        kv_scale if fp8 else context_lens,
         block_tables,
         context_lens,
         out,
@@ -663,13 +725,14 @@ def paged_decode_triton(
         D=dim,
         D_PAD=d_pad,
         BLOCK_N=block_n,
-        PREC=_precision(kv_cache),
+        PREC=_precision(kv_cache, q),
         NEW=new is not None,
         QK_NORM=new is not None and new.q_norm is not None,
         SPLIT=num_splits > 1,
         TMA=tma,
         TABLE_SPAN=table_span,
         USE_PDL=plan.pdl,
+        FP8=fp8,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -701,6 +764,7 @@ def paged_decode_triton(
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
+    kvs_ptr,
     tables_ptr,
     ctx_ptr,
     qstart_ptr,
@@ -723,6 +787,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -743,7 +808,10 @@ def _prefill_kernel(
         mask=imask[:, None] & dmask[None, :],
         other=0.0,
     )
-    q = (q * scale).to(cache_ptr.dtype.element_ty)
+    if FP8:  # as in _decode_kernel: dequantized tiles, k_scale on q, v_scale on the output
+        q = (q * (scale * tl.load(kvs_ptr))).to(q_ptr.dtype.element_ty)
+    else:
+        q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -758,6 +826,8 @@ def _prefill_kernel(
         row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
         if window > 0:
@@ -769,9 +839,13 @@ def _prefill_kernel(
         alpha = tl.exp(m - m_safe)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    if FP8:
+        out = out * tl.load(kvs_ptr + 1)
     tl.store(
         out_ptr + (q_begin + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -787,9 +861,11 @@ def paged_prefill_triton(
     sliding_window: int | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache,
     cached prefixes included (the queries are the last query_len positions of each context)."""
+    fp8 = check_kv_scale(kv_cache, kv_scale)
     num_tokens, heads, dim = q.shape
     group = heads // kv_cache.shape[3]
     out = torch.empty_like(q)
@@ -797,6 +873,7 @@ def paged_prefill_triton(
     _prefill_kernel[grid](
         q,
         kv_cache,
+        kv_scale if fp8 else meta.context_lens,
         meta.block_tables,
         meta.context_lens,
         meta.query_start_loc,
@@ -818,7 +895,8 @@ def paged_prefill_triton(
         D_PAD=triton.next_power_of_2(dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        PREC=_precision(kv_cache),
+        PREC=_precision(kv_cache, q),
+        FP8=fp8,
     )
     return out
 
@@ -845,12 +923,13 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     kernels: KernelOptions = KernelOptions(),
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton backend's attention: split-KV decode for decode-only steps; long prefill chunks
     through torch's fused attention (attention.SDPA_MIN_QUERY_LEN says why); paged prefill
     otherwise."""
     if sdpa_prefill_applies(meta, sliding_window):
-        return paged_prefill_sdpa(q, kv_cache, meta, scale)
+        return paged_prefill_sdpa(q, kv_cache, meta, scale, kv_scale)
     if meta.is_decode_only:
         return paged_decode_triton(
             q,
@@ -860,5 +939,6 @@ def paged_attention_triton(
             scale,
             plan_step_decode(meta, kv_cache, kernels),
             sliding_window,
+            kv_scale=kv_scale,
         )
-    return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window)
+    return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window, kv_scale=kv_scale)

@@ -6,6 +6,7 @@ kilobytes per token; in a CUDA-graph decode step their cost is their count. Atte
 V back from the cache (decode and prefill alike), so the rotated k is written only there; q is
 rotated in place. The arithmetic, and every rounding to the activation dtype, follows the unfused
 kernels exactly (`rmsnorm_triton`, `rope_triton`, `store_kvcache_triton`), which are its oracle.
+An fp8 cache gets k and v quantized by the layer's scales, as store_kvcache_triton does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from flashstack.engine.kernels.attention import check_kv_scale
+from flashstack.engine.kernels.triton_attention import fp8_e4m3
 
 
 @triton.jit
@@ -49,6 +53,7 @@ def _qkv_kernel(
     kw_ptr,
     cache_ptr,
     slot_ptr,
+    kvs_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -66,6 +71,7 @@ def _qkv_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     QK_NORM: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
@@ -88,11 +94,18 @@ def _qkv_kernel(
     r1, r2 = _rotated_heads(pk, kmask, cos, sin, kw_ptr, d, eps, HALF, QK_NORM)
     # Rounded to k's dtype first, as the unfused rotary writes k before the store converts it.
     dst = cache_ptr + row + h[:, None] * (2 * HALF) + d[None, :]
-    tl.store(dst, r1.to(k_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty), mask=kmask)
-    tl.store(dst + HALF, r2.to(k_ptr.dtype.element_ty).to(cache_ptr.dtype.element_ty), mask=kmask)
+    k1, k2 = r1.to(k_ptr.dtype.element_ty), r2.to(k_ptr.dtype.element_ty)
     pv = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
     v1 = tl.load(pv, mask=kmask, other=0.0)
     v2 = tl.load(pv + HALF, mask=kmask, other=0.0)
+    if FP8:
+        ks, vs = tl.load(kvs_ptr), tl.load(kvs_ptr + 1)
+        k1 = fp8_e4m3(tl.math.div_rn(k1.to(tl.float32), ks))
+        k2 = fp8_e4m3(tl.math.div_rn(k2.to(tl.float32), ks))
+        v1 = fp8_e4m3(tl.math.div_rn(v1.to(tl.float32), vs))
+        v2 = fp8_e4m3(tl.math.div_rn(v2.to(tl.float32), vs))
+    tl.store(dst, k1.to(cache_ptr.dtype.element_ty), mask=kmask)
+    tl.store(dst + HALF, k2.to(cache_ptr.dtype.element_ty), mask=kmask)
     tl.store(dst + stride_ckv, v1.to(cache_ptr.dtype.element_ty), mask=kmask)
     tl.store(dst + stride_ckv + HALF, v2.to(cache_ptr.dtype.element_ty), mask=kmask)
 
@@ -108,10 +121,13 @@ def rope_and_store_kv_triton(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q [n, Hq, D] in place; rotate k [n, Hkv, D] and store it and v into `kv_cache` at
     `slot_mapping` (-1 = skip). With `q_norm`/`k_norm` weights, each head of q and k is first
-    RMS-normalised (Qwen3). cos/sin are [n, 1, D]. Returns q."""
+    RMS-normalised (Qwen3). cos/sin are [n, 1, D]. `kv_scale`: an fp8 cache's [k_scale, v_scale].
+    Returns q."""
+    fp8 = check_kv_scale(kv_cache, kv_scale)
     n, hq, dim = q.shape
     hk = k.shape[1]
     assert dim & (dim - 1) == 0, "the rotary halves must be a power of two"
@@ -132,6 +148,7 @@ def rope_and_store_kv_triton(
         k_norm if qk_norm else k,
         kv_cache,
         slot_mapping,
+        kv_scale if fp8 else slot_mapping,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -149,5 +166,6 @@ def rope_and_store_kv_triton(
         HALF=dim // 2,
         BLOCK_H=triton.next_power_of_2(max(hq, hk)),
         QK_NORM=qk_norm,
+        FP8=fp8,
     )
     return q

@@ -105,6 +105,8 @@ class Attention(nn.Module):
         self.qk_norm = a.qk_norm
         self.sliding_window = a.sliding_window
         self.scale = d**-0.5
+        # An fp8 KV cache's [k_scale, v_scale] for this layer (engine/kv_cache.py); None otherwise.
+        self.kv_scale: torch.Tensor | None = None
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of q [n, heads, d], k and v [n, kv_heads, d] in the packed projection's output."""

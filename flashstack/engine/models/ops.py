@@ -68,10 +68,10 @@ class TorchOps:
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
-        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(
-            qkv.shape[0], -1
-        )
+        self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping, attn.kv_scale)
+        return self.backend.attend(
+            q, kv_cache, meta, attn.scale, attn.sliding_window, attn.kv_scale
+        ).reshape(qkv.shape[0], -1)
 
     def project_add(
         self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False
@@ -160,21 +160,24 @@ class TritonOps(TorchOps):
                 plan,
                 attn.sliding_window,
                 new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms),
+                kv_scale=attn.kv_scale,
             )
             return out.reshape(n, -1)
         if self.triton_attention:  # one launch for q/k-norm, rotary and the KV store
             from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
 
-            q = rope_and_store_kv_triton(q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms)
+            q = rope_and_store_kv_triton(
+                q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms, kv_scale=attn.kv_scale
+            )
         else:
             if attn.qk_norm:
                 q = rmsnorm_triton(q, attn.q_norm.weight, attn.q_norm.eps)[0]
                 k = rmsnorm_triton(k, attn.k_norm.weight, attn.k_norm.eps)[0]
             q, k = rope_triton(q, k, cos, sin)
-            self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping)
-        return self.backend.attend(q, kv_cache, meta, attn.scale, attn.sliding_window).reshape(
-            n, -1
-        )
+            self.backend.store_kvcache(k, v, kv_cache, meta.slot_mapping, attn.kv_scale)
+        return self.backend.attend(
+            q, kv_cache, meta, attn.scale, attn.sliding_window, attn.kv_scale
+        ).reshape(n, -1)
 
     def project_add(
         self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False

@@ -1,0 +1,224 @@
+"""fp8 KV cache kernels (store, decode, prefill) against plain torch on the dequantized cache."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from flashstack.engine.kernels.attention import (
+    FP8,
+    AttentionMetadata,
+    paged_attention_reference,
+    paged_prefill_sdpa,
+    quantize_fp8,
+    store_kvcache_reference,
+)
+
+tk = pytest.importorskip("flashstack.engine.kernels.triton_attention")
+
+ON_GPU = torch.cuda.is_available()
+# q's dtype: the dot products run in it on dequantized tiles
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+TOL = dict(atol=2e-2, rtol=2e-2) if ON_GPU else dict(atol=2e-4, rtol=2e-4)
+KV_SCALE = [0.02, 0.005]  # K spans about +-5, V about +-1.2: both well inside e4m3 after scaling
+
+
+def _fp8_cache(num_blocks, block_size, kv_heads, dim, kv_scale, device):
+    """A random cache, quantized as the store kernels quantize."""
+    k = torch.randn(num_blocks, 1, block_size, kv_heads, dim, device=device) * 2
+    v = torch.randn(num_blocks, 1, block_size, kv_heads, dim, device=device) * 0.5
+    return torch.cat([quantize_fp8(k, kv_scale[0]), quantize_fp8(v, kv_scale[1])], dim=1)
+
+
+def _dequantized(cache, kv_scale, dtype):
+    """The oracle's cache: every value as the fp8 cache means it, in q's dtype."""
+    scale = kv_scale.view(1, 2, 1, 1, 1)
+    return (cache.float() * scale).to(dtype)
+
+
+def _tables(context_lens, block_size, num_blocks, device):
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    tables = [[free.pop() for _ in range(math.ceil(c / block_size))] for c in context_lens]
+    width = max(len(t) for t in tables)
+    return torch.tensor(
+        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+    )
+
+
+def _meta(query_lens, context_lens, tables, block_size, device):
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        block_tables=tables,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        block_size=block_size,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        query_lens_host=list(query_lens),
+        context_lens_host=list(context_lens),
+    )
+
+
+def test_quantize_saturates_and_rounds_to_nearest(device):
+    scale = torch.tensor(0.5, device=device)
+    x = torch.tensor([1000.0, -1000.0, 3.99, 0.3, 0.0], device=device)
+    got = quantize_fp8(x, scale).float().tolist()
+    # 1000 / 0.5 saturates at 448; 7.98 rounds up across the binade to 8; 0.6 -> 0.625
+    assert got == [448.0, -448.0, 8.0, 0.625, 0.0]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_store_quantizes_as_torch_does_and_skips_padding(device, block_size):
+    """The Triton store writes exactly torch's quantized values (saturation, the round-up across a
+    binade, subnormals included) and nothing for slot -1."""
+    torch.manual_seed(0)
+    kv_heads, dim, n = 2, 64, 40
+    kv_scale = torch.tensor([0.01, 0.002], device=device)
+    spread = torch.logspace(-6, 1, kv_heads * dim, device=device).view(kv_heads, dim)
+    k = (torch.randn(n, kv_heads, dim, device=device) * spread).to(DTYPE)
+    v = (torch.randn(n, kv_heads, dim, device=device) * spread * 0.2).to(DTYPE)
+    k[0, 0, 0] = 100.0  # past 448 * k_scale: saturates
+    slots = torch.randperm(4 * block_size, device=device)[:n]
+    slots[3] = -1
+    got = torch.zeros(4, 2, block_size, kv_heads, dim, dtype=FP8, device=device)
+    want = torch.zeros_like(got)
+    tk.store_kvcache_triton(k, v, got, slots, kv_scale)
+    keep = slots >= 0
+    store_kvcache_reference(k[keep], v[keep], want, slots[keep], kv_scale)
+    assert torch.equal(got.float(), want.float())
+    assert want.float().abs().max() == 448.0
+
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size, context lens
+    (4, 4, 64, 16, [1, 17, 40]),
+    (8, 2, 64, 32, [5, 100]),
+]
+if ON_GPU:
+    SHAPES += [(32, 8, 128, 256, [1000, 4097, 300]), (32, 8, 128, 256, [32768])]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,ctx", SHAPES)
+def test_fp8_decode_matches_attention_over_the_dequantized_cache(
+    device, heads, kv_heads, dim, block_size, ctx
+):
+    torch.manual_seed(1)
+    kv_scale = torch.tensor(KV_SCALE, device=device)
+    num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 2
+    cache = _fp8_cache(num_blocks, block_size, kv_heads, dim, kv_scale, device)
+    tables = _tables(ctx, block_size, num_blocks, device)
+    meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
+    q = torch.randn(len(ctx), heads, dim, dtype=DTYPE, device=device)
+    scale = dim**-0.5
+    want = paged_attention_reference(q, _dequantized(cache, kv_scale, DTYPE), meta, scale)
+    # the torch path reads the fp8 cache itself (the CPU engine's path)
+    ref = paged_attention_reference(q, cache, meta, scale, kv_scale=kv_scale)
+    torch.testing.assert_close(ref, want, **TOL)
+    launches = [
+        {},
+        {"num_splits": 1},  # the output written directly, no merge
+        {"num_splits": 5, "block_n": 16, "min_split": 16},  # short splits, merged
+    ]
+    if tk.tma_applies(cache, 64):
+        launches.append({"tma": True, "block_n": 64, "min_split": 64})
+    for launch in launches:
+        plan = tk.plan_decode(len(ctx), cache, max(ctx), **launch)
+        got = tk.paged_decode_triton(
+            q, cache, tables, meta.context_lens, scale, plan, kv_scale=kv_scale
+        )
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{launch}: {m}")
+
+
+def test_fp8_decode_with_new_tokens_stores_and_attends_them_quantized(device):
+    """The decode kernel's own q/k/v work (a batch-1 step) on an fp8 cache: it stores the new k/v
+    as the q/k/v kernel would and gives the output of storing first, then attending."""
+    from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
+    from flashstack.engine.models.layers import RotaryEmbedding
+
+    torch.manual_seed(2)
+    heads, kv_heads, dim, bs, ctx = 8, 2, 64, 16, [37, 100]
+    kv_scale = torch.tensor(KV_SCALE, device=device)
+    num_blocks = sum(math.ceil(c / bs) for c in ctx) + 2
+    cache = _fp8_cache(num_blocks, bs, kv_heads, dim, kv_scale, device)
+    tables = _tables(ctx, bs, num_blocks, device)
+    meta = _meta([1] * len(ctx), ctx, tables, bs, device)
+    positions = torch.tensor([c - 1 for c in ctx], device=device)
+    slots = torch.stack(
+        [tables[i, (c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(ctx)]
+    ).long()
+    q = torch.randn(len(ctx), heads, dim, dtype=DTYPE, device=device)
+    k = torch.randn(len(ctx), kv_heads, dim, dtype=DTYPE, device=device) * 2
+    v = torch.randn(len(ctx), kv_heads, dim, dtype=DTYPE, device=device) * 0.5
+    rope = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)
+    cos, sin = rope(positions, DTYPE)
+    want_cache = cache.clone()
+    q_rot = rope_and_store_kv_triton(
+        q.clone(), k, v, cos, sin, want_cache, slots, kv_scale=kv_scale
+    )
+    scale = dim**-0.5
+    want = paged_attention_reference(q_rot, _dequantized(want_cache, kv_scale, DTYPE), meta, scale)
+    plan = tk.plan_decode(len(ctx), cache, max(ctx), num_splits=3, block_n=16, min_split=16)
+    new = tk.NewTokens(k, v, cos, sin, slots)
+    got = tk.paged_decode_triton(
+        q, cache, tables, meta.context_lens, scale, plan, new=new, kv_scale=kv_scale
+    )
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(cache.float(), want_cache.float())
+
+
+def test_fp8_qkv_kernel_stores_what_the_torch_store_does(device):
+    from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
+    from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(3)
+    n, heads, kv_heads, dim, bs = 20, 4, 2, 32, 16
+    kv_scale = torch.tensor(KV_SCALE, device=device)
+    q = torch.randn(n, heads, dim, dtype=DTYPE, device=device)
+    k = torch.randn(n, kv_heads, dim, dtype=DTYPE, device=device) * 2
+    v = torch.randn(n, kv_heads, dim, dtype=DTYPE, device=device) * 0.5
+    cos, sin = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)(
+        torch.arange(n, device=device), DTYPE
+    )
+    slots = torch.randperm(3 * bs, device=device)[:n]
+    got = torch.zeros(3, 2, bs, kv_heads, dim, dtype=FP8, device=device)
+    rope_and_store_kv_triton(q.clone(), k, v, cos, sin, got, slots, kv_scale=kv_scale)
+    want = torch.zeros_like(got)
+    k_rot = apply_rotary(q.float(), k.float(), cos.float(), sin.float())[1].to(DTYPE)
+    store_kvcache_reference(k_rot, v, want, slots, kv_scale)
+    # k rotated in fp32 either way; a last-bit difference in k may move one fp8 step
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0.07)
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_fp8_prefill_matches_attention_over_the_dequantized_cache(device, sdpa):
+    """The paged prefill kernel and the long-chunk SDPA path, a cached prefix included."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, bs = 8, 2, 64, 16
+    query_lens, ctx = [20, 24], [37, 24]
+    kv_scale = torch.tensor(KV_SCALE, device=device)
+    num_blocks = sum(math.ceil(c / bs) for c in ctx) + 2
+    cache = _fp8_cache(num_blocks, bs, kv_heads, dim, kv_scale, device)
+    tables = _tables(ctx, bs, num_blocks, device)
+    meta = _meta(query_lens, ctx, tables, bs, device)
+    q = torch.randn(sum(query_lens), heads, dim, dtype=DTYPE, device=device)
+    want = paged_attention_reference(q, _dequantized(cache, kv_scale, DTYPE), meta, 0.1)
+    ref = paged_attention_reference(q, cache, meta, 0.1, kv_scale=kv_scale)
+    torch.testing.assert_close(ref, want, **TOL)
+    if sdpa:
+        got = paged_prefill_sdpa(q, cache, meta, 0.1, kv_scale)
+    else:
+        got = tk.paged_prefill_triton(q, cache, meta, 0.1, kv_scale=kv_scale)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_an_fp8_cache_without_scales_is_refused(device):
+    cache = torch.zeros(2, 2, 16, 2, 64, dtype=FP8, device=device)
+    k = torch.zeros(1, 2, 64, device=device)
+    with pytest.raises(AssertionError, match="kv_scale"):
+        store_kvcache_reference(k, k, cache, torch.zeros(1, dtype=torch.int64, device=device))
