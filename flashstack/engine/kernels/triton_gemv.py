@@ -145,7 +145,7 @@ def _gemv_kernel(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, ...]:
+def gemv_config(n: int, k: int, fused: str | None = None, fp8: bool = False) -> tuple[int, ...]:
     """(rows per program, K chunk, warps[, stages]) per shape, measured on the H200 in the decoder's
     own 32-layer chain (bench/engine_gemv_chain.py; each weight read from memory as in a decode
     step). Fused, as the decoder runs them (`fused` = "norm", "silu" or "residual"): q/k/v and
@@ -153,7 +153,8 @@ def gemv_config(n: int, k: int, fused: str | None = None) -> tuple[int, ...]:
     the next chunk in registers; down ("silu") 8 rows, two chunks ahead through shared memory; o
     ("residual") 4 rows, one chunk ahead through shared memory. Plain: long rows (K = 14336) 16 rows
     and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks. A fourth value
-    of 2 or more streams the weights through shared memory (`_gemv_kernel`)."""
+    of 2 or more streams the weights through shared memory (`_gemv_kernel`). `fp8`: weights of one
+    byte (bench/engine_fp8.py --sweep), for now the same as bf16's."""
     if fused == "silu":
         return 8, 1024, 4, 3
     if fused == "residual":
@@ -213,7 +214,7 @@ def gemv_triton(
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
     fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
-    block_n, block_k, warps, *stages = config or gemv_config(n, k, fused)
+    block_n, block_k, warps, *stages = config or gemv_config(n, k, fused, fp8=scale is not None)
     if scale is not None:
         assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous()
     if residual is not None:

