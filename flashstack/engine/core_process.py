@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from queue import SimpleQueue
@@ -44,13 +44,24 @@ class EngineCoreError(RuntimeError):
 # ---- the core process -----------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _EngineSpec:
+    """Builds the LLMEngine in the child (picklable, unlike the engine)."""
+
+    model: str
+    kwargs: dict[str, Any]
+
+    def __call__(self) -> Any:
+        from flashstack.engine.llm import LLMEngine, _engine_config
+
+        return LLMEngine(_engine_config(self.model, self.kwargs))
+
+
 class _Core:
     """Runs in the child: drains the request pipe, steps, sends each step's deltas."""
 
-    def __init__(self, model: str, kwargs: dict[str, Any], out: Connection) -> None:
-        from flashstack.engine.llm import LLMEngine, _engine_config
-
-        self.engine = LLMEngine(_engine_config(model, kwargs))
+    def __init__(self, engine: Any, out: Connection) -> None:
+        self.engine = engine
         self.out = out
         self.outbox = _Outbox(out)
         self._grammars: Any = None
@@ -142,11 +153,11 @@ class _Outbox:
 
 
 def _core_main(
-    model: str, kwargs: dict[str, Any], requests: Connection, out: Connection, parent: int
+    make_engine: Callable[[], Any], requests: Connection, out: Connection, parent: int
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     try:
-        core = _Core(model, kwargs, out)
+        core = _Core(make_engine(), out)
     except GGUFError as exc:  # the user's file, not a crash: the parent raises it as it is
         out.send(("bad_model", str(exc)))
         return
@@ -183,15 +194,26 @@ def _step_loop(core: _Core, requests: Connection) -> None:
 
 
 class EngineCoreClient:
-    """`AsyncLLM.stream` with the engine in a child process; construct it before the event loop."""
+    """`AsyncLLM.stream` with the engine in a child process; construct it before the event loop.
 
-    def __init__(self, model: str | Path, startup_timeout_s: float = 1800.0, **kwargs: Any) -> None:
+    `engine_factory` (picklable, called in the child) replaces the LLMEngine of `model`: the API
+    side's benchmark (bench/engine_api.py) steps a synthetic engine at a GPU's pace.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        startup_timeout_s: float = 1800.0,
+        engine_factory: Callable[[], Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         ctx = mp.get_context("spawn")  # fork after torch or CUDA started is unsafe
         req_recv, self._requests = ctx.Pipe(duplex=False)
         self._outputs, out_send = ctx.Pipe(duplex=False)
+        make_engine = engine_factory or _EngineSpec(str(model), kwargs)
         self._proc = ctx.Process(
             target=_core_main,
-            args=(str(model), kwargs, req_recv, out_send, os.getpid()),
+            args=(make_engine, req_recv, out_send, os.getpid()),
             name="flashstack-engine-core",
         )
         self._proc.start()
