@@ -20,7 +20,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._shapes import LLAMA3_8B, QWEN3_0_6B, random_hf_model, save_checkpoint  # noqa: E402
+from bench._shapes import (  # noqa: E402
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    SMOLLM2_135M,
+    random_hf_model,
+    save_checkpoint,
+)
 
 # A CPU-sized Llama for the smoke run: every server path, seconds not minutes.
 TINY: dict[str, Any] = dict(
@@ -40,7 +46,13 @@ TINY: dict[str, Any] = dict(
     eos_token_id=2,
     torch_dtype="float32",
 )
-SHAPES = {"tiny": TINY, "qwen3-0.6b": QWEN3_0_6B, "llama3-8b": LLAMA3_8B}
+# smollm2-shape: SmolLM2-135M's shape with random weights (the trained GGUF, `smollm2`, is 98 MB).
+SHAPES = {
+    "tiny": TINY,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "llama3-8b": LLAMA3_8B,
+    "smollm2-shape": SMOLLM2_135M,
+}
 
 
 def word_level_tokenizer(vocab_size: int, path: Path) -> None:
@@ -96,15 +108,42 @@ class Result:
     ok: bool = False
     ttft: float = 0.0
     latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # per token: see token_gaps
+    chunk_itl: list[float] = field(default_factory=list)  # per SSE event, as vLLM's benchmark
+    chunks: int = 0
     output_tokens: int = 0
     error: str = ""
 
 
-async def one_request(
-    client: Any, url: str, model: str, prompt: list[int], max_tokens: int
-) -> Result:
-    body = {
+def token_gaps(gap: float, tokens: int) -> list[float]:
+    """The inter-token latencies of an event carrying `tokens` tokens `gap` after the previous
+    one: `tokens` intervals of gap / tokens (a server that merges the steps a slow reader missed
+    sends k tokens in one event; counting that as one gap, as vLLM's benchmark does, hides the k-1
+    tokens that came at no cost and reports ITL p50 ≈ 0)."""
+    return [gap / tokens] * tokens if tokens > 0 else []
+
+
+def chunk_tokens(text: str) -> int:
+    """Tokens in an event's text: the random shapes' word-level tokenizer makes one word per token
+    (for the trained `smollm2`, words only approximate tokens)."""
+    return len(text.split())
+
+
+def record_event(r: Result, now: float, start: float, last: float, text: str) -> None:
+    """Add one text event, `now`, to `r`'s timeline; the first event's extra tokens came with it
+    (gaps of 0)."""
+    k = max(1, chunk_tokens(text))
+    r.chunks += 1
+    if r.ttft == 0.0:
+        r.ttft = now - start
+        r.itl += [0.0] * (k - 1)
+    else:
+        r.chunk_itl.append(now - last)
+        r.itl += token_gaps(now - last, k)
+
+
+def _body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -113,28 +152,49 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def _read_event(r: Result, line: bytes | str, start: float, last: float) -> float:
+    """Fold one SSE line into `r`; returns the time of the latest text event."""
+    if isinstance(line, bytes):
+        line = line.decode()
+    if not line.startswith("data: ") or line.startswith("data: [DONE]"):
+        return last
+    event = json.loads(line[6:])
+    if event.get("usage"):
+        r.output_tokens = event["usage"]["completion_tokens"]
+    text = "".join(c.get("text") or "" for c in event.get("choices", ()))
+    if not text:
+        return last
+    now = time.perf_counter()
+    record_event(r, now, start, last, text)
+    return now
+
+
+async def one_request(
+    session: Any, url: str, model: str, prompt: list[int], max_tokens: int
+) -> Result:
+    """One streaming /v1/completions request through aiohttp (as vLLM's benchmark_serving), or
+    through httpx when `session` is an httpx.AsyncClient (this benchmark's client until
+    2026-12-01: it cost the client 3x aiohttp's CPU per event, see docs/benchmarks.md)."""
     r = Result()
-    start = time.perf_counter()
-    last = start
+    start = last = time.perf_counter()
+    body = _body(model, prompt, max_tokens)
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                r.error = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    r.output_tokens = event["usage"]["completion_tokens"]
-                if not any(c.get("text") for c in event.get("choices", ())):
-                    continue
-                now = time.perf_counter()
-                if r.ttft == 0.0:
-                    r.ttft = now - start
-                else:
-                    r.itl.append(now - last)
-                last = now
+        if type(session).__module__.startswith("aiohttp"):
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    r.error = f"{resp.status}: {(await resp.read())[:200]!r}"
+                    return r
+                async for line in resp.content:
+                    last = _read_event(r, line, start, last)
+        else:
+            async with session.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    r.error = f"{resp.status_code}: {(await resp.aread())[:200]!r}"
+                    return r
+                async for line in resp.aiter_lines():
+                    last = _read_event(r, line, start, last)
         r.latency = time.perf_counter() - start
         r.ok = r.output_tokens == max_tokens
         if not r.ok:
@@ -142,6 +202,18 @@ async def one_request(
     except Exception as exc:  # counted as failed, reported by kind
         r.error = f"{type(exc).__name__}: {exc}"
     return r
+
+
+def _session(client: str) -> Any:
+    if client == "httpx":
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        return httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=600.0)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -157,6 +229,7 @@ def summarize(
     ok = [r for r in results if r.ok]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [g for r in ok for g in r.itl]
+    chunk_itl = [g for r in ok for g in r.chunk_itl]
     ttft = [r.ttft for r in ok]
     good = (
         sum(1 for r, t in zip(ok, tpot) if r.ttft <= slo_ttft and t <= slo_tpot)
@@ -179,6 +252,9 @@ def summarize(
         "tpot_ms_p99": ms(_pct(tpot, 99)),
         "itl_ms_p50": ms(_pct(itl, 50)),
         "itl_ms_p99": ms(_pct(itl, 99)),
+        "chunk_itl_ms_p50": ms(_pct(chunk_itl, 50)),
+        "chunk_itl_ms_p99": ms(_pct(chunk_itl, 99)),
+        "tokens_per_chunk": round(tokens / max(1, sum(r.chunks for r in ok)), 2),
     }
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
@@ -195,12 +271,11 @@ async def run_rate(
     seconds: float,
     slo: tuple[float, float],
     seed: int = 0,
+    client: str = "aiohttp",
 ) -> dict[str, Any]:
     """Requests arriving as a Poisson process of `rate` per second (inf: all at once), at most
     `concurrency` in flight; a finite rate sends about `seconds` worth of them, a capped
     concurrency c the first 4c (enough for steady state, not the whole workload c at a time)."""
-    import httpx
-
     n = (
         len(work.prompts)
         if math.isinf(rate)
@@ -210,14 +285,13 @@ async def run_rate(
         n = min(n, 4 * concurrency)
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with _session(client) as session:
 
         async def gated(i: int) -> Result:
             if gate is None:
-                return await one_request(client, url, model, work.prompts[i], work.outputs[i])
+                return await one_request(session, url, model, work.prompts[i], work.outputs[i])
             async with gate:
-                return await one_request(client, url, model, work.prompts[i], work.outputs[i])
+                return await one_request(session, url, model, work.prompts[i], work.outputs[i])
 
         tasks = []
         start = time.perf_counter()
@@ -227,7 +301,11 @@ async def run_rate(
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
-    out = {"rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency}
+    out = {
+        "rate": "inf" if math.isinf(rate) else rate,
+        "max_concurrency": concurrency,
+        "client": client,
+    }
     return out | summarize(list(results), wall, *slo)
 
 
@@ -237,8 +315,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`flashstack engine serve` in its own process; returns it and its URL once /health answers."""
+def start_server(
+    model: Path, args: argparse.Namespace, tree: Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`flashstack engine serve` of `tree` (default: this one) in its own process; returns it and
+    its URL once /health answers."""
     import httpx
 
     port = _free_port()
@@ -266,7 +347,12 @@ def start_server(model: Path, args: argparse.Namespace) -> tuple[subprocess.Pope
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     cmd += args.server_arg
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    tree = (tree or Path(__file__).resolve().parents[1]).resolve()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(cmd, cwd=tree, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.server_timeout_s
     while time.monotonic() < deadline:
@@ -283,7 +369,8 @@ def start_server(model: Path, args: argparse.Namespace) -> tuple[subprocess.Pope
 
 
 def _sampler(pid: int | None, path: Path | None) -> subprocess.Popen | None:
-    """py-spy sampling the server's GIL holders during the burst: where its host time goes."""
+    """py-spy sampling the server's active threads, the engine core's too, during the burst:
+    where their host time goes. None without py-spy."""
     if pid is None or path is None:
         return None
     cmd = [
@@ -291,9 +378,9 @@ def _sampler(pid: int | None, path: Path | None) -> subprocess.Popen | None:
         "record",
         "--pid",
         str(pid),
+        "--subprocesses",
         "--rate",
         "200",
-        "--gil",
         "--threads",
         "--format",
         "raw",
@@ -301,29 +388,42 @@ def _sampler(pid: int | None, path: Path | None) -> subprocess.Popen | None:
         "-o",
         str(path),
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    except FileNotFoundError:
+        print("py-spy is not installed: no profile", file=sys.stderr)
+        return None
 
 
 def served(
-    url: str, work: Workload, warm: Workload, args: argparse.Namespace, pid: int | None = None
+    url: str,
+    work: Workload,
+    warm: Workload,
+    args: argparse.Namespace,
+    pid: int | None = None,
+    py_spy: Path | None = None,
+    clients: tuple[str, ...] = ("aiohttp",),
 ) -> list[dict[str, Any]]:
+    """Every rate, then every capped concurrency, once per client library."""
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    asyncio.run(
-        run_rate(url, args.served_name, warm, math.inf, None, 0, slo)
-    )  # compile, warm caches
+    name = args.served_name
+    asyncio.run(run_rate(url, name, warm, math.inf, None, 0, slo))  # compile, warm caches
     runs = []
-    for rate in args.rates:
-        spy = _sampler(pid, args.py_spy) if math.isinf(rate) else None
-        runs.append(
-            asyncio.run(run_rate(url, args.served_name, work, rate, None, args.rate_seconds, slo))
-        )
-        if spy is not None:
-            spy.send_signal(2)  # SIGINT: py-spy writes what it sampled
-            spy.wait(30)
-        print(json.dumps(runs[-1]), flush=True)
-    for c in args.concurrency:
-        runs.append(asyncio.run(run_rate(url, args.served_name, work, math.inf, c, 0, slo)))
-        print(json.dumps(runs[-1]), flush=True)
+    for client in clients:
+        for rate in args.rates:
+            spy = _sampler(pid, py_spy) if math.isinf(rate) and client == clients[0] else None
+            runs.append(
+                asyncio.run(
+                    run_rate(url, name, work, rate, None, args.rate_seconds, slo, client=client)
+                )
+            )
+            if spy is not None:
+                spy.send_signal(2)  # SIGINT: py-spy writes what it sampled
+                spy.wait(30)
+            print(json.dumps(runs[-1]), flush=True)
+        for c in args.concurrency:
+            runs.append(asyncio.run(run_rate(url, name, work, math.inf, c, 0, slo, client=client)))
+            print(json.dumps(runs[-1]), flush=True)
     return runs
 
 
@@ -414,8 +514,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--py-spy", type=Path, help="sample the server with py-spy during the burst into this file"
     )
+    ap.add_argument(
+        "--compare",
+        type=_labelled_tree,
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also serve the tree at PATH (its own flashstack) with the same client and workload",
+    )
+    ap.add_argument(
+        "--compare-clients",
+        nargs="+",
+        choices=["aiohttp", "httpx"],
+        default=["aiohttp"],
+        help="client libraries the --compare trees are measured with, each in turn",
+    )
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
+
+
+def _labelled_tree(text: str) -> tuple[str, Path]:
+    label, sep, path = text.partition("=")
+    if not sep or not Path(path, "flashstack").is_dir():
+        raise argparse.ArgumentTypeError(f"expected LABEL=PATH of a tree with flashstack/: {text}")
+    return label, Path(path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -435,32 +557,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     model = None if args.url else build_model(args.shape, root, args.device)
-    vocab = SHAPES[args.shape]["vocab_size"] if args.shape in SHAPES else 49152
+    vocab = SHAPES[args.shape]["vocab_size"] if args.shape in SHAPES else SMOLLM2_135M["vocab_size"]
     work = workload(args.num_prompts, args.prompt_len, args.output_len, vocab)
     warm = workload(min(32, args.num_prompts), args.prompt_len, (4, 16), vocab, seed=1)
     if args.url:
         result["served"] = served(args.url.rstrip("/"), work, warm, args)
         dump()
         return result
-    proc, url = start_server(model, args)
+    for label, tree in args.compare:
+        result.setdefault("compare", {})[label] = {"tree": str(tree)}
+        result["compare"][label]["served"] = serve_tree(
+            model, work, warm, args, tree, clients=tuple(args.compare_clients)
+        )
+        dump()
+    result["served"] = serve_tree(model, work, warm, args, None, args.py_spy)
+    dump()
+    if not args.skip_offline:
+        result["offline"] = off = offline(model, work, warm, args)
+        result["served_over_offline"] = _over(result["served"], off)
+        for other in result.get("compare", {}).values():
+            other["served_over_offline"] = _over(other["served"], off)
+    dump()
+    return result
+
+
+def serve_tree(
+    model: Path,
+    work: Workload,
+    warm: Workload,
+    args: argparse.Namespace,
+    tree: Path | None,
+    py_spy: Path | None = None,
+    clients: tuple[str, ...] = ("aiohttp",),
+) -> list[dict[str, Any]]:
+    """Every rate and concurrency against `engine serve` of `tree` (None: this tree)."""
+    proc, url = start_server(model, args, tree)
     try:
-        result["served"] = served(url, work, warm, args, proc.pid)
+        return served(url, work, warm, args, proc.pid if py_spy else None, py_spy, clients)
     finally:
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    dump()
-    if not args.skip_offline:
-        result["offline"] = off = offline(model, work, warm, args)
-        burst = [r for r in result["served"] if r["rate"] == "inf" and r["max_concurrency"] is None]
-        if burst:
-            result["served_over_offline"] = round(
-                burst[-1]["output_tok_per_s"] / off["output_tok_per_s"], 3
-            )
-    dump()
-    return result
+
+
+def _over(runs: list[dict[str, Any]], off: dict[str, Any]) -> float | None:
+    # the burst of the first client (aiohttp unless told otherwise)
+    burst = [r for r in runs if r["rate"] == "inf" and r["max_concurrency"] is None]
+    burst = [r for r in burst if r["client"] == burst[0]["client"]] if burst else []
+    return round(burst[-1]["output_tok_per_s"] / off["output_tok_per_s"], 3) if burst else None
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bench.engine_serving import Result, main, summarize
+from bench.engine_serving import Result, main, record_event, summarize, token_gaps
 
 
 def test_serving_bench_smoke(tmp_path) -> None:
@@ -94,3 +94,14 @@ def test_serving_bench_smoke_on_gpu(tmp_path) -> None:
     assert all(r["completed"] == r["requests"] for r in result["served"])
     assert result["served"][1]["output_tokens"] == result["offline"]["output_tokens"]
     assert result["served_over_offline"] > 0
+
+
+def test_a_merged_event_counts_one_gap_per_token() -> None:
+    r = Result()
+    record_event(r, now=0.10, start=0.0, last=0.0, text=" w1 w2")  # first event: two tokens
+    record_event(r, now=0.13, start=0.0, last=0.10, text=" w3 w4 w5")  # three, 30 ms later
+    record_event(r, now=0.14, start=0.0, last=0.13, text=" w6")
+    assert r.ttft == 0.10 and r.chunks == 3
+    assert r.itl == pytest.approx([0.0, 0.01, 0.01, 0.01, 0.01])  # one per token after the first
+    assert r.chunk_itl == pytest.approx([0.03, 0.01])  # vLLM's per-event ITL
+    assert token_gaps(0.02, 4) == [0.005] * 4 and token_gaps(0.02, 0) == []
