@@ -314,20 +314,19 @@ def main() -> None:
         raise SystemExit("the decode step and the sweep need a GPU; --quality runs anywhere")
     result.update(shape="llama3-8b", prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     if args.sweep:
-        # (rows, K chunk, warps, stages) of the tensor-core kernel
+        # (rows, K chunk, warps[, stages]): bf16's configurations and ones that keep as many bytes
+        # per program in flight with one-byte weights (twice the chunk, or twice the rows)
         candidates = [
-            (16, 256, 4, 3),
-            (16, 512, 4, 3),
-            (16, 512, 4, 4),
-            (32, 128, 4, 4),
-            (32, 256, 4, 4),
-            (32, 512, 4, 3),
-            (32, 512, 8, 3),
-            (64, 128, 4, 4),
-            (64, 256, 4, 3),
-            (64, 256, 8, 3),
-            (16, 1024, 4, 2),
-            (128, 128, 8, 3),
+            (4, 1024, 4),
+            (8, 1024, 4),
+            (16, 1024, 8),
+            (4, 2048, 4),
+            (8, 2048, 8),
+            (4, 1024, 4, 2),
+            (8, 1024, 4, 3),
+            (16, 1024, 8, 3),
+            (4, 2048, 4, 3),
+            (8, 2048, 8, 3),
         ]
         result["sweep"] = fp8_chain_sweep(candidates)
         dump()

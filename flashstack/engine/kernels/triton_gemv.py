@@ -19,12 +19,12 @@ where
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
 
-fp8 weights (`scale`: engine/quantization.py) take a sibling, `_gemv_fp8_kernel`: a chunk of one-
-byte weights holds twice the multiply-adds of a bf16 chunk, and widening each to float32 for an FMA
-made the 8B chain ALU-bound at 66 % of its floor (bench/engine_fp8.py --sweep). It widens them to
-the activations' dtype instead (exact: fp8 values are bf16 and fp16 values) and lets the tensor
-cores multiply: the input chunk, broadcast to 16 columns (tl.dot's smallest), is the right-hand
-side, and column 0 of the float32 product is the row's dot, then times the row's scale.
+fp8 weights (`scale`: engine/quantization.py) stream as float8_e4m3fn, half the bytes of bf16, and
+widen to float32 in registers like a bf16 chunk does; each row's dot is multiplied by the row's
+scale before the bias and the residual. With twice the multiply-adds per byte this is ALU-bound:
+the 8B chain on fp8 weights runs at 66 % of its floor against bf16's 96 % (docs/benchmarks.md,
+"fp8 weights"). Tensor-core products of the row block against the input chunk measured slower
+still (2.7x), so they are not used.
 
 The weights stream one chunk ahead of the multiply, either in registers or (`stages` >= 2 in the
 configuration) through shared memory, stages - 1 chunks ahead, by Triton's software pipeliner:
@@ -71,11 +71,13 @@ def _gemv_kernel(
     y_ptr,
     r_ptr,
     g_ptr,
+    s_ptr,
     N,
     K,
     stride_w,
     eps,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     NORM_IN: tl.constexpr,
     SILU_IN: tl.constexpr,
     ADD_OUT: tl.constexpr,
@@ -134,12 +136,9 @@ def _gemv_kernel(
             )
             nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
-    _store_rows(tl.sum(acc, 1), rows, rmask, b_ptr, r_ptr, y_ptr, HAS_BIAS, ADD_OUT)
-
-
-@triton.jit
-def _store_rows(y, rows, rmask, b_ptr, r_ptr, y_ptr, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr):
-    # The epilogue: bias, then the residual add, rounding where the unfused kernels round.
+    y = tl.sum(acc, 1)
+    if HAS_SCALE:  # fp8 weights: each row's scale
+        y *= tl.load(s_ptr + rows, mask=rmask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if ADD_OUT:  # r_ptr is the residual: round the projection first, as `proj(x) + residual` would
@@ -149,82 +148,15 @@ def _store_rows(y, rows, rmask, b_ptr, r_ptr, y_ptr, HAS_BIAS: tl.constexpr, ADD
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-@triton.jit
-def _fp8_chunk_product(
-    w, x_ptr, g_ptr, kcols, cmask, K, rstd, acc, act_dtype, NORM_IN, SILU_IN, DOT_IEEE
-):
-    # acc [BLOCK_N, 16] += w (fp8, widened to the activations' dtype) @ the input chunk in 16 equal
-    # columns, on the tensor cores.
-    x = _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)
-    xs = tl.broadcast_to(x.to(act_dtype)[:, None], (x.shape[0], 16))
-    if DOT_IEEE:  # float32 activations: full-precision products, not TF32
-        return tl.dot(w.to(act_dtype), xs, acc, input_precision="ieee")
-    return tl.dot(w.to(act_dtype), xs, acc)
-
-
-@triton.jit
-def _gemv_fp8_kernel(
-    w_ptr,
-    x_ptr,
-    b_ptr,
-    y_ptr,
-    r_ptr,
-    g_ptr,
-    s_ptr,
-    N,
-    K,
-    stride_w,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    NORM_IN: tl.constexpr,
-    SILU_IN: tl.constexpr,
-    ADD_OUT: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    # _gemv_kernel's prologues and epilogues on fp8 weights, the products on the tensor cores.
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    act_dtype = x_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
-    wait_for_previous_kernel(USE_PDL)  # as in _gemv_kernel: the first chunk is already on its way
-    rstd = 1.0
-    if NORM_IN:
-        sq = tl.zeros([BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    acc = _fp8_chunk_product(
-        w, x_ptr, g_ptr, cols, cols < K, K, rstd, acc, act_dtype, NORM_IN, SILU_IN, DOT_IEEE
-    )
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        kcols = k + cols
-        cmask = kcols < K
-        w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        acc = _fp8_chunk_product(
-            w, x_ptr, g_ptr, kcols, cmask, K, rstd, acc, act_dtype, NORM_IN, SILU_IN, DOT_IEEE
-        )
-    # the 16 columns are equal; column 0, exactly
-    y = tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), 1)
-    y *= tl.load(s_ptr + rows, mask=rmask, other=0.0)
-    _store_rows(y, rows, rmask, b_ptr, r_ptr, y_ptr, HAS_BIAS, ADD_OUT)
-
-
-# fp8 weights' (rows per program, K chunk, warps, stages) by prologue or epilogue (`gemv_config`);
-# rows and chunk at least 16, tl.dot's smallest
-FP8_CONFIGS: dict[str | None, tuple[int, int, int, int]] = {
-    "norm": (32, 256, 4, 3),
-    "silu": (32, 512, 4, 3),
-    "residual": (32, 256, 4, 3),
-    None: (32, 256, 4, 3),
+# fp8 weights' configurations by prologue or epilogue, swept in the 8B chain on the H200
+# (bench/engine_fp8.py --sweep): three stages each (two chunks ahead through shared memory); q/k/v
+# and gate/up with twice bf16's rows, o with four times its rows and 8 warps, down with half its
+# rows in chunks twice as wide.
+FP8_CONFIGS: dict[str | None, tuple[int, ...]] = {
+    "norm": (8, 1024, 4, 3),
+    "residual": (16, 1024, 8, 3),
+    "silu": (4, 2048, 4, 3),
+    None: (8, 1024, 4, 3),
 }
 
 
@@ -236,8 +168,8 @@ def gemv_config(n: int, k: int, fused: str | None = None, fp8: bool = False) -> 
     the next chunk in registers; down ("silu") 8 rows, two chunks ahead through shared memory; o
     ("residual") 4 rows, one chunk ahead through shared memory. Plain: long rows (K = 14336) 16 rows
     and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks. A fourth value
-    of 2 or more streams the weights through shared memory (`_gemv_kernel`). `fp8`: the tensor-core
-    kernel's, `FP8_CONFIGS` (bench/engine_fp8.py --sweep)."""
+    of 2 or more streams the weights through shared memory (`_gemv_kernel`). `fp8`: weights of one
+    byte, `FP8_CONFIGS`."""
     if fp8:
         return FP8_CONFIGS[fused]
     if fused == "silu":
@@ -294,8 +226,7 @@ def gemv_triton(
     return it. `out` [1, N]: write the result there (residual added, if given) and return it.
     `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic
     dependent launch where the device has it (EngineConfig.kernels.pdl). `scale` [N] float32: the
-    weight is float8_e4m3fn and row n of the product is multiplied by scale[n] (`_gemv_fp8_kernel`,
-    configurations of four values)."""
+    weight is float8_e4m3fn and row n of the product is multiplied by scale[n]."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
@@ -316,15 +247,20 @@ def gemv_triton(
     )
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = pdl_applies(x.device, pdl)
-    tensors = (
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight,
         x,
         bias if bias is not None else y,
         y,
         residual if residual is not None else y,
-    )
-    flags = dict(
+        norm_weight,
+        scale if scale is not None else y,
+        n,
+        k,
+        weight.stride(0),
+        eps,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         NORM_IN=norm is not None,
         SILU_IN=silu,
         ADD_OUT=residual is not None,
@@ -334,20 +270,5 @@ def gemv_triton(
         STAGES=stages[0] if stages else 0,
         num_warps=warps,
         launch_pdl=pdl,
-    )
-    grid = (triton.cdiv(n, block_n),)
-    if scale is None:
-        _gemv_kernel[grid](*tensors, norm_weight, n, k, weight.stride(0), eps, **flags)
-        return y
-    _gemv_fp8_kernel[grid](
-        *tensors,
-        norm_weight,
-        scale,
-        n,
-        k,
-        weight.stride(0),
-        eps,
-        DOT_IEEE=x.dtype == torch.float32,
-        **flags,
     )
     return y

@@ -23,14 +23,11 @@ from tests.engine.kernels.test_batch1_decoder import (  # noqa: E402
     _triton_backend,
 )
 
-# bf16 only on the GPU: Triton's CPU interpreter computes a bf16 tl.dot wrongly (garbage for any
-# inputs), so there the kernel's low-precision branch runs on fp16 activations
 GPU = torch.cuda.is_available()
 DTYPES = [torch.bfloat16, torch.float16] if GPU else [torch.float32, torch.float16]
 DTYPE = DTYPES[0]
-# (rows, K chunk, warps, stages) of the tensor-core kernel: None (gemv_config's), several chunks
-# in flight, rows and chunks both ragged
-CONFIGS = [None, (16, 256, 4, 3), (32, 128, 4, 2), (64, 512, 4, 4), (16, 1024, 8, 2)]
+# (rows, K chunk, warps[, stages]): None (gemv_config's), the bf16 kernel's shapes, one-byte ones
+CONFIGS = [None, (16, 1024, 8), (2, 1024, 4), (8, 512, 4, 3), (4, 1024, 4, 2), (4, 2048, 4, 3)]
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:
