@@ -411,19 +411,23 @@ def served(
     runs = []
     for client in clients:
         for rate in args.rates:
-            spy = _sampler(pid, py_spy) if math.isinf(rate) and client == clients[0] else None
             runs.append(
                 asyncio.run(
                     run_rate(url, name, work, rate, None, args.rate_seconds, slo, client=client)
                 )
             )
-            if spy is not None:
-                spy.send_signal(2)  # SIGINT: py-spy writes what it sampled
-                spy.wait(30)
             print(json.dumps(runs[-1]), flush=True)
         for c in args.concurrency:
             runs.append(asyncio.run(run_rate(url, name, work, math.inf, c, 0, slo, client=client)))
             print(json.dumps(runs[-1]), flush=True)
+    spy = _sampler(pid, py_spy)
+    if spy is not None:  # a burst of its own: sampling costs the server some of its time
+        time.sleep(1.0)  # py-spy attaches to every process
+        profiled = asyncio.run(run_rate(url, name, work, math.inf, None, 0, slo))
+        spy.send_signal(2)  # SIGINT: py-spy writes what it sampled
+        spy.wait(30)
+        runs.append(profiled | {"profiled": True})
+        print(json.dumps(runs[-1]), flush=True)
     return runs
 
 
@@ -512,7 +516,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server-timeout-s", type=float, default=600.0)
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument(
-        "--py-spy", type=Path, help="sample the server with py-spy during the burst into this file"
+        "--py-spy",
+        type=Path,
+        help="sample the server and its engine core with py-spy during one more burst",
     )
     ap.add_argument(
         "--compare",
@@ -604,7 +610,11 @@ def serve_tree(
 
 def _over(runs: list[dict[str, Any]], off: dict[str, Any]) -> float | None:
     # the burst of the first client (aiohttp unless told otherwise)
-    burst = [r for r in runs if r["rate"] == "inf" and r["max_concurrency"] is None]
+    burst = [
+        r
+        for r in runs
+        if r["rate"] == "inf" and r["max_concurrency"] is None and not r.get("profiled")
+    ]
     burst = [r for r in burst if r["client"] == burst[0]["client"]] if burst else []
     return round(burst[-1]["output_tok_per_s"] / off["output_tok_per_s"], 3) if burst else None
 
