@@ -35,8 +35,10 @@ FP8_LAUNCHES = {
     "plain": {"tma": False},
     "tma s3": {"num_stages": 3},
     "tma s4": {"num_stages": 4},
-    "tma s4 x2 splits": {"num_stages": 4, "splits_factor": 2},
     "tma s2 x2 splits": {"num_stages": 2, "splits_factor": 2},
+    "tma s3 x2 splits": {"num_stages": 3, "splits_factor": 2},
+    "tma s3 w8": {"num_stages": 3, "num_warps": 8},
+    "plain w8": {"tma": False, "num_warps": 8},
 }
 
 

@@ -19,8 +19,10 @@ docs/benchmarks.md, "Long context" and "Decode attention launch". Merging inside
 (the last split to finish merges) measured slower everywhere, by up to 45 % at 32K.
 
 An fp8 cache (attention.py) is quantized where K and V are stored and dequantized in registers:
-tiles are converted to the queries' dtype before the dot products, k_scale is folded into the
-queries' softmax scale and v_scale into the output: no multiply per element beyond the conversion.
+tiles are converted to fp16 (exactly: fp16 holds every e4m3 value) for the dot products, k_scale is
+folded into the queries' softmax scale and v_scale into the output: no multiply per element beyond
+the conversion. fp16, not the queries' bf16: e4m3 -> fp16 is one instruction per two values on
+Hopper, and the decode kernel at 32K measured 58 us with bf16 tiles against bf16's 37 us.
 """
 
 from __future__ import annotations
@@ -233,6 +235,7 @@ def _decode_kernel(
     TABLE_SPAN: tl.constexpr,
     USE_PDL: tl.constexpr,
     FP8: tl.constexpr,
+    KV_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -301,8 +304,8 @@ def _decode_kernel(
             tl.store(cache_ptr + stride_ckv + row + d[None, :], v_new)
     else:
         q = tl.load(q_rows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if FP8:  # the dot products run in q's dtype on dequantized tiles; k_scale rides on q
-        q = (q * (scale * k_scale)).to(q_ptr.dtype.element_ty)
+    if FP8:  # the dot products run in KV_DOT on dequantized tiles; k_scale rides on q
+        q = (q * (scale * k_scale)).to(KV_DOT)
     else:
         q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -454,9 +457,15 @@ def _merge_splits_kernel(
 
 def _precision(kv_cache: torch.Tensor, q: torch.Tensor) -> str:
     # fp32 caches are for exactness checks: keep their dot products in full precision, not tf32.
-    # An fp8 cache's tiles are converted to q's dtype first.
+    # So are fp32 queries over an fp8 cache (_kv_dot).
     dot_dtype = q.dtype if kv_cache.dtype == FP8 else kv_cache.dtype
     return "ieee" if dot_dtype == torch.float32 else "tf32"
+
+
+def _kv_dot(q: torch.Tensor) -> tl.dtype:
+    # What an fp8 cache's tiles become for the dot products: fp16 (see the module docstring), or
+    # fp32 for fp32 queries (exactness checks).
+    return tl.float32 if q.dtype == torch.float32 else tl.float16
 
 
 # Fewest tokens a split reads, unless the whole context is shorter (see _decode_kernel). Measured on
@@ -733,6 +742,7 @@ def paged_decode_triton(
         TABLE_SPAN=table_span,
         USE_PDL=plan.pdl,
         FP8=fp8,
+        KV_DOT=_kv_dot(q),
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -788,6 +798,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     FP8: tl.constexpr,
+    KV_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -809,7 +820,7 @@ def _prefill_kernel(
         other=0.0,
     )
     if FP8:  # as in _decode_kernel: dequantized tiles, k_scale on q, v_scale on the output
-        q = (q * (scale * tl.load(kvs_ptr))).to(q_ptr.dtype.element_ty)
+        q = (q * (scale * tl.load(kvs_ptr))).to(KV_DOT)
     else:
         q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -897,6 +908,7 @@ def paged_prefill_triton(
         BLOCK_N=block_n,
         PREC=_precision(kv_cache, q),
         FP8=fp8,
+        KV_DOT=_kv_dot(q),
     )
     return out
 
