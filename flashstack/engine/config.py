@@ -23,6 +23,9 @@ class KernelOptions:
     # Batch-1 products through the Triton GEMV, with the norms, SiLU-and-mul and residual adds
     # folded in (kernels/triton_gemv.py); False: cuBLAS and the separate elementwise kernels.
     triton_gemv: bool = True
+    # Products of 2 to triton_skinny.MAX_ROWS rows through the Triton skinny GEMM
+    # (kernels/triton_skinny.py) instead of cuBLAS; fp8 weights and tensor parallelism keep theirs.
+    skinny_gemm: bool = False
     pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
     decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v
     # decode attention reads tiles through the TMA where it applies (Hopper+)
@@ -77,6 +80,7 @@ class KernelOptions:
             return replace(
                 self,
                 triton_gemv=False,
+                skinny_gemm=False,
                 pdl=False,
                 decode_qkv=False,
                 decode_tma=False,

@@ -32,6 +32,7 @@ class KernelSwitches(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     triton_gemv: bool | None = None
+    skinny_gemm: bool | None = None
     pdl: bool | None = None
     decode_qkv: bool | None = None
     decode_tma: bool | None = None
