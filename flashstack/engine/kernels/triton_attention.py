@@ -525,12 +525,18 @@ def tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
 TMA_MAX_TABLE_SPAN = 64
 
 
-def tma_launch(batch: int, kv_heads: int, sm_count: int, short: bool) -> tuple[int, int]:
+def tma_launch(
+    batch: int, kv_heads: int, sm_count: int, short: bool, fp8: bool = False
+) -> tuple[int, int]:
     """(pipeline stages, programs per SM) of a TMA decode launch. Measured on the H200 (8B heads,
     docs/benchmarks.md): with at most one (sequence, KV head) pair per 8 SMs, 3 stages (two
     128-token tiles of K and V in flight, 172 KB of shared memory: one program per SM) read a 32K
     context fastest (batch 1 37.6 µs against 39.6 with 2 stages); otherwise 2 stages (106 KB, two
-    programs per SM) win everywhere, short contexts included."""
+    programs per SM) win everywhere, short contexts included. An fp8 cache's tiles are half the
+    bytes: 3 stages and two programs per SM took batch 1 at 32K 42.1 -> 31.1 µs, batch 4 at 32K
+    111.9 -> 101.4 µs and batch 32 at 4K 103.5 -> 94.7 µs (docs/benchmarks.md, "fp8 KV cache")."""
+    if fp8 and not short:
+        return 3, 2
     if not short and batch * kv_heads * 8 <= sm_count:
         return 3, 1
     return 2, 2
@@ -610,7 +616,7 @@ def plan_decode(
     sm_count = _sm_count(kv_cache.device)
     if tma is None and tma_applies(kv_cache, block_n):
         # A TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs.
-        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short)
+        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short, kv_cache.dtype == FP8)
         splits = num_splits or max(
             1, min(per_sm * sm_count // (batch * kv_heads), math.ceil(max_context_len / block_n))
         )
