@@ -41,6 +41,22 @@ def test_engine_options_take_only_the_engines_kv_cache_dtypes():
         EngineOptions(kv_cache_dtype="int8")
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_fp8_cache_under_kv_pressure_gives_the_ample_caches_tokens(mode, hf_checkpoints):
+    """Preempted sequences come back to the same fp8 values: swapped blocks are bytes whose
+    scales never change, recomputed ones are quantized again alike."""
+    from tests.engine.helpers import greedy, run_checked
+
+    path, _ = hf_checkpoints["llama"]
+    prompts = [[5 + (i * 7 + j * 3) % 300 for j in range(9 + 5 * i)] for i in range(5)]
+    common = dict(block_size=4, device="cpu", kv_cache_dtype="fp8", show_progress=False)
+    ample = LLM(path, **common)
+    want = run_checked(ample, prompts, greedy(14))
+    tight = LLM(path, num_kv_blocks=14, max_num_seqs=8, preemption_mode=mode, **common)
+    assert run_checked(tight, prompts, greedy(14)) == want
+    assert tight.engine.scheduler.num_preemptions > 0, "14 blocks were meant to force preemption"
+
+
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[dict[str, LLM]]:
     path = smollm2_path()
