@@ -101,6 +101,14 @@ def workload(
     return Workload(prompts, [rng.randint(*output_len) for _ in range(n)])
 
 
+def fresh_prompts(work: Workload, vocab: int, seed: int) -> Workload:
+    """`work` with new token ids in prompts of the same lengths, outputs unchanged: a run that
+    finds none of an earlier run's prompts in the prefix cache."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in p] for p in work.prompts]
+    return Workload(prompts, list(work.outputs))
+
+
 @dataclass
 class Result:
     """One request's timeline as the client saw it."""
@@ -409,16 +417,24 @@ def served(
     name = args.served_name
     asyncio.run(run_rate(url, name, warm, math.inf, None, 0, slo))  # compile, warm caches
     runs = []
+
+    def workload_of(run: int) -> Workload:
+        if not args.fresh_prompts or run == 0:
+            return work
+        return fresh_prompts(work, args.vocab, seed=1000 + run)
+
     for client in clients:
         for rate in args.rates:
+            w = workload_of(len(runs))
             runs.append(
                 asyncio.run(
-                    run_rate(url, name, work, rate, None, args.rate_seconds, slo, client=client)
+                    run_rate(url, name, w, rate, None, args.rate_seconds, slo, client=client)
                 )
             )
             print(json.dumps(runs[-1]), flush=True)
         for c in args.concurrency:
-            runs.append(asyncio.run(run_rate(url, name, work, math.inf, c, 0, slo, client=client)))
+            w = workload_of(len(runs))
+            runs.append(asyncio.run(run_rate(url, name, w, math.inf, c, 0, slo, client=client)))
             print(json.dumps(runs[-1]), flush=True)
     spy = _sampler(pid, py_spy)
     if spy is not None:  # a burst of its own: sampling costs the server some of its time
@@ -535,6 +551,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["aiohttp"],
         help="client libraries the --compare trees are measured with, each in turn",
     )
+    ap.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="every run after a server's first gets prompts of its own (same lengths and "
+        "outputs), so none starts from the prefix cache an earlier run filled",
+    )
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
 
@@ -564,6 +586,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     model = None if args.url else build_model(args.shape, root, args.device)
     vocab = SHAPES[args.shape]["vocab_size"] if args.shape in SHAPES else SMOLLM2_135M["vocab_size"]
+    args.vocab = vocab
     work = workload(args.num_prompts, args.prompt_len, args.output_len, vocab)
     warm = workload(min(32, args.num_prompts), args.prompt_len, (4, 16), vocab, seed=1)
     if args.url:

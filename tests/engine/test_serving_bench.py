@@ -9,7 +9,15 @@ import math
 import pytest
 import torch
 
-from bench.engine_serving import Result, main, record_event, summarize, token_gaps
+from bench.engine_serving import (
+    Result,
+    fresh_prompts,
+    main,
+    record_event,
+    summarize,
+    token_gaps,
+    workload,
+)
 
 
 def test_serving_bench_smoke(tmp_path) -> None:
@@ -105,3 +113,11 @@ def test_a_merged_event_counts_one_gap_per_token() -> None:
     assert r.itl == pytest.approx([0.0, 0.01, 0.01, 0.01, 0.01])  # one per token after the first
     assert r.chunk_itl == pytest.approx([0.03, 0.01])  # vLLM's per-event ITL
     assert token_gaps(0.02, 4) == [0.005] * 4 and token_gaps(0.02, 0) == []
+
+
+def test_fresh_prompts_share_no_prefix_with_the_first_run() -> None:
+    work = workload(8, (20, 40), (3, 9), vocab=2048)
+    fresh = fresh_prompts(work, vocab=2048, seed=1001)
+    assert [len(p) for p in fresh.prompts] == [len(p) for p in work.prompts]
+    assert fresh.outputs == work.outputs
+    assert all(a[:16] != b[:16] for a, b in zip(work.prompts, fresh.prompts))  # no shared block
