@@ -26,9 +26,8 @@ from flashstack.engine.server_tools import RequestError, ToolPlan, guide_spec, p
 
 # One OpenAI front end: the gateway's wire types, error shape and SSE framing.
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
-from flashstack.gateway.translate.openai import error_json
 from flashstack.gateway.wire import openai as wire
-from flashstack.gateway.wire.openai import StreamOptions
+from flashstack.gateway.wire.openai import StreamOptions, error_json
 
 
 class _Sampling(BaseModel):

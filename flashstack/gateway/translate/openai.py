@@ -15,7 +15,6 @@ from flashstack.gateway.core import (
     ChatRequest,
     ChatResponse,
     Error,
-    ErrorKind,
     Event,
     Finish,
     GatewayError,
@@ -48,6 +47,7 @@ from flashstack.gateway.translate.fields import GATEWAY_FIELDS
 from flashstack.gateway.translate.raw import RawTap
 from flashstack.gateway.vision import image_from_url
 from flashstack.gateway.wire import openai as w
+from flashstack.gateway.wire.openai import error_json
 
 WIRE = "openai"
 
@@ -66,18 +66,6 @@ STOP_REASON = {
     "tool_calls": StopReason.TOOL_USE,
     "function_call": StopReason.TOOL_USE,
     "content_filter": StopReason.REFUSAL,
-}
-ERROR_TYPE = {
-    ErrorKind.INVALID_REQUEST: "invalid_request_error",
-    ErrorKind.AUTHENTICATION: "authentication_error",
-    ErrorKind.PERMISSION: "permission_error",
-    ErrorKind.NOT_FOUND: "invalid_request_error",  # what OpenAI sends with code model_not_found
-    ErrorKind.REQUEST_TOO_LARGE: "invalid_request_error",
-    ErrorKind.RATE_LIMIT: "rate_limit_error",
-    ErrorKind.TIMEOUT: "timeout_error",
-    ErrorKind.UPSTREAM: "api_error",
-    ErrorKind.OVERLOADED: "server_error",
-    ErrorKind.INTERNAL: "server_error",
 }
 
 
@@ -343,11 +331,6 @@ def _tool_call_json(p: ToolCall) -> dict[str, Any]:
 
 def _stored_call_json(p: ToolCall) -> dict[str, Any]:
     return {**p.extra, **_tool_call_json(p)}
-
-
-def error_json(err: GatewayError) -> dict[str, Any]:
-    # code: model_not_found only where a model is unknown (router, /v1/models/{id})
-    return w.error_body(err.message, ERROR_TYPE[err.kind], err.param, err.code)
 
 
 class StreamEncoder:

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from flashstack.gateway.core import ErrorKind, GatewayError
+
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -25,6 +27,26 @@ def error_body(
 ) -> dict[str, Any]:
     """OpenAI's error object, `{"error": {...}}`, with all four keys the SDK reads."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+ERROR_TYPE = {
+    ErrorKind.INVALID_REQUEST: "invalid_request_error",
+    ErrorKind.AUTHENTICATION: "authentication_error",
+    ErrorKind.PERMISSION: "permission_error",
+    ErrorKind.NOT_FOUND: "invalid_request_error",  # what OpenAI sends with code model_not_found
+    ErrorKind.REQUEST_TOO_LARGE: "invalid_request_error",
+    ErrorKind.RATE_LIMIT: "rate_limit_error",
+    ErrorKind.TIMEOUT: "timeout_error",
+    ErrorKind.UPSTREAM: "api_error",
+    ErrorKind.OVERLOADED: "server_error",
+    ErrorKind.INTERNAL: "server_error",
+}
+
+
+def error_json(err: GatewayError) -> dict[str, Any]:
+    """OpenAI's error object for a canonical error."""
+    # code: model_not_found only where a model is unknown (router, /v1/models/{id})
+    return error_body(err.message, ERROR_TYPE[err.kind], err.param, err.code)
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
