@@ -1,0 +1,259 @@
+"""Skinny GEMM: y = x W^T (+ b) for a few activation rows (M = 2..64) against an nn.Linear weight
+[N, K], the multi-row decode step's projections.
+
+At these shapes a projection is still a weight stream: M rows of activations (a few hundred KB,
+from L2) against tens of MB of weights read once. cuBLAS reads the Llama-3-8B weights at ~3.2-3.4
+TB/s here. Each program owns BLOCK_N output columns (weight rows) for all M rows and streams its
+K-slice of those weight rows in BLOCK_K chunks, unmasked and coalesced, through shared memory
+(Triton's software pipeliner, STAGES - 1 chunks ahead). The product is taken swapped, W-tile @
+x-tile^T, so the tensor cores' wide side is the weight's N and the narrow side the M rows (padded
+to 16).
+
+Where N / BLOCK_N programs stream too little each (down: N = 4096 over K = 14336), the K range is
+split in two: each slice writes its float32 partial sums and a second kernel adds the slices in
+order, so the result does not depend on which finishes first. For q/k/v and o (K = 4096) the split
+and its second kernel measured slower than one pass.
+
+Against cuBLAS on the H200 (docs/benchmarks.md, "Skinny GEMM"): 0.93-0.95x its time on o and
+lm_head up to 32 rows, 0.98-1.01x on q/k/v, gate/up and down; past 32 rows q/k/v and o are slower
+than cuBLAS and past 64 rows every shape is, so those stay on cuBLAS (`skinny_applies`).
+
+One launch configuration per shape (`skinny_config`), so a step captured in a CUDA graph replays
+the same kernels; nothing reads back to the host. Launched with programmatic dependent launch
+where the device has it (kernels/pdl.py): the launch overlaps the previous kernel's drain.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+
+
+# M is not specialized: one compiled kernel serves every batch bucket of a row tile.
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    k_slice,
+    stride_x,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    WIDEN: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)  # x is the previous kernel's output
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    # Out-of-range columns and rows read the last valid one instead of masking: the weight stream
+    # stays unmasked; their results are never stored.
+    w_rows = tl.minimum(cols, N - 1)
+    x_rows = tl.minimum(rows, M - 1)
+    k0 = pid_k * k_slice
+    k_end = tl.minimum(k0 + k_slice, K)
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_w + (k0 + ks)[None, :]
+    x_ptrs = x_ptr + x_rows[None, :].to(tl.int64) * stride_x + (k0 + ks)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in tl.range(k0, k_end, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            kmask = k + ks < k_end
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
+        # Triton's CPU interpreter multiplies bf16 wrongly; bf16 products are exact in fp32.
+        if WIDEN:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        if IEEE:  # float32 activations: full precision, not tf32
+            acc = tl.dot(w, x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = (tl.arange(0, BLOCK_M) < M)[None, :] & (cols < N)[:, None]
+    if PARTIAL:  # y_ptr is the float32 [SPLIT_K, M, N] workspace
+        tl.store(y_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=out)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + w_rows).to(tl.float32)[:, None]
+        tl.store(
+            y_ptr + rows[None, :] * N + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=out
+        )
+
+
+@triton.jit(do_not_specialize=["total"])
+def _split_sum_kernel(
+    p_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    total,
+    HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # The K slices' partial sums added in slice order, then the bias, rounded once.
+    wait_for_previous_kernel(USE_PDL)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < total
+    acc = tl.load(p_ptr + idx, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * total + idx, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + idx % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + idx, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Rows the skinny GEMM takes at most; past SMALL_WEIGHT_ROWS only the larger weights (gate/up, down,
+# lm_head), where it measured faster than cuBLAS up to 64 rows.
+MAX_ROWS = 64
+SMALL_WEIGHT_ROWS = 32
+LARGE_WEIGHT = 32 * 1024 * 1024  # elements: above q/k/v's 6144 x 4096, below down's 4096 x 14336
+
+
+def skinny_applies(rows: int, n: int, k: int) -> bool:
+    """Whether a product of `rows` activation rows with an [n, k] weight takes the skinny GEMM (one
+    row takes the GEMV): where it measured at least as fast as cuBLAS."""
+    limit = MAX_ROWS if n * k >= LARGE_WEIGHT else SMALL_WEIGHT_ROWS
+    return 2 <= rows <= limit
+
+
+def block_m(m: int) -> int:
+    """The row tile: M padded to a power of two, at least the tensor cores' 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for an [m, k] x [n, k]^T product, the best of the
+    H200 sweep (bench/engine_skinny.py) on the Llama-3-8B shapes at 8 to 64 rows: very many weight
+    rows (gate/up, lm_head) 128 per program in 128-wide chunks on 8 warps; the rest 64 per program
+    in 256-wide chunks (128-wide past 32 rows); long rows (down) split in two; four stages."""
+    if n >= 16384:
+        return 128, 128, 1, 8, 4
+    return 64, 256 if block_m(m) <= 32 else 128, 2 if k > 8192 else 1, 4, 4
+
+
+def _plan(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    has_bias: bool,
+    config: tuple[int, ...] | None,
+    pdl: bool = False,
+) -> tuple[tuple[int, int], int, dict]:
+    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
+    block_n, block_k, split, warps, stages = config or skinny_config(m, n, k)
+    k_slice = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_slice)
+    meta = dict(
+        HAS_BIAS=has_bias,
+        PARTIAL=split > 1,
+        EVEN_K=k % k_slice == 0,
+        IEEE=dtype == torch.float32,
+        WIDEN=triton.knobs.runtime.interpret and dtype == torch.bfloat16,
+        USE_PDL=pdl,
+        BLOCK_M=block_m(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        STAGES=stages,
+        num_warps=warps,
+    )
+    return (triton.cdiv(n, block_n), split), k_slice, meta
+
+
+def compile_skinny(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    config: tuple[int, ...] | None = None,
+    pdl: bool = True,
+) -> None:
+    """Compile the kernel `skinny_linear` would launch for this product, without launching it (a
+    benchmark compiles its sweep in parallel processes: Triton caches the result on disk)."""
+    grid, k_slice, meta = _plan(m, n, k, dtype, False, config, pdl)
+    _skinny_kernel.warmup(
+        dtype,
+        dtype,
+        dtype,
+        torch.float32 if grid[1] > 1 else dtype,
+        m,
+        n,
+        k,
+        k_slice,
+        k,
+        k,
+        grid=grid,
+        **meta,
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, ...] | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
+    fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
+    where the device has it (EngineConfig.kernels.pdl)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    assert weight.dtype == x.dtype, "skinny GEMM: weights in the activations' dtype"
+    pdl = pdl_applies(x.device, pdl)
+    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl)
+    split = grid[1]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
+    _skinny_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else y,
+        partial if partial is not None else y,
+        m,
+        n,
+        k,
+        k_slice,
+        x.stride(0),
+        weight.stride(0),
+        **meta,
+        launch_pdl=pdl,
+    )
+    if partial is not None:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            partial,
+            bias if bias is not None else y,
+            y,
+            n,
+            m * n,
+            HAS_BIAS=bias is not None,
+            USE_PDL=pdl,
+            SPLIT_K=split,
+            BLOCK=block,
+            launch_pdl=pdl,
+        )
+    return y

@@ -1,0 +1,163 @@
+"""The skinny GEMM (a few activation rows against a weight stream) against torch's product, and a
+decoder's multi-row decode steps with it on and off."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flashstack.engine.config import KernelOptions  # noqa: E402
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from flashstack.engine.kernels.triton_skinny import (  # noqa: E402
+    skinny_applies,
+    skinny_config,
+    skinny_linear,
+)
+from flashstack.engine.models import LlamaForCausalLM, ModelArgs  # noqa: E402
+from flashstack.engine.models.ops import TritonOps  # noqa: E402
+
+# (M, N, K, config (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) or None for skinny_config)
+SHAPES = [
+    (3, 70, 200, (32, 64, 1, 4, 2)),  # N not a multiple of the tile, K not one of the chunk
+    (5, 100, 384, (32, 64, 3, 4, 3)),  # split-K in three even slices
+    (2, 48, 330, (16, 64, 2, 4, 2)),  # split-K, the last slice short and not chunk-aligned
+    (17, 64, 512, None),  # past one row tile of 16; the default configuration
+]
+
+
+@pytest.mark.parametrize("m,n,k,config", SHAPES)
+def test_float32_matches_matmul(device, m, n, k, config):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(device)
+    w = torch.randn(n, k, generator=g).to(device)
+    b = torch.randn(n, generator=g).to(device)
+    torch.testing.assert_close(skinny_linear(x, w, b, config), x @ w.T + b, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(skinny_linear(x, w, None, config), x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,config", SHAPES[:3])
+def test_half_precision_accumulates_in_float32(device, dtype, m, n, k, config):
+    """One rounding, of the float32 sum: within an ulp or two of the exactly rounded product."""
+    g = torch.Generator().manual_seed(k)
+    x, w = (torch.randn(*s, generator=g).to(device, dtype) for s in ((m, k), (n, k)))
+    b = torch.randn(n, generator=g).to(device, dtype)
+    got = skinny_linear(x, w, b, config)
+    assert got.dtype == dtype and got.shape == (m, n)
+    want = (x.double() @ w.double().T + b.double()).to(dtype)
+    torch.testing.assert_close(got, want)
+
+
+def test_split_k_and_one_pass_agree(device):
+    """The K slices' partial sums, added in order by the second kernel, give the one-pass result
+    to float32 rounding."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 1024, generator=g).to(device)
+    w = torch.randn(40, 1024, generator=g).to(device)
+    one = skinny_linear(x, w, None, (32, 128, 1, 4, 2))
+    four = skinny_linear(x, w, None, (32, 128, 4, 4, 2))
+    torch.testing.assert_close(four, one, atol=1e-4, rtol=1e-5)
+
+
+def test_only_long_rows_split_k_and_only_few_rows_take_it():
+    assert skinny_config(8, 4096, 14336)[2] == 2  # down
+    assert skinny_config(8, 4096, 4096)[2] == skinny_config(8, 28672, 4096)[2] == 1  # o, gate/up
+    assert not skinny_applies(1, 4096, 4096)  # one row: the GEMV
+    assert skinny_applies(32, 4096, 4096) and not skinny_applies(33, 4096, 4096)  # o
+    assert skinny_applies(64, 4096, 14336) and not skinny_applies(65, 4096, 14336)  # down
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [2, 8, 24, 64])
+def test_bf16_replays_in_a_cuda_graph(m):
+    """The 8B down projection's shape (split-K: two kernels and a workspace from the graph's
+    pool), under PDL: captured once, replayed on new inputs, equal to the eager call and to torch's
+    product."""
+    w = torch.randn(4096, 14336, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, 14336, dtype=torch.bfloat16, device="cuda")
+    skinny_linear(x, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_linear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, skinny_linear(x, w), atol=0, rtol=0)
+    # float32 sums of 4096 products of ~1: absolute error ~1e-4 where the result is near zero
+    torch.testing.assert_close(
+        y, (x.double() @ w.double().T).to(torch.bfloat16), atol=1e-3, rtol=0.016
+    )
+
+
+def _model(device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    args = ModelArgs(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        rope={"rope_theta": 1e4, "rope_type": "default"},
+    )
+    model = LlamaForCausalLM(args).to(device)
+    with torch.no_grad():  # decisive logits: weights well away from the default's tiny init
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return model.eval()
+
+
+def _decode_meta(contexts: list[int], block: int, device) -> AttentionMetadata:
+    """One new token per sequence at position context - 1; sequence i owns blocks i*8, i*8+1, ..."""
+    n = len(contexts)
+    tables = torch.arange(n * 8, dtype=torch.int32, device=device).reshape(n, 8)
+    slots = [
+        int(tables[i, (c - 1) // block]) * block + (c - 1) % block for i, c in enumerate(contexts)
+    ]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        block_tables=tables,
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        block_size=block,
+        max_query_len=1,
+        max_context_len=max(contexts),
+        query_lens_host=[1] * n,
+        context_lens_host=list(contexts),
+    )
+
+
+@torch.inference_mode()
+def test_decode_steps_give_the_same_tokens_with_and_without_it(device):
+    """Three sequences decoding greedily for four steps through the Triton ops: the skinny GEMM
+    (q/k/v, o, gate/up, down and lm_head) picks the same tokens as the path without it."""
+    model, block = _model(device), 4
+    args = model.args
+    cache = torch.randn(3 * 8, 2, block, args.num_kv_heads, args.head_dim, device=device)
+
+    def decode(skinny: bool) -> tuple[list[list[int]], torch.Tensor]:
+        kernels = dataclasses.replace(KernelOptions(), skinny_gemm=skinny)
+        ops = TritonOps(get_attention_backend("reference", device, kernels))
+        caches = [cache.clone() for _ in range(args.num_layers)]
+        ids, contexts, tokens = torch.tensor([3, 17, 41], device=device), [5, 9, 2], []
+        for _ in range(4):
+            pos = torch.tensor([c - 1 for c in contexts], device=device)
+            hidden = model(ids, pos, _decode_meta(contexts, block, device), caches, ops)
+            logits = model.compute_logits(hidden, ops)
+            ids = logits.argmax(-1)
+            tokens.append(ids.tolist())
+            contexts = [c + 1 for c in contexts]
+        return tokens, logits
+
+    on, on_logits = decode(True)
+    off, off_logits = decode(False)
+    assert on == off
+    torch.testing.assert_close(on_logits, off_logits, atol=1e-3, rtol=1e-4)
