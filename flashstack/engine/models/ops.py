@@ -110,8 +110,15 @@ class TritonOps(TorchOps):
         return self.batch1 if num_tokens == 1 and self.batch1 is not None else self
 
     def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
-        if proj.tp is not None or not self.kernels.triton_gemv:
+        if proj.tp is not None:
             return proj(x)  # a row-parallel layer reduces across ranks in its forward
+        if self.kernels.skinny_gemm and proj.weight_scale is None and x.stride(-1) == 1:
+            from flashstack.engine.kernels.triton_skinny import skinny_applies, skinny_linear
+
+            if skinny_applies(x.shape[0], *proj.weight.shape):  # a few rows: a weight stream
+                return skinny_linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl)
+        if not self.kernels.triton_gemv:
+            return proj(x)
         from flashstack.engine.kernels.triton_gemv import linear
 
         # one-row products: the Triton GEMV
