@@ -279,7 +279,8 @@ def main() -> None:
         "with programmatic dependent launch), nopdl (kernels.pdl=False), cublas "
         "(kernels.triton_gemv=False), sepqkv (the separate q/k/v kernel before "
         "decode attention: kernels.decode_qkv=False), plainkv (decode attention "
-        "without the tensor-memory accelerator: kernels.decode_tma=False)",
+        "without the tensor-memory accelerator: kernels.decode_tma=False), skinny / noskinny "
+        "(multi-row products through the Triton skinny GEMM or cuBLAS: kernels.skinny_gemm)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -363,6 +364,8 @@ def main() -> None:
         "cublas": {"triton_gemv": False},
         "sepqkv": {"decode_qkv": False},
         "plainkv": {"decode_tma": False},
+        "skinny": {"skinny_gemm": True},
+        "noskinny": {"skinny_gemm": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs
