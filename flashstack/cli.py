@@ -73,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     eserve.add_argument("--port", type=int, default=8000)
     eserve.add_argument("--block-size", type=int, default=None)
     eserve.add_argument("--max-num-seqs", type=int, default=None)
+    eserve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one step may take, decodes and prefill chunks together (default 8192); "
+        "smaller bounds how long a prefill stalls running streams",
+    )
     eserve.add_argument("--device", default="auto")
     eserve.add_argument("--dtype", default="auto")
     eserve.add_argument(
@@ -342,12 +349,13 @@ def _engine_serve(args: argparse.Namespace) -> None:
     extra = {
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
-    extra = {k: v for k, v in extra.items() if v}
+    extra = {k: v for k, v in extra.items() if v is not None}
     if args.tp > 1:
         extra["tensor_parallel_size"] = args.tp
     try:

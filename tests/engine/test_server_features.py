@@ -275,3 +275,17 @@ def test_sigterm_drains(tiny_model_dir) -> None:
         assert served.proc.wait(20) == 0
     finally:
         served.stop()
+
+
+def test_max_num_batched_tokens_reaches_the_engine(tiny_model_dir) -> None:
+    with pytest.raises(AssertionError, match="max_num_batched_tokens must be positive"):
+        Served(tiny_model_dir, "--max-num-batched-tokens", "0")
+    served = Served(tiny_model_dir, "--max-num-batched-tokens", "16")
+    try:  # a 40-token prompt is prefilled 16 tokens a step, and still answers
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+        out = client.completions.create(
+            model="tiny-random", prompt=list(range(5, 45)), max_tokens=3
+        )
+        assert out.usage.prompt_tokens == 40 and out.usage.completion_tokens == 3
+    finally:
+        served.stop()
