@@ -14,9 +14,11 @@ split in two: each slice writes its float32 partial sums and a second kernel add
 order, so the result does not depend on which finishes first. For q/k/v and o (K = 4096) the split
 and its second kernel measured slower than one pass.
 
-Against cuBLAS on the H200 (docs/benchmarks.md, "Skinny GEMM"): 0.93-0.95x its time on o and
-lm_head up to 32 rows, 0.98-1.01x on q/k/v, gate/up and down; past 32 rows q/k/v and o are slower
-than cuBLAS and past 64 rows every shape is, so those stay on cuBLAS (`skinny_applies`).
+Against cuBLAS on the H200 (docs/benchmarks.md, "Skinny GEMM"), at 8 to 32 rows: 0.91-0.95x its
+time on o and lm_head, 0.94-1.01x on q/k/v, 0.98-0.99x on down, 1.01-1.02x on gate/up; at 64 rows
+faster on gate/up, down and lm_head only, and at 128 slower everywhere, so past 32 rows q/k/v and o
+stay on cuBLAS and past 64 rows everything does (`skinny_applies`). In the 8B decode step: batch 8
+4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms.
 
 One launch configuration per shape (`skinny_config`), so a step captured in a CUDA graph replays
 the same kernels; nothing reads back to the host. Launched with programmatic dependent launch
@@ -124,18 +126,24 @@ def _split_sum_kernel(
     tl.store(y_ptr + idx, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# Rows the skinny GEMM takes at most; past SMALL_WEIGHT_ROWS only the larger weights (gate/up, down,
-# lm_head), where it measured faster than cuBLAS up to 64 rows.
+# Where the skinny GEMM measured at least as fast as cuBLAS on the H200 (the Llama-3-8B shapes): up
+# to 64 rows for the larger weights (gate/up, down, lm_head), up to 32 for q/k/v and o. Weights
+# smaller than o's, or too few programs to spread over the 132 SMs, were not measured: cuBLAS.
 MAX_ROWS = 64
 SMALL_WEIGHT_ROWS = 32
 LARGE_WEIGHT = 32 * 1024 * 1024  # elements: above q/k/v's 6144 x 4096, below down's 4096 x 14336
+MIN_WEIGHT = 16 * 1024 * 1024  # o's 4096 x 4096
+MIN_PROGRAMS = 64  # o's 4096 rows over 64 per program
 
 
 def skinny_applies(rows: int, n: int, k: int) -> bool:
     """Whether a product of `rows` activation rows with an [n, k] weight takes the skinny GEMM (one
-    row takes the GEMV): where it measured at least as fast as cuBLAS."""
-    limit = MAX_ROWS if n * k >= LARGE_WEIGHT else SMALL_WEIGHT_ROWS
-    return 2 <= rows <= limit
+    row takes the GEMV)."""
+    size = n * k
+    if not 2 <= rows <= (MAX_ROWS if size >= LARGE_WEIGHT else SMALL_WEIGHT_ROWS):
+        return False
+    block_n, _, split, _, _ = skinny_config(rows, n, k)
+    return size >= MIN_WEIGHT and triton.cdiv(n, block_n) * split >= MIN_PROGRAMS
 
 
 def block_m(m: int) -> int:

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from flashstack.engine.config import KernelOptions  # noqa: E402
+from flashstack.engine.kernels import triton_skinny  # noqa: E402
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend  # noqa: E402
 from flashstack.engine.kernels.triton_skinny import (  # noqa: E402
     skinny_applies,
@@ -69,6 +70,7 @@ def test_only_long_rows_split_k_and_only_few_rows_take_it():
     assert not skinny_applies(1, 4096, 4096)  # one row: the GEMV
     assert skinny_applies(32, 4096, 4096) and not skinny_applies(33, 4096, 4096)  # o
     assert skinny_applies(64, 4096, 14336) and not skinny_applies(65, 4096, 14336)  # down
+    assert not skinny_applies(8, 2048, 2048)  # a weight smaller than any measured: cuBLAS
 
 
 @pytest.mark.gpu
@@ -88,9 +90,9 @@ def test_bf16_replays_in_a_cuda_graph(m):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y, skinny_linear(x, w), atol=0, rtol=0)
-    # float32 sums of 4096 products of ~1: absolute error ~1e-4 where the result is near zero
+    # float32 sums of 14336 products of ~1 (results up to ~500): errors of ~2e-3 near zero
     torch.testing.assert_close(
-        y, (x.double() @ w.double().T).to(torch.bfloat16), atol=1e-3, rtol=0.016
+        y, (x.double() @ w.double().T).to(torch.bfloat16), atol=1e-2, rtol=0.016
     )
 
 
@@ -136,9 +138,12 @@ def _decode_meta(contexts: list[int], block: int, device) -> AttentionMetadata:
 
 
 @torch.inference_mode()
-def test_decode_steps_give_the_same_tokens_with_and_without_it(device):
+def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypatch):
     """Three sequences decoding greedily for four steps through the Triton ops: the skinny GEMM
     (q/k/v, o, gate/up, down and lm_head) picks the same tokens as the path without it."""
+    # The tiny model's weights are far below the sizes the GEMM is measured for and taken at.
+    monkeypatch.setattr(triton_skinny, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(triton_skinny, "MIN_PROGRAMS", 1)
     model, block = _model(device), 4
     args = model.args
     cache = torch.randn(3 * 8, 2, block, args.num_kv_heads, args.head_dim, device=device)
