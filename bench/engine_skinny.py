@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 
 from bench.engine_gemv import SHAPES, graph_us
-from flashstack.engine.kernels.triton_skinny import compile_skinny, skinny_config, skinny_linear
+from flashstack.engine.kernels.triton_skinny import (
+    block_m,
+    compile_skinny,
+    skinny_config,
+    skinny_linear,
+)
 
 # (BLOCK_N, BLOCK_K, warps, stages) swept, each with SPLIT_K 1, 2 and 4 where the split leaves
 # fewer than 4 programs per SM.
@@ -61,13 +66,11 @@ def precompile(shapes: dict, ms: list[int], workers: int) -> dict:
         for m in ms
         for c in candidates(m, n, k)
     }
-    # one job per distinct kernel: divisibility of M by 16 is part of its specialization
+    # one job per distinct kernel: its row tile and constants (M itself is not specialized)
     unique = {}
     for job in sorted(jobs, key=str):
         m, _, _, _, c = job
-        unique.setdefault(
-            (max(16, 1 << (m - 1).bit_length()), m % 16 == 0, c[:2], c[2] > 1, c[3:]), job
-        )
+        unique.setdefault((block_m(m), c[:2], c[2] > 1, c[3:]), job)
     t = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
