@@ -3,16 +3,17 @@
 
 At these shapes a projection is still a weight stream: M rows of activations (a few hundred KB,
 from L2) against tens of MB of weights read once. cuBLAS reads the Llama-3-8B q/k/v and o weights
-at 2.5-3.3 TB/s here. Each program owns BLOCK_N output columns (weight rows) for all M rows and streams its
-K-slice of those weight rows in BLOCK_K chunks, unmasked and coalesced, through shared memory
+at 2.5-3.3 TB/s here. Each program owns BLOCK_N output columns (weight rows) for all M rows and
+streams its K-slice of those weight rows in BLOCK_K chunks, unmasked and coalesced, through shared
+memory
 (Triton's software pipeliner, STAGES - 1 chunks ahead). The product is taken swapped, W-tile @
 x-tile^T, so the tensor cores' wide side is the weight's N and the narrow side the M rows (padded
 to 16).
 
 Where N / BLOCK_N programs are few and their rows long (down: 64 programs over K = 14336), the K
-range is split in two: each slice writes its float32 partial sums and a second kernel adds the slices in
-order, so the result does not depend on which finishes first. For q/k/v and o (K = 4096) the split
-and its second kernel measured slower than one pass.
+range is split in two: each slice writes its float32 partial sums and a second kernel adds the
+slices in order, so the result does not depend on which finishes first. For q/k/v and o
+(K = 4096) the split and its second kernel measured slower than one pass.
 
 Against cuBLAS on the H200 (docs/benchmarks.md, "Skinny GEMM"), at 8 to 32 rows: 0.91-0.95x its
 time on o and lm_head, 0.94-1.01x on q/k/v, 0.98-0.99x on down, 1.01-1.02x on gate/up; at 64 rows
