@@ -91,10 +91,11 @@ def gateway(primary, engine_server, tmp_path_factory):
         health_check_interval=0.5,
         ttft_timeout=60,
         # llama-cpp-python answers GET /v1/models behind the lock its generations
-        # hold: a probe waits for the running answer (the long one: ~10 s, more on
-        # busy cores). A shorter bound would read a busy llama.cpp as down and
-        # send the 49 to the standby before the kill.
-        health_check_timeout=30.0,
+        # hold: a probe waits for the running answer (the long one: ~10 s alone, over
+        # 30 s on cores the rest of the suite keeps busy). A shorter bound would read a
+        # busy llama.cpp as down and send the 49 to the standby before the kill; a dead
+        # one still fails the probe at once (connection refused).
+        health_check_timeout=120.0,
     )
     server = start_gateway(models, router, tmp_path_factory.mktemp("fallback-state"))
     yield server
