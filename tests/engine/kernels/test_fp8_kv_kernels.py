@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
+from flashstack.engine.kernels import triton_attention as tk
 from flashstack.engine.kernels.attention import (
     FP8,
-    AttentionMetadata,
     paged_attention_reference,
     paged_prefill_sdpa,
     quantize_fp8,
     store_kvcache_reference,
 )
-
-tk = pytest.importorskip("flashstack.engine.kernels.triton_attention")
+from tests.engine.kernels.test_triton_attention import _meta, _tables
 
 ON_GPU = torch.cuda.is_available()
 # q's dtype: the dot products run in it on dequantized tiles
@@ -37,33 +35,6 @@ def _dequantized(cache, kv_scale, dtype):
     """The oracle's cache: every value as the fp8 cache means it, in q's dtype."""
     scale = kv_scale.view(1, 2, 1, 1, 1)
     return (cache.float() * scale).to(dtype)
-
-
-def _tables(context_lens, block_size, num_blocks, device):
-    free = list(range(num_blocks))
-    random.Random(0).shuffle(free)
-    tables = [[free.pop() for _ in range(math.ceil(c / block_size))] for c in context_lens]
-    width = max(len(t) for t in tables)
-    return torch.tensor(
-        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-    )
-
-
-def _meta(query_lens, context_lens, tables, block_size, device):
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
-        block_tables=tables,
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        block_size=block_size,
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-        query_lens_host=list(query_lens),
-        context_lens_host=list(context_lens),
-    )
 
 
 def test_quantize_saturates_and_rounds_to_nearest(device):

@@ -8,14 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from flashstack.engine.kernels import triton_gemv as tg
 from flashstack.engine.kernels.attention import get_attention_backend
 from flashstack.engine.models import LlamaForCausalLM
 from flashstack.engine.models.layers import RMSNorm
 from flashstack.engine.models.linear import Linear
 from flashstack.engine.models.ops import Batch1Ops, TorchOps, TritonOps
 from flashstack.engine.quantization import dequantize_rows, dequantized_linear, quantize_rows
-
-tg = pytest.importorskip("flashstack.engine.kernels.triton_gemv")
 from tests.engine.kernels.test_batch1_decoder import (  # noqa: E402
     BLOCK,
     _args,

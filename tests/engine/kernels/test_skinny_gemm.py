@@ -144,6 +144,11 @@ def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypat
     # The tiny model's weights are far below the sizes the GEMM is measured for and taken at.
     monkeypatch.setattr(triton_skinny, "MIN_WEIGHT", 0)
     monkeypatch.setattr(triton_skinny, "MIN_PROGRAMS", 1)
+    calls = []  # the ops import it per call: the wrapper sees every product it takes
+    skinny = triton_skinny.skinny_linear
+    monkeypatch.setattr(
+        triton_skinny, "skinny_linear", lambda *a, **k: (calls.append(1), skinny(*a, **k))[1]
+    )
     model, block = _model(device), 4
     args = model.args
     cache = torch.randn(3 * 8, 2, block, args.num_kv_heads, args.head_dim, device=device)
@@ -163,6 +168,8 @@ def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypat
         return tokens, logits
 
     on, on_logits = decode(True)
+    taken = len(calls)
     off, off_logits = decode(False)
+    assert taken > 0 and len(calls) == taken  # it ran with the option on, and only then
     assert on == off
     torch.testing.assert_close(on_logits, off_logits, atol=1e-3, rtol=1e-4)

