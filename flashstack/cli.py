@@ -342,7 +342,6 @@ def _models(args: argparse.Namespace) -> None:
 
 
 def _engine_serve(args: argparse.Namespace) -> None:
-    from flashstack.engine.gguf import GGUFError
     from flashstack.engine.lifecycle import ServeOptions
     from flashstack.engine.server import serve
 
@@ -373,7 +372,7 @@ def _engine_serve(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             **extra,
         )
-    except GGUFError as e:  # a bad .gguf is the user's input, not a crash: say what is wrong
+    except ValueError as e:  # a bad .gguf or option is the user's input, not a crash: say what
         raise ConfigError(str(e)) from None
 
 

@@ -33,6 +33,7 @@ from flashstack.engine.gguf import GGUFError
 from flashstack.engine.llm import EngineInfo, EngineStats, Prompt, model_name
 from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
+from flashstack.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("flashstack.engine")
 
@@ -65,7 +66,8 @@ class _Core:
         self.out = out
         self.outbox = _Outbox(out)
         self._grammars: Any = None
-        self.errors: list[tuple[str, str]] = []
+        # (request id, whether the request itself was bad: a 400, else the engine failed it)
+        self.errors: list[tuple[str, bool, str]] = []
 
     def handle(self, msg: tuple[Any, ...]) -> bool:
         """Apply one request message; False on stop."""
@@ -77,7 +79,10 @@ class _Core:
                     params = dataclasses.replace(params, guide=self._compile(spec))
                 self.engine.add_state(self.engine.make_sequence(prompt, params, rid, priority))
             except ValueError as exc:  # a bad request: its stream raises it as a 400
-                self.errors.append((rid, str(exc)))
+                self.errors.append((rid, True, str(exc)))
+            except Exception:  # this request's failure, not the engine's: the others go on
+                failed = traceback.format_exc()
+                self.errors.append((rid, False, f"the engine could not add the request:\n{failed}"))
         elif kind == "abort":
             self.engine.abort_request(msg[1])
         elif kind == "stop":
@@ -102,7 +107,7 @@ class _Core:
             failed = traceback.format_exc()
             rids = list(self.engine.requests)
             self.engine.abort_all()
-            self.errors += [(rid, f"engine step failed:\n{failed}") for rid in rids]
+            self.errors += [(rid, False, f"engine step failed:\n{failed}") for rid in rids]
             deltas = []
         if deltas or self.errors:
             self.outbox.put(
@@ -160,6 +165,9 @@ def _core_main(
         core = _Core(make_engine(), out)
     except GGUFError as exc:  # the user's file, not a crash: the parent raises it as it is
         out.send(("bad_model", str(exc)))
+        return
+    except ValueError as exc:  # a bad option or a device that cannot run it: the user's to fix
+        out.send(("bad_config", str(exc)))
         return
     except BaseException:
         out.send(("fatal", traceback.format_exc()))
@@ -226,11 +234,14 @@ class EngineCoreClient:
         if msg[0] == "bad_model":
             self._proc.join(10)
             raise GGUFError(msg[1])
+        if msg[0] == "bad_config":
+            self._proc.join(10)
+            raise ValueError(msg[1])
         if msg[0] == "fatal":
             self._proc.join(10)
             raise EngineCoreError(f"the engine core failed to start:\n{msg[1]}")
         _, self.info, self.latest_stats = msg
-        self.tokenizer = _load_tokenizer(Path(model))
+        self.tokenizer = load_tokenizer(Path(model))
         self._queues: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
@@ -335,15 +346,10 @@ class EngineCoreClient:
             queue = queues.get(fields[0])
             if queue is not None:
                 queue.put_nowait(StreamDelta(*fields))
-        for rid, message in errors:
+        for rid, bad_request, message in errors:
             queue = queues.get(rid)
             if queue is not None:
-                exc = (
-                    EngineCoreError(message)
-                    if message.startswith("engine step failed")
-                    else ValueError(message)
-                )
-                queue.put_nowait(exc)
+                queue.put_nowait(ValueError(message) if bad_request else EngineCoreError(message))
 
     def _fail(self, message: str) -> None:
         self._failure = message
@@ -388,11 +394,3 @@ def _watch_parent(parent: int) -> None:
         time.sleep(1.0)
         if os.getppid() != parent:
             os._exit(1)
-
-
-def _load_tokenizer(path: Path) -> Any:
-    from flashstack.engine.gguf import is_gguf, open_gguf
-    from flashstack.engine.tokenizer import Tokenizer
-
-    has = open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
-    return Tokenizer(path) if has else None

@@ -4,9 +4,13 @@ steps it missed merged into one delta, every token in order."""
 from __future__ import annotations
 
 import asyncio
+import functools
+
+import pytest
 
 from flashstack.engine import SamplingParams
-from flashstack.engine.core_process import EngineCoreClient
+from flashstack.engine.core_process import EngineCoreClient, EngineCoreError
+from flashstack.engine.llm import LLMEngine, _engine_config
 
 PROMPT = [5, 17, 42, 99, 123, 7]
 
@@ -39,3 +43,37 @@ def test_a_lagging_stream_gets_every_token_in_order(tiny_model_dir) -> None:
     assert "".join(d.text for d in lagging) == "".join(d.text for d in keeping_up)
     assert len(lagging) < len(keeping_up)  # the missed steps came as one delta
     assert lagging[-1].finish_reason == "length" and lagging[-1].completion_tokens == 24
+
+
+BROKEN = [3, 3, 3]  # the prompt the engine below fails to add
+
+
+class _FaultyEngine(LLMEngine):
+    """Fails to add one prompt with an error that is not the request's (not a ValueError)."""
+
+    def make_sequence(self, prompt, *args, **kwargs):
+        if list(prompt) == BROKEN:
+            raise RuntimeError("the engine could not take this one")
+        return super().make_sequence(prompt, *args, **kwargs)
+
+
+def _faulty_engine(model: str) -> LLMEngine:
+    return _FaultyEngine(_engine_config(model, dict(block_size=16, device="cpu")))
+
+
+def test_a_request_the_engine_fails_to_add_fails_alone(tiny_model_dir) -> None:
+    factory = functools.partial(_faulty_engine, str(tiny_model_dir))
+    engine = EngineCoreClient(tiny_model_dir, engine_factory=factory)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def both() -> list:
+        with pytest.raises(EngineCoreError, match="could not take this one"):
+            async for _ in engine.stream(BROKEN, params):
+                pass
+        return [d async for d in engine.stream(PROMPT, params)]  # the core is still stepping
+
+    try:
+        deltas = asyncio.run(asyncio.wait_for(both(), timeout=120))
+    finally:
+        engine.close()
+    assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finished

@@ -278,8 +278,9 @@ def test_sigterm_drains(tiny_model_dir) -> None:
 
 
 def test_max_num_batched_tokens_reaches_the_engine(tiny_model_dir) -> None:
-    with pytest.raises(AssertionError, match="max_num_batched_tokens must be positive"):
+    with pytest.raises(AssertionError, match="max_num_batched_tokens must be positive") as bad:
         Served(tiny_model_dir, "--max-num-batched-tokens", "0")
+    assert "Traceback" not in str(bad.value)  # the user's mistake, said in one line
     served = Served(tiny_model_dir, "--max-num-batched-tokens", "16")
     try:  # a 40-token prompt is prefilled 16 tokens a step, and still answers
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
