@@ -59,8 +59,8 @@ def decode_time(
     CUDA graph, as a decode step's layers run, and the KV bytes it must read."""
     import torch
 
-    from flashstack.engine.kernels.attention import FP8, quantize_fp8
     from flashstack.engine.kernels.triton_attention import paged_decode_triton, plan_decode
+    from flashstack.engine.quantization import FP8, quantize_fp8
 
     blocks_per_seq = math.ceil(context / block_size)
     num_blocks = batch * blocks_per_seq

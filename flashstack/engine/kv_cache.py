@@ -14,13 +14,9 @@ from __future__ import annotations
 import torch
 
 from flashstack.cuda.torch_interop import device_for
-from flashstack.engine.kernels.attention import (
-    FP8,
-    FP8_MAX,
-    AttentionMetadata,
-    get_attention_backend,
-)
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.models.ops import TorchOps
+from flashstack.engine.quantization import FP8, FP8_MAX
 
 # Calibration's largest |K| and |V| times this is what the scales can hold. Over
 # bench/engine_fp8_kv.py's texts (a novel's first chapter, 16 chats) the trained SmolLM2's largest

@@ -22,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from flashstack.engine.block_manager import BlockManager
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import graph_buckets
-from flashstack.engine.gguf import is_gguf, open_gguf
-from flashstack.engine.kernels.attention import FP8, AttentionMetadata, get_attention_backend
+from flashstack.engine.gguf import is_gguf
+from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.kv_cache import (
     calibrate_kv_scales,
     calibration_ids,
@@ -40,11 +40,12 @@ from flashstack.engine.loader import (
 from flashstack.engine.model_runner import ModelRunner, PendingStep, kv_bytes_per_block
 from flashstack.engine.models.ops import select_ops
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
+from flashstack.engine.quantization import FP8
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.scheduler import ScheduledBatch, Scheduler
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.swap import PreemptionCost, num_host_blocks
-from flashstack.engine.tokenizer import Tokenizer
+from flashstack.engine.tokenizer import Tokenizer, load_tokenizer
 from flashstack.engine.tp.worker import GroupBroadcast, launch
 
 Prompt = str | list[int]
@@ -77,10 +78,7 @@ class LLMEngine:
         # Tensor parallel: ranks 1..N-1 start loading their shards while this rank loads its own.
         self.workers = launch(config, self.device) if config.tensor_parallel_size > 1 else None
         self.dtype = resolve_dtype(config.dtype, hf, self.device)
-        has_tokenizer = (
-            open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
-        )
-        self.tokenizer = Tokenizer(path) if has_tokenizer else None
+        self.tokenizer = load_tokenizer(path)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         with _progress(config.show_progress) as progress:
             self.model = self._load(path, progress)
@@ -519,8 +517,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer.json, so it cannot chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        # type: ignore[arg-type]
-        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in convs]
+        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, params)
 
 

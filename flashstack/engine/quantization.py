@@ -18,9 +18,14 @@ import torch
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_MAX = torch.finfo(FP8).max  # 448, e4m3's largest finite value
 # compressed-tensors formats whose fp8 weights are stored as plain float8_e4m3fn tensors
 _FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float8_e4m3fn, rounded to nearest even and saturated at +-448."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,8 +34,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    return quantize_fp8(w, scale[:, None]), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

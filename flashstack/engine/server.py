@@ -563,9 +563,7 @@ async def _completion_chunks(
                             "index": i,
                             "text": d.text,
                             "finish_reason": _finish(d.finish_reason),
-                            "logprobs": h.completion_logprobs([d], req.logprobs)
-                            if req.logprobs is not None
-                            else None,
+                            "logprobs": h.completion_logprobs([d], req.logprobs),
                         }
                     ],
                 }

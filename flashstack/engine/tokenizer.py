@@ -294,3 +294,10 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix) :]
         return ""
+
+
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The model's own tokenizer (a GGUF's vocabulary or tokenizer.json); None without one."""
+    path = Path(path)
+    has = open_gguf(path).has_tokenizer if is_gguf(path) else (path / "tokenizer.json").is_file()
+    return Tokenizer(path) if has else None

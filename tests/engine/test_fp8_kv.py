@@ -11,8 +11,8 @@ from bench.engine_trained import fraction
 from flashstack.engine import LLM, SamplingParams
 from flashstack.engine.bundled import smollm2_path
 from flashstack.engine.config import EngineConfig
-from flashstack.engine.kernels.attention import FP8
 from flashstack.engine.kv_cache import calibrate_kv_scales, calibration_ids, set_kv_scales
+from flashstack.engine.quantization import FP8
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from flashstack.engine.config import KernelOptions
+from flashstack.engine.quantization import FP8, quantize_fp8
 
 
 @dataclass(slots=True)
@@ -56,9 +57,6 @@ class AttentionMetadata:
         """True when every sequence brings exactly one new token."""
         return self.max_query_len == 1
 
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
 
 # (k, v, kv_cache, slot_mapping, kv_scale) -> None
 StoreFn = Callable[
@@ -116,11 +114,6 @@ def _flat_rows(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     # Row of each slot's K in a layer viewed as [num_blocks * 2 * block_size, H, D]; its V is
     # block_size further.
     return (slots // block_size) * (2 * block_size) + slots % block_size
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale in float8_e4m3fn, rounded to nearest even and saturated at +-448."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def check_kv_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:

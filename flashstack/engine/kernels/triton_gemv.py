@@ -12,10 +12,9 @@ kernels that sit between the projections of a decoder layer fold in at little co
   each program first computes the row's mean square (one extra pass over the input).
 - `silu`: the input is a fused gate/up output [1, 2K] and the product is taken with
   silu(gate) * up, computed chunk by chunk as the weight streams.
-- `residual`: the output is added into the residual stream in place (each program owns its rows), or
-  written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum, staged
-where
-  the all-reduce reads it).
+- `residual`: the output is added into the residual stream in place (each program owns its rows),
+  or written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum,
+  staged where the all-reduce reads it).
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
 

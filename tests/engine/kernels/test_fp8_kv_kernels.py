@@ -9,12 +9,11 @@ import torch
 
 from flashstack.engine.kernels import triton_attention as tk
 from flashstack.engine.kernels.attention import (
-    FP8,
     paged_attention_reference,
     paged_prefill_sdpa,
-    quantize_fp8,
     store_kvcache_reference,
 )
+from flashstack.engine.quantization import FP8, quantize_fp8
 from tests.engine.kernels.test_triton_attention import _meta, _tables
 
 ON_GPU = torch.cuda.is_available()
