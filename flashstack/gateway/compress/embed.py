@@ -32,9 +32,8 @@ MAX_TOKENS = 256  # all-MiniLM-L6-v2 was trained on 256-token inputs (sentence_b
 BATCH_TOKENS = 2_048
 MAX_BATCH = 64
 GROUP = 64  # texts tokenized (and cached) at a time by `embed`
-LONG_TEXT = (
-    512  # characters; longer texts are cached under a digest, so the cache holds no megabytes
-)
+# characters; longer texts are cached under a digest, so the cache holds no megabytes
+LONG_TEXT = 512
 BUILD_TIMEOUT = 900.0  # seconds for the one-time export + quantization (~8 s on 2 idle cores)
 Precision = Literal["int8", "fp32"]
 
@@ -298,8 +297,7 @@ class Embedder:
         self._session = None
 
 
-if (
-    __name__ == "__main__"
-):  # the child process of `_build_in_child`: python -m flashstack.gateway.compress.embed DIR
+# the child process of `_build_in_child`: python -m flashstack.gateway.compress.embed DIR
+if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     _build(Path(sys.argv[1]))

@@ -82,9 +82,8 @@ class LocalSummarizer:
         self.cfg = cfg
         path = summarizer_path(cfg)
         stem = path.stem if path.suffix.lower() == ".gguf" else path.name
-        self.name = (
-            "local:" + stem
-        )  # part of a summary's cache key: another model writes other summaries
+        # part of a summary's cache key: another model writes other summaries
+        self.name = "local:" + stem
         shared = shared_provider(path, router)
         self.shared = shared is not None
         self.provider = shared or LocalProvider(
@@ -118,13 +117,10 @@ class LocalSummarizer:
 
     async def _load(self) -> None:
         try:
-            await (
-                self.provider.engine()
-            )  # built on a worker thread; a shared one may be loaded already
+            await self.provider.engine()  # on a worker thread; a shared one may be loaded already
             self._ready = True
-        except (
-            Exception
-        ):  # a corrupt file or no memory: summaries stay extractive, requests are served
+        # a corrupt file or no memory: summaries stay extractive, requests are served
+        except Exception:
             log.exception(
                 "the local summarizer %s could not be loaded; cluster summaries stay extractive",
                 self.name,

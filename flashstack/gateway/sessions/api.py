@@ -301,7 +301,7 @@ def _too_large(field: str, limit: int) -> GatewayError:
 
 @endpoint
 async def create_key(request: Request, services: Services, limits: chat.Limits) -> Response:
-    _, auth = services.sessions, services.auth
+    auth = services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     body, _ = await _parse(request, CreateKey, limits.max_body_bytes)
     expires_at = body.expires_at
@@ -321,7 +321,7 @@ async def create_key(request: Request, services: Services, limits: chat.Limits) 
 
 @endpoint
 async def list_keys(request: Request, services: Services) -> Response:
-    _, auth = services.sessions, services.auth
+    auth = services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     data = await auth.keys.list()
     return chat.json_response(
@@ -340,7 +340,7 @@ async def update_key(
     request: Request, services: Services, key_id: str, limits: chat.Limits
 ) -> Response:
     """Change a key's limits or budgets: the fields sent change, null clears one."""
-    _, auth = services.sessions, services.auth
+    auth = services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     _, body = await _parse(request, UpdateKey, limits.max_body_bytes)
     return chat.json_response(await auth.keys.update(key_id, body))
@@ -348,6 +348,6 @@ async def update_key(
 
 @endpoint
 async def revoke_key(request: Request, services: Services, key_id: str) -> Response:
-    _, auth = services.sessions, services.auth
+    auth = services.auth
     auth.require_admin(await auth.authenticate(request.headers, client_identity(request)))
     return chat.json_response(await auth.keys.revoke(key_id))

@@ -86,9 +86,8 @@ class ServerTLS:
     def _select_context(
         self, ssl_object: Any, server_name: str | None, _listening: ssl.SSLContext
     ) -> None:
-        ssl_object.context = (
-            self._active.context
-        )  # this handshake only; must not raise (alerts the client)
+        # this handshake only; must not raise (alerts the client)
+        ssl_object.context = self._active.context
 
     def start(self) -> ServerTLS:
         """Watch / renew the certificate in a daemon thread (hvac and file I/O stay off the event

@@ -1002,8 +1002,8 @@ counts cached tokens too (`input_tokens_details.cached_tokens`);
 `output_tokens_details.reasoning_tokens` is the upstream's count. Translated, an upstream's own
 response fields that the canonical response does not carry (logprobs, annotations,
 `system_fingerprint`) do not reach a Responses client, and are named `response.<field>` in
-`x-flashstack-dropped` (streamed: those sent before the first content event; a Responses stream has
-no final-event field); from a Responses upstream (`responses_api: true`) the body and every event
+`x-flashstack-dropped` (streamed: those sent before the first content event, and the whole list in
+`flashstack_dropped` on `response.completed` / `response.incomplete`); from a Responses upstream (`responses_api: true`) the body and every event
 arrive as the upstream sent them, the model renamed (hosted tools, unknown item types and fields
 included).
 

@@ -209,20 +209,18 @@ def assistant_message(raw: dict[str, Any]) -> Message:
             else:
                 parts.append(Opaque(WIRE, rp))
     calls = raw.get("tool_calls") or []
-    for rtc in calls:
-        fn = rtc.get("function") or {}
-        parts.append(
-            ToolCall(
-                rtc.get("id") or _call_id(),
-                fn.get("name", ""),
-                fn.get("arguments") or "{}",
-                extra=_extra(rtc, _CALL_KEYS),
-            )
-        )
+    parts += [_tool_call(rtc, _extra(rtc, _CALL_KEYS)) for rtc in calls]
     # content and tool_calls stay in extra when they rendered to nothing ("", null, []): sent
     # back as they came.
     modelled = {"role"} | ({"content"} if content else set()) | ({"tool_calls"} if calls else set())
     return Message("assistant", parts, _extra(raw, frozenset(modelled)), isinstance(content, str))
+
+
+def _tool_call(raw: dict[str, Any], extra: dict[str, Any] | None = None) -> ToolCall:
+    """A tool call of OpenAI's JSON; `extra`: its own keys to send back on the same wire."""
+    fn = raw.get("function") or {}
+    args = fn.get("arguments") or "{}"
+    return ToolCall(raw.get("id") or _call_id(), fn.get("name", ""), args, extra=extra or {})
 
 
 def _tool_result(m: w.ToolMessage, raw: dict[str, Any]) -> ToolResult:
@@ -276,11 +274,7 @@ def completion_id() -> str:
 def usage_json(u: Usage) -> dict[str, Any]:
     # OpenAI's prompt_tokens include cached ones; canonical input_tokens (Anthropic's) do not.
     prompt = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
-    body: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": u.output_tokens,
-        "total_tokens": prompt + u.output_tokens,
-    }
+    body: dict[str, Any] = w.usage_body(prompt, u.output_tokens)
     if u.cache_read_input_tokens:
         body["prompt_tokens_details"] = {"cached_tokens": u.cache_read_input_tokens}
     if u.reasoning_tokens:
@@ -696,11 +690,7 @@ def response_from_json(
         content.append(Thinking(reasoning))
     if msg.get("content"):
         content.append(Text(msg["content"]))
-    for tc in msg.get("tool_calls") or []:
-        fn = tc.get("function") or {}
-        content.append(
-            ToolCall(tc.get("id") or _call_id(), fn.get("name", ""), fn.get("arguments") or "{}")
-        )
+    content += [_tool_call(tc) for tc in msg.get("tool_calls") or []]
     return ChatResponse(
         id=body.get("id") or completion_id(),
         model=body.get("model", ""),

@@ -203,6 +203,16 @@ sleep_tool = false
 """
 
 
+def test_the_documented_small_model_config_is_the_one_tested():
+    """docs/protocols.md tells users the Codex config the SmolLM2 test runs with: no drift."""
+    from flashstack.gateway.translate.fields import render_markdown
+
+    doc = render_markdown()
+    for line in SMALL_MODEL_CONFIG.splitlines():
+        if line and not line.startswith("model_instructions_file"):  # a per-run path there
+            assert f"\n{line}\n" in doc, line
+
+
 # Per run: Codex's session and turn ids, its turn's start time, and the fake's call ids (a digest of
 # the prompt, which names the run's home directory).
 PER_RUN = re.compile(
