@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_long import COPY_BW, decode_kernel_bandwidth  # noqa: E402
+from bench.engine_long import decode_kernel_bandwidth  # noqa: E402
 
 WORKLOADS = {  # name: (batch, context, heads, kv_heads, grid context)
     "qwen3-0.6b throughput, b256 ctx 860": (256, 860, 16, 8, 4096),
@@ -42,75 +41,6 @@ FP8_LAUNCHES = {
 }
 
 
-def decode_time(
-    kv_dtype: str,
-    batch: int,
-    context: int,
-    heads: int,
-    kv_heads: int,
-    dim: int = 128,
-    block_size: int = 256,
-    iters: int = 50,
-    calls_per_graph: int = 10,
-    **launch,
-) -> dict:
-    """One layer's decode attention (split kernel and merge) over a paged cache of `kv_dtype`
-    ("bf16" or "fp8", with scales): time per call with `calls_per_graph` calls replayed in one
-    CUDA graph, as a decode step's layers run, and the KV bytes it must read."""
-    import torch
-
-    from flashstack.engine.kernels.triton_attention import paged_decode_triton, plan_decode
-    from flashstack.engine.quantization import FP8, quantize_fp8
-
-    blocks_per_seq = math.ceil(context / block_size)
-    num_blocks = batch * blocks_per_seq
-    cache = torch.randn(
-        num_blocks, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda"
-    )
-    kv_scale = None
-    if kv_dtype == "fp8":
-        kv_scale = torch.tensor([4.0 / 448, 4.0 / 448], device="cuda")
-        cache = quantize_fp8(cache, kv_scale[0])
-    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)  # scattered, as after churn
-    tables = perm.view(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
-    factor = launch.pop("splits_factor", None)
-    plan = plan_decode(batch, cache, context, **launch)
-    if factor:
-        plan = plan_decode(batch, cache, context, num_splits=plan.num_splits * factor, **launch)
-    run = lambda: paged_decode_triton(  # noqa: E731
-        q, cache, tables, lens, dim**-0.5, plan, kv_scale=kv_scale
-    )
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    sec = start.elapsed_time(end) / 1000 / iters / calls_per_graph
-    kv_bytes = batch * context * 2 * kv_heads * dim * (1 if cache.dtype == FP8 else 2)
-    return {
-        "us": round(sec * 1e6, 2),
-        "kv_bytes": kv_bytes,
-        "gb_s": round(kv_bytes / sec / 1e9, 1),
-        "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3),
-        "plan": {
-            "tma": plan.tma,
-            "splits": plan.num_splits,
-            "block_n": plan.block_n,
-            "stages": plan.num_stages,
-        },
-    }
-
-
 def fp8_main(json_path: Path | None) -> None:
     """bf16 and fp8 KV side by side: each workload's default launch and a few others."""
     result: dict = {}
@@ -122,7 +52,9 @@ def fp8_main(json_path: Path | None) -> None:
             launches = FP8_LAUNCHES if kv_dtype == "fp8" else {"default": {}}
             for label, launch in launches.items():
                 try:
-                    runs[label] = decode_time(kv_dtype, batch, ctx, heads, kv_heads, **launch)
+                    runs[label] = decode_kernel_bandwidth(
+                        batch, ctx, 256, kv_heads, heads, kv_dtype=kv_dtype, **launch
+                    )
                 except Exception:
                     runs[label] = {"error": traceback.format_exc()[-400:]}
             timed = [k for k in runs if "us" in runs[k]]

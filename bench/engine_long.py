@@ -33,27 +33,41 @@ def decode_kernel_bandwidth(
     iters: int = 50,
     grid_context: int | None = None,
     calls_per_graph: int = 10,
+    kv_dtype: str = "bf16",
+    splits_factor: int | None = None,
     **launch,
 ) -> dict:
     """KV bytes read per second by one layer's split-KV decode kernel (and its merge) over a paged
     cache. The graph replays `calls_per_graph` launches back to back, as a decode step's graph runs
     its layers, so a graph launch is not counted against each call (`calls_per_graph=1` counts it).
     `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
-    goes to plan_decode (num_splits, min_split, block_n, num_warps, num_stages, tma)."""
+    goes to plan_decode (num_splits, min_split, block_n, num_warps, num_stages, tma).
+    `kv_dtype="fp8"`: the cache in float8_e4m3fn with its scales; `splits_factor` multiplies the
+    planned splits."""
     from flashstack.engine.kernels.triton_attention import paged_decode_triton, plan_decode
+    from flashstack.engine.quantization import FP8, quantize_fp8
 
     blocks_per_seq = math.ceil(context / block_size)
     num_blocks = batch * blocks_per_seq
     cache = torch.randn(
         num_blocks, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda"
     )
+    kv_scale = None
+    if kv_dtype == "fp8":
+        kv_scale = torch.tensor([4.0 / 448, 4.0 / 448], device="cuda")
+        cache = quantize_fp8(cache, kv_scale[0])
     # scattered blocks, as after churn
     perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     tables = perm.view(batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
     plan = plan_decode(batch, cache, grid_context or context, **launch)
-    run = lambda: paged_decode_triton(q, cache, tables, lens, dim**-0.5, plan)  # noqa: E731
+    if splits_factor:
+        splits = plan.num_splits * splits_factor
+        plan = plan_decode(batch, cache, grid_context or context, num_splits=splits, **launch)
+    run = lambda: paged_decode_triton(  # noqa: E731
+        q, cache, tables, lens, dim**-0.5, plan, kv_scale=kv_scale
+    )
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -68,11 +82,18 @@ def decode_kernel_bandwidth(
     end.record()
     torch.cuda.synchronize()
     sec = start.elapsed_time(end) / 1000 / iters / calls_per_graph
-    kv_bytes = batch * context * 2 * kv_heads * dim * 2
+    kv_bytes = batch * context * 2 * kv_heads * dim * (1 if cache.dtype == FP8 else 2)
     return {
-        "us": round(sec * 1e6, 1),
+        "us": round(sec * 1e6, 2),
+        "kv_bytes": kv_bytes,
         "gb_s": round(kv_bytes / sec / 1e9, 1),
         "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3),
+        "plan": {
+            "tma": plan.tma,
+            "splits": plan.num_splits,
+            "block_n": plan.block_n,
+            "stages": plan.num_stages,
+        },
     }
 
 

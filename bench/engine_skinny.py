@@ -116,9 +116,10 @@ def shape_rows(name: str, n: int, k: int, ms: list[int], sweep: bool) -> dict:
                 except Exception:
                     continue
                 timed.append((us, c))
-            us, c = min(timed)
-            row["best"], row["best_us"] = "n{}_k{}_s{}_w{}_st{}".format(*c), round(us, 2)
-            row["sweep"] = {"n{}_k{}_s{}_w{}_st{}".format(*c): round(u, 2) for u, c in timed}
+            if timed:  # every candidate may fail on a shape: the default still stands
+                us, c = min(timed)
+                row["best"], row["best_us"] = "n{}_k{}_s{}_w{}_st{}".format(*c), round(us, 2)
+                row["sweep"] = {"n{}_k{}_s{}_w{}_st{}".format(*c): round(u, 2) for u, c in timed}
         best_us = row.get("best_us", row["default_us"])
         row["cublas_tb_s"] = round(nbytes / row["cublas_us"] / 1e6, 2)
         row["skinny_tb_s"] = round(nbytes / best_us / 1e6, 2)
