@@ -31,9 +31,10 @@ from tests.peers.conftest import (
 STREAMS = 50
 MAX_TOKENS = 16  # small: 49 streams land on the engine at once, on 2 shared cores
 # The answer llama.cpp is giving at the kill: with SmolLM2's <|endoftext|> and <|im_end|> barred it
-# runs to max_tokens, ~10 s here, while the 49 others are sent and the kill lands within ~2 s. (A
-# 16-token answer, at ~40 tokens/s, could end before the kill, and the next queued stream start.)
-LONG_TOKENS = 400
+# runs to max_tokens, ~40 s at ~40 tokens/s: longer than the 30 s the kill may wait for the 49
+# others to be in flight (on CI's loaded cores that took over 10 s, and a 400-token answer ended
+# first). Prompt and answer stay inside llama.cpp's context.
+LONG_TOKENS = 1500
 NO_END_OF_TURN = {"0": -100, "2": -100}
 COOLDOWN_S = 300.0  # far past the test: only the health probe can end it
 PRIMARY, STANDBY = "smol-llamacpp", "smol-engine"
