@@ -26,6 +26,16 @@ from flashstack.gateway.core import (
 )
 
 ANTHROPIC = "anthropic"  # the one wire with prompt caching: cache_control goes only there
+OPENAI = "openai"
+
+# What an OpenAI request's assistant message takes beside its parts (content and tool_calls stay
+# when they rendered to nothing); a reply's other keys (annotations, reasoning) are reply-only.
+_OPENAI_REQUEST_KEYS = frozenset(
+    {"content", "tool_calls", "name", "refusal", "audio", "function_call"}
+)
+# DeepSeek's thinking mode answers 400 unless a tool-calling turn's reasoning_content comes back
+# (OpenRouter asks the same of reasoning_details): those turns keep it, others drop it.
+_TOOL_TURN_REASONING_KEYS = frozenset({"reasoning_content", "reasoning", "reasoning_details"})
 
 
 def part_json(p: Part) -> dict[str, Any]:
@@ -115,16 +125,24 @@ def message_fields_json(m: Message, wire: str | None) -> str | None:
     return orjson.dumps(fields).decode() if fields else None
 
 
-def message_from_row(role: Role, content: str, fields: str | None) -> Message:
-    """A stored message, as its wire gave it."""
+def message_from_row(role: Role, content: str, fields: str | None, reply: bool = False) -> Message:
+    """A stored message as a request message: as its wire gave it, and for an upstream's `reply`
+    only the keys its wire takes in a request (the stored row keeps them all)."""
     f = orjson.loads(fields) if fields else {}
-    return Message(
-        role,
-        parts_from_json(orjson.loads(content)),
-        f.get("extra") or {},
-        f.get("plain", True),
-        f.get("wire"),
-    )
+    parts = parts_from_json(orjson.loads(content))
+    extra, wire = f.get("extra") or {}, f.get("wire")
+    if reply and wire == OPENAI:
+        extra = _openai_request_extra(extra, any(isinstance(p, ToolCall) for p in parts))
+    return Message(role, parts, extra, f.get("plain", True), wire)
+
+
+def _openai_request_extra(extra: dict[str, Any], called: bool) -> dict[str, Any]:
+    keep = _OPENAI_REQUEST_KEYS | _TOOL_TURN_REASONING_KEYS if called else _OPENAI_REQUEST_KEYS
+    kept = {k: v for k, v in extra.items() if k in keep}
+    audio = kept.get("audio")
+    if isinstance(audio, dict):  # a request names an earlier audio answer by its id alone
+        kept["audio"] = {"id": audio["id"]} if "id" in audio else None
+    return kept
 
 
 def for_wire(history: list[Message], wire: str | None, dropped: set[str]) -> list[Message]:

@@ -275,13 +275,21 @@ class SessionStore:
             rows = (
                 await conn.execute(
                     sa.select(
-                        messages.c.id, messages.c.role, messages.c.content, messages.c.wire_fields
+                        messages.c.id,
+                        messages.c.role,
+                        messages.c.content,
+                        messages.c.wire_fields,
+                        messages.c.stop_reason,
                     )
                     .where(completed, messages.c.seq >= first_seq)
                     .order_by(messages.c.seq)
                 )
             ).all()
-        history = [codec.message_from_row(r.role, r.content, r.wire_fields) for r in rows]
+        history = [
+            # a reply row (it has a stop reason) goes back upstream as a request message
+            codec.message_from_row(r.role, r.content, r.wire_fields, r.stop_reason is not None)
+            for r in rows
+        ]
         ids = [r.id for r in rows]
         if first_seq > 0:
             history, ids = _from_user_turn(history, ids)

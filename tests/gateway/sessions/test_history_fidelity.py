@@ -166,9 +166,8 @@ def test_openai_history_replays_every_part_whole(gw, key_a, upstreams, stream):
     assert r.status_code == 200, r.text
     replayed = _sent(upstreams["openai"], f"again {marker}")["messages"]
     assert replayed[:4] == first["messages"]
-    # The reply as the client received it, every key: the fake's message, or what its deltas carry.
-    received = {"role": "assistant", "content": "tool said: 18 C", "refusal": None}
-    assert replayed[4] == (received if stream else {**received, "annotations": []})
+    # The reply with every key a request message takes: the fake's `annotations` are reply-only.
+    assert replayed[4] == {"role": "assistant", "content": "tool said: 18 C", "refusal": None}
     assert replayed[5] == again["messages"][0]
 
 

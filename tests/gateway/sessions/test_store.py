@@ -3,14 +3,24 @@ whole-turn commits."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 import sqlalchemy as sa
 
 from flashstack.gateway.config import ConfigError
-from flashstack.gateway.core import ChatResponse, Message, StopReason, Text, Usage
+from flashstack.gateway.core import (
+    ChatRequest,
+    ChatResponse,
+    Message,
+    StopReason,
+    Text,
+    ToolCall,
+    Usage,
+)
 from flashstack.gateway.sessions import store as store_module
 from flashstack.gateway.sessions.db import SCHEMA_VERSION, Database
 from flashstack.gateway.sessions.store import LeaseLost, SessionStore
+from flashstack.gateway.translate import openai as openai_t
 
 
 @pytest.fixture
@@ -77,3 +87,56 @@ async def test_a_held_lease_makes_others_wait_then_refuses(db):
     await sessions.release(s["id"], "holder")
     await sessions.acquire("owner", s["id"], "short", ttl=0.05, timeout=1)
     await sessions.acquire("owner", s["id"], "after-expiry", ttl=30, timeout=2)
+
+
+async def test_openai_replies_go_back_upstream_without_their_reply_only_keys(db, store):
+    sessions = SessionStore(db)
+    s = await sessions.create("owner", {}, "gpt", None)
+    audio = {"id": "audio_1", "data": "UklGRg==", "expires_at": 1, "transcript": "a1"}
+    answer = {
+        "refusal": None,
+        "annotations": [],
+        "reasoning_content": "thought 1",
+        "audio": audio,
+        "future_key": 1,
+    }
+    calling = {"content": None, "reasoning_content": "thought 2", "annotations": []}
+    turns = [
+        ("q1", [Text("a1")], answer, StopReason.END_TURN),
+        ("q2", [ToolCall("call_1", "get_weather", "{}")], calling, StopReason.TOOL_USE),
+    ]
+    for lease, (question, content, extra, stop) in enumerate(turns):
+        reply = ChatResponse("r", "gpt", content, stop, Usage(1, 1), extra=extra)
+        await sessions.acquire("owner", s["id"], f"lease-{lease}", ttl=30, timeout=1)
+        await sessions.commit_turn(
+            s["id"], f"lease-{lease}", [Message("user", [Text(question)])], reply, wire="openai"
+        )
+    history = await sessions.history(s["id"])
+    req = ChatRequest("gpt", [*history, Message("user", [Text("q3")])], wire="openai")
+    sent = openai_t.request_json(req, "gpt-4o-mini")["messages"]
+    assert sent[1] == {
+        "role": "assistant",
+        "content": "a1",
+        "refusal": None,
+        "audio": {"id": "audio_1"},  # a request names the audio answer, nothing more
+    }
+    # DeepSeek's thinking mode needs a tool-calling turn's reasoning back; no other turn's.
+    assert sent[3] == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "thought 2",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": "{}"},
+            }
+        ],
+    }
+    # The session keeps the replies as they came.
+    stored = store.query(
+        "SELECT wire_fields FROM fs_messages WHERE session_id = ? AND role = 'assistant' "
+        "ORDER BY seq",
+        s["id"],
+    )
+    assert [orjson.loads(f)["extra"] for (f,) in stored] == [answer, calling]
