@@ -137,6 +137,8 @@ def message_from_row(role: Role, content: str, fields: str | None, reply: bool =
 
 
 def _openai_request_extra(extra: dict[str, Any], called: bool) -> dict[str, Any]:
+    # Tool calls keep their own keys: Gemini's OpenAI endpoint wants extra_content (its thought
+    # signature) back on each call.
     keep = _OPENAI_REQUEST_KEYS | _TOOL_TURN_REASONING_KEYS if called else _OPENAI_REQUEST_KEYS
     kept = {k: v for k, v in extra.items() if k in keep}
     audio = kept.get("audio")
