@@ -101,23 +101,16 @@ class SyntheticEngine:
 
 
 def serve_synthetic(port: int, step_s: float, model_dir: str) -> None:
-    """`flashstack engine serve`'s API process over a SyntheticEngine core."""
+    """`flashstack engine serve` (server.serve: its app, uvicorn and process set-up) over a
+    SyntheticEngine core."""
     import functools
 
-    import uvicorn
+    from flashstack.engine.lifecycle import ServeOptions
+    from flashstack.engine.server import serve
 
-    from flashstack.engine.core_process import EngineCoreClient
-    from flashstack.engine.lifecycle import DrainingServer, ServeOptions
-    from flashstack.engine.server import build_app
-
-    engine = EngineCoreClient(model_dir, engine_factory=functools.partial(SyntheticEngine, step_s))
-    try:
-        options = ServeOptions(served_model_names=["bench"])
-        app = build_app(engine, "bench", options)
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-        DrainingServer(config, app.state.drain).run()
-    finally:
-        engine.close()
+    options = ServeOptions(served_model_names=["bench"])
+    factory = functools.partial(SyntheticEngine, step_s)
+    serve(model_dir, port=port, model_name="bench", options=options, engine_factory=factory)
 
 
 def _cpu_s(pid: int) -> float:

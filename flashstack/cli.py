@@ -123,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds running requests get to finish (default 30)",
     )
+    eserve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per request (default off: it costs the server CPU per request)",
+    )
     eserve.set_defaults(func=_engine_serve)
     return p
 
@@ -362,6 +367,7 @@ def _engine_serve(args: argparse.Namespace) -> None:
             served_model_names=args.served_model_name,
             api_key=args.api_key,
             drain_timeout_s=args.drain_timeout,
+            access_log=args.access_log,
         )
         serve(
             str(args.model),

@@ -25,6 +25,8 @@ class ServeOptions(BaseModel):
     served_model_names: list[str] = Field(default_factory=list)
     api_key: str | None = None  # None: no key required
     drain_timeout_s: float = Field(30.0, ge=0)  # after SIGTERM, how long running requests may take
+    # One log line per request; off by default, as the gateway: it costs the event loop CPU.
+    access_log: bool = False
 
 
 class Drain:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashstack.engine.core_process import EngineCoreClient
+from flashstack.engine.gc_heap import freeze_startup_heap
 from flashstack.engine.guided import GrammarCompiler, GrammarError, Guide, GuideSpec
 from flashstack.engine.lifecycle import Drain, DrainingServer, EdgeMiddleware, ServeOptions
 from flashstack.engine.llm import AsyncLLM
@@ -716,7 +717,10 @@ def serve(
     engine = EngineCoreClient(model_path, **engine_kwargs)
     try:
         app = build_app(engine, model_name, options)
-        config = uvicorn.Config(app, host=host, port=port, log_level="info")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="info", access_log=options.access_log
+        )
+        freeze_startup_heap()
         DrainingServer(config, app.state.drain).run()
     finally:
         engine.close()
