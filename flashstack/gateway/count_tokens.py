@@ -1,9 +1,9 @@
 """`POST /v1/messages/count_tokens`: what a Messages request would cost its model in input tokens.
 
-Anthropic upstreams answer it themselves (the body forwarded as sent, the model renamed); a model
-whose deployment has its own tokenizer (a local model's, or a `tokenizer` naming the GGUF or model
-directory its upstream serves) counts with it and its chat template, as the upstream would render
-the prompt; any other model says it cannot count.
+The deployment the request would be routed to counts: an Anthropic upstream answers it itself (the
+body forwarded as sent, the model renamed); a deployment with its own tokenizer (a local model's,
+or a `tokenizer` naming the GGUF or model directory its upstream serves) counts with it and its
+chat template, as the upstream would render the prompt; any other says it cannot count.
 """
 
 from __future__ import annotations
@@ -71,19 +71,18 @@ def _parse(body: Any, limits: chat.Limits) -> ChatRequest:
 
 
 async def count(router: Router, req: ChatRequest) -> dict[str, Any]:
-    """{"input_tokens": n} from the model's first deployment that can count."""
-    deployments = router.deployments(req.model)  # 404 for an unknown model
-    for dep in deployments:
-        if isinstance(dep.provider, AnthropicProvider):
-            return await dep.provider.count_tokens(req)
-    for dep in deployments:
-        if tokens.tokenizer_path(dep.cfg) is not None:  # in a thread: a tokenizer may load
-            return {"input_tokens": await asyncio.to_thread(_own_count, dep.cfg, req)}
-    providers = ", ".join(sorted({d.cfg.provider for d in deployments}))
+    """{"input_tokens": n} from the deployment the request would be routed to."""
+    # Of several deployments of one name, the router's first choice (first in config order that
+    # is not cooling down, healthy first): one answer every time, from the upstream that serves.
+    dep = await router.first_choice(req.model)  # 404 for an unknown model
+    if isinstance(dep.provider, AnthropicProvider):
+        return await dep.provider.count_tokens(req)
+    if tokens.tokenizer_path(dep.cfg) is not None:  # in a thread: a tokenizer may load
+        return {"input_tokens": await asyncio.to_thread(_own_count, dep.cfg, req)}
     raise invalid_request(
-        f"token counting is not available for model {req.model!r} (served by {providers}): only "
-        "Anthropic upstreams, local models and deployments that name their model's `tokenizer` "
-        "count tokens",
+        f"token counting is not available for model {req.model!r} (deployment {dep.id!r}, served "
+        f"by {dep.cfg.provider}): only Anthropic upstreams, local models and deployments that "
+        "name their model's `tokenizer` count tokens",
         "model",
     )
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from flashstack.engine.bundled import smollm2_path
-from flashstack.gateway import tokens
+from flashstack.gateway import count_tokens, tokens
 from flashstack.gateway.app import create_app
 from flashstack.gateway.config import (
     AuthConfig,
@@ -27,7 +27,9 @@ from flashstack.gateway.config import (
     ServerConfig,
     SpendConfig,
 )
-from flashstack.gateway.core import ESTIMATE_FIELD
+from flashstack.gateway.core import ESTIMATE_FIELD, ChatRequest, GatewayError, Message, Text
+from flashstack.gateway.providers.base import Health
+from flashstack.gateway.routing import Router
 from flashstack.gateway.server_limits import uvicorn_options
 from flashstack.gateway.spend import DEFAULT_PRICES
 from tests.fakes import openai_upstream
@@ -310,3 +312,32 @@ def test_count_tokens_counts_with_the_deployments_tokenizer(gateway, gguf):
     assert count.input_tokens == smollm2_counts(gguf)[0]
     with pytest.raises(anthropic.BadRequestError, match="not available for model 'mini'"):
         client.messages.count_tokens(model="mini", messages=messages)
+
+
+async def _count(models: list[ModelConfig], probe_failed: set[int] = frozenset()) -> int:
+    """count_tokens for model "pair" against a router of `models`, the given deployments' last
+    health probe failed."""
+    router = Router(models, ROUTING)
+    for i in probe_failed:
+        router.deployments("pair")[i].health = Health(ok=False, detail="down")
+    req = ChatRequest("pair", [Message("user", [Text(QUESTION)])], wire="anthropic")
+    try:
+        return (await count_tokens.count(router, req))["input_tokens"]
+    finally:
+        await router.aclose()
+
+
+async def test_count_tokens_counts_with_the_deployment_the_request_would_go_to(upstreams, gguf):
+    silent = upstreams["silent"].url + "/v1"
+    plain = ModelConfig(name="pair", provider="openai", model="m", api_base=silent, api_key="k")
+    own = plain.model_copy(update={"tokenizer": gguf})
+    # The first configured deployment takes the request: it has no tokenizer, and another
+    # deployment's would count for a model the request does not reach.
+    with pytest.raises(GatewayError, match="not available for model 'pair' \\(deployment 'pair#0'"):
+        await _count([plain, own])
+    # An Anthropic deployment whose probe failed is not where the request goes: the next one
+    # counts, with its tokenizer (the Anthropic one is never asked).
+    anthropic_down = ModelConfig(
+        name="pair", provider="anthropic", model="m", api_base="http://127.0.0.1:9", api_key="k"
+    )
+    assert await _count([anthropic_down, own], probe_failed={0}) == smollm2_counts(gguf)[0]

@@ -364,17 +364,7 @@ class Router:
         """A deployment for the next attempt, or None when every one is open or ruled out."""
         for _ in range(2):  # a second pass after waiting out a short cooldown
             snaps = await self._snapshot(group)
-            usable = [
-                (d, s)
-                for d, s in zip(group, snaps)
-                if s.state is not BreakerState.OPEN and d.id not in skip
-            ]
-            # a different deployment first
-            fresh = [(d, s) for d, s in usable if d.id not in failed]
-            pool = fresh or usable
-            # Prefer deployments whose last active probe passed, unless none did.
-            healthy = [(d, s) for d, s in pool if d.health is None or d.health.ok]
-            pool = healthy or pool
+            pool = _candidates(group, snaps, failed, skip)
             while pool:
                 i = balancer.choose(
                     [_View(d, d.weight, s.in_flight, d.latency) for d, s in pool], self.cfg.strategy
@@ -396,6 +386,14 @@ class Router:
                 return None
             await asyncio.sleep(wait + 0.01)
         return None
+
+    async def first_choice(self, name: str) -> Deployment:
+        """The deployment a request for `name` tries first (404 for an unknown name). Of several
+        the balancer could pick, the first in config order, so that the answer is the same
+        every time; with every breaker open, the first configured."""
+        group = self.deployments(name)
+        pool = _candidates(group, await self._snapshot(group), {}, set())
+        return pool[0][0] if pool else group[0]
 
     def _backoff(self, failures: int, last: GatewayError | None) -> float:
         """Exponential backoff with jitter; the upstream's retry-after, when it sent
@@ -734,6 +732,20 @@ class Router:
         if health.ok and await self.breakers.probe_passed(dep.id):
             self.metrics.breaker.labels(dep.id).set(BreakerState.HALF_OPEN)
             _log("breaker_half_open", RouteTrace(), deployment=dep.id, reason="health probe passed")
+
+
+def _candidates(
+    group: list[Deployment], snaps: list[Snapshot], failed: dict[str, int], skip: set[str]
+) -> list[tuple[Deployment, Snapshot]]:
+    """What the balancer picks from, in config order: no open breaker, nothing ruled out, one not
+    yet failed on this request first, one whose last active probe passed first."""
+    usable = [
+        (d, s)
+        for d, s in zip(group, snaps)
+        if s.state is not BreakerState.OPEN and d.id not in skip
+    ]
+    pool = [(d, s) for d, s in usable if d.id not in failed] or usable
+    return [(d, s) for d, s in pool if d.health is None or d.health.ok] or pool
 
 
 def _attempt_span(
