@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from flashstack.cuda.torch_interop import device_for
+if TYPE_CHECKING:  # torch-free at import: the gateway checks a local model's options with these
+    import torch
 
 TP_ALL_REDUCES = ("push", "nccl")
 QUANTIZATIONS = (None, "fp8")
@@ -87,6 +86,8 @@ class KernelOptions:
                 decode_tma=False,
                 attention_pdl=False,
             )
+        from flashstack.cuda.torch_interop import device_for
+
         hopper = device_for(device).compute_capability >= (9, 0)
         return replace(
             self,

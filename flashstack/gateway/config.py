@@ -79,6 +79,15 @@ class EngineOptions(BaseModel):
         """The options set, as EngineConfig's keyword arguments."""
         return self.model_dump(exclude_none=True)
 
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> EngineOptions:
+        """The engine's own rules (options together, such as fp8 with tensor parallelism) at load,
+        not at the engine's start; flashstack.engine.config imports no torch."""
+        from flashstack.engine.config import EngineConfig
+
+        EngineConfig(model="", **self.engine_kwargs())  # its ValueError names the option
+        return self
+
 
 class ModelConfig(BaseModel):
     """One deployment of a model: what clients call it, and where it really runs."""
