@@ -974,16 +974,18 @@ does not model such as documents) with their `cache_control` and every other key
 keys, and whether its content was a string or a list. A history replayed from a session reaches the
 upstream as the client sent it, and a stored reply as the client received it: from an upstream of
 the client's wire, streamed or not, whole (Anthropic: every block with every key, citations,
-redacted thinking and server tools' blocks included; OpenAI: the message with every key, `refusal`,
-`annotations`, `audio`, `reasoning_content` and unknown ones included, and each tool call's own
-keys); across wires its text, thinking with its signature and tool calls, a list of blocks for
-Anthropic, a string for OpenAI. An idempotent retry (the same `Idempotency-Key`) gets that stored
-reply again, streamed or not, every block and key included (streamed to an OpenAI client, the
-message's other keys in one delta before the finish and each tool call's own keys in its first
-delta, as the upstream's chunks carried them). A session used from both wires sends a message's
-wire-only fields (OpenAI's `name`, an image's `detail`, any unknown key; `cache_control` towards
-OpenAI) to its own wire only: to the other they are dropped and named in `x-flashstack-dropped`
-(`messages[].name`, `messages[].content[].image_url.detail`, …).
+redacted thinking and server tools' blocks included; OpenAI: the message with every key a request
+message takes, `refusal`, `name`, `audio` by its `id`, and each tool call's own keys, while its
+reply-only keys, `annotations`, unknown ones and `reasoning_content` / `reasoning` /
+`reasoning_details`, stay in the session, except the reasoning of a turn that called tools, which
+DeepSeek's thinking mode needs back); across wires its text, thinking with its signature and tool
+calls, a list of blocks for Anthropic, a string for OpenAI. An idempotent retry (the same
+`Idempotency-Key`) gets that stored reply again, streamed or not, every block and key included
+(streamed to an OpenAI client, the message's other keys in one delta before the finish and each tool
+call's own keys in its first delta, as the upstream's chunks carried them). A session used from both
+wires sends a message's wire-only fields (OpenAI's `name`, an image's `detail`, any unknown key;
+`cache_control` towards OpenAI) to its own wire only: to the other they are dropped and named in
+`x-flashstack-dropped` (`messages[].name`, `messages[].content[].image_url.detail`, …).
 """
 
 
@@ -1142,11 +1144,13 @@ def render_markdown() -> str:
         "`anthropic-ratelimit-*` header. The upstream's `x-request-id` arrives as "
         "`x-upstream-request-id`: `x-request-id` is the gateway's own (its routing trace).\n",
         _ESTIMATED_USAGE,
-        "## `POST /v1/messages/count_tokens`\n\nForwarded to Anthropic upstreams (body as sent, "
-        "model renamed); counted with the model's own tokenizer and chat template (tools included) "
-        "for local models (`provider: local`) and for deployments naming their model's "
+        "## `POST /v1/messages/count_tokens`\n\nCounted by the deployment the request would be "
+        "routed to (of several deployments of the model, the first configured whose breaker is not "
+        "open, one whose last health probe passed first): forwarded to an Anthropic upstream (body "
+        "as sent, model renamed); counted with the model's own tokenizer and chat template (tools "
+        "included) for a local model (`provider: local`) and for a deployment naming its model's "
         "`tokenizer:` (the GGUF llama.cpp serves); otherwise a 400 saying that counting is not "
-        "available for that model.\n",
+        "available for that model, naming the deployment.\n",
     ]
     return "\n".join(sections)
 
