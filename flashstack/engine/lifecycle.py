@@ -1,16 +1,20 @@
-"""The engine server's edge: the API-key check, and draining on SIGTERM."""
+"""The engine server's edge: the API-key check, draining on SIGTERM, and the generation routes'
+direct dispatch."""
 
 from __future__ import annotations
 
 import hmac
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Any
 
 import orjson
 import uvicorn
+from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
 
 from flashstack.gateway.wire.openai import error_body
 
@@ -100,6 +104,33 @@ async def _send_json(send: Any, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+PostRoute = Callable[[Request], Awaitable[Response]]
+
+
+class EngineApp(FastAPI):
+    """FastAPI, except that POSTs to the generation routes skip its middleware stack, dependency
+    solving and route table, as the gateway's chat routes do: they parse their own body and turn
+    every failure into a response. That machinery cost more API-process CPU per request than
+    the request's own work (docs/benchmarks.md, "Engine serving")."""
+
+    def set_fast_routes(self, routes: dict[str, PostRoute], edge: Drain, api_key: str | None):
+        """Serve POSTs to these paths through `routes`, behind the same API-key and drain edge."""
+        self._fast_routes = routes
+        self._fast_edge = EdgeMiddleware(self._dispatch_fast, drain=edge, api_key=api_key)
+
+    _fast_routes: dict[str, PostRoute] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            if scope["path"] in self._fast_routes:
+                return await self._fast_edge(scope, receive, send)
+        await super().__call__(scope, receive, send)
+
+    async def _dispatch_fast(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self._fast_routes[scope["path"]](Request(scope, receive, send))
+        await response(scope, receive, send)
 
 
 class DrainingServer(uvicorn.Server):

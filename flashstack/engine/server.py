@@ -6,19 +6,26 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashstack.engine.core_process import EngineCoreClient
 from flashstack.engine.gc_heap import freeze_startup_heap
 from flashstack.engine.guided import GrammarCompiler, GrammarError, Guide, GuideSpec
-from flashstack.engine.lifecycle import Drain, DrainingServer, EdgeMiddleware, ServeOptions
+from flashstack.engine.lifecycle import (
+    Drain,
+    DrainingServer,
+    EdgeMiddleware,
+    EngineApp,
+    PostRoute,
+    ServeOptions,
+)
 from flashstack.engine.llm import AsyncLLM
 from flashstack.engine.metrics import ServerMetrics
 from flashstack.engine.outputs import StreamDelta
@@ -634,15 +641,20 @@ def build_app(
     engine: AsyncLLM | EngineCoreClient,
     model_name: str | None = None,
     options: ServeOptions | None = None,
-) -> FastAPI:
+) -> EngineApp:
     """An OpenAI-compatible app over `engine`, serving it as `model_name` (default: dir name)."""
     options = options or ServeOptions()
     names = options.served_model_names or [model_name or engine.model_name]
-    app = FastAPI(title="flashstack engine")
+    app = EngineApp(title="flashstack engine")
     h = _Handler(engine, names, ServerMetrics(engine.stats, names[0]))
     app.state.handler = h
     app.state.drain = drain = Drain(options.drain_timeout_s)
     app.add_middleware(EdgeMiddleware, drain=drain, api_key=options.api_key)
+    routes = {
+        "/v1/completions": _post_route(h, CompletionRequest, _completions),
+        "/v1/chat/completions": _post_route(h, ChatRequest, _chat),
+    }
+    app.set_fast_routes(routes, drain, options.api_key)
 
     @app.exception_handler(GatewayError)
     async def _api_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -650,10 +662,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        loc = ".".join(str(x) for x in errors[0]["loc"][1:]) if errors else None
-        msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in errors[:5])
-        return _error_response(invalid_request(msg or "invalid request", loc or None))
+        return _error_response(_invalid(exc.errors(), skip=1))  # loc[0] is FastAPI's "body"
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -687,15 +696,41 @@ def build_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        return await _completions(h, req)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest) -> Any:
-        return await _chat(h, req)
-
     return app
+
+
+def _invalid(errors: Sequence[Any], skip: int = 0) -> GatewayError:
+    """pydantic's validation errors as one 400 naming the first fields (`skip`: loc prefixes)."""
+
+    def where(e: Any) -> str:
+        return ".".join(str(x) for x in e["loc"][skip:])
+
+    msg = "; ".join(f"{where(e)}: {e['msg']}" if where(e) else e["msg"] for e in errors[:5])
+    return invalid_request(msg or "invalid request", (where(errors[0]) if errors else None) or None)
+
+
+_Body = TypeVar("_Body", CompletionRequest, ChatRequest)
+
+
+def _post_route(
+    h: _Handler, body: type[_Body], run: Callable[[_Handler, _Body], Awaitable[Any]]
+) -> PostRoute:
+    """A generation route for EngineApp's direct dispatch: the body parsed by pydantic from the
+    raw bytes, every request error a 4xx in OpenAI's shape, a reply dict written by orjson."""
+
+    async def route(request: Request) -> Response:
+        try:
+            req = body.model_validate_json(await request.body())
+            result = await run(h, req)
+        except ValidationError as exc:
+            return _error_response(_invalid(exc.errors()))
+        except GatewayError as exc:
+            return _error_response(exc)
+        if isinstance(result, Response):
+            return result
+        return Response(orjson.dumps(result), media_type="application/json")
+
+    return route
 
 
 def serve(

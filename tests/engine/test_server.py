@@ -154,10 +154,11 @@ def test_stop_string_over_the_wire(client) -> None:
 def test_errors_are_openai_shaped(client, base_url) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(
             model="tiny-random", messages=[{"role": "user", "content": "x"}], temperature=7
         )
+    assert bad.value.body["param"] == "temperature" and "2" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny-random", prompt="x " * 5000)
     r = httpx.post(
@@ -165,7 +166,8 @@ def test_errors_are_openai_shaped(client, base_url) -> None:
         content=b"{not json",
         headers={"content-type": "application/json"},
     )
-    assert r.status_code == 400 and "message" in r.json()["error"]
+    assert r.status_code == 400 and "Invalid JSON" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_client_disconnect_frees_blocks(base_url, client) -> None:
