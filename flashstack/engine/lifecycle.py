@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flashstack.gateway.wire.openai import error_body
 
@@ -106,7 +106,7 @@ async def _send_json(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-PostRoute = Callable[[Request], Awaitable[Response]]
+PostRoute = Callable[[Request], Awaitable[ASGIApp]]
 
 
 class EngineApp(FastAPI):

@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.types import ASGIApp
 
 from flashstack.engine.core_process import EngineCoreClient
 from flashstack.engine.gc_heap import freeze_startup_heap
@@ -31,6 +32,7 @@ from flashstack.engine.metrics import ServerMetrics
 from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.server_tools import RequestError, ToolPlan, guide_spec, plan_tools
+from flashstack.engine.sse import EventStreamResponse
 
 # One OpenAI front end: the gateway's wire types, error shape and SSE framing.
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
@@ -583,20 +585,19 @@ async def _completion_chunks(
     yield wire.SSE_DONE
 
 
-async def _stream_response(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+async def _stream_response(chunks: AsyncIterator[bytes]) -> EventStreamResponse:
     # Pull the first chunk now so request errors become a 4xx response instead of a broken stream.
     first = await chunks.__anext__()
 
     async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for c in chunks:
-            yield c
+        try:
+            yield first
+            async for c in chunks:
+                yield c
+        finally:
+            await chunks.aclose()  # the client left: the engine's stream aborts now, not at GC
 
-    return StreamingResponse(
-        body(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return EventStreamResponse(body())
 
 
 def _tokenizer(h: _Handler, model: str | None):
@@ -718,7 +719,7 @@ def _post_route(
     """A generation route for EngineApp's direct dispatch: the body parsed by pydantic from the
     raw bytes, every request error a 4xx in OpenAI's shape, a reply dict written by orjson."""
 
-    async def route(request: Request) -> Response:
+    async def route(request: Request) -> ASGIApp:
         try:
             req = body.model_validate_json(await request.body())
             result = await run(h, req)
@@ -726,9 +727,9 @@ def _post_route(
             return _error_response(_invalid(exc.errors()))
         except GatewayError as exc:
             return _error_response(exc)
-        if isinstance(result, Response):
-            return result
-        return Response(orjson.dumps(result), media_type="application/json")
+        if isinstance(result, dict):
+            return Response(orjson.dumps(result), media_type="application/json")
+        return result  # a stream
 
     return route
 

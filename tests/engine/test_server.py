@@ -170,7 +170,7 @@ def test_errors_are_openai_shaped(client, base_url) -> None:
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_client_disconnect_frees_blocks(base_url, client) -> None:
+def test_client_disconnect_frees_blocks(base_url, client, monkeypatch) -> None:
     body = {
         "model": "tiny-random",
         "prompt": "def main():",
@@ -178,18 +178,24 @@ def test_client_disconnect_frees_blocks(base_url, client) -> None:
         "stream": True,
         "ignore_eos": True,
     }
+    engine = _served_engine(base_url)
+    aborted: list[bool] = []
+    abort_request = engine.engine.abort_request
+    monkeypatch.setattr(
+        engine.engine, "abort_request", lambda rid: aborted.append(abort_request(rid))
+    )
     with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         for i, _ in enumerate(r.iter_lines()):
             if i >= 6:
                 break  # leave mid-stream: the server must abort the request
-    # The engine is shared by the app; find it through a fresh request's path: poll until idle.
-    engine = _served_engine(base_url)
+    # The engine is shared by the app; poll until idle.
     deadline = time.monotonic() + 10
     while engine.engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "aborted request still holds the engine"
         time.sleep(0.05)
     assert engine.engine.block_manager.num_used_blocks == 0
+    assert aborted == [True], "the request was aborted while live, not left to run to its end"
 
 
 _ENGINES: dict[str, AsyncLLM] = {}
