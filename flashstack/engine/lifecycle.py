@@ -3,6 +3,7 @@ direct dispatch."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import signal
 import time
@@ -14,8 +15,10 @@ import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from flashstack.engine.sse import ClientWatch
 from flashstack.gateway.wire.openai import error_body
 
 # Open to anyone, as in vLLM: probes and scrapers carry no API key.
@@ -129,8 +132,22 @@ class EngineApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     async def _dispatch_fast(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await self._fast_routes[scope["path"]](Request(scope, receive, send))
-        await response(scope, receive, send)
+        # Once the body is read, a client that leaves cancels the request wherever it waits.
+        request = Request(scope, receive, send)
+        try:
+            await request.body()
+        except ClientDisconnect:
+            return  # gone before its request was whole: nothing was started
+        watch = ClientWatch(receive, send)
+        try:
+            response = await self._fast_routes[scope["path"]](request)
+            await response(scope, receive, watch.send)
+        except asyncio.CancelledError:
+            if not watch.left:
+                raise  # not the client: a shutdown
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        finally:
+            watch.stop()
 
 
 class DrainingServer(uvicorn.Server):

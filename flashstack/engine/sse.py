@@ -1,9 +1,10 @@
-"""The engine server's event streams, written straight to the ASGI server.
+"""The engine server's event streams, and what happens when their client leaves.
 
 Starlette's StreamingResponse watches for the client leaving through an anyio task group: a cancel
 scope, a task and its handle per stream, a quarter of the API process's CPU per admitted request
-(docs/benchmarks.md, "Engine serving"). Here one plain asyncio task waits for the disconnect and
-cancels the writer, which closes the body: the request's stream aborts in the engine.
+(docs/benchmarks.md, "Engine serving"). Here `ClientWatch`, one plain asyncio task per request,
+waits for the disconnect and cancels the request's handler, whatever it is waiting for (a queued
+prompt's first token, a whole non-streamed answer, the next chunk): its engine stream aborts.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 _HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -21,33 +22,47 @@ _HEADERS = [
 
 
 class EventStreamResponse:
-    """An SSE response (ASGI app) over `chunks`; the stream ends early when the client leaves."""
+    """An SSE response (ASGI app) over `chunks`, closed whether it ends or is cancelled."""
 
     def __init__(self, chunks: AsyncIterator[bytes]) -> None:
         self.chunks = chunks
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        writer = asyncio.current_task()
-        assert writer is not None
-        left = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left.set()
-            writer.cancel()
-
-        watcher = asyncio.ensure_future(watch())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            watcher.cancel()  # the response is complete: its own disconnect must not cancel us
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not left.is_set():
-                raise  # not the client leaving: a shutdown, say
-            writer.uncancel()
         finally:
-            watcher.cancel()
             await self.chunks.aclose()  # aborts the request in the engine when it had not ended
+
+
+class ClientWatch:
+    """Cancels the current task when the client disconnects, until the response's last message.
+
+    Use `send` for the response: it stops the watch before the final body goes out, since the
+    ASGI server reports every completed response as a disconnect.
+    """
+
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self._send = send
+        self._handler = asyncio.current_task()
+        self.left = False
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.left = True
+        if self._handler is not None:
+            self._handler.cancel()
+
+    async def send(self, message: Message) -> None:
+        """The ASGI send, the watch stopped first when this is the response's last message."""
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self._watcher.cancel()
+        await self._send(message)
+
+    def stop(self) -> None:
+        """End the watch (the handler returned or failed)."""
+        self._watcher.cancel()

@@ -198,6 +198,23 @@ def test_client_disconnect_frees_blocks(base_url, client, monkeypatch) -> None:
     assert aborted == [True], "the request was aborted while live, not left to run to its end"
 
 
+def test_client_that_leaves_before_the_answer_is_aborted(base_url, monkeypatch) -> None:
+    engine = _served_engine(base_url)
+    aborted: list[bool] = []
+    abort_request = engine.engine.abort_request
+    monkeypatch.setattr(
+        engine.engine, "abort_request", lambda rid: aborted.append(abort_request(rid))
+    )
+    body = {"model": "tiny-random", "prompt": "def main():", "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed answer: nothing comes until the end
+        httpx.post(f"{base_url}/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not aborted or engine.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the request outlived its client"
+        time.sleep(0.05)
+    assert aborted == [True] and engine.engine.block_manager.num_used_blocks == 0
+
+
 _ENGINES: dict[str, AsyncLLM] = {}
 
 
