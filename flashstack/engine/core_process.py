@@ -14,26 +14,35 @@ process; the core detokenizes (stop strings need the text) and steps without pau
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import select
+import struct
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
-from multiprocessing.connection import Connection
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from queue import SimpleQueue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashstack.engine.gguf import GGUFError
 from flashstack.engine.llm import EngineInfo, EngineStats, Prompt, model_name
 from flashstack.engine.outputs import StreamDelta
 from flashstack.engine.sampling import SamplingParams
 from flashstack.engine.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from flashstack.engine.guided import GrammarCompiler, Guide, GuideSpec
 
 log = logging.getLogger("flashstack.engine")
 
@@ -61,11 +70,16 @@ class _EngineSpec:
 class _Core:
     """Runs in the child: drains the request pipe, steps, sends each step's deltas."""
 
-    def __init__(self, engine: Any, out: Connection) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        out: Connection,
+        make_compiler: Callable[[], GrammarCompiler] | None = None,
+    ) -> None:
         self.engine = engine
         self.out = out
         self.outbox = _Outbox(out)
-        self._grammars: Any = None
+        self.grammars = _GrammarWorker(make_compiler or self._grammar_compiler)
         # (request id, whether the request itself was bad: a 400, else the engine failed it)
         self.errors: list[tuple[str, bool, str]] = []
 
@@ -74,33 +88,46 @@ class _Core:
         kind = msg[0]
         if kind == "add":
             _, rid, prompt, params, spec, priority = msg
-            try:
-                if spec is not None:
-                    params = dataclasses.replace(params, guide=self._compile(spec))
-                self.engine.add_state(self.engine.make_sequence(prompt, params, rid, priority))
-            except ValueError as exc:  # a bad request: its stream raises it as a 400
-                self.errors.append((rid, True, str(exc)))
-            except Exception:  # this request's failure, not the engine's: the others go on
-                failed = traceback.format_exc()
-                self.errors.append((rid, False, f"the engine could not add the request:\n{failed}"))
+            with self._failing_alone(rid):
+                state = self.engine.make_sequence(prompt, params, rid, priority)
+                if spec is None:
+                    self.engine.add_state(state)
+                else:
+                    self.grammars.submit(rid, spec, state)
         elif kind == "abort":
+            state = self.grammars.cancel(msg[1])
+            if state is not None:  # still compiling: the engine ends it as any other abort
+                self.engine.add_state(state)
             self.engine.abort_request(msg[1])
         elif kind == "stop":
             return False
         return True
 
-    def _compile(self, spec: Any) -> Any:
-        # The API process compiled the spec already (a bad one was its 400); compiled grammars do
-        # not cross processes, so the core compiles its own copy.
-        if self._grammars is None:
-            from flashstack.engine.guided import GrammarCompiler
+    @contextlib.contextmanager
+    def _failing_alone(self, rid: str) -> Iterator[None]:
+        try:
+            yield
+        except ValueError as exc:  # a bad request: its stream raises it as a 400
+            self.errors.append((rid, True, str(exc)))
+        except Exception:  # this request's failure, not the engine's: the others go on
+            failed = traceback.format_exc()
+            self.errors.append((rid, False, f"the engine could not add the request:\n{failed}"))
 
-            self._grammars = GrammarCompiler(
-                self.engine.tokenizer, self.engine.model.args.vocab_size
-            )
-        return self._grammars.compile(spec)
+    def _grammar_compiler(self) -> GrammarCompiler:
+        from flashstack.engine.guided import GrammarCompiler
+
+        if self.engine.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer; this model has none")
+        return GrammarCompiler(self.engine.tokenizer, self.engine.model.args.vocab_size)
+
+    def _admit_compiled(self) -> None:
+        for rid, grammar, state in self.grammars.finished():
+            with self._failing_alone(rid):  # a grammar the library refused is the request's 400
+                state.seq.params = dataclasses.replace(state.seq.params, guide=grammar.result())
+                self.engine.add_state(state)
 
     def step(self) -> None:
+        self._admit_compiled()
         try:
             deltas = self.engine.step() if self.engine.has_pending_output() else []
         except Exception:  # every live stream ends with the engine's error
@@ -114,6 +141,52 @@ class _Core:
                 ("step", [_pack(d) for d in deltas], self.errors, EngineStats.of(self.engine))
             )
             self.errors = []
+
+
+class _GrammarWorker:
+    """Compiles guided requests' grammars on a thread of its own: a big JSON schema takes tens to
+    hundreds of ms, which on the step thread would stall every running stream. A request joins
+    the engine once its grammar is ready; the requests behind it do not wait for it.
+
+    The API process compiled the same grammar for its 400; shipping that one instead measured
+    worse (xgrammar's serialize_json: 44 MiB, 0.55 s to load, for a schema compiled in 0.13 s)."""
+
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-core-grammar")
+        # Built now, before requests come: its ~1 s (imports, the vocabulary's table) holds the
+        # GIL in stretches of up to 0.4 s, which would stall the first guided request's batch.
+        self._compiler = self._pool.submit(make_compiler)
+        self._pending: dict[str, tuple[Future[Guide], Any]] = {}
+        # Readable once a compile has ended: the idle step loop waits on it with the requests.
+        self.ready, self._done = mp.Pipe(duplex=False)
+
+    def submit(self, rid: str, spec: GuideSpec, state: Any) -> None:
+        """Compile `spec`; the request's `state` waits here until it is done."""
+        grammar = self._pool.submit(self._compile, spec)
+        grammar.add_done_callback(lambda _: self._done.send_bytes(b""))
+        self._pending[rid] = (grammar, state)
+
+    def cancel(self, rid: str) -> Any | None:
+        """Drop a request still compiling; its state, or None when `rid` is not compiling."""
+        grammar, state = self._pending.pop(rid, (None, None))
+        if grammar is not None:
+            grammar.cancel()  # a compile already running ends unused
+        return state
+
+    def finished(self) -> list[tuple[str, Future[Guide], Any]]:
+        """The requests whose compile has ended (a grammar or its error), in arrival order."""
+        while self.ready.poll(0):
+            self.ready.recv_bytes()
+        done = [(rid, g, state) for rid, (g, state) in self._pending.items() if g.done()]
+        for rid, _, _ in done:
+            del self._pending[rid]
+        return done
+
+    def _compile(self, spec: GuideSpec) -> Guide:
+        return self._compiler.result().compile(spec)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _pack(d: StreamDelta) -> tuple[Any, ...]:
@@ -186,7 +259,7 @@ def _step_loop(core: _Core, requests: Connection) -> None:
         while running:
             # Block only when idle: a live batch steps again at once.
             if not core.engine.has_pending_output():
-                requests.poll(None)
+                wait([requests, core.grammars.ready])
             while running and requests.poll(0):
                 running = core.handle(requests.recv())
             if running:
@@ -194,6 +267,7 @@ def _step_loop(core: _Core, requests: Connection) -> None:
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the API process is gone or stopping
     finally:
+        core.grammars.close()
         core.outbox.close()
         core.engine.shutdown()
 
@@ -216,7 +290,7 @@ class EngineCoreClient:
         **kwargs: Any,
     ) -> None:
         ctx = mp.get_context("spawn")  # fork after torch or CUDA started is unsafe
-        req_recv, self._requests = ctx.Pipe(duplex=False)
+        req_recv, req_send = ctx.Pipe(duplex=False)
         self._outputs, out_send = ctx.Pipe(duplex=False)
         make_engine = engine_factory or _EngineSpec(str(model), kwargs)
         self._proc = ctx.Process(
@@ -241,10 +315,10 @@ class EngineCoreClient:
             self._proc.join(10)
             raise EngineCoreError(f"the engine core failed to start:\n{msg[1]}")
         _, self.info, self.latest_stats = msg
+        self._requests = _RequestPipe(req_send)
         self.tokenizer = load_tokenizer(Path(model))
         self._queues: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._send_lock = threading.Lock()
         self._closed = False
         self._failure: str | None = None
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
@@ -321,8 +395,7 @@ class EngineCoreClient:
             self._reader.start()
 
     def _send(self, msg: tuple[Any, ...]) -> None:
-        with self._send_lock:
-            self._requests.send(msg)
+        self._requests.send(msg)
 
     def _read(self) -> None:
         # One thread: recv waits without the GIL, and each step's batch is one loop callback.
@@ -369,6 +442,83 @@ class EngineCoreClient:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+
+
+# Linux's default /proc/sys/fs/pipe-max-size: a prompt of up to ~300k token ids goes straight in.
+_PIPE_BYTES = 1 << 20
+
+
+class _RequestPipe:
+    """Request messages onto the core's pipe without blocking the event loop: a message is written
+    at once as far as the pipe has room (the core reads only between engine steps); the rest of it
+    goes to a writer thread, and every later message follows it there until it has drained, so an
+    abort never overtakes its add and a small request costs no thread handoff."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn  # kept open; written through its descriptor, in Connection's framing
+        self._fd = conn.fileno()
+        _enlarge_pipe(self._fd)
+        os.set_blocking(self._fd, False)
+        self._lock = threading.Condition()
+        self._backlog: deque[memoryview] = deque()  # what the writer thread has yet to write
+        self._failure: OSError | None = None  # the writer's: the core is gone
+        self._writer = threading.Thread(target=self._drain, name="engine-core-writer", daemon=True)
+        self._writer.start()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Queue `msg` for the core; never waits for the core to read."""
+        data = memoryview(_frame(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            if not self._backlog:
+                data = data[_write_some(self._fd, data) :]
+                if not data:
+                    return
+            self._backlog.append(data)
+            self._lock.notify()
+
+    def _drain(self) -> None:
+        writable = select.poll()  # not select.select: a server's descriptors pass FD_SETSIZE
+        writable.register(self._fd, select.POLLOUT)
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._backlog)
+                data = self._backlog[0]
+            try:
+                while data:
+                    writable.poll()  # without the GIL, until the core has read some
+                    data = data[_write_some(self._fd, data) :]
+            except OSError as exc:
+                with self._lock:
+                    self._failure = exc
+                    self._backlog.clear()
+                return
+            with self._lock:
+                self._backlog.popleft()
+
+
+def _frame(payload: bytes) -> bytes:
+    # Connection.send_bytes's framing, which the core's Connection.recv reads.
+    n = len(payload)
+    if n > 0x7FFFFFFF:
+        return struct.pack("!i", -1) + struct.pack("!Q", n) + payload
+    return struct.pack("!i", n) + payload
+
+
+def _write_some(fd: int, data: memoryview) -> int:
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+
+
+def _enlarge_pipe(fd: int) -> None:
+    # Fewer messages overflow into the writer thread; where the system refuses, they still do.
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux only
+        return
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
 
 
 def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
