@@ -35,6 +35,7 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
+from flashstack.engine.gc_heap import freeze_startup_heap
 from flashstack.engine.gguf import GGUFError
 from flashstack.engine.llm import EngineInfo, EngineStats, Prompt, model_name
 from flashstack.engine.outputs import StreamDelta
@@ -245,6 +246,7 @@ def _core_main(
     except BaseException:
         out.send(("fatal", traceback.format_exc()))
         return
+    freeze_startup_heap()  # torch and the model: no full collection walks them between steps
     out.send(("ready", EngineInfo.of(core.engine), EngineStats.of(core.engine)))
     # Not on the main thread: there the same CPU forward measured 7x slower (27.8 s against
     # 3.8 s for one batch of SmolLM2 on CPU); AsyncLLM's steps always ran on a worker thread.
