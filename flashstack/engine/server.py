@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -38,6 +39,8 @@ from flashstack.engine.sse import EventStreamResponse
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
 from flashstack.gateway.wire import openai as wire
 from flashstack.gateway.wire.openai import StreamOptions, error_json
+
+log = logging.getLogger("flashstack.engine")
 
 
 class _Sampling(BaseModel):
@@ -200,19 +203,30 @@ class _Handler:
             )
         if self._grammars is None:
             await asyncio.to_thread(self.prepare_grammars)
+        if self._grammars is None:
+            raise invalid_request(self._grammars_error or "", param=spec.describe())
         try:
             return await asyncio.to_thread(self._grammars.compile, spec)
         except GrammarError as exc:
             raise invalid_request(str(exc), param=spec.describe()) from exc
 
     _grammars: GrammarCompiler | None = None
+    _grammars_error: str | None = None
 
     def prepare_grammars(self) -> None:
         """Build the grammar compiler now (about 1 s of imports and vocabulary tables, holding the
-        GIL for up to 0.4 s at a time: before serving, not inside the first guided request)."""
+        GIL for up to 0.4 s at a time: before serving, not inside the first guided request).
+
+        A vocabulary xgrammar refuses leaves structured output unavailable: each guided request
+        is then a 400 saying why, and the server serves everything else."""
         tok = self.engine.tokenizer
-        if self._grammars is None and tok is not None:
+        if self._grammars is not None or self._grammars_error is not None or tok is None:
+            return
+        try:
             self._grammars = GrammarCompiler(tok, self.engine.info.vocab_size)
+        except Exception as exc:  # the library's own checks of the vocabulary, whatever they raise
+            self._grammars_error = f"structured output is unavailable for this model: {exc}"
+            log.warning("%s", self._grammars_error)
 
     def check_model(self, name: str) -> None:
         """404 for a model this server does not serve."""

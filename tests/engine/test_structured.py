@@ -4,6 +4,7 @@ guided_choice always produce what they ask for, and a grammar that cannot compil
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
@@ -127,3 +128,24 @@ def test_bad_grammar_is_400(client, body, needle) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         _ask(client, "hi", max_tokens=3, **body)
     assert needle in err.value.body["message"]
+
+
+def test_a_vocabulary_xgrammar_refuses_leaves_only_guided_requests_refused(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from bench.engine_serving import word_level_tokenizer
+    from flashstack.engine.guided import GuideSpec
+    from flashstack.engine.metrics import ServerMetrics
+    from flashstack.engine.server import _Handler
+    from flashstack.engine.tokenizer import load_tokenizer
+    from flashstack.gateway.core import GatewayError
+
+    word_level_tokenizer(64, tmp_path)  # no end-of-sequence token: xgrammar refuses it
+    engine = SimpleNamespace(
+        tokenizer=load_tokenizer(tmp_path), info=SimpleNamespace(vocab_size=64, model="w")
+    )
+    h = _Handler(engine, ["w"], ServerMetrics(lambda: None, "w"))
+    h.prepare_grammars()  # serve() calls it before serving: it must not raise
+    with pytest.raises(GatewayError) as err:
+        asyncio.run(h.guide(GuideSpec(any_json=True)))
+    assert err.value.status == 400 and "structured output is unavailable" in str(err.value)
