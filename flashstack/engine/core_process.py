@@ -154,8 +154,8 @@ class _GrammarWorker:
 
     def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-core-grammar")
-        # Built now, before requests come: its ~1 s (imports, the vocabulary's table) holds the
-        # GIL in stretches of up to 0.4 s, which would stall the first guided request's batch.
+        # Built now, before requests come (the core waits for it before reporting ready): its
+        # ~1 s (imports, the vocabulary's table) holds the GIL in stretches of up to 0.4 s.
         self._compiler = self._pool.submit(make_compiler)
         self._pending: dict[str, tuple[Future[Guide], Any]] = {}
         # Readable once a compile has ended: the idle step loop waits on it with the requests.
@@ -185,6 +185,10 @@ class _GrammarWorker:
 
     def _compile(self, spec: GuideSpec) -> Guide:
         return self._compiler.result().compile(spec)
+
+    def wait_compiler(self) -> None:
+        """Until the compiler is built (or failed: each guided request then gets its error)."""
+        self._compiler.exception()  # waits; a failure is returned, not raised
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -246,6 +250,9 @@ def _core_main(
     except BaseException:
         out.send(("fatal", traceback.format_exc()))
         return
+    # Its imports and vocabulary tables (~1 s, holding the GIL in stretches) finish before the
+    # first step, and what they leave is frozen with the rest.
+    core.grammars.wait_compiler()
     freeze_startup_heap()  # torch and the model: no full collection walks them between steps
     out.send(("ready", EngineInfo.of(core.engine), EngineStats.of(core.engine)))
     # Not on the main thread: there the same CPU forward measured 7x slower (27.8 s against
@@ -444,6 +451,7 @@ class EngineCoreClient:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        self._requests.close()
 
 
 # Linux's default /proc/sys/fs/pipe-max-size: a prompt of up to ~300k token ids goes straight in.
@@ -464,6 +472,7 @@ class _RequestPipe:
         self._lock = threading.Condition()
         self._backlog: deque[memoryview] = deque()  # what the writer thread has yet to write
         self._failure: OSError | None = None  # the writer's: the core is gone
+        self._closing = False
         self._writer = threading.Thread(target=self._drain, name="engine-core-writer", daemon=True)
         self._writer.start()
 
@@ -471,10 +480,14 @@ class _RequestPipe:
         """Queue `msg` for the core; never waits for the core to read."""
         data = memoryview(_frame(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
         with self._lock:
-            if self._failure is not None:
-                raise self._failure
+            if self._failure is not None:  # a fresh error each time: no traceback piles up
+                raise BrokenPipeError("the engine core is gone") from self._failure
             if not self._backlog:
-                data = data[_write_some(self._fd, data) :]
+                try:
+                    data = data[_write_some(self._fd, data) :]
+                except OSError as exc:
+                    self._failure = exc
+                    raise BrokenPipeError("the engine core is gone") from exc
                 if not data:
                     return
             self._backlog.append(data)
@@ -485,7 +498,9 @@ class _RequestPipe:
         writable.register(self._fd, select.POLLOUT)
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._backlog)
+                self._lock.wait_for(lambda: self._backlog or self._closing)
+                if not self._backlog:
+                    return  # closing, everything written
                 data = self._backlog[0]
             try:
                 while data:
@@ -498,6 +513,15 @@ class _RequestPipe:
                 return
             with self._lock:
                 self._backlog.popleft()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Let the writer finish what it holds (it fails at once when the core is gone), then
+        close the pipe."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+        self._writer.join(timeout_s)
+        self._conn.close()
 
 
 def _frame(payload: bytes) -> bytes:

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import orjson
@@ -605,19 +605,10 @@ async def _completion_chunks(
     yield wire.SSE_DONE
 
 
-async def _stream_response(chunks: AsyncIterator[bytes]) -> EventStreamResponse:
+async def _stream_response(chunks: AsyncGenerator[bytes, None]) -> EventStreamResponse:
     # Pull the first chunk now so request errors become a 4xx response instead of a broken stream.
     first = await chunks.__anext__()
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            yield first
-            async for c in chunks:
-                yield c
-        finally:
-            await chunks.aclose()  # the client left: the engine's stream aborts now, not at GC
-
-    return EventStreamResponse(body())
+    return EventStreamResponse(first, chunks)
 
 
 def _tokenizer(h: _Handler, model: str | None):
@@ -717,6 +708,16 @@ def build_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    # EngineApp serves every POST to these two before FastAPI sees it; the routes stay for the
+    # OpenAPI schema, 405 to other methods and the trailing-slash redirect.
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        return await _completions(h, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest) -> Any:
+        return await _chat(h, req)
+
     return app
 
 
@@ -742,9 +743,10 @@ def _post_route(
     async def route(request: Request) -> ASGIApp:
         try:
             req = body.model_validate_json(await request.body())
-            result = await run(h, req)
         except ValidationError as exc:
             return _error_response(_invalid(exc.errors()))
+        try:
+            result = await run(h, req)
         except GatewayError as exc:
             return _error_response(exc)
         if isinstance(result, dict):

@@ -10,7 +10,7 @@ prompt's first token, a whole non-streamed answer, the next chunk): its engine s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -22,14 +22,16 @@ _HEADERS = [
 
 
 class EventStreamResponse:
-    """An SSE response (ASGI app) over `chunks`, closed whether it ends or is cancelled."""
+    """An SSE response (ASGI app): `first`, then `chunks` (an already started generator, so that
+    closing it always runs its cleanup), closed whether the stream ends, fails or is cancelled."""
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self.chunks = chunks
+    def __init__(self, first: bytes, chunks: AsyncGenerator[bytes, None]) -> None:
+        self.first, self.chunks = first, chunks
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -232,3 +232,10 @@ def test_completion_events_match_the_generic_encoder() -> None:
         assert _TextEvents(chunk).event(2, text, finish) == sse_event(
             {**chunk, "choices": [choice]}
         )
+
+
+def test_generation_routes_answer_other_methods_as_before(base_url) -> None:
+    assert httpx.get(f"{base_url}/completions").status_code == 405
+    assert httpx.get(f"{base_url}/chat/completions").status_code == 405
+    paths = httpx.get(base_url.removesuffix("/v1") + "/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions"} <= set(paths)

@@ -205,6 +205,18 @@ def test_request_messages_never_wait_for_the_core_and_stay_in_order() -> None:
     sent_unread = sent.wait(30)
     assert [recv.recv() for _ in msgs] == msgs
     assert sent_unread
+    pipe.close()  # its writer thread ends and the descriptor is released
+    assert not pipe._writer.is_alive() and send.closed
+
+
+def test_a_send_after_the_core_is_gone_says_so() -> None:
+    recv, send = mp.Pipe(duplex=False)
+    pipe = _RequestPipe(send)
+    recv.close()
+    for _ in range(2):  # the first write fails, then every later one
+        with pytest.raises(BrokenPipeError, match="engine core is gone"):
+            pipe.send(("add", "long", LONG_PROMPT))
+    pipe.close()
 
 
 class _GatedEngine(LLMEngine):
