@@ -341,3 +341,8 @@ async def test_count_tokens_counts_with_the_deployment_the_request_would_go_to(u
         name="pair", provider="anthropic", model="m", api_base="http://127.0.0.1:9", api_key="k"
     )
     assert await _count([anthropic_down, own], probe_failed={0}) == smollm2_counts(gguf)[0]
+    # A weight-0 standby listed first takes a request only when the weighted one cannot: the
+    # weighted one is where it goes, and it has no tokenizer.
+    standby = own.model_copy(update={"weight": 0})
+    with pytest.raises(GatewayError, match="\\(deployment 'pair#1'"):
+        await _count([standby, plain])

@@ -393,6 +393,9 @@ class Router:
         every time; with every breaker open, the first configured."""
         group = self.deployments(name)
         pool = _candidates(group, await self._snapshot(group), {}, set())
+        # As the balancer: a weight-0 standby only when nothing weighted is left, and a closed
+        # breaker before a half-open one (its one trial may be taken); stable, so config order.
+        pool.sort(key=lambda ds: (ds[0].weight <= 0, ds[1].state is not BreakerState.CLOSED))
         return pool[0][0] if pool else group[0]
 
     def _backoff(self, failures: int, last: GatewayError | None) -> float:
