@@ -88,14 +88,21 @@ class Proc:
             self.popen.wait()
 
 
-def spawn(name: str, argv: list[str], core: int, env: dict[str, str] | None = None) -> Proc:
+# The checkout whose flashstack is measured (--tree): `python -m` puts the working directory
+# first on sys.path, so PYTHONPATH alone would still serve this checkout.
+TREE = ROOT
+
+
+def spawn(
+    name: str, argv: list[str], core: int, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> Proc:
     log = open(WORK / f"{name}.log", "w")
     popen = subprocess.Popen(
         ["taskset", "-c", str(core), *argv],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
-        cwd=ROOT,
+        cwd=cwd,
     )
     return Proc(name, popen)
 
@@ -194,7 +201,7 @@ def start_flashstack(
             str(ROOT / "bench/gateway"),
             "asgi_app:app",
         ]
-        return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)})
+        return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)}, TREE)
     if server == "granian":  # the comparison in docs/benchmarks.md; `flashstack serve` runs uvicorn
         argv = [
             str(Path(sys.executable).parent / "granian"),
@@ -217,7 +224,7 @@ def start_flashstack(
             str(ROOT / "bench/gateway"),
             "asgi_app:app",
         ]
-        return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)})
+        return spawn("flashstack", argv, GATEWAY_CORE, {"FLASHSTACK_CONFIG": str(cfg)}, TREE)
     argv = [
         sys.executable,
         "-m",
@@ -228,7 +235,7 @@ def start_flashstack(
         "--port",
         str(port),
     ]
-    return spawn("flashstack", argv, GATEWAY_CORE)
+    return spawn("flashstack", argv, GATEWAY_CORE, cwd=TREE)
 
 
 class Collector:
@@ -680,6 +687,13 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument(
+        "--tree",
+        type=Path,
+        default=ROOT,
+        help="measure the flashstack of this checkout (e.g. a `git archive` of another commit); "
+        "default: this one",
+    )
+    p.add_argument(
         "--no-log",
         action="store_true",
         help="also measure flashstack without its request log (flashstack+nolog), side by side",
@@ -690,6 +704,8 @@ def main() -> None:
         help="also measure flashstack with OpenTelemetry on (flashstack+traces), side by side",
     )
     args = p.parse_args()
+    global TREE
+    TREE = args.tree.resolve()
     if os.cpu_count() is None or os.cpu_count() < 2:
         sys.exit("needs 2 cores: the gateway on core 0, mock and load on core 1")
     WORK.mkdir(exist_ok=True)
