@@ -19,13 +19,14 @@ chromium:
 # torch is pinned first, and every later install is held to it (an unpinned torch pulled in by another
 # package would download a multi-GB build). A machine whose $(PYTHON) already has a CUDA build of
 # torch keeps that one: the venv reads the folder it lives in (a .pth file; --system-site-packages
-# would miss it when $(PYTHON) is itself a venv) and also gets the `gpu` extra (torchvision: nvJPEG).
+# would miss it when $(PYTHON) is itself a venv) and also gets the `gpu` extra (torchvision: nvJPEG)
+# instead of `interpret` (triton for the CPU kernel tests; a CUDA torch brings its own).
 # Any other machine gets the pinned CPU wheel of 2.13.0 that the machines carry locally. The pin is
 # the installed distribution's version: torch.__version__ may carry a local label (+cu130) that its
 # metadata lacks, and pip then finds no torch that satisfies both.
 CUDA_TORCH_SITE := $(shell $(PYTHON) -c 'import os, torch; torch.cuda.is_available() and print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)
 comma           := ,
-EXTRAS          := test,cuda$(if $(CUDA_TORCH_SITE),$(comma)gpu)
+EXTRAS          := test,cuda,$(if $(CUDA_TORCH_SITE),gpu,interpret)
 TORCH_PIN       := $(VENV)/torch-pin.txt
 
 $(STAMP): pyproject.toml
