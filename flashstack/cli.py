@@ -124,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running requests get to finish (default 30)",
     )
     eserve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="largest generation request body, decoded; larger ones get 413 (default 32 MiB)",
+    )
+    eserve.add_argument(
         "--access-log",
         action="store_true",
         help="log one line per request (default off: it costs the server CPU per request)",
@@ -368,6 +374,7 @@ def _engine_serve(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             drain_timeout_s=args.drain_timeout,
             access_log=args.access_log,
+            max_body_bytes=args.max_body_bytes,
         )
         serve(
             str(args.model),

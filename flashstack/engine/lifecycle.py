@@ -19,7 +19,11 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flashstack.engine.sse import ClientWatch
-from flashstack.gateway.wire.openai import error_body
+from flashstack.gateway.content_encoding import read_body
+from flashstack.gateway.core import GatewayError
+from flashstack.gateway.wire.openai import error_body, error_json
+
+_BODY_LIMIT = "flashstack engine serve --max-body-bytes"
 
 # Open to anyone, as in vLLM: probes and scrapers carry no API key.
 _PUBLIC_PATHS = frozenset({"/health", "/metrics"})
@@ -34,6 +38,8 @@ class ServeOptions(BaseModel):
     drain_timeout_s: float = Field(30.0, ge=0)  # after SIGTERM, how long running requests may take
     # One log line per request; off by default, as the gateway: it costs the event loop CPU.
     access_log: bool = False
+    # A generation request's body, decoded; larger → 413 unread. 128k tokens of text are ~0.5 MB.
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
 
 
 class Drain:
@@ -109,7 +115,7 @@ async def _send_json(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-PostRoute = Callable[[Request], Awaitable[ASGIApp]]
+PostRoute = Callable[[bytes], Awaitable[ASGIApp]]  # the request's body in, its response out
 
 
 class EngineApp(FastAPI):
@@ -118,10 +124,11 @@ class EngineApp(FastAPI):
     every failure into a response. That machinery cost more API-process CPU per request than
     the request's own work (docs/benchmarks.md, "Engine serving")."""
 
-    def set_fast_routes(self, routes: dict[str, PostRoute], edge: Drain, api_key: str | None):
+    def set_fast_routes(self, routes: dict[str, PostRoute], options: ServeOptions, drain: Drain):
         """Serve POSTs to these paths through `routes`, behind the same API-key and drain edge."""
         self._fast_routes = routes
-        self._fast_edge = EdgeMiddleware(self._dispatch_fast, drain=edge, api_key=api_key)
+        self._max_body_bytes = options.max_body_bytes
+        self._fast_edge = EdgeMiddleware(self._dispatch_fast, drain=drain, api_key=options.api_key)
 
     _fast_routes: dict[str, PostRoute] = {}
 
@@ -133,14 +140,15 @@ class EngineApp(FastAPI):
 
     async def _dispatch_fast(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Once the body is read, a client that leaves cancels the request wherever it waits.
-        request = Request(scope, receive, send)
         try:
-            await request.body()
+            body = await read_body(Request(scope, receive), self._max_body_bytes, _BODY_LIMIT)
         except ClientDisconnect:
             return  # gone before its request was whole: nothing was started
+        except GatewayError as exc:  # too large, or an encoding it cannot decode
+            return await _send_json(send, exc.status, orjson.dumps(error_json(exc)))
         watch = ClientWatch(receive, send)
         try:
-            response = await self._fast_routes[scope["path"]](request)
+            response = await self._fast_routes[scope["path"]](body)
             await response(scope, receive, watch.send)
         except asyncio.CancelledError:
             if not watch.left:

@@ -666,7 +666,7 @@ def build_app(
         "/v1/completions": _post_route(h, CompletionRequest, _completions),
         "/v1/chat/completions": _post_route(h, ChatRequest, _chat),
     }
-    app.set_fast_routes(routes, drain, options.api_key)
+    app.set_fast_routes(routes, options, drain)
 
     @app.exception_handler(GatewayError)
     async def _api_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -740,9 +740,9 @@ def _post_route(
     """A generation route for EngineApp's direct dispatch: the body parsed by pydantic from the
     raw bytes, every request error a 4xx in OpenAI's shape, a reply dict written by orjson."""
 
-    async def route(request: Request) -> ASGIApp:
+    async def route(raw: bytes) -> ASGIApp:
         try:
-            req = body.model_validate_json(await request.body())
+            req = body.model_validate_json(raw)
         except ValidationError as exc:
             return _error_response(_invalid(exc.errors()))
         try:

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from flashstack.gateway import compress, overhead, tokens, validation, vision
 from flashstack.gateway.config import ModelConfig, ServerConfig, VisionConfig
-from flashstack.gateway.content_encoding import BodyDecoder
+from flashstack.gateway.content_encoding import read_body
 from flashstack.gateway.core import (
     ChatRequest,
     Error,
@@ -186,21 +186,9 @@ async def read_json(request: Request, limit: int) -> Any:
 
     A gzip or deflate Content-Encoding is decoded, the limit applying to the decoded body too.
     """
-    # 415 if unknown
-    decoder = BodyDecoder.for_header(request.headers.get("content-encoding"), limit)
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(decoder.feed(chunk) if decoder else chunk)
-    if decoder:
-        chunks.append(decoder.finish())
+    body = await read_body(request, limit)
     try:
-        return orjson.loads(b"".join(chunks))
+        return orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise invalid_request(f"request body is not valid JSON: {e}") from None
 
@@ -221,13 +209,6 @@ def check_capabilities(req: ChatRequest, cfg: ModelConfig) -> None:
             "remove the image parts or choose a vision model",
             "messages",
         )
-
-
-def _too_large(limit: int) -> GatewayError:
-    return GatewayError(
-        ErrorKind.REQUEST_TOO_LARGE,
-        f"request body is larger than the gateway's limit of {limit} bytes (server.max_body_bytes)",
-    )
 
 
 def parse(wire: WireFormat, body: Any, max_depth: int = DEFAULT_JSON_DEPTH) -> ChatRequest:

@@ -8,7 +8,39 @@ from __future__ import annotations
 
 import zlib
 
+from starlette.requests import Request
+
 from flashstack.gateway.core import ErrorKind, GatewayError, invalid_request
+
+# The setting a user raises when a body is refused as too large: the gateway's, by default.
+GATEWAY_LIMIT = "server.max_body_bytes"
+
+
+async def read_body(request: Request, limit: int, setting: str = GATEWAY_LIMIT) -> bytes:
+    """The request's body, decoded from gzip or deflate; a 413 naming `setting` once it passes
+    `limit` bytes, read no further (a declared Content-Length over it is refused unread)."""
+    decoder = BodyDecoder.for_header(request.headers.get("content-encoding"), limit, setting)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit, setting)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit, setting)
+        chunks.append(decoder.feed(chunk) if decoder else chunk)
+    if decoder:
+        chunks.append(decoder.finish())
+    return b"".join(chunks)
+
+
+def too_large(limit: int, setting: str = GATEWAY_LIMIT) -> GatewayError:
+    """413: the body passed the server's limit; `setting` is where the user raises it."""
+    return GatewayError(
+        ErrorKind.REQUEST_TOO_LARGE,
+        f"request body is larger than the server's limit of {limit} bytes ({setting})",
+    )
+
 
 # zlib's wbits: 16 + 15 reads gzip only; 32 + 15 detects a gzip or zlib header (HTTP's "deflate").
 _WBITS = {
@@ -22,14 +54,17 @@ class BodyDecoder:
     """Decompresses one request body chunk by chunk; refuses it once it decodes past
     `limit` bytes."""
 
-    def __init__(self, encoding: str, limit: int) -> None:
+    def __init__(self, encoding: str, limit: int, setting: str = GATEWAY_LIMIT) -> None:
         self.encoding = encoding
         self.limit = limit
+        self.setting = setting
         self.size = 0
         self._zlib = zlib.decompressobj(_WBITS[encoding])
 
     @classmethod
-    def for_header(cls, header: str | None, limit: int) -> BodyDecoder | None:
+    def for_header(
+        cls, header: str | None, limit: int, setting: str = GATEWAY_LIMIT
+    ) -> BodyDecoder | None:
         """The decoder a Content-Encoding header asks for; None for none or identity;
         415 otherwise."""
         encoding = (header or "").strip().lower()
@@ -43,7 +78,7 @@ class BodyDecoder:
                 message=f"Content-Encoding {header!r} is not supported; send the body "
                 "uncompressed, or with a single gzip or deflate encoding",
             )
-        return cls(encoding, limit)
+        return cls(encoding, limit, setting)
 
     def feed(self, data: bytes) -> bytes:
         out = []
@@ -75,8 +110,8 @@ class BodyDecoder:
         if self.size > self.limit:
             raise GatewayError(
                 ErrorKind.REQUEST_TOO_LARGE,
-                f"request body decodes ({self.encoding}) to more than the gateway's limit of "
-                f"{self.limit} bytes (server.max_body_bytes)",
+                f"request body decodes ({self.encoding}) to more than the server's limit of "
+                f"{self.limit} bytes ({self.setting})",
             )
 
     def _corrupt(self, why: str) -> GatewayError:

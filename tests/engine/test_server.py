@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import gzip
 import socket
 import threading
 import time
 
 import httpx
 import openai
+import orjson
 import pytest
 import uvicorn
 
 from flashstack.engine import AsyncLLM
+from flashstack.engine.lifecycle import ServeOptions
 from flashstack.engine.server import build_app
 
 
@@ -239,3 +242,31 @@ def test_generation_routes_answer_other_methods_as_before(base_url) -> None:
     assert httpx.get(f"{base_url}/chat/completions").status_code == 405
     paths = httpx.get(base_url.removesuffix("/v1") + "/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions"} <= set(paths)
+
+
+def test_a_gzip_body_is_decoded(base_url) -> None:
+    body = orjson.dumps({"model": "tiny-random", "prompt": "def main():", "max_tokens": 4})
+    r = httpx.post(
+        f"{base_url}/completions",
+        content=gzip.compress(body),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_body_over_the_limit_is_413_unread(tiny_model_dir) -> None:
+    from starlette.testclient import TestClient
+
+    engine = AsyncLLM(tiny_model_dir, block_size=16, device="cpu", show_progress=False)
+    app = build_app(engine, options=ServeOptions(max_body_bytes=1024))
+    with TestClient(app) as http:
+        big = {"model": "tiny-random", "prompt": "x " * 1000, "max_tokens": 4}
+        r = http.post("/v1/completions", json=big)
+        assert r.status_code == 413, r.text
+        assert "--max-body-bytes" in r.json()["error"]["message"]
+        bomb = gzip.compress(orjson.dumps({**big, "prompt": "x" * 100_000}))
+        r = http.post("/v1/completions", content=bomb, headers={"content-encoding": "gzip"})
+        assert r.status_code == 413 and len(bomb) < 1024  # refused by what it decodes to
+        r = http.post("/v1/completions", content=b"{}", headers={"content-encoding": "br"})
+        assert r.status_code == 415 and r.json()["error"]["param"] == "content-encoding"
+    assert not engine.engine.has_unfinished_requests()  # nothing reached the engine
