@@ -9,11 +9,13 @@ import json
 import math
 import os
 import random
+import shlex
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,7 +326,7 @@ def _free_port() -> int:
 
 
 def start_server(
-    model: Path, args: argparse.Namespace, tree: Path | None = None
+    model: Path, args: argparse.Namespace, tree: Path | None = None, extra: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, str]:
     """`flashstack engine serve` of `tree` (default: this one) in its own process; returns it and
     its URL once /health answers."""
@@ -354,7 +356,7 @@ def start_server(
     ]
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    cmd += args.server_arg
+    cmd += [*args.server_arg, *extra]
     tree = (tree or Path(__file__).resolve().parents[1]).resolve()
     env = {
         **os.environ,
@@ -545,6 +547,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also serve the tree at PATH (its own flashstack) with the same client and workload",
     )
     ap.add_argument(
+        "--compare-args",
+        type=_labelled_args,
+        action="append",
+        default=[],
+        metavar="LABEL=ARGS",
+        help="also serve this tree with these extra `engine serve` arguments, e.g. "
+        "'chunk2k=--max-num-batched-tokens 2048', with the same client and workload",
+    )
+    ap.add_argument(
         "--compare-clients",
         nargs="+",
         choices=["aiohttp", "httpx"],
@@ -566,6 +577,13 @@ def _labelled_tree(text: str) -> tuple[str, Path]:
     if not sep or not Path(path, "flashstack").is_dir():
         raise argparse.ArgumentTypeError(f"expected LABEL=PATH of a tree with flashstack/: {text}")
     return label, Path(path)
+
+
+def _labelled_args(text: str) -> tuple[str, list[str]]:
+    label, sep, extra = text.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"expected LABEL=ARGS: {text}")
+    return label, shlex.split(extra)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -599,6 +617,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             model, work, warm, args, tree, clients=tuple(args.compare_clients)
         )
         dump()
+    for label, extra in args.compare_args:
+        result.setdefault("compare", {})[label] = {"args": extra}
+        result["compare"][label]["served"] = serve_tree(
+            model, work, warm, args, None, clients=tuple(args.compare_clients), extra=extra
+        )
+        dump()
     result["served"] = serve_tree(model, work, warm, args, None, args.py_spy)
     dump()
     if not args.skip_offline:
@@ -618,9 +642,11 @@ def serve_tree(
     tree: Path | None,
     py_spy: Path | None = None,
     clients: tuple[str, ...] = ("aiohttp",),
+    extra: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Every rate and concurrency against `engine serve` of `tree` (None: this tree)."""
-    proc, url = start_server(model, args, tree)
+    """Every rate and concurrency against `engine serve` of `tree` (None: this tree), with the
+    `extra` arguments after --server-arg's."""
+    proc, url = start_server(model, args, tree, extra)
     try:
         return served(url, work, warm, args, proc.pid if py_spy else None, py_spy, clients)
     finally:

@@ -44,11 +44,18 @@ def test_serving_bench_smoke(tmp_path) -> None:
             "256",
             "--max-num-seqs",
             "8",
+            "--compare-args",
+            "chunked=--max-num-batched-tokens 16",
             "--json",
             str(out),
         ]
     )
     assert json.loads(out.read_text()) == result
+    # The same tree served with an extra flag, side by side: prompts over 16 tokens are chunked.
+    chunked = result["compare"]["chunked"]
+    assert chunked["args"] == ["--max-num-batched-tokens", "16"]
+    assert [r["completed"] for r in chunked["served"]] == [4, 4]
+    assert chunked["served_over_offline"] > 0
     burst, capped = result["served"]
     # ignore_eos: both paths produce exactly the workload's output lengths
     assert burst["completed"] == 4 and burst["output_tokens"] == result["offline"]["output_tokens"]
