@@ -16,14 +16,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashstack.engine.sse import ClientWatch
 from flashstack.gateway.content_encoding import read_body
 from flashstack.gateway.core import GatewayError
 from flashstack.gateway.wire.openai import error_body, error_json
 
-_BODY_LIMIT = "flashstack engine serve --max-body-bytes"
+BODY_LIMIT = "flashstack engine serve --max-body-bytes"  # what a 413 tells the user to raise
 
 # Open to anyone, as in vLLM: probes and scrapers carry no API key.
 _PUBLIC_PATHS = frozenset({"/health", "/metrics"})
@@ -38,7 +38,7 @@ class ServeOptions(BaseModel):
     drain_timeout_s: float = Field(30.0, ge=0)  # after SIGTERM, how long running requests may take
     # One log line per request; off by default, as the gateway: it costs the event loop CPU.
     access_log: bool = False
-    # A generation request's body, decoded; larger → 413 unread. 128k tokens of text are ~0.5 MB.
+    # A POST's body, decoded; larger → 413 unread. 128k tokens of text are ~0.5 MB.
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
 
 
@@ -72,10 +72,15 @@ def _error(status: int, message: str, type_: str, code: str) -> tuple[int, bytes
 
 
 class EdgeMiddleware:
-    """401 without the key, 503 while draining; pure ASGI, so streamed responses pass untouched."""
+    """401 without the key, 503 while draining; pure ASGI, so streamed responses pass untouched.
+    With `max_body_bytes`, a POST's body is read here under that cap (413 past it) and handed on
+    whole."""
 
-    def __init__(self, app: Any, drain: Drain, api_key: str | None) -> None:
+    def __init__(
+        self, app: Any, drain: Drain, api_key: str | None, max_body_bytes: int | None = None
+    ) -> None:
         self.app, self.drain, self.api_key = app, drain, api_key
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -84,6 +89,14 @@ class EdgeMiddleware:
         refusal = self._refusal(path, dict(scope["headers"]))
         if refusal is not None:
             return await _send_json(send, *refusal)
+        if self.max_body_bytes is not None and scope["method"] == "POST":
+            try:
+                body = await read_body(Request(scope, receive), self.max_body_bytes, BODY_LIMIT)
+            except ClientDisconnect:
+                return
+            except GatewayError as exc:  # too large, or an encoding it cannot decode
+                return await _send_json(send, exc.status, orjson.dumps(error_json(exc)))
+            receive = _replaying(body, receive)
         self.drain.in_flight += 1
         try:
             await self.app(scope, receive, send)
@@ -107,6 +120,16 @@ class EdgeMiddleware:
                 "invalid_api_key",
             )
         return None
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """`receive` with the body, already read and decoded, as its first message."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 async def _send_json(send: Any, status: int, body: bytes) -> None:
@@ -141,7 +164,7 @@ class EngineApp(FastAPI):
     async def _dispatch_fast(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Once the body is read, a client that leaves cancels the request wherever it waits.
         try:
-            body = await read_body(Request(scope, receive), self._max_body_bytes, _BODY_LIMIT)
+            body = await read_body(Request(scope, receive), self._max_body_bytes, BODY_LIMIT)
         except ClientDisconnect:
             return  # gone before its request was whole: nothing was started
         except GatewayError as exc:  # too large, or an encoding it cannot decode

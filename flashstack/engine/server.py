@@ -661,7 +661,8 @@ def build_app(
     h = _Handler(engine, names, ServerMetrics(engine.stats, names[0]))
     app.state.handler = h
     app.state.drain = drain = Drain(options.drain_timeout_s)
-    app.add_middleware(EdgeMiddleware, drain=drain, api_key=options.api_key)
+    edge = {"drain": drain, "api_key": options.api_key, "max_body_bytes": options.max_body_bytes}
+    app.add_middleware(EdgeMiddleware, **edge)  # the routes FastAPI serves: /tokenize, ...
     routes = {
         "/v1/completions": _post_route(h, CompletionRequest, _completions),
         "/v1/chat/completions": _post_route(h, ChatRequest, _chat),
