@@ -80,17 +80,7 @@ def sequence_logits(llm: Any, ids: list[int]) -> torch.Tensor:
     dev, block = runner.device, llm.engine.config.block_size
     blocks = -(-n // block)
     caches = [torch.zeros_like(c[:blocks]) for c in runner.kv_caches]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=dev),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
-        context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        block_size=block,
-        max_query_len=n,
-        max_context_len=n,
-        query_lens_host=[n],
-        context_lens_host=[n],
-    )
+    meta = AttentionMetadata.whole_prefill(n, block, dev)
     model = llm.engine.model
     tokens = torch.tensor(ids, device=dev)
     hidden = model(tokens, torch.arange(n, device=dev), meta, caches, runner.ops)

@@ -63,7 +63,7 @@ TEXT = (
 def forced_text(llm, ids: list[int]) -> tuple[float, torch.Tensor]:
     """(perplexity of ids[1:], argmax at every position) from one teacher-forced prefill of `ids`
     through the engine's own model, ops and KV cache dtype (scales included)."""
-    from flashstack.engine.kv_cache import one_block_prefill
+    from flashstack.engine.kernels.attention import AttentionMetadata
 
     engine = llm.engine
     model, ops, a, n = engine.model, engine.runner.ops, engine.model.args, len(ids)
@@ -75,7 +75,9 @@ def forced_text(llm, ids: list[int]) -> tuple[float, torch.Tensor]:
         for _ in range(a.num_layers)
     ]
     tokens = torch.tensor(ids, device=dev)
-    hidden = model(tokens, torch.arange(n, device=dev), one_block_prefill(n, dev), caches, ops)
+    hidden = model(
+        tokens, torch.arange(n, device=dev), AttentionMetadata.whole_prefill(n, n, dev), caches, ops
+    )
     logits = model.compute_logits(hidden, ops).float()
     nll = -torch.log_softmax(logits[:-1], -1).gather(1, tokens[1:, None]).mean()
     return round(float(nll.exp()), 4), logits.argmax(-1)

@@ -61,22 +61,6 @@ def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
     return [(i * 7919 + 13) % vocab_size for i in range(256)]
 
 
-def one_block_prefill(n: int, device: torch.device) -> AttentionMetadata:
-    """The metadata of one sequence's whole prefill of n tokens into a cache of one n-token block
-    (calibration, and the quality benchmark's teacher-forced forward)."""
-    return AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        block_size=n,
-        max_query_len=n,
-        max_context_len=n,
-        query_lens_host=[n],
-        context_lens_host=[n],
-    )
-
-
 @torch.inference_mode()
 def calibrate_kv_scales(model, token_ids: list[int], dtype: torch.dtype) -> torch.Tensor:
     """[layers, 2] fp32: each layer's k_scale and v_scale from one forward of `token_ids` through
@@ -88,7 +72,13 @@ def calibrate_kv_scales(model, token_ids: list[int], dtype: torch.dtype) -> torc
     ]
     ops = TorchOps(get_attention_backend("reference", device))
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    model(ids, torch.arange(n, device=device), one_block_prefill(n, device), caches, ops)
+    model(
+        ids,
+        torch.arange(n, device=device),
+        AttentionMetadata.whole_prefill(n, n, device),
+        caches,
+        ops,
+    )
     amax = torch.stack([c[0].abs().float().amax(dim=(1, 2, 3)) for c in caches])  # [layers, K|V]
     # an all-zero layer (a checkpoint's dead head) still gets a scale that divides
     return (amax * HEADROOM / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)

@@ -47,6 +47,23 @@ class AttentionMetadata:
     # Per-step values a backend derives once and reuses in every layer (indices, masks).
     scratch: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def whole_prefill(cls, n: int, block_size: int, device: torch.device) -> AttentionMetadata:
+        """One sequence's whole prefill of `n` tokens into blocks 0, 1, ... of a fresh cache
+        (calibration, benchmarks and warm-up forwards outside the scheduler)."""
+        blocks = -(-n // block_size)
+        return cls(
+            slot_mapping=torch.arange(n, device=device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+            context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            block_size=block_size,
+            max_query_len=n,
+            max_context_len=n,
+            query_lens_host=[n],
+            context_lens_host=[n],
+        )
+
     @property
     def num_seqs(self) -> int:
         """Sequences in this step."""

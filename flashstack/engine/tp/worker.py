@@ -236,17 +236,7 @@ def profile_step(
         torch.zeros(blocks, 2, bs, a.num_kv_heads, a.head_dim, dtype=dtype, device=device)
         for _ in range(a.num_layers)
     ]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        block_size=bs,
-        max_query_len=n,
-        max_context_len=n,
-        query_lens_host=[n],
-        context_lens_host=[n],
-    )
+    meta = AttentionMetadata.whole_prefill(n, bs, device)
     backend = get_attention_backend(config.attention_backend, device, config.kernels)
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     # as rank 0's: same kernels, same collectives
