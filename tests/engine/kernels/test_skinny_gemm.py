@@ -18,8 +18,9 @@ from flashstack.engine.kernels.triton_skinny import (  # noqa: E402
     skinny_config,
     skinny_linear,
 )
-from flashstack.engine.models import LlamaForCausalLM, ModelArgs  # noqa: E402
+from flashstack.engine.models import LlamaForCausalLM  # noqa: E402
 from flashstack.engine.models.ops import TritonOps  # noqa: E402
+from tests.engine.kernels.test_batch1_decoder import _args  # noqa: E402
 
 # (M, N, K, config (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) or None for skinny_config)
 SHAPES = [
@@ -98,18 +99,7 @@ def test_bf16_replays_in_a_cuda_graph(m):
 
 def _model(device) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    args = ModelArgs(
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        qkv_bias=True,
-        rope={"rope_theta": 1e4, "rope_type": "default"},
-    )
+    args = dataclasses.replace(_args(qk_norm=False), qkv_bias=True)
     model = LlamaForCausalLM(args).to(device)
     with torch.no_grad():  # decisive logits: weights well away from the default's tiny init
         for p in model.parameters():
