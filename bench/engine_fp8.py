@@ -139,7 +139,7 @@ def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     """The 8B shape's four batch-1 GEMVs for 32 layers in one CUDA graph on fp8 weights; the
     configuration of each prologue or epilogue (`FP8_CONFIGS`: q/k/v and gate/up share "norm")
     swept in turn with the others held. The best found replace `FP8_CONFIGS` in this process."""
-    from bench.engine_gemv_chain import FUSED, HIDDEN, PROJECTIONS, graph_ms, layer_weights
+    from bench.engine_gemv_chain import FUSED, HIDDEN, PROJECTIONS, graph_ms, layer_weights, sweep
     from flashstack.engine.kernels import triton_gemv
     from flashstack.engine.kernels.triton_gemv import gemv_triton
     from flashstack.engine.quantization import quantize_rows
@@ -167,36 +167,9 @@ def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
 
     kinds = ("norm", "residual", "silu")
     defaults = {kind: triton_gemv.FP8_CONFIGS[kind] for kind in kinds}
-    best, tried = dict(defaults), {}
-    default_ms = best_ms = graph_ms(lambda: chain(best))
-    for kind in kinds:
-        tried[kind] = {}
-        for config in candidates:
-            try:
-                ms = graph_ms(lambda: chain({**best, kind: config}))
-            except Exception as exc:  # a configuration the compiler rejects
-                tried[kind][str(config)] = repr(exc)[:80]
-                continue
-            tried[kind][str(config)] = round(ms, 4)
-            if ms < best_ms:
-                best_ms, best[kind] = ms, config
-        print("sweep", kind, best[kind], round(best_ms, 4), flush=True)
-    final_ms = graph_ms(lambda: chain(best))
-    triton_gemv.FP8_CONFIGS.update(best)
-    return {
-        "floor_ms": round(floor_ms, 4),
-        "default": {
-            "configs": defaults,
-            "chain_ms": round(default_ms, 4),
-            "fraction_of_floor": round(floor_ms / default_ms, 4),
-        },
-        "best": {
-            "configs": best,
-            "chain_ms": round(final_ms, 4),
-            "fraction_of_floor": round(floor_ms / final_ms, 4),
-        },
-        "tried_ms": tried,
-    }
+    swept = sweep(lambda configs: graph_ms(lambda: chain(configs)), defaults, candidates, floor_ms)
+    triton_gemv.FP8_CONFIGS.update(swept["best"]["configs"])
+    return swept
 
 
 def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:

@@ -6,6 +6,7 @@ import argparse
 import itertools
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,26 +101,45 @@ def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str,
     def time(configs: dict[str, Any]) -> float:
         return graph_ms(lambda: _chain(layers, configs, world, x, norm))
 
+    def fits(name: str, config: tuple[int, ...]) -> bool:
+        return not (name == "down" and config[1] > shapes[name][1])
+
+    swept = sweep(time, defaults, candidates, floor_ms, _label, fits, tag=str(world))
+    return {"shapes": shapes, **swept}
+
+
+def sweep(
+    time: Callable[[dict[str, Any]], float],
+    defaults: dict[str, Any],
+    candidates: list[Any],
+    floor_ms: float,
+    label: Callable[[Any], str] = str,
+    fits: Callable[[str, Any], bool] = lambda _name, _config: True,
+    tag: str = "sweep",
+) -> dict[str, Any]:
+    """Coordinate descent over launch configurations: each key of `defaults` in turn takes the
+    candidate that makes `time(configs)` (ms) fastest with the others held at their best so far;
+    the winners are timed together again at the end. A configuration the compiler rejects is
+    recorded with its error and skipped."""
     best = dict(defaults)
     default_ms = best_ms = time(best)
-    tried: dict[str, dict[str, float]] = {}
-    for name in PROJECTIONS:
+    tried: dict[str, dict[str, Any]] = {}
+    for name in defaults:
         tried[name] = {}
         for config in candidates:
-            if name == "down" and config[1] > shapes[name][1]:
+            if not fits(name, config):
                 continue
             try:
                 ms = time({**best, name: config})
             except Exception as exc:  # a configuration the compiler rejects
-                tried[name][_label(config)] = repr(exc)[:80]
+                tried[name][label(config)] = repr(exc)[:80]
                 continue
-            tried[name][_label(config)] = round(ms, 4)
+            tried[name][label(config)] = round(ms, 4)
             if ms < best_ms:
                 best_ms, best[name] = ms, config
-        print(world, name, best[name], round(best_ms, 4), flush=True)
+        print(tag, name, best[name], round(best_ms, 4), flush=True)
     final_ms = time(best)  # the winners together, timed again
     return {
-        "shapes": shapes,
         "floor_ms": round(floor_ms, 4),
         "default": {
             "configs": defaults,
