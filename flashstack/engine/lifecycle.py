@@ -93,7 +93,7 @@ class EdgeMiddleware:
             try:
                 body = await read_body(Request(scope, receive), self.max_body_bytes, BODY_LIMIT)
             except ClientDisconnect:
-                return
+                return  # gone before its request was whole: nothing was started
             except GatewayError as exc:  # too large, or an encoding it cannot decode
                 return await _send_json(send, exc.status, orjson.dumps(error_json(exc)))
             receive = _replaying(body, receive)
@@ -150,8 +150,9 @@ class EngineApp(FastAPI):
     def set_fast_routes(self, routes: dict[str, PostRoute], options: ServeOptions, drain: Drain):
         """Serve POSTs to these paths through `routes`, behind the same API-key and drain edge."""
         self._fast_routes = routes
-        self._max_body_bytes = options.max_body_bytes
-        self._fast_edge = EdgeMiddleware(self._dispatch_fast, drain=drain, api_key=options.api_key)
+        self._fast_edge = EdgeMiddleware(
+            self._dispatch_fast, drain, options.api_key, options.max_body_bytes
+        )
 
     _fast_routes: dict[str, PostRoute] = {}
 
@@ -162,13 +163,8 @@ class EngineApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     async def _dispatch_fast(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Once the body is read, a client that leaves cancels the request wherever it waits.
-        try:
-            body = await read_body(Request(scope, receive), self._max_body_bytes, BODY_LIMIT)
-        except ClientDisconnect:
-            return  # gone before its request was whole: nothing was started
-        except GatewayError as exc:  # too large, or an encoding it cannot decode
-            return await _send_json(send, exc.status, orjson.dumps(error_json(exc)))
+        body = (await receive())["body"]  # the edge read it whole, under the body cap
+        # From here a client that leaves cancels the request wherever it waits.
         watch = ClientWatch(receive, send)
         try:
             response = await self._fast_routes[scope["path"]](body)
