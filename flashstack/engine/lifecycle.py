@@ -1,5 +1,5 @@
-"""The engine server's edge: the API-key check, draining on SIGTERM, and the generation routes'
-direct dispatch."""
+"""The engine server's edge: the API-key check, the body cap, draining on SIGTERM, and the
+generation routes' direct dispatch."""
 
 from __future__ import annotations
 
