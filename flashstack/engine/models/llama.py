@@ -164,11 +164,24 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(h, residual) -> the next layer's: the residual stream plus this block's pending output
         (which the next norm adds in; Ops that add in place leave h None)."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = ops.norm_project(self.input_layernorm, attn.qkv_proj, h, residual)
-        h, residual = ops.project_add(
-            attn.o_proj, ops.attend(attn, qkv, rope, meta, kv_cache), residual
-        )
+        qkv, residual = self.attention_input(h, residual, ops)
+        heads = ops.attend(self.self_attn, qkv, rope, meta, kv_cache)
+        return self.after_attention(heads, residual, ops)
+
+    # The halves on either side of attention: all of a layer that depends on the number of tokens
+    # only, which engine/mixed_graphs.py captures as CUDA graphs.
+    def attention_input(
+        self, h: torch.Tensor | None, residual: torch.Tensor | None, ops: Ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed q/k/v projection of norm(residual + h), and the new residual."""
+        return ops.norm_project(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
+
+    def after_attention(
+        self, heads: torch.Tensor, residual: torch.Tensor, ops: Ops
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """o_proj of the heads' outputs, then the MLP: (h, residual) for the next layer."""
+        mlp = self.mlp
+        h, residual = ops.project_add(self.self_attn.o_proj, heads, residual)
         gate_up, residual = ops.norm_project(
             self.post_attention_layernorm, mlp.gate_up_proj, h, residual
         )
@@ -198,12 +211,17 @@ class DecoderModel(nn.Module):
         ops: Ops,
     ) -> torch.Tensor:
         ops = ops.for_tokens(input_ids.shape[0])
-        h: torch.Tensor | None = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, h.dtype)  # shared by every layer
+        h: torch.Tensor | None
+        h, rope = self.embed(input_ids, positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, rope, meta, kv_cache, ops)
         return ops.final_norm(self.norm, h, residual)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        """The tokens' embeddings and the rotary cos/sin every layer shares."""
+        h = self.embed_tokens(input_ids)
+        return h, self.rotary_emb(positions, h.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
