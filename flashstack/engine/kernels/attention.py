@@ -44,6 +44,15 @@ class AttentionMetadata:
     # The context bound a decode launch's grid is sized for: a captured graph's, so one graph serves
     # every step; None: the step's own longest context.
     grid_context_len: int | None = None
+    # A mixed step inside a CUDA graph: the Triton prefill kernel's fixed-grid (sequence, query
+    # tile) map, int32 pairs (kernels/triton_attention.prefill_tiles); None: the grid is the step's.
+    prefill_tiles: torch.Tensor | None = None
+    # With prefill_tiles: the context lengths of the leading one-token rows the decode kernel
+    # takes (1 past the step's decodes), int32; None: the prefill kernel takes every row.
+    decode_lens: torch.Tensor | None = None
+    # The number of leading sequences that query one token each (ModelRunner.prepare puts them
+    # first).
+    decode_rows: int = 0
     # Per-step values a backend derives once and reuses in every layer (indices, masks).
     scratch: dict[str, Any] = field(default_factory=dict)
 

@@ -655,12 +655,13 @@ def paged_decode_triton(
     sliding_window: int | None = None,
     new: NewTokens | None = None,
     kv_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
-    says (plan_decode); returns [batch, heads, head_dim] in q's dtype. With `new`, q is the
-    unrotated q straight from the q/k/v projection and the new k/v are not in the cache yet: the
-    kernel rotates them, stores them and attends with them (see NewTokens). `kv_scale`: an fp8
-    cache's [k_scale, v_scale].
+    says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given).
+    With `new`, q is the unrotated q straight from the q/k/v projection and the new k/v are not in
+    the cache yet: the kernel rotates them, stores them and attends with them (see NewTokens).
+    `kv_scale`: an fp8 cache's [k_scale, v_scale].
     """
     fp8 = check_kv_scale(kv_cache, kv_scale)
     batch, heads, dim = q.shape
@@ -669,7 +670,9 @@ def paged_decode_triton(
     assert plan.batch == batch, f"a plan for {plan.batch} sequences launched for {batch}"
     num_splits, block_n, min_split, tma = plan.num_splits, plan.block_n, plan.min_split, plan.tma
     num_stages, num_warps, table_span = plan.num_stages, plan.num_warps, plan.table_span
-    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    assert out.shape == (batch, heads, dim) and out.stride(-1) == 1
     if num_splits > 1:
         part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
@@ -785,6 +788,7 @@ def _prefill_kernel(
     ctx_ptr,
     qstart_ptr,
     out_ptr,
+    tiles_ptr,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -805,10 +809,17 @@ def _prefill_kernel(
     PREC: tl.constexpr,
     FP8: tl.constexpr,
     KV_DOT: tl.constexpr,
+    TILED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
     h = tl.program_id(1)
-    mtile = tl.program_id(2)
+    if TILED:  # a fixed grid (a CUDA graph's): each program reads its (sequence, query tile)
+        seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
+        mtile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+        if seq < 0:
+            return
+    else:
+        seq = tl.program_id(0)
+        mtile = tl.program_id(2)
     q_begin = tl.load(qstart_ptr + seq)
     q_len = tl.load(qstart_ptr + seq + 1) - q_begin
     if mtile * BLOCK_M >= q_len:
@@ -879,14 +890,23 @@ def paged_prefill_triton(
     block_m: int = 64,
     block_n: int = 64,
     kv_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache,
-    cached prefixes included (the queries are the last query_len positions of each context)."""
+    cached prefixes included (the queries are the last query_len positions of each context).
+
+    With `meta.prefill_tiles` (prefill_tiles() below, for block_m = PREFILL_BLOCK_M) the grid is
+    that map's length, whatever the step's sequences: what a CUDA graph can bake in."""
     fp8 = check_kv_scale(kv_cache, kv_scale)
     num_tokens, heads, dim = q.shape
     group = heads // kv_cache.shape[3]
-    out = torch.empty_like(q)
-    grid = (meta.num_seqs, heads, triton.cdiv(meta.max_query_len, block_m))
+    out = torch.empty_like(q) if out is None else out
+    tiles = meta.prefill_tiles
+    if tiles is not None:
+        assert block_m == PREFILL_BLOCK_M, "the tile map is laid out for PREFILL_BLOCK_M"
+        grid: tuple[int, ...] = (tiles.shape[0] // 2, heads)
+    else:
+        grid = (meta.num_seqs, heads, triton.cdiv(meta.max_query_len, block_m))
     _prefill_kernel[grid](
         q,
         kv_cache,
@@ -895,6 +915,7 @@ def paged_prefill_triton(
         meta.context_lens,
         meta.query_start_loc,
         out,
+        tiles if tiles is not None else meta.context_lens,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -915,8 +936,32 @@ def paged_prefill_triton(
         PREC=_precision(kv_cache, q),
         FP8=fp8,
         KV_DOT=_kv_dot(q),
+        TILED=tiles is not None,
     )
     return out
+
+
+PREFILL_BLOCK_M = 64  # paged_prefill_triton's query tile
+
+
+def prefill_tiles(query_lens: list[int], num_tiles: int, skip: int = 0) -> list[int]:
+    """The (sequence, query tile) of each program of a fixed `num_tiles`-program prefill grid,
+    flat, padded with (-1, -1): programs past the step's tiles exit at once. The first `skip`
+    sequences get none (their rows go to the decode kernel: AttentionMetadata.decode_lens)."""
+    flat = [
+        v
+        for seq, n in enumerate(query_lens)
+        if seq >= skip
+        for t in range(-(-n // PREFILL_BLOCK_M))
+        for v in (seq, t)
+    ]
+    assert len(flat) <= 2 * num_tiles, "more query tiles than the grid holds"
+    return flat + [-1] * (2 * num_tiles - len(flat))
+
+
+def max_prefill_tiles(num_tokens: int, num_seqs: int) -> int:
+    """Query tiles of any step of `num_tokens` tokens over at most `num_seqs` sequences."""
+    return -(-num_tokens // PREFILL_BLOCK_M) + min(num_seqs, num_tokens)
 
 
 def plan_step_decode(
@@ -934,6 +979,47 @@ def plan_step_decode(
     )
 
 
+def _mixed_in_graph(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    kernels: KernelOptions,
+    kv_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """A mixed step's attention on fixed grids: the split-KV decode kernel over the leading
+    one-token rows (`meta.decode_lens`; the rows past the step's decodes have context 1 and are
+    rewritten next), then the tile-mapped prefill kernel over the other sequences' chunks. The
+    prefill kernel alone would give each decode row a 64-row query tile and one program per head
+    reading its whole context: 60 % of a Qwen3-0.6B step of 512 prefill tokens and 31 decodes."""
+    out = torch.empty_like(q)
+    lens = meta.decode_lens
+    if lens is not None:
+        rows = lens.shape[0]
+        plan = plan_decode(
+            rows,
+            kv_cache,
+            meta.grid_context_len or meta.max_context_len,
+            tma=None if kernels.decode_tma else False,
+            pdl=kernels.attention_pdl,
+        )
+        paged_decode_triton(
+            q[:rows],
+            kv_cache,
+            meta.block_tables[:rows],
+            lens,
+            scale,
+            plan,
+            sliding_window,
+            kv_scale=kv_scale,
+            out=out[:rows],
+        )
+    return paged_prefill_triton(
+        q, kv_cache, meta, scale, sliding_window, kv_scale=kv_scale, out=out
+    )
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -946,6 +1032,8 @@ def paged_attention_triton(
     """The Triton backend's attention: split-KV decode for decode-only steps; long prefill chunks
     through torch's fused attention (attention.SDPA_MIN_QUERY_LEN says why); paged prefill
     otherwise."""
+    if meta.prefill_tiles is not None:  # a mixed step inside a CUDA graph
+        return _mixed_in_graph(q, kv_cache, meta, scale, sliding_window, kernels, kv_scale)
     if sdpa_prefill_applies(meta, sliding_window):
         return paged_prefill_sdpa(q, kv_cache, meta, scale, kv_scale)
     if meta.is_decode_only:

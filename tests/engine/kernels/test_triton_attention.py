@@ -237,6 +237,38 @@ def test_prefill_with_cached_prefix_matches_reference(
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["prefill-only", "decodes-split"])
+def test_mixed_step_on_fixed_grids_matches_reference(device, window, decode_kernel):
+    """The launches a CUDA graph bakes in for a mixed step: more prefill programs than the step
+    has tiles (the rest exit), decode rows and a chunk longer than one tile, cached prefixes; with
+    `decode_kernel`, the leading one-token rows on the split-KV decode kernel, sized for more rows
+    than the step has decodes."""
+    from flashstack.engine.config import KernelOptions
+
+    torch.manual_seed(4)
+    dtype = DTYPES[0]
+    query_lens, ctx, bs = [1, 1, 70, 3], [40, 17, 90, 3], 16
+    num_blocks = sum(math.ceil(c / bs) for c in ctx) + 2
+    cache = _cache(num_blocks, bs, 2, 64, dtype, device)
+    tables = _tables(ctx, bs, num_blocks, device)
+    meta = _meta(query_lens, ctx, tables, bs, device)
+    q = torch.randn(sum(query_lens), 4, 64, dtype=dtype, device=device)
+    want = paged_attention_reference(q, cache, meta, 0.125, window)
+    num_tiles = tk.max_prefill_tiles(sum(query_lens), 8)
+    skip = 2 if decode_kernel else 0
+    tiles = tk.prefill_tiles(query_lens, num_tiles, skip=skip)
+    expected = [0, 0, 1, 0] if not decode_kernel else []
+    assert tiles[: len(expected) + 6] == expected + [2, 0, 2, 1, 3, 0]
+    assert set(tiles[len(expected) + 6 :]) == {-1}
+    meta.prefill_tiles = torch.tensor(tiles, dtype=torch.int32, device=device)
+    if decode_kernel:
+        meta.decode_lens = torch.tensor([40, 17, 1], dtype=torch.int32, device=device)
+        meta.grid_context_len = 128
+    got = tk.paged_attention_triton(q, cache, meta, 0.125, window, KernelOptions())
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 def test_prefill_sliding_window(device):
     torch.manual_seed(3)
     dtype = DTYPES[0]
