@@ -80,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens one step may take, decodes and prefill chunks together (default 8192); "
         "smaller bounds how long a prefill stalls running streams",
     )
+    eserve.add_argument(
+        "--mixed-step-graph-tokens",
+        type=int,
+        default=None,
+        help="steps with prefill chunks of up to this many tokens replay per-layer CUDA graphs "
+        "around eager attention (default 2048; 0: eager)",
+    )
+    eserve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs at all")
     eserve.add_argument("--device", default="auto")
     eserve.add_argument("--dtype", default="auto")
     eserve.add_argument(
@@ -360,6 +368,8 @@ def _engine_serve(args: argparse.Namespace) -> None:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "mixed_step_graph_tokens": args.mixed_step_graph_tokens,
+        "enforce_eager": args.enforce_eager or None,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "quantization": args.quantization,

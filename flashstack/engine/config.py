@@ -123,8 +123,12 @@ class EngineConfig:
     attention_backend: str = (
         "auto"  # "auto", "reference", or a name registered in kernels.attention
     )
-    # True: no CUDA graphs for decode (debugging, or to save capture time)
+    # True: no CUDA graphs (debugging, or to save capture time)
     enforce_eager: bool = False
+    # Steps with prefill chunks of up to this many tokens (and max_num_batched_tokens) replay
+    # per-layer CUDA graphs around eager attention (engine/mixed_graphs.py), one GPU only; 0: they
+    # run eagerly.
+    mixed_step_graph_tokens: int = 2048
     # Queue each decode step's successor before reading the step's tokens back, so the device
     # never idles while the host schedules and streams (vLLM's async scheduling). False: one step
     # at a time.
@@ -157,6 +161,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.mixed_step_graph_tokens < 0:
+            raise ValueError(
+                "mixed_step_graph_tokens must be >= 0 (0: mixed steps run eagerly), "
+                f"got {self.mixed_step_graph_tokens}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.quantization not in QUANTIZATIONS:

@@ -37,7 +37,13 @@ from flashstack.engine.loader import (
     resolve_device,
     resolve_dtype,
 )
-from flashstack.engine.model_runner import ModelRunner, PendingStep, kv_bytes_per_block
+from flashstack.engine.mixed_graphs import buffer_bytes
+from flashstack.engine.model_runner import (
+    ModelRunner,
+    PendingStep,
+    kv_bytes_per_block,
+    mixed_graph_tokens,
+)
 from flashstack.engine.models.ops import select_ops
 from flashstack.engine.outputs import RequestOutput, RequestState, StreamDelta
 from flashstack.engine.quantization import FP8
@@ -163,14 +169,29 @@ class LLMEngine:
 
     def _cuda_kv_budget(self) -> int:
         # What is left of gpu_memory_utilization once the weights, the measured peak of the largest
-        # step's activations and the decode graphs' pool are accounted for.
+        # step's activations and the graphs' pool are accounted for.
         gc.collect()  # caches of engines already dropped still count as used until collected
         torch.cuda.empty_cache()
         activations = self._profile_activations()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        graph_pool = 0 if self.config.enforce_eager else 512 * (1 << 20)
+        graph_pool = (
+            0
+            if self.config.enforce_eager
+            else 512 * (1 << 20) + self._mixed_graph_pool(activations)
+        )
         return int(total * self.config.gpu_memory_utilization - used - activations - graph_pool)
+
+    def _mixed_graph_pool(self, activations: int) -> int:
+        # The mixed-step graphs' activations scale with their largest bucket's tokens; their
+        # static buffers come on top.
+        tokens = mixed_graph_tokens(self.config)
+        if not tokens:
+            return 0
+        profiled = min(self.config.max_num_batched_tokens, self._declared_max_len())
+        return activations * tokens // max(profiled, 1) + buffer_bytes(
+            self.model.args, tokens, self.dtype
+        )
 
     @torch.inference_mode()
     def _profile_activations(self) -> int:

@@ -13,6 +13,7 @@ from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
 from flashstack.engine.kv_cache import resolve_kv_dtype
+from flashstack.engine.mixed_graphs import MixedStepGraphs
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.models.ops import select_ops
 from flashstack.engine.sampling import needs_host, sample, sample_on_device
@@ -24,6 +25,14 @@ from flashstack.engine.swap import SwapSpace
 
 if TYPE_CHECKING:
     from flashstack.cuda.torch_interop import HostCopy
+
+
+def mixed_graph_tokens(config: EngineConfig) -> int:
+    """The largest step the mixed-step graphs take (0: none): one GPU only, as a tensor-parallel
+    group's ranks run eager steps in lockstep through `execute`."""
+    if config.tensor_parallel_size > 1:
+        return 0
+    return min(config.mixed_step_graph_tokens, config.max_num_batched_tokens)
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -78,6 +87,7 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, device, config.kernels)
         self.ops = select_ops(device, self.backend, model.args.head_dim)  # once per device
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedStepGraphs | None = None
         self.swap_space: SwapSpace | None = None
 
     def enable_swap(self, num_host_blocks: int) -> None:
@@ -105,6 +115,20 @@ class ModelRunner:
         self.graphs.share_inputs = share_inputs
         self.graphs.capture(on_bucket)
         self.graphs.before_replay = self.peers.replay_hook(share_inputs)
+        tokens = mixed_graph_tokens(self.config)
+        if tokens:
+            self.mixed_graphs = MixedStepGraphs(
+                self.model,
+                self.kv_caches,
+                self.ops,
+                tokens,
+                self.dtype,
+                self.device,
+                self.config.block_size,
+                max_model_len,
+                self.config.max_num_seqs,
+            )
+            self.mixed_graphs.capture(self.graphs.pool)
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel group, if any."""
@@ -112,6 +136,9 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         """Free the decode graphs (back to eager); a tensor-parallel group can then be torn down."""
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
+            self.mixed_graphs = None
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -209,11 +236,17 @@ class ModelRunner:
         return to_device(data, dtype, self.device)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Pack the batch's new tokens and attention metadata."""
+        """Pack the batch's new tokens and attention metadata, the one-token rows first (a mixed
+        step's graph gives them to the decode kernel: mixed_graphs.py)."""
         bs = self.config.block_size
         input_ids, positions, slot_mapping, sample_rows, sample_seqs = [], [], [], [], []
         query_lens, context_lens = [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        lens = batch.num_new_tokens
+        order = [i for i, n in enumerate(lens) if n == 1] + [
+            i for i, n in enumerate(lens) if n != 1
+        ]
+        for i in order:
+            seq, n = batch.seqs[i], lens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -225,10 +258,14 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
+        meta = self._metadata(
+            [batch.seqs[i] for i in order], slot_mapping, query_lens, context_lens
+        )
+        meta.decode_rows = query_lens.count(1)
         return StepInputs(
             self._tensor(input_ids, torch.int64),
             self._tensor(positions, torch.int64),
-            self._metadata(batch.seqs, slot_mapping, query_lens, context_lens),
+            meta,
             self._tensor(sample_rows, torch.int64),
             sample_seqs,
         )
@@ -257,6 +294,14 @@ class ModelRunner:
             query_lens_host=query_lens,
             context_lens_host=context_lens,
         )
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of a step that is not a plain decode: through the mixed-step graphs when
+        it fits them, else the model's eager forward pass."""
+        graphs = self.mixed_graphs
+        if graphs is not None and inputs.input_ids.shape[0] <= graphs.max_tokens:
+            return graphs.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.ops)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
@@ -288,9 +333,7 @@ class ModelRunner:
         else:
             inputs = self.prepare(batch)
             self.peers.send(inputs)
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.ops
-            )
+            hidden = self._forward(inputs)
             sample_seqs = inputs.sample_seqs
             if sample_seqs:
                 logits = self.model.compute_logits(hidden[inputs.sample_rows], self.ops)

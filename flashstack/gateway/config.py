@@ -63,6 +63,7 @@ class EngineOptions(BaseModel):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     attention_backend: str | None = None
     enforce_eager: bool | None = None
+    mixed_step_graph_tokens: int | None = Field(None, ge=0)  # 0: prefill steps run eagerly
     async_scheduling: bool | None = None
     show_progress: bool | None = None
     seed: int | None = None

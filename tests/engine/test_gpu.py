@@ -67,6 +67,79 @@ def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     assert run_checked(llm, prompts, greedy(16)) == refs
 
 
+@pytest.mark.parametrize(
+    "graph_tokens", [2048, 24, 0], ids=["mixed-graphs", "graphs-then-eager", "mixed-eager"]
+)
+def test_cuda_mixed_steps_agree_with_transformers(graph_tokens: int, hf_checkpoints) -> None:
+    """Prompts arriving while others decode share steps with those decodes (chunked prefill):
+    through the mixed-step graphs (their buckets padded), past their largest bucket (eager), or
+    with them off, every greedy token is transformers'."""
+    path, model = hf_checkpoints["qwen3"]
+    prompts = [list(range(10 + i, 17 + 9 * i)) for i in range(6)]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    llm = LLM(
+        path,
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        mixed_step_graph_tokens=graph_tokens,
+    )
+    graphs = llm.engine.runner.mixed_graphs
+    assert (graphs is None) == (graph_tokens == 0)
+    replayed: list[int] = []
+    if graphs is not None:
+        assert graphs.max_tokens == min(graph_tokens, 64)
+        forward = graphs.forward
+        graphs.forward = lambda ids, *a: replayed.append(ids.shape[0]) or forward(ids, *a)
+    engine, rids, outs = llm.engine, [], {}
+    for p in prompts:  # one new prompt every two steps
+        rids.append(engine.add_request(p, greedy(12)))
+        for _ in range(2):
+            for d in engine.step():
+                outs.setdefault(d.request_id, []).extend(d.token_ids)
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
+    assert [outs[r] for r in rids] == refs
+    if graphs is not None:
+        assert replayed and all(n <= graphs.max_tokens for n in replayed)
+        assert any(n not in graphs.buckets for n in replayed)  # padded to a bucket
+
+
+def test_cuda_long_chunks_take_the_piecewise_graphs(tmp_path) -> None:
+    """A step whose chunks are all long enough for torch's fused attention replays the graphs
+    between attentions instead of the whole-step graph; greedy tokens stay transformers'."""
+    from flashstack.engine.kernels.attention import SDPA_MIN_QUERY_LEN
+    from tests.engine.conftest import make_hf_model
+
+    model = make_hf_model("qwen3")
+    model.config.max_position_embeddings = 2048  # the tiny checkpoints stop at 512 positions
+    model.save_pretrained(tmp_path)
+    prompts = [[(7 * i + j) % 250 + 3 for i in range(SDPA_MIN_QUERY_LEN + 40)] for j in (0, 1)]
+    refs = [hf_greedy(model, p, 8) for p in prompts]
+    llm = LLM(
+        str(tmp_path),
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=4096,
+        mixed_step_graph_tokens=4096,
+    )
+    graphs = llm.engine.runner.mixed_graphs
+    assert graphs is not None and graphs.pieces and graphs.whole
+    kinds: list[str] = []
+    piecewise, whole = graphs._piecewise, graphs._replay_whole
+    graphs._piecewise = lambda *a: kinds.append("pieces") or piecewise(*a)
+    graphs._replay_whole = lambda *a: kinds.append("whole") or whole(*a)
+    assert run_checked(llm, prompts, greedy(8)) == refs
+    assert kinds and set(kinds) == {"pieces"}  # one step of two 1,064-token chunks
+
+
 def test_cuda_one_sequence_across_the_short_context_graph(tmp_path) -> None:
     """Bucket 1 has a second graph for short contexts; a sequence whose context grows past its
     bound moves to the other graph mid-generation, and its greedy tokens stay transformers'."""
