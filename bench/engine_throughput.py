@@ -145,6 +145,32 @@ def hf_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int) -> floa
     return batch * new_tokens / (time.perf_counter() - t)
 
 
+def run_workload(llm, prompts, outputs, weight_bytes: int, params: int) -> dict:
+    """The timed workload on `llm`, after a warm-up on other prompts of the same kind (prefill
+    chunks and decode batches of every size compile their kernels there), from an empty prefix
+    cache."""
+    from flashstack.engine import SamplingParams
+
+    warm, _ = workload(32, 100, 1024, seed=1)
+    llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True))
+    llm.engine.block_manager.reset_prefix_cache()
+    sampling = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outputs]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sampling)
+    torch.cuda.synchronize()
+    sec = time.perf_counter() - t
+    produced = sum(len(o.token_ids) for o in outs)
+    floor = floor_seconds(weight_bytes, params, prompts, outputs)
+    return {
+        "seconds": round(sec, 2),
+        "output_tokens": produced,
+        "tokens_per_s": round(produced / sec, 1),
+        "floor_seconds": round(floor, 2),
+        "fraction_of_roofline": round(floor / sec, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -156,11 +182,20 @@ def main() -> None:
         help="then run the workload again with host parts timed and a window of steps profiled",
     )
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--mixed-step-graph-tokens",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="run the workload once per value, each on a fresh engine (the first: the engine "
+        "default), e.g. `8192 0` against eager mixed steps",
+    )
     args = ap.parse_args()
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
         "shape": "qwen3-0.6b",
         "num_seqs": args.num_seqs,
+        "mixed_step_graph_tokens": args.mixed_step_graph_tokens,
     }
 
     def dump() -> None:
@@ -188,45 +223,37 @@ def main() -> None:
     from flashstack.engine import LLM, SamplingParams
 
     prompts, outputs = workload(args.num_seqs, 100, 1024)
-    try:
-        llm = LLM(
-            str(root / "qwen3"),
-            block_size=256,
-            max_num_seqs=args.max_num_seqs,
-            dtype="bfloat16",
-            max_model_len=4096,
-            gpu_memory_utilization=0.85,
-            show_progress=False,
-        )
-        # Warm-up on other prompts of the same kind (prefill chunks and decode batches of every
-        # size compile their kernels here, not in the timed run), then an empty prefix cache.
-        warm, _ = workload(32, 100, 1024, seed=1)
-        llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True))
-        llm.engine.block_manager.reset_prefix_cache()
-        sampling = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outputs]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sampling)
-        torch.cuda.synchronize()
-        sec = time.perf_counter() - t
-        produced = sum(len(o.token_ids) for o in outs)
-        floor = floor_seconds(weight_bytes, params, prompts, outputs)
-        result["flashstack"] = {
-            "seconds": round(sec, 2),
-            "output_tokens": produced,
-            "tokens_per_s": round(produced / sec, 1),
-            "floor_seconds": round(floor, 2),
-            "fraction_of_roofline": round(floor / sec, 3),
-        }
-        if "transformers_tokens_per_s_batch64" in result:
-            result["flashstack"]["speedup_vs_transformers"] = round(
-                produced / sec / result["transformers_tokens_per_s_batch64"], 1
+    for n, tokens in enumerate(args.mixed_step_graph_tokens):
+        key = "flashstack" if n == 0 else f"flashstack_mixed_step_graph_tokens_{tokens}"
+        options = {} if tokens is None else {"mixed_step_graph_tokens": tokens}
+        try:
+            llm = LLM(
+                str(root / "qwen3"),
+                block_size=256,
+                max_num_seqs=args.max_num_seqs,
+                dtype="bfloat16",
+                max_model_len=4096,
+                gpu_memory_utilization=0.85,
+                show_progress=False,
+                **options,
             )
-        if args.profile:
-            dump()
-            result["profile"] = profile_run(llm, prompts, sampling)
-    except Exception:
-        result["flashstack_error"] = traceback.format_exc()[-3000:]
+            result[key] = run_workload(llm, prompts, outputs, weight_bytes, params)
+            if "transformers_tokens_per_s_batch64" in result:
+                result[key]["speedup_vs_transformers"] = round(
+                    result[key]["tokens_per_s"] / result["transformers_tokens_per_s_batch64"], 1
+                )
+            if args.profile and n == 0:
+                dump()
+                sampling = [
+                    SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outputs
+                ]
+                result["profile"] = profile_run(llm, prompts, sampling)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        except Exception:
+            result[f"{key}_error"] = traceback.format_exc()[-3000:]
+        dump()
     dump()
 
 
