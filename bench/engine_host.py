@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,6 +51,22 @@ class Clock:
                 self.total[part] += time.perf_counter() - t
 
         setattr(owner, name, timed)
+
+    @contextlib.contextmanager
+    def wrapping(self, parts: list[tuple[Any, str]]) -> Iterator[Clock]:
+        """Time each (owner, method name) under its own name while inside; the originals are put
+        back on the way out."""
+        saved = [(owner, name, owner.__dict__.get(name)) for owner, name in parts]
+        for owner, name in parts:
+            self.wrap(owner, name, name)
+        try:
+            yield self
+        finally:
+            for owner, name, original in saved:
+                if original is None:  # it came from the class: drop the instance's wrapper
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
 
 
 def main() -> None:

@@ -74,8 +74,8 @@ def parts(engine, watched: str, length: int, repeats: int = 5) -> dict[str, floa
     from bench.engine_host import Clock
     from flashstack.engine import model_runner
 
-    runner, clock = engine.runner, Clock()
-    wrapped = [
+    runner = engine.runner
+    timed = [
         (engine.scheduler, "schedule"),
         (runner, "prepare"),
         (runner, "_forward"),
@@ -83,10 +83,7 @@ def parts(engine, watched: str, length: int, repeats: int = 5) -> dict[str, floa
         (model_runner, "sample"),
         (engine, "_apply"),
     ]
-    saved = [(owner, name, owner.__dict__.get(name)) for owner, name in wrapped]
-    for owner, name in wrapped:
-        clock.wrap(owner, name, name)
-    try:
+    with Clock().wrapping(timed) as clock:
         for r in range(repeats):
             _prefill_gap(engine, prompts(1, length, seed=5000 + r)[0], watched)
             _step_times(engine, 5)
@@ -104,16 +101,10 @@ def parts(engine, watched: str, length: int, repeats: int = 5) -> dict[str, floa
                     time.perf_counter() - t
                 )
 
-        runner._forward = forward_synced
+        runner._forward = forward_synced  # put back with the rest on the way out
         for r in range(repeats):
             _prefill_gap(engine, prompts(1, length, seed=6000 + r)[0], watched)
             _step_times(engine, 5)
-    finally:
-        for owner, name, original in saved:
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
     # schedule and _apply run every step; the others only in steps that are not plain decodes
     return {k: round(v / repeats * 1e6, 1) for k, v in totals.items()}
 

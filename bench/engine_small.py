@@ -179,8 +179,7 @@ def host_parts(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
     from flashstack.engine import model_runner, outputs
 
     engine = llm.engine
-    clock = Clock()
-    saved = [
+    parts = [
         (engine.scheduler, "schedule"),
         (engine.scheduler, "lookahead"),
         (engine.runner, "launch"),
@@ -191,19 +190,10 @@ def host_parts(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
         (model_runner.PendingStep, "wait"),
         (outputs.RequestState, "update_text"),
     ]
-    originals = [(owner, name, owner.__dict__.get(name, None)) for owner, name in saved]
-    for owner, name in saved:
-        clock.wrap(owner, name, name)
-    try:
+    with Clock().wrapping(parts) as clock:
         step, steps = decode_steps(llm, prompt, new_tokens)
         clock.total.clear()
         step, steps = decode_steps(llm, prompt, new_tokens)
-    finally:
-        for owner, name, original in originals:
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
     us = {k: round(v / steps * 1e6, 1) for k, v in clock.total.items()}
     us["step (instrumented)"] = round(step, 1)
     us["host, not waiting"] = round(step - us.get("wait", 0.0), 1)
