@@ -84,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         "--mixed-step-graph-tokens",
         type=int,
         default=None,
-        help="steps with prefill chunks of up to this many tokens replay per-layer CUDA graphs "
-        "around eager attention (default 2048; 0: eager)",
+        help="steps with prefill chunks of up to this many tokens replay CUDA graphs "
+        "(default 2048; 0: they run eagerly)",
     )
     eserve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs at all")
     eserve.add_argument("--device", default="auto")

@@ -125,9 +125,8 @@ class EngineConfig:
     )
     # True: no CUDA graphs (debugging, or to save capture time)
     enforce_eager: bool = False
-    # Steps with prefill chunks of up to this many tokens (and max_num_batched_tokens) replay
-    # per-layer CUDA graphs around eager attention (engine/mixed_graphs.py), one GPU only; 0: they
-    # run eagerly.
+    # Steps with prefill chunks of up to this many tokens (and max_num_batched_tokens) replay CUDA
+    # graphs (engine/mixed_graphs.py), one GPU only; 0: they run eagerly.
     mixed_step_graph_tokens: int = 2048
     # Queue each decode step's successor before reading the step's tokens back, so the device
     # never idles while the host schedules and streams (vLLM's async scheduling). False: one step

@@ -188,17 +188,20 @@ class LLMEngine:
         tokens = mixed_graph_tokens(self.config)
         if not tokens:
             return 0
-        profiled = min(self.config.max_num_batched_tokens, self._declared_max_len())
-        return activations * tokens // max(profiled, 1) + buffer_bytes(
+        return activations * tokens // self._profiled_tokens() + buffer_bytes(
             self.model.args, tokens, self.dtype
         )
+
+    def _profiled_tokens(self) -> int:
+        # The largest step: what _profile_activations runs.
+        return min(self.config.max_num_batched_tokens, self._declared_max_len())
 
     @torch.inference_mode()
     def _profile_activations(self) -> int:
         """Peak activation bytes of the largest step, measured by running it
         once on dummy tokens."""
         cfg, a = self.config, self.model.args
-        n = min(cfg.max_num_batched_tokens, self._declared_max_len())
+        n = self._profiled_tokens()
         if self.workers is not None:  # the other ranks run the same forward: its collectives match
             self.workers.mirror_profile(n)
         blocks = -(-n // cfg.block_size)
@@ -215,17 +218,7 @@ class LLMEngine:
             for _ in range(a.num_layers)
         ]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=dev),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
-            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            block_size=cfg.block_size,
-            max_query_len=n,
-            max_context_len=n,
-            query_lens_host=[n],
-            context_lens_host=[n],
-        )
+        meta = AttentionMetadata.whole_prefill(n, cfg.block_size, dev)
         backend = get_attention_backend(cfg.attention_backend, dev, cfg.kernels)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
