@@ -232,8 +232,8 @@ def test_console_in_a_browser(upstream, tmp_path):
             page.screenshot(path=shots / "signin.png")
             page.fill("#master-key", MASTER_KEY)
             page.click("#signin-form button")
+            expect(page.locator("#nav")).to_be_visible()  # signed in: the cookie is set by now
             cookies = {c["name"]: c for c in page.context.cookies()}
-            expect(page.locator("#nav")).to_be_visible()
             assert (
                 cookies["fs_console"]["httpOnly"] and cookies["fs_console"]["sameSite"] == "Strict"
             )
