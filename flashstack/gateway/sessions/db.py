@@ -197,6 +197,8 @@ MIGRATIONS: list[list[str]] = [
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+# The PostgreSQL advisory lock that serializes start-ups' schema creation and migrations.
+_MIGRATION_LOCK = 7305917260
 
 
 def database_url(config: Config) -> str:
@@ -263,6 +265,8 @@ class Database:
             Path(self.url.database).parent.mkdir(parents=True, exist_ok=True)
         if self.schema:
             async with self._writer.begin() as conn:
+                # IF NOT EXISTS alone races: two replicas starting at once both try to create it.
+                await conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
                 await conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
         await migrate(self)
         return self
@@ -298,7 +302,7 @@ async def migrate(db: Database) -> int:
     async with db.write() as conn:
         # Serializes concurrent start-ups: SQLite by BEGIN IMMEDIATE, PostgreSQL by this lock.
         if not db.is_sqlite:
-            await conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7305917260)")
+            await conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
         await conn.exec_driver_sql(
             "CREATE TABLE IF NOT EXISTS fs_schema_version (version INTEGER PRIMARY KEY, applied_at "
             "BIGINT NOT NULL)"

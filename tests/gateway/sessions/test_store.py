@@ -3,6 +3,8 @@ whole-turn commits."""
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 import sqlalchemy as sa
@@ -21,6 +23,7 @@ from flashstack.gateway.sessions import store as store_module
 from flashstack.gateway.sessions.db import SCHEMA_VERSION, Database
 from flashstack.gateway.sessions.store import LeaseLost, SessionStore
 from flashstack.gateway.translate import openai as openai_t
+from tests.gateway.sessions.support import ScratchStore
 
 
 @pytest.fixture
@@ -37,6 +40,26 @@ async def test_migrations_are_versioned_and_idempotent(db, store):
     ]
     if store.kind == "sqlite":
         assert store.query("PRAGMA journal_mode") == [("wal",)]
+
+
+def test_start_ups_at_once_create_and_migrate_a_fresh_store(store, tmp_path):
+    fresh = ScratchStore(store.kind, tmp_path)
+
+    async def start_ups() -> None:
+        # Replicas starting together: each creates the schema and migrates it, none may fail.
+        databases = [Database(fresh.url, fresh.schema) for _ in range(8)]
+        try:
+            await asyncio.gather(*(d.open() for d in databases))
+        finally:
+            await asyncio.gather(*(d.close() for d in databases))
+
+    try:
+        asyncio.run(start_ups())
+        assert fresh.query("SELECT version FROM fs_schema_version") == [
+            (v,) for v in range(1, SCHEMA_VERSION + 1)
+        ]
+    finally:
+        fresh.drop()
 
 
 async def test_a_newer_schema_is_refused(db, store):
