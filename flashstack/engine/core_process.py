@@ -310,6 +310,11 @@ class EngineCoreClient:
         self._proc.start()
         req_recv.close()
         out_send.close()
+        tokenizer_error: Exception | None = None
+        try:  # read while the child loads the same file: seconds of a GGUF's metadata, in parallel
+            self.tokenizer = load_tokenizer(Path(model))
+        except Exception as exc:  # the child meets the same fault: its report comes first
+            tokenizer_error = exc
         if not self._outputs.poll(startup_timeout_s):
             self._proc.kill()
             raise EngineCoreError(f"the engine core did not start in {startup_timeout_s:.0f} s")
@@ -323,9 +328,11 @@ class EngineCoreClient:
         if msg[0] == "fatal":
             self._proc.join(10)
             raise EngineCoreError(f"the engine core failed to start:\n{msg[1]}")
+        if tokenizer_error is not None:
+            self._proc.kill()
+            raise tokenizer_error
         _, self.info, self.latest_stats = msg
         self._requests = _RequestPipe(req_send)
-        self.tokenizer = load_tokenizer(Path(model))
         self._queues: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False

@@ -1,4 +1,5 @@
-"""Blocks shared by the decoder families: RMSNorm, rotary embedding (incl. Llama 3 scaling)."""
+"""Blocks shared by the decoder families: token embedding, RMSNorm, rotary embedding (incl. Llama 3
+scaling)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ from typing import Any
 
 import torch
 from torch import nn
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random init, which the checkpoint overwrites anyway: on the meta
+    device, torch's normal_ imports torch._dynamo, 1.6 s of every start-up."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class RMSNorm(nn.Module):
@@ -46,10 +55,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, p: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies for the rope type in `p` (default, linear, llama3)."""
-    inv_freq = 1.0 / (
-        p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )
+    """Inverse frequencies for the rope type in `p` (default, linear, llama3), on the host: under
+    build_model's meta device, torch's decompositions of these ops would import torch._dynamo."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (p["rope_theta"] ** (steps / head_dim))
     kind = p["rope_type"]
     if kind == "default":
         return inv_freq

@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from flashstack.engine.kernels.attention import AttentionMetadata
-from flashstack.engine.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
+from flashstack.engine.models.layers import (
+    Embedding,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_parameters,
+)
 from flashstack.engine.models.linear import Linear, PackedLinear, Part
 from flashstack.engine.models.parallel import (
     HeadSplit,
@@ -196,7 +201,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = (
             VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp)
             if tp
-            else nn.Embedding(a.vocab_size, a.hidden_size)
+            else Embedding(a.vocab_size, a.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(a, split, tp) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from flashstack.engine.models.layers import Embedding
 from flashstack.engine.models.linear import Linear, Source, add_source
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int, int]:
     return start, min(start + part, vocab_size), part
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """Each rank embeds the ids in its vocabulary range, zeros elsewhere; an all-reduce sums
     them."""
 
