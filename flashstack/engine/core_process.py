@@ -313,6 +313,9 @@ class EngineCoreClient:
         tokenizer_error: Exception | None = None
         try:  # read while the child loads the same file: seconds of a GGUF's metadata, in parallel
             self.tokenizer = load_tokenizer(Path(model))
+        except GGUFError:  # not a readable file: the child would say the same, later
+            self._proc.kill()
+            raise
         except Exception as exc:  # the child meets the same fault: its report comes first
             tokenizer_error = exc
         if not self._outputs.poll(startup_timeout_s):

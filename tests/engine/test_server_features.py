@@ -258,9 +258,9 @@ def test_sigterm_drains(tiny_model_dir) -> None:
         stream = client.completions.create(
             model="tiny-random",
             prompt="def main():",
-            # long enough to outlast the 0.3 s below: the engine core alone streams the tiny
-            # model's 150 tokens in less
-            max_tokens=2000,
+            # long enough to outlast the 0.3 s below several times over: the engine core alone
+            # streams the tiny model's 150 tokens in less
+            max_tokens=800,
             stream=True,
             extra_body={"ignore_eos": True},
         )

@@ -10,7 +10,8 @@ ts = pytest.importorskip("flashstack.engine.kernels.triton_sampling")
 
 def test_frequencies_match_softmax(device):
     torch.manual_seed(0)
-    vocab, rows = 8, 1200
+    # 300 draws per temperature: under the interpreter each row is a program, ~20 ms apiece
+    vocab, rows = 8, 600
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 1.5, -0.5], device=device)
     temps = torch.tensor([1.0, 0.5], device=device).repeat_interleave(rows // 2)
     logits = base.expand(rows, vocab).contiguous()
@@ -18,7 +19,8 @@ def test_frequencies_match_softmax(device):
     for t, part in ((1.0, ids[: rows // 2]), (0.5, ids[rows // 2 :])):
         want = torch.softmax(base.cpu() / t, -1)
         got = torch.bincount(part, minlength=vocab).double() / part.numel()
-        # ~4 standard errors of a frequency estimated from 600 draws.
+        # ~4 standard errors of a frequency estimated from 300 draws: at T=0.5 the likeliest
+        # token's 0.63 against T=1's 0.41 stays far outside it.
         assert torch.allclose(got, want.double(), atol=4 * (0.25 / part.numel()) ** 0.5), (
             t,
             got,
