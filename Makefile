@@ -56,12 +56,15 @@ LITELLM_VERSION  := 1.108.7
 # llama.cpp builds for this CPU (-march=native), which has AMX; this sandbox faults on AMX's first
 # instruction (ldtilecfg: SIGSEGV on the first request), so the build leaves AMX out.
 NO_AMX           := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+# Nor the multimodal library (libmtmd, a fifth of the built libraries' bytes): the tests serve text.
+LLAMACPP_CMAKE   := -DLLAVA_BUILD=OFF
 
 peers: $(PEERS)/llamacpp/.installed $(PEERS)/litellm/.installed
 
 $(PEERS)/llamacpp/.installed: Makefile
 	test -d $(PEERS)/llamacpp || $(PYTHON) -m venv $(PEERS)/llamacpp
-	CFLAGS='$(NO_AMX)' CXXFLAGS='$(NO_AMX)' $(PEERS)/llamacpp/bin/python -m pip install -q \
+	CMAKE_ARGS='$(LLAMACPP_CMAKE)' CFLAGS='$(NO_AMX)' CXXFLAGS='$(NO_AMX)' \
+		$(PEERS)/llamacpp/bin/python -m pip install -q \
 		'llama-cpp-python[server]==$(LLAMACPP_VERSION)'
 	touch $@
 
