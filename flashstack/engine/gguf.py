@@ -13,10 +13,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported for the weights only: the gateway reads metadata without it
+    import torch
 
 # The architectures the engine's models cover, by GGUF `general.architecture`.
 ARCHITECTURES = {
@@ -216,6 +218,8 @@ class GGUFCheckpoint:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) for each tensor the model uses, dequantized one at a time."""
+        import torch
+
         permuted = self.architecture == "llama"  # llama.cpp's converter permutes only Llama's Q/K
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
