@@ -315,6 +315,7 @@ class EngineCoreClient:
             self.tokenizer = load_tokenizer(Path(model))
         except GGUFError:  # not a readable file: the child would say the same, later
             self._proc.kill()
+            self._proc.join(10)
             raise
         except Exception as exc:  # the child meets the same fault: its report comes first
             tokenizer_error = exc

@@ -1,5 +1,5 @@
-"""`flashstack engine serve` as a child process, and the trained SmolLM2 served once per test
-session for the modules that only ask it questions."""
+"""`flashstack engine serve` as a child process (the session's shared SmolLM2 server, `smol` in
+conftest.py, is one), and the names and key that shared server answers to."""
 
 from __future__ import annotations
 
