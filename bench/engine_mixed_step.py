@@ -3,8 +3,9 @@
 `decodes` sequences decode; then one new prompt of P tokens arrives and its prefill runs in the
 same step as their decodes (chunked prefill). The streams' inter-token gap over that step, against
 their plain decode gap, is what sets a server's ITL tail (issue 29). Each `--variants` entry is a
-fresh engine in the same process; `graphs` (the default) replays the mixed step's per-layer CUDA
-graphs around eager attention, `eager` runs it layer by layer from Python.
+fresh engine in the same process; `graphs` (the default) replays the mixed step's CUDA graphs,
+`eager` runs it layer by layer from Python, `uncapped` takes the whole prompt in one step however
+long (no `decode_step_prefill_tokens`). The gap is the longest over the prompt's steps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "smollm2-135m": SMOLLM2_135M, "llama3-8b": L
 VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {},
     "eager": {"mixed_step_graph_tokens": 0},
+    "uncapped": {"decode_step_prefill_tokens": 0},  # the whole prompt in one step beside decodes
 }
 
 

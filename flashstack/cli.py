@@ -81,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
         "smaller bounds how long a prefill stalls running streams",
     )
     eserve.add_argument(
+        "--decode-step-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens a step that also decodes running streams may take while the queued "
+        "prompts fit in one step (default 1024; 0: max-num-batched-tokens): bounds the streams' "
+        "inter-token tail",
+    )
+    eserve.add_argument(
         "--mixed-step-graph-tokens",
         type=int,
         default=None,
@@ -368,6 +376,7 @@ def _engine_serve(args: argparse.Namespace) -> None:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "decode_step_prefill_tokens": args.decode_step_prefill_tokens,
         "mixed_step_graph_tokens": args.mixed_step_graph_tokens,
         "enforce_eager": args.enforce_eager or None,
         "max_model_len": args.max_model_len,

@@ -51,7 +51,7 @@ def wrap_tensor(tensor: torch.Tensor) -> DeviceBuffer:
 
 def as_tensor(buffer: DeviceBuffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A torch tensor viewing our buffer; the tensor keeps the buffer alive (not open)."""
-    view: Any = buffer.view(_numpy_dtype(dtype), shape)
+    view: Any = buffer.view(numpy_dtype(dtype), shape)
     return torch.as_tensor(view, device=f"cuda:{buffer.device.ordinal}")
 
 
@@ -147,7 +147,7 @@ class HostStaging:
     ) -> torch.Tensor:
         """`values` (a list, or a list of equal-length lists) as a tensor on this device, copied
         asynchronously from a pinned block; into `out`'s first elements when given."""
-        array = np.asarray(values, dtype=_numpy_dtype(dtype))
+        array = np.asarray(values, dtype=numpy_dtype(dtype))
         if out is None:
             dst = torch.empty(array.shape, dtype=dtype, device=f"cuda:{self.device.ordinal}")
         else:
@@ -160,6 +160,22 @@ class HostStaging:
         self.copies += 1
         return dst
 
+    def to_device_parts(self, parts: Sequence[np.ndarray], offsets: Sequence[int]) -> torch.Tensor:
+        """Several host arrays in one copy: each written into one pinned block at its byte
+        offset (`offsets`, from `pack_offsets`, ending with the total), the block copied to a
+        fresh device byte tensor whose views the caller takes. One copy costs about what one
+        `to_device` does, whatever the number of parts."""
+        nbytes = offsets[-1]
+        slot = self._free_slot(nbytes)
+        host = slot.host.numpy()
+        for array, offset in zip(parts, offsets):
+            host[offset : offset + array.nbytes].view(array.dtype)[:] = array.reshape(-1)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device.ordinal}")
+        dst.copy_(slot.host[:nbytes], non_blocking=True)
+        slot.copied.record(self.torch_stream())
+        self.copies += 1
+        return dst
+
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         """Queue a copy of a device tensor into a pinned block; read it with `wait()`."""
         slot = self._free_slot(tensor.numel() * tensor.element_size())
@@ -168,6 +184,18 @@ class HostStaging:
         slot.copied.record(self.torch_stream())
         self.copies += 1
         return HostCopy(slot, host)
+
+
+PART_ALIGN = 16  # bytes: every part's view starts aligned for any dtype
+
+
+def pack_offsets(parts: Sequence[np.ndarray]) -> list[int]:
+    """Byte offsets of `parts` packed one after another, each aligned to PART_ALIGN, and the end."""
+    offsets, end = [], 0
+    for array in parts:
+        offsets.append(end)
+        end += -(-array.nbytes // PART_ALIGN) * PART_ALIGN
+    return offsets + [end]
 
 
 _staging: dict[int, HostStaging] = {}
@@ -187,7 +215,8 @@ def staging(device: torch.device) -> HostStaging:
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
 
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype for a torch dtype numpy has (not bfloat16)."""
     if dtype not in _NUMPY_DTYPES:
         _NUMPY_DTYPES[dtype] = torch.empty((), dtype=dtype).numpy().dtype
     return _NUMPY_DTYPES[dtype]

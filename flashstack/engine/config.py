@@ -109,6 +109,11 @@ class EngineConfig:
     block_size: int = 256
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Prompt tokens a step that also decodes running streams may take while the queued prompts fit
+    # in one step (a deeper queue, a burst, gets max_num_batched_tokens): it bounds how long a new
+    # prompt stalls the streams (their inter-token tail) at a few steps of its own first token.
+    # 0: off.
+    decode_step_prefill_tokens: int = 1024
     max_model_len: int | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -160,6 +165,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.decode_step_prefill_tokens < 0:
+            raise ValueError(
+                "decode_step_prefill_tokens must be >= 0 (0: no cap beside decodes), "
+                f"got {self.decode_step_prefill_tokens}"
+            )
         if self.mixed_step_graph_tokens < 0:
             raise ValueError(
                 "mixed_step_graph_tokens must be >= 0 (0: mixed steps run eagerly), "

@@ -332,10 +332,10 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """Schedule, run the model once, sample; returns a delta for every request that changed.
 
-        With `async_scheduling`, a decode step's successor is queued on the device before the
-        host reads the step's tokens (Scheduler.lookahead), so the device computes step N+1
-        while the host does step N's bookkeeping; a call then returns step N's deltas and leaves
-        N+1 in flight for the next call.
+        With `async_scheduling`, a step's successor is queued on the device before the host reads
+        the step's tokens (Scheduler.lookahead: everyone decodes, and waiting prompts are
+        admitted), so the device computes step N+1 while the host does step N's bookkeeping; a
+        call then returns step N's deltas and leaves N+1 in flight for the next call.
         """
         deltas, self._aborted = self._aborted, []
         pending, self._in_flight = self._in_flight, None
@@ -351,8 +351,10 @@ class LLMEngine:
                 return deltas
         ahead = self.scheduler.lookahead(pending.batch)
         if ahead is not None:
-            # None when the runner cannot queue it (a tensor-parallel eager step): its slots stay
-            # allocated, and the next schedule() runs it as a plain decode step.
+            _mark_scheduled(ahead)
+            # None when the runner cannot queue it (a tensor-parallel eager step, an admission
+            # whose sampling needs the host): its sequences keep their slots, and the next
+            # schedule() runs them.
             self._in_flight = self.runner.launch(ahead, after=pending)
         self._apply(pending.batch, pending.wait(), deltas)
         if self._in_flight is not None and all(s.is_finished for s in self._in_flight.batch.seqs):

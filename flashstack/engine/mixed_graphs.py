@@ -31,7 +31,7 @@ from flashstack.engine.kernels.attention import (
 )
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.models.ops import Ops
-from flashstack.engine.staging import to_device
+from flashstack.engine.staging import to_device_parts
 
 MIN_BUCKET = 16
 
@@ -226,10 +226,12 @@ class MixedStepGraphs:
         self.query_start_loc[: seqs + 1].copy_(meta.query_start_loc)
         decodes = meta.decode_rows
         tiles = prefill_tiles(meta.query_lens_host, self._num_tiles(bucket), skip=decodes)
-        to_device(tiles, torch.int32, self.device, out=self.tiles)
         lens = meta.context_lens_host[:decodes]
         pad = min(self.max_seqs, bucket) - decodes
-        to_device(lens + [1] * pad, torch.int32, self.device, out=self.decode_lens)
+        i32 = torch.int32
+        tiles_d, lens_d = to_device_parts([(tiles, i32), (lens + [1] * pad, i32)], self.device)
+        self.tiles[: tiles_d.numel()].copy_(tiles_d)
+        self.decode_lens[: lens_d.numel()].copy_(lens_d)
         self.whole[bucket].replay()
         return self.whole_hidden[bucket][:n]
 

@@ -19,7 +19,7 @@ from flashstack.engine.models.ops import select_ops
 from flashstack.engine.sampling import needs_host, sample, sample_on_device
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
-from flashstack.engine.staging import to_device, to_host
+from flashstack.engine.staging import to_device, to_device_parts, to_host
 from flashstack.engine.step import ShareInputs, StepBroadcast, StepInputs
 from flashstack.engine.swap import SwapSpace
 
@@ -35,6 +35,16 @@ def mixed_graph_tokens(config: EngineConfig) -> int:
     return min(config.mixed_step_graph_tokens, config.max_num_batched_tokens)
 
 
+def slots_of(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """KV slots of positions start..end-1: a range per block, not a division per token."""
+    slots: list[int] = []
+    for b in range(start // block_size, (end - 1) // block_size + 1 if end > start else 0):
+        lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
+        base = block_table[b] * block_size - b * block_size
+        slots.extend(range(base + lo, base + hi))
+    return slots
+
+
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -43,15 +53,24 @@ def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> 
 
 @dataclass(slots=True)
 class PendingStep:
-    """A decode step queued on the device whose tokens the host has not read yet."""
+    """A step queued on the device whose tokens the host has not read yet."""
 
     batch: ScheduledBatch
-    tokens: torch.Tensor  # [len(batch.seqs)] int64 on the device: the next step's input ids
+    tokens: torch.Tensor  # int64 on the device, a row per sampling sequence: next step's input ids
     host: HostCopy | None  # the tokens' copy into pinned host memory; None on the CPU
+    # The batch positions the rows of `tokens` belong to, ascending; None: every sequence's.
+    rows: list[int] | None = None
 
-    def wait(self) -> list[int]:
-        """The sampled tokens, once the device has produced them."""
-        return self.host.wait() if self.host is not None else self.tokens.tolist()
+    def wait(self) -> list[int | None]:
+        """A token per sequence of the batch (None: its prompt chunk samples nothing), once the
+        device has produced them."""
+        values = self.host.wait() if self.host is not None else self.tokens.tolist()
+        if self.rows is None:
+            return values
+        sampled: list[int | None] = [None] * len(self.batch.seqs)
+        for row, token_id in zip(self.rows, values):
+            sampled[row] = token_id
+        return sampled
 
 
 class ModelRunner:
@@ -144,31 +163,38 @@ class ModelRunner:
             self.graphs = None
 
     def _decode_rows(
-        self, batch: ScheduledBatch, ahead: int
+        self, batch: ScheduledBatch, ahead: list[int] | None
     ) -> tuple[list[int], list[int], list[int], list[int]] | None:
         """(ids, positions, slots, context lengths) of a plain decode step, or None when the batch
-        is not one. `ahead` = 1: the step after the sequences' current one, whose ids (0 here)
-        come from the device; its slots must already be allocated (Scheduler.lookahead)."""
+        is not one. `ahead`: the step after the sequences' current one, which computes ahead[i]
+        tokens of sequence i; the ids (0 here) come from the device, the slots are allocated
+        (Scheduler.lookahead)."""
+        if ahead is not None and len(ahead) != len(batch.seqs):
+            return None  # admissions too: a mixed step
         bs = self.config.block_size
         ids, positions, slots, lens = [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            p = seq.num_computed_tokens + ahead
-            if n != 1 or p + 1 != len(seq.token_ids) + ahead:
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            off = ahead[i] if ahead is not None else 0
+            p = seq.num_computed_tokens + off
+            if n != 1 or p + 1 != len(seq.token_ids) + int(off > 0):
                 return None
-            ids.append(0 if ahead else seq.token_ids[p])
+            ids.append(0 if off else seq.token_ids[p])
             positions.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
         return ids, positions, slots, lens
 
     def _graph_logits(
-        self, batch: ScheduledBatch, ids_from: torch.Tensor | None = None
+        self,
+        batch: ScheduledBatch,
+        ids_from: torch.Tensor | None = None,
+        ahead: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Logits from a graph replay when the batch is a plain decode step that fits one."""
         graphs = self.graphs
         if graphs is None or len(batch.seqs) > graphs.max_batch:
             return None
-        rows = self._decode_rows(batch, ahead=int(ids_from is not None))
+        rows = self._decode_rows(batch, ahead)
         if rows is None:
             return None
         ids, positions, slots, lens = rows
@@ -177,69 +203,95 @@ class ModelRunner:
         )
 
     def _eager_decode_logits(
-        self, batch: ScheduledBatch, ids_from: torch.Tensor | None
+        self, batch: ScheduledBatch, ids_from: torch.Tensor | None, ahead: list[int] | None
     ) -> torch.Tensor | None:
         if not self.peers.queues_eager_steps:  # the other ranks get eager steps through `execute`
             return None
-        rows = self._decode_rows(batch, ahead=int(ids_from is not None))
+        rows = self._decode_rows(batch, ahead)
         if rows is None:
             return None
         ids, positions, slots, lens = rows
-        meta = self._metadata(batch.seqs, slots, [1] * len(ids), lens)
-        input_ids = ids_from if ids_from is not None else self._tensor(ids, torch.int64)
-        hidden = self.model(
-            input_ids, self._tensor(positions, torch.int64), meta, self.kv_caches, self.ops
+        i64 = torch.int64
+        meta, (ids_d, positions_d) = self._metadata(
+            batch.seqs, slots, [1] * len(ids), lens, [(ids, i64), (positions, i64)]
         )
+        input_ids = ids_from if ids_from is not None else ids_d
+        hidden = self.model(input_ids, positions_d, meta, self.kv_caches, self.ops)
         return self.model.compute_logits(hidden, self.ops)
 
     def can_launch(self, batch: ScheduledBatch) -> bool:
-        """True when `launch` can queue this batch without reading anything back: a decode step
-        (one token per sequence, no swaps) whose rows need no host between steps."""
+        """True when `launch` can queue this batch without reading anything back: no swaps, and
+        no row needs the host between steps. A step with prompt chunks only on one GPU: a
+        tensor-parallel group's ranks get those through `execute`."""
         return (
             bool(batch.seqs)
             and not (batch.swap_out or batch.swap_in)
-            and all(n == 1 for n in batch.num_new_tokens)
             and not any(needs_host(s.params) for s in batch.seqs)
+            and (self.peers.queues_eager_steps or all(n == 1 for n in batch.num_new_tokens))
         )
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, after: PendingStep | None = None) -> PendingStep | None:
-        """Queue a decode step and its sampling on the device without waiting for them; None
-        when the batch is not one `can_launch` accepts (then `execute` runs it).
+        """Queue a step and its sampling on the device without waiting for them; None when the
+        batch is not one `can_launch` accepts (then `execute` runs it).
 
-        With `after`, the batch is the step following `after` (Scheduler.lookahead): its input ids
-        are `after`'s sampled tokens, taken on the device, so it is queued before the host has
-        read them and the device never waits for the host between the two.
+        With `after`, the batch is the step following `after` (Scheduler.lookahead): the input ids
+        of its leading sequences are `after`'s sampled tokens, taken on the device, so it is
+        queued before the host has read them and the device never waits for the host between
+        the two.
         """
         if not self.can_launch(batch):
             return None
-        ids_from = None
+        ids_from, ahead = None, None
         if after is not None:
-            assert batch.lookahead_rows is not None, (
-                "a step queued behind another comes from Scheduler.lookahead"
-            )
+            rows = batch.lookahead_rows
+            assert rows is not None, "a step queued behind another comes from Scheduler.lookahead"
             ids_from = after.tokens
-            if len(batch.lookahead_rows) != len(after.batch.seqs):
-                ids_from = after.tokens[self._tensor(batch.lookahead_rows, torch.int64)]
-        logits = self._graph_logits(batch, ids_from)
+            if len(rows) != len(after.batch.seqs):
+                ids_from = after.tokens[self._tensor(rows, torch.int64)]
+            ahead = [after.batch.num_new_tokens[r] for r in rows]
+        logits = self._graph_logits(batch, ids_from, ahead)
         if logits is None:
-            logits = self._eager_decode_logits(batch, ids_from)
+            logits = self._eager_decode_logits(batch, ids_from, ahead)
         if logits is None:
-            return None
+            return self._launch_mixed(batch, ids_from, ahead)
         seqs = batch.seqs
         tokens = sample_on_device(
             logits, [s.params for s in seqs], lambda i: ([], []), [self._generator(s) for s in seqs]
         )
         return PendingStep(batch, tokens, to_host(tokens))
 
+    def _launch_mixed(
+        self, batch: ScheduledBatch, ids_from: torch.Tensor | None, ahead: list[int] | None
+    ) -> PendingStep | None:
+        """Queue a step with prompt chunks (or an eager decode step of a tensor-parallel group's
+        rank 0, which `execute` must run: None)."""
+        if not self.peers.queues_eager_steps:
+            return None
+        inputs = self.prepare(batch, ahead)
+        if ids_from is not None:  # the leading rows: the previous step's tokens
+            inputs.input_ids[: ids_from.shape[0]].copy_(ids_from)
+        hidden = self._forward(inputs)
+        seqs = [batch.seqs[i] for i in inputs.sample_seqs]
+        if seqs:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows], self.ops)
+            params, gens = [s.params for s in seqs], [self._generator(s) for s in seqs]
+            tokens = sample_on_device(logits, params, lambda i: ([], []), gens)
+        else:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        return PendingStep(batch, tokens, to_host(tokens), rows=inputs.sample_seqs)
+
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, ahead: list[int] | None = None) -> StepInputs:
         """Pack the batch's new tokens and attention metadata, the one-token rows first (a mixed
-        step's graph gives them to the decode kernel: mixed_graphs.py)."""
+        step's graph gives them to the decode kernel: mixed_graphs.py). `ahead`: the leading
+        sequences are a step past their computed tokens by ahead[i] (a lookahead step), their
+        ids 0 here (the caller fills them in on the device). Sampled rows in batch order."""
         bs = self.config.block_size
-        input_ids, positions, slot_mapping, sample_rows, sample_seqs = [], [], [], [], []
+        offsets = ahead or []
+        input_ids, positions, slot_mapping, samples = [], [], [], []
         query_lens, context_lens = [], []
         lens = batch.num_new_tokens
         order = [i for i, n in enumerate(lens) if n == 1] + [
@@ -247,28 +299,30 @@ class ModelRunner:
         ]
         for i in order:
             seq, n = batch.seqs[i], lens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
+            off = offsets[i] if i < len(offsets) else 0
+            start = seq.num_computed_tokens + off
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end] if not off else [0] * n)
             positions.extend(range(start, end))
-            table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slot_mapping.extend(slots_of(seq.block_table, bs, start, end))
             query_lens.append(n)
             context_lens.append(end)
-            # the chunk reaches the last token: its logits pick the next one
-            if end == len(seq.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(i)
-        meta = self._metadata(
-            [batch.seqs[i] for i in order], slot_mapping, query_lens, context_lens
+            # the chunk reaches the last token (ahead: the one being sampled): it picks the next
+            if end == len(seq.token_ids) + int(off > 0):
+                samples.append((i, len(input_ids) - 1))
+        samples.sort()
+        sample_seqs = [i for i, _ in samples]
+        sample_rows = [row for _, row in samples]
+        i64 = torch.int64
+        meta, (ids_d, positions_d, sample_rows_d) = self._metadata(
+            [batch.seqs[i] for i in order],
+            slot_mapping,
+            query_lens,
+            context_lens,
+            [(input_ids, i64), (positions, i64), (sample_rows, i64)],
         )
         meta.decode_rows = query_lens.count(1)
-        return StepInputs(
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(sample_rows, torch.int64),
-            sample_seqs,
-        )
+        return StepInputs(ids_d, positions_d, meta, sample_rows_d, sample_seqs)
 
     def _metadata(
         self,
@@ -276,24 +330,28 @@ class ModelRunner:
         slot_mapping: list[int],
         query_lens: list[int],
         context_lens: list[int],
-    ) -> AttentionMetadata:
-        """Device attention inputs for packed queries: block tables padded with 0 to the longest."""
+        extra: list[tuple[list[int], torch.dtype]],
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """Device attention inputs for packed queries (block tables padded with 0 to the
+        longest), and the `extra` lists on the device, all through one host-to-device copy."""
         width = max(len(s.block_table) for s in seqs)
-        return AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._tensor(
-                [s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32
-            ),
-            context_lens=self._tensor(context_lens, torch.int32),
-            query_start_loc=self._tensor(
-                list(itertools.accumulate(query_lens, initial=0)), torch.int32
-            ),
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        i32 = torch.int32
+        parts = [(slot_mapping, torch.int64), (tables, i32), (context_lens, i32), (starts, i32)]
+        slots, tables_d, lens_d, starts_d, *rest = to_device_parts(parts + extra, self.device)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables_d,
+            context_lens=lens_d,
+            query_start_loc=starts_d,
             block_size=self.config.block_size,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             query_lens_host=query_lens,
             context_lens_host=context_lens,
         )
+        return meta, rest
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of a step that is not a plain decode: through the mixed-step graphs when

@@ -1,5 +1,5 @@
-"""Continuous batching: decode first, chunked prefill under a token budget, swap or recompute
-preemption."""
+"""Continuous batching: decode first, chunked prefill under a token budget (a smaller one beside
+running decodes), swap or recompute preemption."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block copies
-    # Set by Scheduler.lookahead: for each sequence, its row in the previous step, whose sampled
-    # token is this step's input.
+    # Set by Scheduler.lookahead: for each of the leading sequences, its row in the previous step,
+    # whose sampled token is this step's input (the sequences after them are admissions).
     lookahead_rows: list[int] | None = None
 
     @property
@@ -33,6 +33,28 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         # A step may only swap (every running sequence preempted): its copies must still run.
         return bool(self.seqs or self.swap_out or self.swap_in)
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What a step may still take: tokens in all, and of those, prompt tokens (chunks of more than
+    one token; a decode is one)."""
+
+    tokens: int
+    prefill: int
+
+    def allows(self, wanted: int) -> int:
+        """How many of the `wanted` tokens of one sequence fit (0: none)."""
+        return min(wanted, self.tokens if wanted == 1 else min(self.tokens, self.prefill))
+
+    def take(self, wanted: int, n: int) -> None:
+        """Spend `n` tokens on a sequence that wanted `wanted`."""
+        self.tokens -= n
+        if wanted > 1:
+            self.prefill -= n
+
+    def __bool__(self) -> bool:
+        return self.tokens > 0
 
 
 class Scheduler:
@@ -119,7 +141,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """This step's batch: running sequences (decodes before chunk tails), then admissions."""
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        decoding = any(seq.num_uncomputed_tokens == 1 for seq in self.running)
+        queued = sum(n for seq in self.running if (n := seq.num_uncomputed_tokens) > 1)
+        tokens = self.config.max_num_batched_tokens
+        budget = StepBudget(tokens, self._prefill_budget(decoding, queued))
+        budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             budget = self._schedule_swapped(batch, budget)
             # Swapped sequences come back before new ones are admitted, or they could starve.
@@ -127,36 +153,58 @@ class Scheduler:
                 self._schedule_waiting(batch, budget)
         return batch
 
+    def _prefill_budget(self, decoding: bool, queued: int) -> int:
+        """Prompt tokens a step may take (`queued`: prompt tokens of running chunk tails; the
+        waiting queue's are added here). Beside decodes, `decode_step_prefill_tokens` while the
+        queued prompts fit in one full step: a new prompt then costs the streams a few short steps
+        instead of one long one (their inter-token tail), as Sarathi-Serve's token budget does. A
+        deeper queue (a burst) gets the whole budget: there, throughput and the queued requests'
+        first tokens come first."""
+        cfg = self.config
+        cap, full = cfg.decode_step_prefill_tokens, cfg.max_num_batched_tokens
+        if not cap or cap >= full or not cfg.enable_chunked_prefill or not decoding:
+            return full
+        queued += sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        return full if queued > full else cap
+
     def lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The decode step after `batch`, scheduled while `batch` still runs (its tokens unknown):
-        the same sequences, one position further, minus those `batch` certainly finishes (a
-        length limit). None whenever the step after could differ from that: sequences wait to be
-        admitted or swapped in, `batch` did more than decode everyone running, or a new block
-        is not free for every sequence (a preemption may be due).
+        """The step after `batch`, scheduled while `batch` still runs (its tokens unknown): every
+        sequence of `batch` decodes one position further, less those `batch` certainly finishes
+        (a length limit), and waiting sequences are admitted into what budget is left. None
+        whenever the step after could differ from that: `batch` leaves a prompt chunk for later,
+        sequences are swapped out, or a new block is not free for every sequence (a preemption
+        may be due).
 
         The slots are allocated here. A sequence that `batch` ends on a stop token or string
         still runs in the lookahead step; its row is dropped afterwards, and its blocks are only
         reused by work queued after that step.
         """
-        if self.waiting or self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
-            return None
-        if any(n != 1 for n in batch.num_new_tokens):
+        if self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
             return None
         # `batch` may itself be a lookahead step holding rows of sequences that ended meanwhile.
         live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
         if len(live) != len(self.running):
             return None
+        # Every sequence must sample in `batch`: its chunk reaches its last token.
+        chunks = [(batch.seqs[i], batch.num_new_tokens[i]) for i in live]
+        if any(seq.num_computed_tokens + n != len(seq) for seq, n in chunks):
+            return None
         rows = [i for i in live if not self._ends_next(batch.seqs[i])]
         if not rows:
             return None
         seqs = [batch.seqs[i] for i in rows]
+        # Past the computed tokens: `batch`'s, then the lookahead step's one.
+        ahead = [batch.num_new_tokens[i] + 1 for i in rows]
         bm = self.block_manager
-        # Two tokens past the computed ones: `batch`'s token, then the lookahead step's.
-        if sum(bm.num_blocks_needed(seq, 2) for seq in seqs) > bm.num_free_blocks:
+        if sum(bm.num_blocks_needed(s, n) for s, n in zip(seqs, ahead)) > bm.num_free_blocks:
             return None
-        for seq in seqs:
-            bm.append_slots(seq, 2)
-        return ScheduledBatch(seqs, [1] * len(seqs), lookahead_rows=rows)
+        for seq, n in zip(seqs, ahead):
+            bm.append_slots(seq, n)
+        step = ScheduledBatch(seqs, [1] * len(seqs), lookahead_rows=rows)
+        if self.waiting:
+            tokens = self.config.max_num_batched_tokens - len(seqs)
+            self._schedule_waiting(step, StepBudget(tokens, self._prefill_budget(True, 0)))
+        return step
 
     def _ends_next(self, seq: Sequence) -> bool:
         # True when the token being sampled now ends `seq` by length, whatever it is.
@@ -166,61 +214,67 @@ class Scheduler:
         limit = self.config.max_model_len
         return limit is not None and len(seq) + 1 >= limit
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: StepBudget) -> StepBudget:
         bm = self.block_manager
         queue = sorted(self.running, key=self._running_order)
         kept: list[Sequence] = []
-        while queue and budget > 0:
+        idle: list[Sequence] = []  # chunk tails past this step's prompt tokens: they wait a step
+        while queue and budget:
             seq = queue.pop(0)
-            n = min(seq.num_uncomputed_tokens, budget)
+            wanted = seq.num_uncomputed_tokens
+            n = budget.allows(wanted)
+            if n == 0:
+                idle.append(seq)
+                continue
             while bm.num_blocks_needed(seq, n) > bm.num_free_blocks and queue:
                 self._preempt(queue.pop(), batch)  # the lowest-ranked running sequence
             if bm.num_blocks_needed(seq, n) > bm.num_free_blocks:
                 self._preempt(seq, batch)
                 break
+            budget.take(wanted, n)
             bm.append_slots(seq, n)
             self._add_to_batch(batch, seq, n)
             kept.append(seq)
-            budget -= n
-        self.running = kept + queue
+        self.running = kept + idle + queue
         return budget
 
-    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: StepBudget) -> StepBudget:
         # Never in a step that swaps out: a host block freed here must be read before it is reused.
         bm = self.block_manager
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not bm.can_swap_in(seq, n):
+            wanted = seq.num_uncomputed_tokens
+            n = budget.allows(wanted)
+            if n == 0 or not bm.can_swap_in(seq, n):
                 break
+            budget.take(wanted, n)
             self.swapped.pop(0)
             batch.swap_in += bm.swap_in(seq)
             bm.append_slots(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
-            budget -= n
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: StepBudget) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             bm.match_prefix(seq)
-            n = seq.num_uncomputed_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
+            wanted = seq.num_uncomputed_tokens
+            n = budget.allows(wanted)
+            if n == 0 or (n < wanted and not self.config.enable_chunked_prefill):
                 bm.free(seq)
                 break
-            n = min(n, budget)
             if bm.num_blocks_needed(seq, n) > bm.num_free_blocks:
                 bm.free(seq)
                 break
+            budget.take(wanted, n)
             bm.append_slots(seq, n)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
-            budget -= n
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         if n < seq.num_uncomputed_tokens:

@@ -152,3 +152,66 @@ def test_rows_needing_the_host_run_one_step_at_a_time(tiny_model_dir, monkeypatc
     assert all(len(o.token_ids) == 10 for o in outs) and len(outs[0].logprobs) == 10
     sync = _llm(tiny_model_dir, False).generate(PROMPTS[:2], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+
+
+def _staggered(engine, arrivals: dict[int, tuple[str, SamplingParams]]):
+    """Run `engine` to the end, adding arrivals[k] after its k-th step; tokens and finish reasons
+    per request."""
+    tokens: dict[str, list[int]] = {}
+    finish: dict[str, str | None] = {}
+    step = 0
+    while engine.has_pending_output() or step in arrivals:
+        if step in arrivals:
+            prompt, params = arrivals[step]
+            engine.add_request(prompt, params, request_id=f"at{step}")
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            finish[d.request_id] = d.finish_reason
+        check_engine(engine)
+        step += 1
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    return tokens, finish
+
+
+def _admissions_behind(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the steps queued behind another that also admit prompts (a mixed lookahead)."""
+    count = [0]
+    inner = ModelRunner.launch
+
+    def counted(self, batch, after=None):
+        step = inner(self, batch, after)
+        if step is not None and after is not None and len(batch.seqs) > len(batch.lookahead_rows):
+            count[0] += 1
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", counted)
+    return count
+
+
+def test_arrivals_join_the_step_queued_behind(tiny_model_dir, monkeypatch) -> None:
+    # A prompt arriving mid-decode is admitted into the step queued behind the running one, with
+    # the decodes' ids taken on the device; chunked prompts and seeded sampling included.
+    behind = _admissions_behind(monkeypatch)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True)
+    arrivals = {0: (PROMPTS[0], greedy), 3: (PROMPTS[1], seeded), 5: (PROMPTS[2] * 6, greedy)}
+    arrivals[9] = (PROMPTS[3], greedy)
+    logs = []
+    for flag in (False, True):
+        engine = _llm(tiny_model_dir, flag, max_num_batched_tokens=16).engine
+        logs.append(_staggered(engine, arrivals))
+    assert logs[0] == logs[1]
+    assert set(logs[1][1].values()) == {"length"}
+    assert behind[0] >= 2
+
+
+def test_an_arrival_that_needs_the_host_waits_for_the_next_step(tiny_model_dir, monkeypatch):
+    # Its first token needs logprobs: the queued-behind step cannot take it, the next one does.
+    count = _lookaheads(_llm, monkeypatch)
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    host = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    arrivals = {0: (PROMPTS[0], plain), 3: (PROMPTS[1], host)}
+    logs = [_staggered(_llm(tiny_model_dir, flag).engine, arrivals) for flag in (False, True)]
+    assert logs[0] == logs[1]
+    assert count[0] > 0

@@ -8,7 +8,7 @@ import torch
 
 from flashstack import cuda as fc
 from flashstack.engine.config import KernelOptions
-from flashstack.engine.staging import to_device, to_host
+from flashstack.engine.staging import to_device, to_device_parts, to_host
 from tests.engine.helpers import greedy
 from tests.fakes.cuda_driver import FakeBackend
 
@@ -36,6 +36,38 @@ def test_staging_on_the_cpu_is_plain_tensors() -> None:
         [3, 4],
     ]
     assert to_host(torch.arange(3)) is None
+
+
+PARTS = [
+    ([5, -6, 7], torch.int64),
+    ([[1, 2], [3, 4]], torch.int32),
+    ([], torch.int64),
+    ([9], torch.int32),
+    ([2**40], torch.int64),  # after a 4-byte part: its view starts aligned all the same
+]
+
+
+def _check_parts(device: torch.device) -> None:
+    out = to_device_parts(PARTS, device)
+    assert [t.dtype for t in out] == [dtype for _, dtype in PARTS]
+    assert [t.device.type for t in out] == [device.type] * len(PARTS)
+    assert [t.tolist() for t in out] == [values for values, _ in PARTS]
+    assert out[1].shape == (2, 2) and out[2].shape == (0,)
+
+
+def test_parts_travel_in_one_buffer_on_the_cpu() -> None:
+    _check_parts(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_parts_travel_in_one_copy_on_the_gpu() -> None:
+    from flashstack.cuda.torch_interop import staging
+
+    shared = staging(torch.device("cuda"))
+    copies = shared.copies
+    _check_parts(torch.device("cuda"))
+    assert shared.copies - copies == 1
 
 
 @pytest.mark.gpu

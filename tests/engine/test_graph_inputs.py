@@ -1,6 +1,7 @@
-"""The decode graphs' packed inputs: each bucket's views read back exactly the step that was staged,
-padded the way the graphs rely on (slot -1 writes nothing, context length 1 reads one slot).
-Capture and replay need CUDA (tests/engine/test_gpu.py); the packing is host code and runs here."""
+"""Step inputs: a span's KV slots, and the decode graphs' packed inputs: each bucket's views read
+back exactly the step that was staged, padded the way the graphs rely on (slot -1 writes nothing,
+context length 1 reads one slot). Capture and replay need CUDA (tests/engine/test_gpu.py); the
+packing is host code and runs here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from flashstack.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from flashstack.engine.kernels.attention import get_attention_backend
+from flashstack.engine.model_runner import slots_of
 from flashstack.engine.models.ops import TorchOps
 
 
@@ -54,3 +56,11 @@ def test_a_smaller_step_after_a_larger_one_uses_only_its_own_layout() -> None:
     v = g._views(1)
     assert (v.input_ids.tolist(), v.positions.tolist(), v.slot_mapping.tolist()) == ([7], [3], [19])
     assert v.context_lens.tolist() == [4] and v.block_tables.tolist() == [[1, 0, 0, 0]]
+
+
+def test_slots_of_a_span_match_the_per_token_formula() -> None:
+    table, bs = [7, 2, 9, 4], 4
+    for start in range(16):
+        for end in range(start, 17):
+            want = [table[p // bs] * bs + p % bs for p in range(start, end)]
+            assert slots_of(table, bs, start, end) == want

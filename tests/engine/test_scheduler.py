@@ -127,3 +127,78 @@ def test_eos_and_stop_token_ids_finish() -> None:
     step(s, token=EOS)
     step(s, token=EOS)
     assert c.finish_reason == "length" and c.output_token_ids == [EOS, EOS]
+
+
+def _decoding(s: Scheduler, n: int, max_tokens: int = 50) -> list[Sequence]:
+    """`n` sequences past their prefill, decoding."""
+    running = [seq(3, max_tokens=max_tokens) for _ in range(n)]
+    for q in running:
+        s.add(q)
+    step(s)
+    assert all(q.num_uncomputed_tokens == 1 for q in running)
+    return running
+
+
+def test_beside_decodes_a_prompt_is_chunked_to_the_decode_step_budget() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=64, decode_step_prefill_tokens=8)
+    streams = _decoding(s, 2)
+    prompt = seq(20)
+    s.add(prompt)
+    sizes = []
+    while prompt.num_output_tokens == 0:
+        batch = step(s)
+        assert batch.seqs[:2] == streams  # the streams decode in every step
+        sizes.append(batch.num_new_tokens[2:])
+    assert sizes == [[8], [8], [4]]
+    assert s.num_chunked_prefills == 2
+
+
+def test_a_prompt_alone_takes_the_whole_budget() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=64, decode_step_prefill_tokens=8)
+    prompt = seq(20)
+    s.add(prompt)
+    assert step(s).num_new_tokens == [20]
+
+
+def test_a_queue_deeper_than_one_step_takes_the_whole_budget() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    _decoding(s, 2)
+    queued = [seq(20), seq(20)]  # 40 prompt tokens: more than one step of 32
+    for q in queued:
+        s.add(q)
+    assert step(s).num_new_tokens == [1, 1, 20, 10]
+    # 10 left: the queue fits in a step again, so the (now three) streams get short steps
+    assert step(s).num_new_tokens == [1, 1, 1, 8]
+
+
+def test_the_decode_step_budget_off() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=64, decode_step_prefill_tokens=0)
+    _decoding(s, 2)
+    s.add(seq(20))
+    assert step(s).num_new_tokens == [1, 1, 20]
+
+
+def test_a_higher_priority_chunk_tail_takes_the_prompt_budget_and_decodes_still_run() -> None:
+    s = make(
+        num_blocks=256,
+        max_num_batched_tokens=64,
+        decode_step_prefill_tokens=4,
+        scheduling_policy="priority",
+    )
+    low = _decoding(s, 1)[0]
+    low.priority = 9
+    vip, other = seq(10, priority=0), seq(10, priority=0)
+    s.add(vip)
+    s.add(other)
+    batch = step(s)
+    assert batch.seqs == [low, vip] and batch.num_new_tokens == [1, 4]  # other waits
+    batch = step(s)  # vip's tail ranks before low's decode and spends the prompt budget
+    assert batch.seqs == [vip, low] and batch.num_new_tokens == [4, 1]
+    assert other in s.waiting
+
+
+def test_a_negative_decode_step_budget_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="decode_step_prefill_tokens"):
+        EngineConfig(model="unused", decode_step_prefill_tokens=-1)
