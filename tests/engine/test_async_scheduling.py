@@ -9,6 +9,7 @@ and when blocks run short.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flashstack.engine import LLM, SamplingParams
 from flashstack.engine.model_runner import ModelRunner
@@ -189,9 +190,7 @@ def _admissions_behind(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
-def test_arrivals_join_the_step_queued_behind(tiny_model_dir, monkeypatch) -> None:
-    # A prompt arriving mid-decode is admitted into the step queued behind the running one, with
-    # the decodes' ids taken on the device; chunked prompts and seeded sampling included.
+def _check_arrivals_join(model_dir, monkeypatch, **kw) -> None:
     behind = _admissions_behind(monkeypatch)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True)
@@ -199,11 +198,24 @@ def test_arrivals_join_the_step_queued_behind(tiny_model_dir, monkeypatch) -> No
     arrivals[9] = (PROMPTS[3], greedy)
     logs = []
     for flag in (False, True):
-        engine = _llm(tiny_model_dir, flag, max_num_batched_tokens=16).engine
+        engine = _llm(model_dir, flag, max_num_batched_tokens=16, **kw).engine
         logs.append(_staggered(engine, arrivals))
     assert logs[0] == logs[1]
     assert set(logs[1][1].values()) == {"length"}
     assert behind[0] >= 2
+
+
+def test_arrivals_join_the_step_queued_behind(tiny_model_dir, monkeypatch) -> None:
+    # A prompt arriving mid-decode is admitted into the step queued behind the running one, with
+    # the decodes' ids taken on the device; chunked prompts and seeded sampling included.
+    _check_arrivals_join(tiny_model_dir, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_arrivals_join_the_step_queued_behind_on_the_gpu(tiny_model_dir, monkeypatch) -> None:
+    # The same through CUDA graphs (decode and mixed steps) and the pinned staging.
+    _check_arrivals_join(tiny_model_dir, monkeypatch, device="cuda", dtype="float32", block_size=16)
 
 
 def test_an_arrival_that_needs_the_host_waits_for_the_next_step(tiny_model_dir, monkeypatch):
