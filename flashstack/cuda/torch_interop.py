@@ -167,9 +167,7 @@ class HostStaging:
         `to_device` does, whatever the number of parts."""
         nbytes = offsets[-1]
         slot = self._free_slot(nbytes)
-        host = slot.host.numpy()
-        for array, offset in zip(parts, offsets):
-            host[offset : offset + array.nbytes].view(array.dtype)[:] = array.reshape(-1)
+        write_parts(slot.host.numpy(), parts, offsets)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device.ordinal}")
         dst.copy_(slot.host[:nbytes], non_blocking=True)
         slot.copied.record(self.torch_stream())
@@ -196,6 +194,12 @@ def pack_offsets(parts: Sequence[np.ndarray]) -> list[int]:
         offsets.append(end)
         end += -(-array.nbytes // PART_ALIGN) * PART_ALIGN
     return offsets + [end]
+
+
+def write_parts(host: np.ndarray, parts: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
+    """Write each array's bytes into the byte array `host` at its offset (from `pack_offsets`)."""
+    for array, offset in zip(parts, offsets):
+        host[offset : offset + array.nbytes].view(array.dtype)[:] = array.reshape(-1)
 
 
 _staging: dict[int, HostStaging] = {}

@@ -334,6 +334,7 @@ class EngineCoreClient:
             raise EngineCoreError(f"the engine core failed to start:\n{msg[1]}")
         if tokenizer_error is not None:
             self._proc.kill()
+            self._proc.join(10)
             raise tokenizer_error
         _, self.info, self.latest_stats = msg
         self._requests = _RequestPipe(req_send)

@@ -164,7 +164,10 @@ class Scheduler:
         cap, full = cfg.decode_step_prefill_tokens, cfg.max_num_batched_tokens
         if not cap or cap >= full or not cfg.enable_chunked_prefill or not decoding:
             return full
-        queued += sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        for seq in self.waiting:  # stops at the first step's worth: a burst's queue is long
+            queued += seq.num_uncomputed_tokens
+            if queued > full:
+                return full
         return full if queued > full else cap
 
     def lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:

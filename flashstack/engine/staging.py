@@ -9,7 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashstack.cuda.torch_interop import HostCopy, numpy_dtype, pack_offsets, staging
+from flashstack.cuda.torch_interop import (
+    HostCopy,
+    numpy_dtype,
+    pack_offsets,
+    staging,
+    write_parts,
+)
 
 
 def to_device(
@@ -36,9 +42,7 @@ def to_device_parts(
         packed = staging(device).to_device_parts(arrays, offsets)
     else:
         packed = torch.empty(offsets[-1], dtype=torch.uint8)
-        host = packed.numpy()
-        for array, offset in zip(arrays, offsets):
-            host[offset : offset + array.nbytes].view(array.dtype)[:] = array.reshape(-1)
+        write_parts(packed.numpy(), arrays, offsets)
     return [
         packed[offset : offset + array.nbytes].view(dtype).view(array.shape)
         for array, offset, (_, dtype) in zip(arrays, offsets, parts)
