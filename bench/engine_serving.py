@@ -120,6 +120,8 @@ class Result:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)  # per token: see token_gaps
     chunk_itl: list[float] = field(default_factory=list)  # per SSE event, as vLLM's benchmark
+    itl_at: list[float] = field(default_factory=list)  # when each of `itl`'s gaps ended
+    start: float = 0.0
     chunks: int = 0
     output_tokens: int = 0
     error: str = ""
@@ -147,9 +149,12 @@ def record_event(r: Result, now: float, start: float, last: float, text: str) ->
     if r.ttft == 0.0:
         r.ttft = now - start
         r.itl += [0.0] * (k - 1)
+        r.itl_at += [now] * (k - 1)
     else:
         r.chunk_itl.append(now - last)
-        r.itl += token_gaps(now - last, k)
+        gaps = token_gaps(now - last, k)
+        r.itl += gaps
+        r.itl_at += [now] * len(gaps)
 
 
 def _body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -188,7 +193,7 @@ async def one_request(
     through httpx when `session` is an httpx.AsyncClient (this benchmark's client until
     2026-12-01: it cost the client 3x aiohttp's CPU per event, see docs/benchmarks.md)."""
     r = Result()
-    start = last = time.perf_counter()
+    start = last = r.start = time.perf_counter()
     body = _body(model, prompt, max_tokens)
     try:
         if type(session).__module__.startswith("aiohttp"):
@@ -233,6 +238,27 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
+def itl_tail(ok: list[Result], over: float = 3.0, bucket_s: float = 0.1) -> dict[str, Any]:
+    """Where the ITL tail is: the gaps over `over` × p50, as a fraction of all, and how many end
+    in each `bucket_s` window from the first request (the ten fullest): a burst's admission, or
+    the steady decodes after it."""
+    gaps = [(g, at) for r in ok for g, at in zip(r.itl, r.itl_at)]
+    if not gaps:
+        return {}
+    limit = over * _pct([g for g, _ in gaps], 50)
+    t0 = min(r.start for r in ok)
+    slow = [at - t0 for g, at in gaps if g > limit]
+    per: dict[float, int] = {}
+    for at in slow:
+        key = round(math.floor(at / bucket_s) * bucket_s, 3)
+        per[key] = per.get(key, 0) + 1
+    fullest = sorted(per.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        f"itl_over_{over:g}x_p50": round(len(slow) / len(gaps), 4),
+        f"itl_over_{over:g}x_p50_at_s": {f"{k:g}": n for k, n in sorted(fullest)},
+    }
+
+
 def summarize(
     results: list[Result], wall: float, slo_ttft: float, slo_tpot: float
 ) -> dict[str, Any]:
@@ -266,6 +292,7 @@ def summarize(
         "chunk_itl_ms_p99": ms(_pct(chunk_itl, 99)),
         "tokens_per_chunk": round(tokens / max(1, sum(r.chunks for r in ok)), 2),
     }
+    out |= itl_tail(ok)
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         out["errors"] = errors[:5]

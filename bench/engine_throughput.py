@@ -171,6 +171,14 @@ def run_workload(llm, prompts, outputs, weight_bytes: int, params: int) -> dict:
     }
 
 
+def _variant(text: str) -> tuple[str, dict[str, int]]:
+    label, _, rest = text.partition("=")
+    pairs = [item.split("=", 1) for item in rest.split(",") if item]
+    if not label or any(len(p) != 2 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected LABEL=OPTION=VALUE,..., got {text!r}")
+    return label, {k: int(v) for k, v in pairs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -183,19 +191,20 @@ def main() -> None:
     )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument(
-        "--mixed-step-graph-tokens",
-        type=int,
+        "--variants",
+        type=_variant,
         nargs="+",
-        default=[None],
-        help="run the workload once per value, each on a fresh engine (the first: the engine "
-        "default), e.g. `8192 0` against eager mixed steps",
+        default=[("flashstack", {})],
+        metavar="LABEL=OPTION=VALUE,...",
+        help="run the workload once per variant, each on a fresh engine with these EngineConfig "
+        "options (integers), e.g. `default= burst0=burst_prefill_steps=0`; the first is profiled",
     )
     args = ap.parse_args()
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
         "shape": "qwen3-0.6b",
         "num_seqs": args.num_seqs,
-        "mixed_step_graph_tokens": args.mixed_step_graph_tokens,
+        "variants": {label: options for label, options in args.variants},
     }
 
     def dump() -> None:
@@ -223,9 +232,7 @@ def main() -> None:
     from flashstack.engine import LLM, SamplingParams
 
     prompts, outputs = workload(args.num_seqs, 100, 1024)
-    for n, tokens in enumerate(args.mixed_step_graph_tokens):
-        key = "flashstack" if n == 0 else f"flashstack_mixed_step_graph_tokens_{tokens}"
-        options = {} if tokens is None else {"mixed_step_graph_tokens": tokens}
+    for n, (key, options) in enumerate(args.variants):
         try:
             llm = LLM(
                 str(root / "qwen3"),

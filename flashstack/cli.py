@@ -89,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
         "inter-token tail",
     )
     eserve.add_argument(
+        "--burst-prefill-steps",
+        type=int,
+        default=None,
+        help="while the waiting prompts are over one step's tokens (a burst), up to this many "
+        "steps in a row take prompts only, the running streams waiting (default 16; 0: decodes "
+        "run in every step)",
+    )
+    eserve.add_argument(
         "--mixed-step-graph-tokens",
         type=int,
         default=None,
@@ -377,6 +385,7 @@ def _engine_serve(args: argparse.Namespace) -> None:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "decode_step_prefill_tokens": args.decode_step_prefill_tokens,
+        "burst_prefill_steps": args.burst_prefill_steps,
         "mixed_step_graph_tokens": args.mixed_step_graph_tokens,
         "enforce_eager": args.enforce_eager or None,
         "max_model_len": args.max_model_len,

@@ -114,6 +114,11 @@ class EngineConfig:
     # prompt stalls the streams (their inter-token tail) at a few steps of its own first token.
     # 0: off.
     decode_step_prefill_tokens: int = 1024
+    # While the waiting prompts are more than one step's max_num_batched_tokens (a burst), up to
+    # this many steps in a row take prompts only and the running streams sit them out, as SGLang
+    # and vLLM v0 schedule: each stream then gets one longer gap instead of a long step per token,
+    # and the burst's first tokens come sooner. 0: decodes run in every step.
+    burst_prefill_steps: int = 16
     max_model_len: int | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -165,6 +170,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.burst_prefill_steps < 0:
+            raise ValueError(
+                "burst_prefill_steps must be >= 0 (0: decodes run in every step), "
+                f"got {self.burst_prefill_steps}"
+            )
         if self.decode_step_prefill_tokens < 0:
             raise ValueError(
                 "decode_step_prefill_tokens must be >= 0 (0: no cap beside decodes), "

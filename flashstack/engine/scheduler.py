@@ -1,5 +1,5 @@
 """Continuous batching: decode first, chunked prefill under a token budget (a smaller one beside
-running decodes), swap or recompute preemption."""
+running decodes; a burst's prompts ahead of the decodes), swap or recompute preemption."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_chunked_prefills = 0
+        self.burst_steps = 0  # steps in a row the running decodes sat out (burst_prefill_steps)
 
     def _order_key(self, seq: Sequence) -> tuple[int, float, int]:
         prio = seq.priority if self.config.scheduling_policy == "priority" else 0
@@ -139,10 +140,17 @@ class Scheduler:
         return (prio, int(seq.num_uncomputed_tokens > 1), arrival, seq_id)
 
     def schedule(self) -> ScheduledBatch:
-        """This step's batch: running sequences (decodes before chunk tails), then admissions."""
-        batch = ScheduledBatch()
+        """This step's batch: running sequences (decodes before chunk tails), then admissions; in
+        a burst, prompts only (see `burst_prefill_steps`)."""
         decoding = any(seq.num_uncomputed_tokens == 1 for seq in self.running)
         queued = sum(n for seq in self.running if (n := seq.num_uncomputed_tokens) > 1)
+        if decoding and self._in_burst(queued):
+            batch = self._schedule_burst()
+            if batch:
+                self.burst_steps += 1
+                return batch
+        self.burst_steps = 0
+        batch = ScheduledBatch()
         tokens = self.config.max_num_batched_tokens
         budget = StepBudget(tokens, self._prefill_budget(decoding, queued))
         budget = self._schedule_running(batch, budget)
@@ -151,6 +159,37 @@ class Scheduler:
             # Swapped sequences come back before new ones are admitted, or they could starve.
             if not self.swapped:
                 self._schedule_waiting(batch, budget)
+        return batch
+
+    def _in_burst(self, queued: int) -> bool:
+        """True when the next step may leave the running decodes out: requests wait (more than
+        one: a single long prompt is chunked beside the streams), the prompts queued (chunk
+        tails' `queued` and the waiting ones) are over one full step, nothing is swapped out, and
+        the streams have not yet sat out `burst_prefill_steps` steps in a row."""
+        cfg = self.config
+        if len(self.waiting) < 2 or self.swapped or self.burst_steps >= cfg.burst_prefill_steps:
+            return False
+        return self._queue_over(queued, cfg.max_num_batched_tokens)
+
+    def _queue_over(self, queued: int, tokens: int) -> bool:
+        # Stops at the first `tokens` worth: a burst's queue is long.
+        for seq in self.waiting:
+            queued += seq.num_uncomputed_tokens
+            if queued > tokens:
+                return True
+        return queued > tokens
+
+    def _schedule_burst(self) -> ScheduledBatch:
+        """A step of prompts only: chunk tails, then admissions, under the whole token budget.
+        Empty when none can run (no free slot or block): the decodes then run as usual."""
+        batch = ScheduledBatch()
+        tokens = self.config.max_num_batched_tokens
+        decodes = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        self.running = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        budget = self._schedule_running(batch, StepBudget(tokens, tokens))
+        self.running += decodes  # they keep their blocks and run again once the burst is in
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
         return batch
 
     def _prefill_budget(self, decoding: bool, queued: int) -> int:
@@ -164,11 +203,7 @@ class Scheduler:
         cap, full = cfg.decode_step_prefill_tokens, cfg.max_num_batched_tokens
         if not cap or cap >= full or not cfg.enable_chunked_prefill or not decoding:
             return full
-        for seq in self.waiting:  # stops at the first step's worth: a burst's queue is long
-            queued += seq.num_uncomputed_tokens
-            if queued > full:
-                return full
-        return full if queued > full else cap
+        return full if self._queue_over(queued, full) else cap
 
     def lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The step after `batch`, scheduled while `batch` still runs (its tokens unknown): every
@@ -184,6 +219,8 @@ class Scheduler:
         """
         if self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
             return None
+        if self.config.burst_prefill_steps and self._in_burst(0):
+            return None  # the next step takes the burst's prompts without these decodes
         # `batch` may itself be a lookahead step holding rows of sequences that ended meanwhile.
         live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
         if len(live) != len(self.running):

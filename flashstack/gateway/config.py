@@ -53,6 +53,7 @@ class EngineOptions(BaseModel):
     max_num_seqs: int | None = Field(None, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)
     decode_step_prefill_tokens: int | None = Field(None, ge=0)  # 0: no cap beside decodes
+    burst_prefill_steps: int | None = Field(None, ge=0)  # 0: decodes run in every step
     max_model_len: int | None = Field(None, gt=0)
     dtype: str | None = None  # auto, float16, bfloat16, float32
     device: str | None = None  # auto, cpu, cuda, cuda:N

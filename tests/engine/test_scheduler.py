@@ -161,7 +161,12 @@ def test_a_prompt_alone_takes_the_whole_budget() -> None:
 
 
 def test_a_queue_deeper_than_one_step_takes_the_whole_budget() -> None:
-    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    s = make(
+        num_blocks=256,
+        max_num_batched_tokens=32,
+        decode_step_prefill_tokens=8,
+        burst_prefill_steps=0,
+    )
     _decoding(s, 2)
     queued = [seq(20), seq(20)]  # 40 prompt tokens: more than one step of 32
     for q in queued:
@@ -169,6 +174,65 @@ def test_a_queue_deeper_than_one_step_takes_the_whole_budget() -> None:
     assert step(s).num_new_tokens == [1, 1, 20, 10]
     # 10 left: the queue fits in a step again, so the (now three) streams get short steps
     assert step(s).num_new_tokens == [1, 1, 1, 8]
+
+
+def test_a_burst_is_prefilled_while_the_streams_wait() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    streams = _decoding(s, 2)
+    queued = [seq(20), seq(20)]  # 40 prompt tokens: more than one step of 32
+    for q in queued:
+        s.add(q)
+    computed = [q.num_computed_tokens for q in streams]
+    batch = step(s)
+    assert batch.seqs == queued and batch.num_new_tokens == [20, 12]  # prompts only
+    assert [q.num_computed_tokens for q in streams] == computed  # the streams sat it out
+    assert all(q.status == SequenceStatus.RUNNING and q.block_table for q in streams)
+    # 8 left: the queue fits in a step again, so every stream decodes beside the capped tail
+    assert step(s).num_new_tokens == [1, 1, 1, 8]
+    assert s.burst_steps == 0
+
+
+def test_streams_sit_out_at_most_burst_prefill_steps_in_a_row() -> None:
+    s = make(
+        num_blocks=512,
+        max_num_batched_tokens=16,
+        decode_step_prefill_tokens=4,
+        burst_prefill_steps=2,
+    )
+    streams = _decoding(s, 1)
+    for i in range(6):  # 96 prompt tokens, six steps' worth, none a cached prefix of another
+        s.add(Sequence(list(range(100 * i + 1, 100 * i + 17)), SamplingParams(max_tokens=40)))
+    decoded = [streams[0] in step(s).seqs for _ in range(6)]
+    assert decoded == [False, False, True, False, False, True]
+
+
+def test_a_burst_that_cannot_be_admitted_lets_the_streams_decode() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=2)
+    streams = _decoding(s, 2)  # every slot taken
+    for _ in range(3):
+        s.add(seq(20))
+    batch = step(s)
+    assert batch.seqs == streams and batch.num_new_tokens == [1, 1]
+
+
+def test_no_lookahead_over_a_burst() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    _decoding(s, 2)
+    batch = s.schedule()
+    assert s.lookahead(batch) is not None  # nothing waits: the step behind is scheduled now
+    s2 = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    _decoding(s2, 2)
+    batch = s2.schedule()
+    for _ in range(2):
+        s2.add(seq(20))
+    assert s2.lookahead(batch) is None  # the next step is the burst's, without these decodes
+
+
+def test_a_negative_burst_prefill_steps_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="burst_prefill_steps"):
+        EngineConfig(model="unused", burst_prefill_steps=-1)
 
 
 def test_the_decode_step_budget_off() -> None:
