@@ -164,12 +164,20 @@ class Scheduler:
     def _in_burst(self, queued: int) -> bool:
         """True when the next step may leave the running decodes out: requests wait (more than
         one: a single long prompt is chunked beside the streams), the prompts queued (chunk
-        tails' `queued` and the waiting ones) are over one full step, nothing is swapped out, and
-        the streams have not yet sat out `burst_prefill_steps` steps in a row."""
+        tails' `queued` and the waiting ones) are over one full step, nothing is swapped out, no
+        stream outranks the queue (priority policy), and the streams have not yet sat out
+        `burst_prefill_steps` steps in a row."""
         cfg = self.config
         if len(self.waiting) < 2 or self.swapped or self.burst_steps >= cfg.burst_prefill_steps:
             return False
+        if cfg.scheduling_policy == "priority" and self._outranked_by_running():
+            return False
         return self._queue_over(queued, cfg.max_num_batched_tokens)
+
+    def _outranked_by_running(self) -> bool:
+        # A stream served before the queue's first request never waits for that queue.
+        head = self.waiting[0].priority
+        return any(seq.priority < head for seq in self.running if seq.num_uncomputed_tokens == 1)
 
     def _queue_over(self, queued: int, tokens: int) -> bool:
         # Stops at the first `tokens` worth: a burst's queue is long.

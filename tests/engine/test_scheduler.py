@@ -215,6 +215,16 @@ def test_a_burst_that_cannot_be_admitted_lets_the_streams_decode() -> None:
     assert batch.seqs == streams and batch.num_new_tokens == [1, 1]
 
 
+def test_a_stream_that_outranks_the_burst_keeps_decoding() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, scheduling_policy="priority")
+    vip = _decoding(s, 1)[0]
+    vip.priority = -1
+    burst = [seq(20, priority=0), seq(20, priority=0)]
+    for q in burst:
+        s.add(q)
+    assert step(s).seqs[0] is vip  # lower value first: the burst waits for vip, not vip for it
+
+
 def test_no_lookahead_over_a_burst() -> None:
     s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
     _decoding(s, 2)
