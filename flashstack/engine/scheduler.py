@@ -4,6 +4,7 @@ running decodes; a burst's prompts ahead of the decodes), swap or recompute pree
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from flashstack.engine.block_manager import BlockManager
@@ -162,26 +163,31 @@ class Scheduler:
         return batch
 
     def _in_burst(self, queued: int) -> bool:
-        """True when the next step may leave the running decodes out: requests wait (more than
-        one: a single long prompt is chunked beside the streams), the prompts queued (chunk
-        tails' `queued` and the waiting ones) are over one full step, nothing is swapped out, no
-        stream outranks the queue (priority policy), and the streams have not yet sat out
-        `burst_prefill_steps` steps in a row."""
+        """True when the next step may leave the running decodes out: two or more waiting
+        requests have free slots (a single long prompt is chunked beside the streams), the
+        prompts queued (chunk tails' `queued` and the waiting ones a slot can take) are over one
+        full step, nothing is swapped out, no stream outranks the queue (priority policy), and
+        the streams have not yet sat out `burst_prefill_steps` steps in a row."""
         cfg = self.config
-        if len(self.waiting) < 2 or self.swapped or self.burst_steps >= cfg.burst_prefill_steps:
+        # Only the requests a free slot can take count: one admission at a time (a loaded
+        # server's queue behind full slots) rides along with the decodes instead.
+        free = cfg.max_num_seqs - len(self.running)
+        if min(len(self.waiting), free) < 2 or self.swapped:
+            return False
+        if self.burst_steps >= cfg.burst_prefill_steps:
             return False
         if cfg.scheduling_policy == "priority" and self._outranked_by_running():
             return False
-        return self._queue_over(queued, cfg.max_num_batched_tokens)
+        return self._queue_over(queued, cfg.max_num_batched_tokens, free)
 
     def _outranked_by_running(self) -> bool:
         # A stream served before the queue's first request never waits for that queue.
         head = self.waiting[0].priority
         return any(seq.priority < head for seq in self.running if seq.num_uncomputed_tokens == 1)
 
-    def _queue_over(self, queued: int, tokens: int) -> bool:
-        # Stops at the first `tokens` worth: a burst's queue is long.
-        for seq in self.waiting:
+    def _queue_over(self, queued: int, tokens: int, first: int | None = None) -> bool:
+        # Of the `first` waiting requests (None: all); stops at `tokens`: a burst's queue is long.
+        for seq in itertools.islice(self.waiting, first):
             queued += seq.num_uncomputed_tokens
             if queued > tokens:
                 return True

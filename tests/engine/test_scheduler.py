@@ -225,6 +225,15 @@ def test_a_stream_that_outranks_the_burst_keeps_decoding() -> None:
     assert step(s).seqs[0] is vip  # lower value first: the burst waits for vip, not vip for it
 
 
+def test_a_queue_behind_full_slots_is_admitted_beside_the_decodes() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, max_num_seqs=3)
+    streams = _decoding(s, 2)  # one slot left: a loaded server's queue, not a burst
+    for _ in range(3):
+        s.add(seq(20))
+    batch = step(s)
+    assert batch.seqs[:2] == streams and batch.num_new_tokens == [1, 1, 20]
+
+
 def test_no_lookahead_over_a_burst() -> None:
     s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
     _decoding(s, 2)
