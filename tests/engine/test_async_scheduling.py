@@ -227,3 +227,21 @@ def test_an_arrival_that_needs_the_host_waits_for_the_next_step(tiny_model_dir, 
     logs = [_staggered(_llm(tiny_model_dir, flag).engine, arrivals) for flag in (False, True)]
     assert logs[0] == logs[1]
     assert count[0] > 0
+
+
+def test_a_burst_prefilled_ahead_of_the_decodes_gives_the_same_tokens(tiny_model_dir) -> None:
+    prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]  # 12 prompts, a step's budget 16
+    params = [SamplingParams(temperature=0, max_tokens=9 + i, ignore_eos=True) for i in range(12)]
+    kw = {"max_num_batched_tokens": 16, "decode_step_prefill_tokens": 4}
+    mixed = _run(_llm(tiny_model_dir, True, burst_prefill_steps=0, **kw), prompts, params)
+    llm = _llm(tiny_model_dir, True, **kw)
+    sat_out = []
+
+    def hook(engine) -> None:
+        check_engine(engine)
+        sat_out.append(engine.scheduler.burst_steps)
+
+    llm.step_hook = hook
+    outs = llm.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in outs] == mixed
+    assert max(sat_out) >= 2  # the streams sat out steps in a row while the burst went in
