@@ -12,6 +12,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -171,12 +172,19 @@ def run_workload(llm, prompts, outputs, weight_bytes: int, params: int) -> dict:
     }
 
 
-def _variant(text: str) -> tuple[str, dict[str, int]]:
+def _variant(text: str) -> tuple[str, dict[str, Any]]:
+    # LABEL=OPTION=VALUE,...: EngineConfig options, `kernels.NAME` for KernelOptions (integers).
     label, _, rest = text.partition("=")
     pairs = [item.split("=", 1) for item in rest.split(",") if item]
     if not label or any(len(p) != 2 for p in pairs):
         raise argparse.ArgumentTypeError(f"expected LABEL=OPTION=VALUE,..., got {text!r}")
-    return label, {k: int(v) for k, v in pairs}
+    options: dict[str, Any] = {}
+    for key, value in pairs:
+        if key.startswith("kernels."):
+            options.setdefault("kernels", {})[key.removeprefix("kernels.")] = int(value)
+        else:
+            options[key] = int(value)
+    return label, options
 
 
 def main() -> None:
@@ -197,7 +205,8 @@ def main() -> None:
         default=[("flashstack", {})],
         metavar="LABEL=OPTION=VALUE,...",
         help="run the workload once per variant, each on a fresh engine with these EngineConfig "
-        "options (integers), e.g. `default= burst0=burst_prefill_steps=0`; the first is profiled",
+        "options (integers; kernels.NAME for a kernel option), e.g. `default= "
+        "burst0=burst_prefill_steps=0 lpt=kernels.decode_longest_first=1`; the first is profiled",
     )
     args = ap.parse_args()
     result: dict = {

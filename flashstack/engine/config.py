@@ -38,6 +38,10 @@ class KernelOptions:
     # kernel before it drains. Batch-1 step on the H200: SmolLM2-135M 612 -> 545 µs, Llama-3-8B
     # 4.033 -> 4.001 ms.
     attention_pdl: bool = True
+    # Decode attention over more than one wave of programs starts the longest contexts first, so
+    # the shortest fill the last wave (a batch of mixed lengths). Off until measured on a GPU
+    # (bench/engine_throughput.py --variants default= lpt=...).
+    decode_longest_first: bool = False
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"
@@ -90,6 +94,7 @@ class KernelOptions:
                 decode_qkv=False,
                 decode_tma=False,
                 attention_pdl=False,
+                decode_longest_first=False,
             )
         from flashstack.cuda.torch_interop import device_for
 

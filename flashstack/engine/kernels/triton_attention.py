@@ -194,6 +194,7 @@ def _decode_kernel(
     kvs_ptr,
     tables_ptr,
     ctx_ptr,
+    order_ptr,
     out_ptr,
     part_ptr,
     lse_ptr,
@@ -236,16 +237,25 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     FP8: tl.constexpr,
     KV_DOT: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
-    b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     if FP8:  # the layer's scales: fixed for the engine's life, safe before the wait
         k_scale = tl.load(kvs_ptr)
         v_scale = tl.load(kvs_ptr + 1)
-    # a step input, written before the forward pass: safe before the wait
-    ctx = tl.load(ctx_ptr + b)
-    wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
+    if ORDERED:
+        # Programs start in grid order: the longest contexts first, so the shortest fill the
+        # launch's last wave instead of a long one running on alone (longest processing time
+        # first). The order is computed in the step, maybe just before: read after the wait.
+        wait_for_previous_kernel(USE_PDL)
+        b = tl.load(order_ptr + tl.program_id(0))
+        ctx = tl.load(ctx_ptr + b)
+    else:
+        b = tl.program_id(0)
+        # a step input, written before the forward pass: safe before the wait
+        ctx = tl.load(ctx_ptr + b)
+        wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
     # This sequence's own share per split (whole tiles, at least `min_split` tokens), not the
     # grid's: a graph's grid is sized for max_model_len, and a short context should still be read by
     # all its splits, not by the first few. Splits past the context have nothing to read.
@@ -582,6 +592,8 @@ class DecodePlan:
     num_stages: int | None = None  # None: Triton's default
     num_warps: int | None = None
     pdl: bool = False  # launched with programmatic dependent launch (KernelOptions.attention_pdl)
+    # programs start longest context first (KernelOptions.decode_longest_first), over one wave
+    longest_first: bool = False
 
 
 def plan_decode(
@@ -596,6 +608,7 @@ def plan_decode(
     num_stages: int | None = None,
     num_warps: int | None = None,
     pdl: bool = False,
+    longest_first: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
@@ -631,6 +644,9 @@ def plan_decode(
     table_span = (
         _table_span(max_context_len, num_splits, block_n, min_split, block_size) if tma else 1
     )
+    # Order only matters where programs wait for a slot: more than one wave of them.
+    programs = batch * kv_heads * num_splits
+    longest_first = longest_first and batch > 1 and programs > _WAVE_PROGRAMS * sm_count
     return DecodePlan(
         batch,
         max_context_len,
@@ -642,7 +658,17 @@ def plan_decode(
         num_stages,
         num_warps,
         pdl_applies(kv_cache.device, pdl),
+        longest_first,
     )
+
+
+# Programs per SM in one wave of a decode launch, at most (tma_launch: one or two).
+_WAVE_PROGRAMS = 2
+
+
+def decode_order(context_lens: torch.Tensor) -> torch.Tensor:
+    """The sequences' permutation, longest context first (int32): a decode launch's start order."""
+    return torch.argsort(context_lens, descending=True).to(torch.int32)
 
 
 def paged_decode_triton(
@@ -656,9 +682,12 @@ def paged_decode_triton(
     new: NewTokens | None = None,
     kv_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
     says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given).
+    `order`: a permutation of the sequences (int32 [batch], longest context first: decode_order),
+    the order their programs start in when `plan.longest_first`.
     With `new`, q is the unrotated q straight from the q/k/v projection and the new k/v are not in
     the cache yet: the kernel rotates them, stores them and attends with them (see NewTokens).
     `kv_scale`: an fp8 cache's [k_scale, v_scale].
@@ -668,6 +697,10 @@ def paged_decode_triton(
     kv_heads = kv_cache.shape[3]
     group = heads // kv_heads
     assert plan.batch == batch, f"a plan for {plan.batch} sequences launched for {batch}"
+    if not plan.longest_first:
+        order = None
+    elif order is None:
+        order = decode_order(context_lens)
     num_splits, block_n, min_split, tma = plan.num_splits, plan.block_n, plan.min_split, plan.tma
     num_stages, num_warps, table_span = plan.num_stages, plan.num_warps, plan.table_span
     if out is None:
@@ -713,6 +746,7 @@ def paged_decode_triton(
         kv_scale if fp8 else context_lens,
         block_tables,
         context_lens,
+        order if order is not None else context_lens,
         out,
         part,
         lse,
@@ -752,6 +786,7 @@ def paged_decode_triton(
         USE_PDL=plan.pdl,
         FP8=fp8,
         KV_DOT=_kv_dot(q),
+        ORDERED=order is not None,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -976,7 +1011,19 @@ def plan_step_decode(
         bound,
         tma=None if kernels.decode_tma else False,
         pdl=kernels.attention_pdl,
+        longest_first=kernels.decode_longest_first,
     )
+
+
+def _step_order(
+    meta: AttentionMetadata, lens: torch.Tensor, plan: DecodePlan
+) -> torch.Tensor | None:
+    # One sort a step, shared by its layers (meta.scratch lives for one step, or one graph).
+    if not plan.longest_first:
+        return None
+    if "decode_order" not in meta.scratch:
+        meta.scratch["decode_order"] = decode_order(lens)
+    return meta.scratch["decode_order"]
 
 
 def _mixed_in_graph(
@@ -1003,6 +1050,7 @@ def _mixed_in_graph(
             meta.grid_context_len or meta.max_context_len,
             tma=None if kernels.decode_tma else False,
             pdl=kernels.attention_pdl,
+            longest_first=kernels.decode_longest_first,
         )
         paged_decode_triton(
             q[:rows],
@@ -1014,6 +1062,7 @@ def _mixed_in_graph(
             sliding_window,
             kv_scale=kv_scale,
             out=out[:rows],
+            order=_step_order(meta, lens, plan),
         )
     return paged_prefill_triton(
         q, kv_cache, meta, scale, sliding_window, kv_scale=kv_scale, out=out
@@ -1037,14 +1086,16 @@ def paged_attention_triton(
     if sdpa_prefill_applies(meta, sliding_window):
         return paged_prefill_sdpa(q, kv_cache, meta, scale, kv_scale)
     if meta.is_decode_only:
+        plan = plan_step_decode(meta, kv_cache, kernels)
         return paged_decode_triton(
             q,
             kv_cache,
             meta.block_tables,
             meta.context_lens,
             scale,
-            plan_step_decode(meta, kv_cache, kernels),
+            plan,
             sliding_window,
             kv_scale=kv_scale,
+            order=_step_order(meta, meta.context_lens, plan),
         )
     return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window, kv_scale=kv_scale)

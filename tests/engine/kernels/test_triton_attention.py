@@ -387,3 +387,71 @@ def test_long_prefill_chunks_take_sdpa_and_match_reference(device, monkeypatch, 
     q = torch.randn(sum(query_lens), heads, dim, dtype=dtype, device=device)
     want = paged_attention_reference(q, cache, meta, 0.1)
     torch.testing.assert_close(tk.paged_attention_triton(q, cache, meta, 0.1), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_longest_first_matches_reference(device, num_splits):
+    """Programs started longest context first (kernels.decode_longest_first) write every sequence's
+    own rows: the same answer, the step's order computed once and shared by its layers."""
+    import dataclasses
+
+    from flashstack.engine.config import KernelOptions
+
+    torch.manual_seed(5)
+    dtype, bs, heads, kv_heads, dim = DTYPES[0], 16, 8, 4, 64
+    ctx = [7, 90, 33, 150, 1]
+    num_blocks = sum(math.ceil(c / bs) for c in ctx) + 3
+    cache = _cache(num_blocks, bs, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, bs, num_blocks, device)
+    meta = _meta([1] * len(ctx), ctx, tables, bs, device)
+    q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
+    want = paged_attention_reference(q, cache, meta, 0.125)
+    plan = tk.plan_decode(len(ctx), cache, max(ctx), num_splits=num_splits, longest_first=True)
+    assert plan.longest_first  # 5 x 4 x splits programs: more than one wave here
+    assert tk.decode_order(meta.context_lens).tolist() == [3, 1, 2, 0, 4]
+    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    # The engine's path: the option on, one order in the step's scratch for every layer.
+    kernels = dataclasses.replace(KernelOptions(), decode_longest_first=True)
+    got = tk.paged_attention_triton(q, cache, meta, 0.125, kernels=kernels)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    order = meta.scratch["decode_order"]
+    tk.paged_attention_triton(q, cache, meta, 0.125, kernels=kernels)
+    assert meta.scratch["decode_order"] is order
+    # One sequence, or one wave of programs, keeps the grid's own order.
+    assert not tk.plan_decode(1, cache, 64, num_splits=8, longest_first=True).longest_first
+    assert not tk.plan_decode(2, cache, 64, num_splits=1, longest_first=True).longest_first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_decode_longest_first_replays_in_a_cuda_graph():
+    """The step's sort is captured with the launch: a replay over new context lengths starts the
+    new longest first and still matches the reference."""
+    import dataclasses
+
+    from flashstack.engine.config import KernelOptions
+
+    torch.manual_seed(6)
+    dtype, bs, heads, kv_heads, dim, batch = torch.bfloat16, 256, 32, 8, 128, 64
+    rng = random.Random(6)
+    ctx = [rng.randint(100, 2000) for _ in range(batch)]
+    num_blocks = batch * 8 + 3
+    cache = _cache(num_blocks, bs, kv_heads, dim, dtype, "cuda")
+    tables = _tables([2048] * batch, bs, num_blocks, "cuda")
+    meta = _meta([1] * batch, ctx, tables, bs, "cuda")
+    meta.grid_context_len = 2048
+    q = torch.randn(batch, heads, dim, dtype=dtype, device="cuda")
+    kernels = dataclasses.replace(KernelOptions(), decode_longest_first=True)
+    assert tk.plan_step_decode(meta, cache, kernels).longest_first
+    tk.paged_attention_triton(q, cache, meta, 0.1, kernels=kernels)  # compile outside the capture
+    meta.scratch.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk.paged_attention_triton(q, cache, meta, 0.1, kernels=kernels)
+    new = [rng.randint(100, 2000) for _ in range(batch)]
+    meta.context_lens.copy_(torch.tensor(new, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = paged_attention_reference(q, cache, _meta([1] * batch, new, tables, bs, "cuda"), 0.1)
+    torch.testing.assert_close(out, want, **_tol(dtype))
