@@ -255,6 +255,7 @@ class Scheduler:
         for seq, n in zip(seqs, ahead):
             bm.append_slots(seq, n)
         step = ScheduledBatch(seqs, [1] * len(seqs), lookahead_rows=rows)
+        self.burst_steps = 0  # the streams decode in it: their steps sat out are no longer in a row
         if self.waiting:
             tokens = self.config.max_num_batched_tokens - len(seqs)
             self._schedule_waiting(step, StepBudget(tokens, self._prefill_budget(True, 0)))

@@ -247,6 +247,15 @@ def test_no_lookahead_over_a_burst() -> None:
     assert s2.lookahead(batch) is None  # the next step is the burst's, without these decodes
 
 
+def test_a_lookahead_step_ends_the_run_of_steps_sat_out() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    _decoding(s, 2)
+    batch = s.schedule()
+    s.burst_steps = 5  # an earlier burst's steps, the pipeline running since
+    assert s.lookahead(batch) is not None  # nothing waits: the decodes run ahead
+    assert s.burst_steps == 0
+
+
 def test_a_negative_burst_prefill_steps_is_refused() -> None:
     import pytest
 
