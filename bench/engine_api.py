@@ -11,7 +11,6 @@ and its ceiling shows as delivered tok/s falling below `streams / step`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -162,12 +161,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         work = workload(args.streams, tuple(args.prompt_len), tuple(args.output_len), VOCAB)
         warm = workload(8, (8, 16), (4, 8), VOCAB, seed=1)
         slo = (1.0, 0.05)
-        asyncio.run(run_rate(url, "bench", warm, math.inf, None, 0, slo))
+        run_rate(url, "bench", warm, math.inf, None, 0, slo)
         spy = _sampler(proc.pid, args.py_spy)
         cpu0, client0 = _cpu_s(proc.pid), time.process_time()
-        out = asyncio.run(
-            run_rate(url, "bench", work, math.inf, args.concurrency, 0, slo, client=args.client)
-        )
+        out = run_rate(url, "bench", work, math.inf, args.concurrency, 0, slo, client=args.client)
         api_cpu, client_cpu = _cpu_s(proc.pid) - cpu0, time.process_time() - client0
         if spy is not None:
             spy.send_signal(2)  # SIGINT: py-spy writes what it sampled

@@ -65,6 +65,33 @@ def test_serving_bench_smoke(tmp_path) -> None:
     assert result["served_over_offline"] > 0
 
 
+def test_client_processes_share_a_run(tmp_path) -> None:
+    """Two client processes deal out a burst and a capped run between them: every request is
+    answered, and the figures are of them all."""
+    result = main(
+        [
+            *("--shape", "tiny", "--device", "cpu", "--num-prompts", "5"),
+            *("--prompt-len", "8", "16", "--output-len", "3", "6", "--rates", "inf"),
+            *("--concurrency", "2", "--max-model-len", "256", "--max-num-seqs", "8"),
+            *("--client-processes", "2", "--skip-offline", "--json", str(tmp_path / "s.json")),
+        ]
+    )
+    burst, capped = result["served"]
+    assert burst["client_processes"] == capped["client_processes"] == 2
+    assert burst["completed"] == 5 and capped["completed"] == 5 and capped["max_concurrency"] == 2
+    assert burst["output_tokens"] == sum(workload(5, (8, 16), (3, 6), 2048).outputs)
+    assert burst["ttft_ms_p50"] > 0 and burst["itl_ms_p50"] > 0
+
+
+def test_arrivals_are_a_poisson_schedule_or_all_at_once() -> None:
+    from bench.engine_serving import _arrivals
+
+    assert _arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    at = _arrivals(2000, 50.0, 1)
+    assert at[0] == 0.0 and all(b > a for a, b in zip(at, at[1:]))
+    assert 35 < at[-1] < 45  # 2,000 arrivals at 50/s: about 40 s
+
+
 def test_goodput_counts_only_requests_within_both_slos() -> None:
     fast = Result(ok=True, ttft=0.1, latency=0.5, itl=[0.1] * 4, output_tokens=5)  # tpot 0.1 s
     slow_start = Result(ok=True, ttft=2.0, latency=2.4, itl=[0.1] * 4, output_tokens=5)
