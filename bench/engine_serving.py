@@ -348,9 +348,8 @@ async def _send(
 
 
 def _labelled(rate: float, concurrency: int | None, client: str) -> dict[str, Any]:
-    return {"rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency} | {
-        "client": client
-    }
+    rate_label = "inf" if math.isinf(rate) else rate
+    return {"rate": rate_label, "max_concurrency": concurrency, "client": client}
 
 
 def _client_process(send: tuple[Any, ...], gc_paused: bool) -> list[Result]:

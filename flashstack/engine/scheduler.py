@@ -233,7 +233,7 @@ class Scheduler:
         """
         if self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
             return None
-        if self.config.burst_prefill_steps and self._in_burst(0):
+        if self._in_burst(0):
             return None  # the next step takes the burst's prompts without these decodes
         # `batch` may itself be a lookahead step holding rows of sequences that ended meanwhile.
         live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]

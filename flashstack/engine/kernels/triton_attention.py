@@ -49,6 +49,8 @@ from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 # Programs per SM the split heuristic aims for: enough to hide memory latency, few enough that the
 # merge stays negligible.
 _PROGRAMS_PER_SM = 2
+# Programs per SM in one wave of a decode launch, at most (tma_launch: one or two).
+_WAVE_PROGRAMS = 2
 
 
 @triton.jit
@@ -660,10 +662,6 @@ def plan_decode(
         pdl_applies(kv_cache.device, pdl),
         longest_first,
     )
-
-
-# Programs per SM in one wave of a decode launch, at most (tma_launch: one or two).
-_WAVE_PROGRAMS = 2
 
 
 def decode_order(context_lens: torch.Tensor) -> torch.Tensor:

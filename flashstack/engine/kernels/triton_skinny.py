@@ -33,8 +33,6 @@ where the device has it (kernels/pdl.py): the launch overlaps the previous kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -209,16 +207,6 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return 64, 256 if block_m(m) <= 32 else 128, 2 if k > 8192 else 1, 4, 4
 
 
-@dataclass(frozen=True, slots=True)
-class Fused:
-    """What a product folds in: RMSNorm of its input (`norm`), SiLU-and-mul of a gate/up input
-    (`silu`), the residual add of its output (`residual`), as the batch-1 GEMV does."""
-
-    norm: bool = False
-    silu: bool = False
-    residual: bool = False
-
-
 def _plan(
     m: int,
     n: int,
@@ -227,19 +215,22 @@ def _plan(
     has_bias: bool,
     config: tuple[int, ...] | None,
     pdl: bool = False,
-    fused: Fused = Fused(),
+    norm: bool = False,
+    silu: bool = False,
+    residual: bool = False,
 ) -> tuple[tuple[int, int], int, dict]:
-    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
+    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product, with
+    what it folds in (skinny_linear)."""
     block_n, block_k, split, warps, stages = config or skinny_config(m, n, k)
-    if fused.norm:
+    if norm:
         split = 1  # a norm needs the whole row's mean square in every program
     k_slice = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_slice)
     meta = dict(
         HAS_BIAS=has_bias,
-        NORM_IN=fused.norm,
-        SILU_IN=fused.silu,
-        ADD_OUT=fused.residual,
+        NORM_IN=norm,
+        SILU_IN=silu,
+        ADD_OUT=residual,
         PARTIAL=split > 1,
         EVEN_K=k % k_slice == 0,
         IEEE=dtype == torch.float32,
@@ -309,8 +300,8 @@ def skinny_linear(
     assert weight.dtype == x.dtype, "skinny GEMM: weights in the activations' dtype"
     assert not (norm and silu), "a product folds in one prologue"
     pdl = pdl_applies(x.device, pdl)
-    fused = Fused(norm is not None, silu, residual is not None)
-    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, fused)
+    folds = dict(norm=norm is not None, silu=silu, residual=residual is not None)
+    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, **folds)
     split = grid[1]
     if residual is not None:
         assert residual.shape == (m, n) and residual.is_contiguous()
