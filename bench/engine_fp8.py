@@ -138,7 +138,9 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
 def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     """The 8B shape's four batch-1 GEMVs for 32 layers in one CUDA graph on fp8 weights; the
     configuration of each prologue or epilogue (`FP8_CONFIGS`: q/k/v and gate/up share "norm")
-    swept in turn with the others held. The best found replace `FP8_CONFIGS` in this process."""
+    swept in turn with the others held, products in float16 (the default); the float32 products
+    timed beside them with today's configurations. The best found replace `FP8_CONFIGS` in this
+    process."""
     from bench.engine_gemv_chain import FUSED, HIDDEN, PROJECTIONS, graph_ms, layer_weights, sweep
     from flashstack.engine.kernels import triton_gemv
     from flashstack.engine.kernels.triton_gemv import gemv_triton
@@ -153,21 +155,32 @@ def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
     q_width = layers[0]["o"][0].shape[1]
     floor_ms = sum(q.numel() for lw in layers for q, _ in lw.values()) / COPY_BW * 1e3
 
-    def chain(configs: dict[str, Any]) -> None:
+    def chain(configs: dict[str, Any], half: bool = True) -> None:
         residual = x.clone()
         c = {p: configs[FUSED[p]] for p in PROJECTIONS}
         for lw in layers:
             (wq, sq), (wo, so), (wg, sg), (wd, sd) = (lw[p] for p in PROJECTIONS)
-            qkv = gemv_triton(wq, residual, config=c["qkv"], norm=(norm, 1e-5), scale=sq)
-            residual = gemv_triton(wo, qkv[:, :q_width], config=c["o"], residual=residual, scale=so)
-            gate_up = gemv_triton(wg, residual, config=c["gate_up"], norm=(norm, 1e-5), scale=sg)
+            kw = dict(half_products=half)
+            qkv = gemv_triton(wq, residual, config=c["qkv"], norm=(norm, 1e-5), scale=sq, **kw)
             residual = gemv_triton(
-                wd, gate_up, config=c["down"], silu=True, residual=residual, scale=sd
+                wo, qkv[:, :q_width], config=c["o"], residual=residual, scale=so, **kw
+            )
+            gate_up = gemv_triton(
+                wg, residual, config=c["gate_up"], norm=(norm, 1e-5), scale=sg, **kw
+            )
+            residual = gemv_triton(
+                wd, gate_up, config=c["down"], silu=True, residual=residual, scale=sd, **kw
             )
 
     kinds = ("norm", "residual", "silu")
     defaults = {kind: triton_gemv.FP8_CONFIGS[kind] for kind in kinds}
+    f32_ms = graph_ms(lambda: chain(defaults, half=False))
     swept = sweep(lambda configs: graph_ms(lambda: chain(configs)), defaults, candidates, floor_ms)
+    swept["float32_products"] = {
+        "configs": defaults,
+        "chain_ms": round(f32_ms, 4),
+        "fraction_of_floor": round(floor_ms / f32_ms, 4),
+    }
     triton_gemv.FP8_CONFIGS.update(swept["best"]["configs"])
     return swept
 
@@ -285,9 +298,12 @@ def main() -> None:
             (16, 1024, 8),
             (4, 2048, 4),
             (8, 2048, 8),
+            (8, 512, 4, 3),
+            (16, 512, 4, 3),
             (4, 1024, 4, 2),
             (8, 1024, 4, 3),
             (16, 1024, 8, 3),
+            (32, 512, 8, 3),
             (4, 2048, 4, 3),
             (8, 2048, 8, 3),
         ]

@@ -206,7 +206,7 @@ def main() -> None:
         metavar="LABEL=OPTION=VALUE,...",
         help="run the workload once per variant, each on a fresh engine with these EngineConfig "
         "options (integers; kernels.NAME for a kernel option), e.g. `default= "
-        "burst0=burst_prefill_steps=0 lpt=kernels.decode_longest_first=1`; the first is profiled",
+        "burst0=burst_prefill_steps=0 nolpt=kernels.decode_longest_first=0`; the first is profiled",
     )
     args = ap.parse_args()
     result: dict = {

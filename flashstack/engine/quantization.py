@@ -7,7 +7,7 @@ from an fp8 Hugging Face checkpoint in the compressed-tensors format (`checkpoin
 weights are quantized: activations stay in the compute dtype (W8A16), so a checkpoint's
 `input_scale` (static activation quantization) is not read, and dynamic activation schemes need
 nothing. The products: kernels/triton_gemv.py for one row on CUDA (the scale applied after the
-fp32 dot), `dequantized_linear` elsewhere.
+dot), `dequantized_linear` elsewhere.
 """
 
 from __future__ import annotations

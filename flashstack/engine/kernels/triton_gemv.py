@@ -18,12 +18,15 @@ kernels that sit between the projections of a decoder layer fold in at little co
 Each rounds where the unfused kernels round (triton_elementwise.py), so the fused and unfused
 paths agree to the last bit given the same accumulation order.
 
-fp8 weights (`scale`: engine/quantization.py) stream as float8_e4m3fn, half the bytes of bf16, and
-widen to float32 in registers like a bf16 chunk does; each row's dot is multiplied by the row's
-scale before the bias and the residual. With twice the multiply-adds per byte this is ALU-bound:
-the 8B chain on fp8 weights runs at 66 % of its floor against bf16's 96 % (docs/benchmarks.md,
-"fp8 weights"). Tensor-core products of the row block against the input chunk measured slower
-still (2.7x), so they are not used.
+fp8 weights (`scale`: engine/quantization.py) stream as float8_e4m3fn, half the bytes of bf16; each
+row's dot is multiplied by the row's scale before the bias and the residual. With twice the
+multiply-adds per byte, conversions rather than bytes bound it: widening every weight to float32
+(e4m3 -> f16 -> f32, two conversions) ran the 8B chain at 65 % of its floor against bf16's 96 %.
+With 16-bit activations the products are therefore taken in float16: one conversion per weight
+(e4m3 -> f16) instead of two, the input pre-scaled by 2^-8 so that 448 * x stays in range, each
+product summed in float16 over the K chunks (4 to 14 terms) and the rows' sums in float32: 73 % of
+the floor (docs/benchmarks.md, "fp8 weights"). Tensor-core products of the row block against the
+input chunk measured slower still (2.7x), so they are not used.
 
 The weights stream one chunk ahead of the multiply, either in registers or (`stages` >= 2 in the
 configuration) through shared memory, stages - 1 chunks ahead, by Triton's software pipeliner:
@@ -63,6 +66,18 @@ def _input_chunk(
 
 
 @triton.jit
+def _product(w, x, HALF: tl.constexpr):
+    # One chunk's products. HALF (fp8 weights, 16-bit activations): in float16, the weight through
+    # the packed e4m3 -> f16 conversion and the input pre-scaled by 2^-8 so that 448 * x stays in
+    # range; float32 otherwise (one widening conversion per weight, the ALU-bound path).
+    if HALF:
+        p = w.to(tl.float16) * (x * 0.00390625).to(tl.float16)[None, :]
+    else:
+        p = w.to(tl.float32) * x[None, :]
+    return p
+
+
+@triton.jit
 def _gemv_kernel(
     w_ptr,
     x_ptr,
@@ -81,6 +96,7 @@ def _gemv_kernel(
     SILU_IN: tl.constexpr,
     ADD_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -105,39 +121,36 @@ def _gemv_kernel(
     if STAGES > 1:
         # The rest streams through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner,
         # asynchronous copies): more bytes in flight per program without holding them in registers.
-        acc = (
-            w.to(tl.float32)
-            * _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)[
-                None, :
-            ]
+        acc = _product(
+            w,
+            _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN),
+            HALF,
         )
         for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
             cmask = kcols < K
             w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-            acc += (
-                w.to(tl.float32)
-                * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[
-                    None, :
-                ]
+            acc += _product(
+                w,
+                _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN),
+                HALF,
             )
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float16 if HALF else tl.float32)
         for k in range(0, K, BLOCK_K):
             kcols = k + cols
             cmask = kcols < K
-            acc += (
-                w.to(tl.float32)
-                * _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN)[
-                    None, :
-                ]
+            acc += _product(
+                w,
+                _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN),
+                HALF,
             )
             nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
-    y = tl.sum(acc, 1)
-    if HAS_SCALE:  # fp8 weights: each row's scale
-        y *= tl.load(s_ptr + rows, mask=rmask, other=0.0)
+    y = tl.sum(acc.to(tl.float32), 1)
+    if HAS_SCALE:  # fp8 weights: each row's scale (and the input's 2^-8 back, HALF)
+        y *= tl.load(s_ptr + rows, mask=rmask, other=0.0) * (256.0 if HALF else 1.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if ADD_OUT:  # r_ptr is the residual: round the projection first, as `proj(x) + residual` would
@@ -147,14 +160,14 @@ def _gemv_kernel(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-# fp8 weights' configurations by prologue or epilogue, swept in the 8B chain on the H200
-# (bench/engine_fp8.py --sweep): three stages each (two chunks ahead through shared memory); q/k/v
-# and gate/up with twice bf16's rows, o with four times its rows and 8 warps, down with half its
-# rows in chunks twice as wide.
+# fp8 weights' configurations by prologue or epilogue, swept in the 8B chain on the H200 with the
+# float16 products (bench/engine_fp8.py --sweep): three stages each (two chunks ahead through shared
+# memory); q/k/v and gate/up with twice bf16's rows, o with bf16's rows in chunks twice as wide,
+# down in 2048-wide chunks on 8 warps.
 FP8_CONFIGS: dict[str | None, tuple[int, ...]] = {
     "norm": (8, 1024, 4, 3),
-    "residual": (16, 1024, 8, 3),
-    "silu": (4, 2048, 4, 3),
+    "residual": (4, 2048, 4, 3),
+    "silu": (8, 2048, 8, 3),
     None: (8, 1024, 4, 3),
 }
 
@@ -217,6 +230,7 @@ def gemv_triton(
     out: torch.Tensor | None = None,
     pdl: bool = True,
     scale: torch.Tensor | None = None,
+    half_products: bool | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
@@ -225,7 +239,8 @@ def gemv_triton(
     return it. `out` [1, N]: write the result there (residual added, if given) and return it.
     `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic
     dependent launch where the device has it (EngineConfig.kernels.pdl). `scale` [N] float32: the
-    weight is float8_e4m3fn and row n of the product is multiplied by scale[n]."""
+    weight is float8_e4m3fn and row n of the product is multiplied by scale[n]. `half_products`:
+    fp8 products in float16 (default: for 16-bit activations) or in float32."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
@@ -246,6 +261,9 @@ def gemv_triton(
     )
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = pdl_applies(x.device, pdl)
+    if half_products is None:
+        half_products = x.dtype != torch.float32
+    half = scale is not None and half_products
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight,
         x,
@@ -264,6 +282,7 @@ def gemv_triton(
         SILU_IN=silu,
         ADD_OUT=residual is not None,
         USE_PDL=pdl,
+        HALF=half,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         STAGES=stages[0] if stages else 0,

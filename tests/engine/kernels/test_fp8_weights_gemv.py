@@ -59,6 +59,22 @@ def test_fp8_gemv_is_the_dequantized_product(device, dtype, config, n, k, with_b
     assert (got.float() - exact.float()).norm() < 0.08 * exact.float().norm()
 
 
+@pytest.mark.parametrize("half", [True, False])
+def test_fp8_products_in_float16_and_float32_agree(device, half):
+    """16-bit activations take the float16 products by default (`half_products`), the float32 ones
+    on request: each within 1e-3 of the product's norm (under bf16's own rounding, 2e-3; float16
+    sums add ~1.5e-4 to the output's rounding), and a wide input (|x| up to 300: 448 * x is past
+    float16's range without the 2^-8 pre-scale) does not overflow."""
+    torch.manual_seed(3)
+    n, k = 48, 2100
+    _, q, scale = _fp8(n, k, device)
+    x = (torch.randn(1, k, device=device) * 100).clamp(-300, 300).to(torch.float16)
+    want = torch.nn.functional.linear(x.float(), dequantize_rows(q, scale, torch.float32))
+    got = tg.gemv_triton(q, x, None, (8, 512, 4, 3), scale=scale, half_products=half)
+    assert torch.isfinite(got).all()
+    assert (got.float() - want).norm() < 1e-3 * want.norm()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_prologues_and_epilogue(device, dtype):
     """norm, SiLU-and-mul and the residual add on fp8 weights: each the dequantized reference."""
