@@ -280,9 +280,7 @@ def main() -> None:
         "(kernels.triton_gemv=False), sepqkv (the separate q/k/v kernel before "
         "decode attention: kernels.decode_qkv=False), plainkv (decode attention "
         "without the tensor-memory accelerator: kernels.decode_tma=False), skinny / noskinny "
-        "(multi-row products through the Triton skinny GEMM or cuBLAS: kernels.skinny_gemm), "
-        "fused (the skinny GEMM with the norms, SiLU-and-mul and residual adds folded in: "
-        "kernels.skinny_fused)",
+        "(multi-row products through the Triton skinny GEMM or cuBLAS: kernels.skinny_gemm)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -368,7 +366,6 @@ def main() -> None:
         "plainkv": {"decode_tma": False},
         "skinny": {"skinny_gemm": True},
         "noskinny": {"skinny_gemm": False},
-        "fused": {"skinny_gemm": True, "skinny_fused": True},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -26,10 +26,6 @@ class KernelOptions:
     # cuBLAS (kernels/triton_skinny.py); fp8 weights and tensor parallelism keep theirs. 8B decode
     # step on the H200: batch 8 4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms.
     skinny_gemm: bool = True
-    # With skinny_gemm, a step of 2 to 64 tokens folds the norms, SiLU-and-mul and residual adds
-    # into its skinny products, as the batch-1 GEMV does (models/ops.MultiRowOps): three fewer
-    # kernels a layer. Off until measured on a GPU (bench/engine_decode.py --gemv skinny,fused).
-    skinny_fused: bool = False
     pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
     decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v
     # decode attention reads tiles through the TMA where it applies (Hopper+)
@@ -89,7 +85,6 @@ class KernelOptions:
                 self,
                 triton_gemv=False,
                 skinny_gemm=False,
-                skinny_fused=False,
                 pdl=False,
                 decode_qkv=False,
                 decode_tma=False,

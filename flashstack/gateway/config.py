@@ -33,7 +33,6 @@ class KernelSwitches(BaseModel):
 
     triton_gemv: bool | None = None
     skinny_gemm: bool | None = None
-    skinny_fused: bool | None = None
     pdl: bool | None = None
     decode_qkv: bool | None = None
     decode_tma: bool | None = None

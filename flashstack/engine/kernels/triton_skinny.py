@@ -21,11 +21,6 @@ faster on gate/up, down and lm_head only, and at 128 slower everywhere, so past 
 stay on cuBLAS and past 64 rows everything does (`skinny_applies`). In the 8B decode step: batch 8
 4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms.
 
-Like the batch-1 GEMV, a product may fold in RMSNorm of its input (every program first takes its
-rows' mean squares; such a product is never split), SiLU-and-mul of a gate/up input, and the
-residual add of its output, in place (`skinny_linear`'s `norm`, `silu`, `residual`), each rounding
-as its separate kernel does: `EngineConfig.kernels.skinny_fused`, not yet measured on a GPU.
-
 One launch configuration per shape (`skinny_config`), so a step captured in a CUDA graph replays
 the same kernels; nothing reads back to the host. Launched with programmatic dependent launch
 where the device has it (kernels/pdl.py): the launch overlaps the previous kernel's drain.
@@ -47,19 +42,13 @@ def _skinny_kernel(
     w_ptr,
     b_ptr,
     y_ptr,
-    r_ptr,
-    g_ptr,
     M,
     N,
     K,
     k_slice,
     stride_x,
     stride_w,
-    eps,
     HAS_BIAS: tl.constexpr,
-    NORM_IN: tl.constexpr,
-    SILU_IN: tl.constexpr,
-    ADD_OUT: tl.constexpr,
     PARTIAL: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
@@ -84,42 +73,15 @@ def _skinny_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_w + (k0 + ks)[None, :]
     x_ptrs = x_ptr + x_rows[None, :].to(tl.int64) * stride_x + (k0 + ks)[:, None]
-    act_dtype = x_ptr.dtype.element_ty
-    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM_IN:  # every row's mean square first (one K slice: the plan never splits a norm)
-        sq = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptrs + k, mask=(k + ks < K)[:, None], other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    g_ptrs = g_ptr + k0 + ks
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k in tl.range(k0, k_end, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
-            if SILU_IN:  # x_ptr is gate/up [M, 2K]: the up half K columns on
-                up = tl.load(x_ptrs + K)
-            if NORM_IN:
-                g = tl.load(g_ptrs)
         else:
             kmask = k + ks < k_end
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
-            if SILU_IN:
-                up = tl.load(x_ptrs + K, mask=kmask[:, None], other=0.0)
-            if NORM_IN:
-                g = tl.load(g_ptrs, mask=kmask, other=0.0)
-        # The prologues round as the separate kernels do (and the batch-1 GEMV's); a product of
-        # two half-precision values is exact in float32, so one rounding gives the same result.
-        if SILU_IN:
-            gate = x.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(act_dtype).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(act_dtype)
-        if NORM_IN:
-            normed = (x.to(tl.float32) * rstd[None, :]).to(act_dtype).to(tl.float32)
-            x = (g.to(tl.float32)[:, None] * normed).to(act_dtype)
-            g_ptrs += BLOCK_K
         # Triton's CPU interpreter multiplies bf16 wrongly; bf16 products are exact in fp32.
         if WIDEN:
             w = w.to(tl.float32)
@@ -136,11 +98,9 @@ def _skinny_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + w_rows).to(tl.float32)[:, None]
-        at = rows[None, :] * N + cols[:, None]
-        if ADD_OUT:  # r_ptr is the residual: round the projection first, as `proj(x) + r` would
-            r = tl.load(r_ptr + at, mask=out, other=0.0).to(tl.float32)
-            acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + r
-        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=out)
+        tl.store(
+            y_ptr + rows[None, :] * N + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=out
+        )
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -148,11 +108,9 @@ def _split_sum_kernel(
     p_ptr,
     b_ptr,
     y_ptr,
-    r_ptr,
     N,
     total,
     HAS_BIAS: tl.constexpr,
-    ADD_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -166,9 +124,6 @@ def _split_sum_kernel(
         acc += tl.load(p_ptr + s * total + idx, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + idx % N, mask=mask, other=0.0).to(tl.float32)
-    if ADD_OUT:
-        r = tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + r
     tl.store(y_ptr + idx, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -215,22 +170,13 @@ def _plan(
     has_bias: bool,
     config: tuple[int, ...] | None,
     pdl: bool = False,
-    norm: bool = False,
-    silu: bool = False,
-    residual: bool = False,
 ) -> tuple[tuple[int, int], int, dict]:
-    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product, with
-    what it folds in (skinny_linear)."""
+    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
     block_n, block_k, split, warps, stages = config or skinny_config(m, n, k)
-    if norm:
-        split = 1  # a norm needs the whole row's mean square in every program
     k_slice = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_slice)
     meta = dict(
         HAS_BIAS=has_bias,
-        NORM_IN=norm,
-        SILU_IN=silu,
-        ADD_OUT=residual,
         PARTIAL=split > 1,
         EVEN_K=k % k_slice == 0,
         IEEE=dtype == torch.float32,
@@ -261,15 +207,12 @@ def compile_skinny(
         dtype,
         dtype,
         torch.float32 if grid[1] > 1 else dtype,
-        dtype,
-        dtype,
         m,
         n,
         k,
         k_slice,
         k,
         k,
-        1e-6,
         grid=grid,
         **meta,
     )
@@ -281,49 +224,30 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
     pdl: bool = True,
-    norm: tuple[torch.Tensor, float] | None = None,
-    silu: bool = False,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
     fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
-    where the device has it (EngineConfig.kernels.pdl).
-
-    Folded in, each rounding as its separate kernel does: `norm` (weight, eps), the product of
-    RMSNorm(x); `silu`, x is gate/up [M, 2K] and the product is of silu(gate) * up; `residual`
-    [M, N], the output added into it in place (and returned)."""
+    where the device has it (EngineConfig.kernels.pdl)."""
     m, k = x.shape
-    if silu:
-        k //= 2
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert weight.dtype == x.dtype, "skinny GEMM: weights in the activations' dtype"
-    assert not (norm and silu), "a product folds in one prologue"
     pdl = pdl_applies(x.device, pdl)
-    folds = dict(norm=norm is not None, silu=silu, residual=residual is not None)
-    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, **folds)
+    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl)
     split = grid[1]
-    if residual is not None:
-        assert residual.shape == (m, n) and residual.is_contiguous()
-        y = residual
-    else:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
-    gain, eps = norm if norm is not None else (y, 0.0)
     _skinny_kernel[grid](
         x,
         weight,
         bias if bias is not None else y,
         partial if partial is not None else y,
-        y,
-        gain,
         m,
         n,
         k,
         k_slice,
         x.stride(0),
         weight.stride(0),
-        eps,
         **meta,
         launch_pdl=pdl,
     )
@@ -333,11 +257,9 @@ def skinny_linear(
             partial,
             bias if bias is not None else y,
             y,
-            y,
             n,
             m * n,
             HAS_BIAS=bias is not None,
-            ADD_OUT=residual is not None,
             USE_PDL=pdl,
             SPLIT_K=split,
             BLOCK=block,

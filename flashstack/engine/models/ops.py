@@ -9,11 +9,9 @@
   the down GEMV's, the residual adds in the epilogues of o and down (kernels/triton_gemv.py), and
   the decode attention kernel does the q/k/v kernel's work: six kernels a layer (four GEMVs,
   attention and its merge).
-- `MultiRowOps` (CUDA, 2 to 64 tokens, `kernels.skinny_fused`): the same folds on the skinny GEMM
-  (kernels/triton_skinny.py), three fewer kernels a layer than `TritonOps`.
 
 A layer passes (h, residual): the residual stream and the block's output still to be added, which
-the next norm adds in (`norm_project`). Batch1Ops and MultiRowOps add in place and leave h None.
+the next norm adds in (`norm_project`). Batch1Ops adds in place and leaves h None.
 """
 
 from __future__ import annotations
@@ -35,9 +33,6 @@ if TYPE_CHECKING:
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 Stream = tuple[torch.Tensor | None, torch.Tensor]
-
-# The skinny GEMM's most rows (kernels/triton_skinny.MAX_ROWS; this module imports no Triton).
-MULTIROW_MAX_TOKENS = 64
 
 
 class TorchOps:
@@ -110,15 +105,9 @@ class TritonOps(TorchOps):
         self.batch1 = (
             Batch1Ops(backend) if self.triton_attention and self.kernels.triton_gemv else None
         )
-        fused = self.kernels.skinny_gemm and self.kernels.skinny_fused
-        self.multirow = MultiRowOps(backend) if fused else None
 
     def for_tokens(self, num_tokens: int) -> TorchOps:
-        if num_tokens == 1 and self.batch1 is not None:
-            return self.batch1
-        if self.multirow is not None and 2 <= num_tokens <= MULTIROW_MAX_TOKENS:
-            return self.multirow
-        return self
+        return self.batch1 if num_tokens == 1 and self.batch1 is not None else self
 
     def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
         if proj.tp is not None:
@@ -222,88 +211,26 @@ class TritonOps(TorchOps):
         return self._linear(head, hidden)
 
 
-class InPlaceOps(TritonOps):
-    """Ops that add each block's output into the residual stream in place (h None after the first
-    layer): one token count's family, their own for every step they are chosen for."""
-
-    def __init__(self, backend: AttentionBackend) -> None:
-        TorchOps.__init__(self, backend)
-        self.triton_attention = backend.name == "triton"
-        self.batch1 = self.multirow = None
-
-    def for_tokens(self, num_tokens: int) -> TorchOps:
-        return self
-
-    @staticmethod
-    def _stream(h: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
-        if residual is None:  # the embedding rows, fresh from the lookup: ours to add into
-            assert h is not None
-            return h
-        return residual
-
-    def final_norm(
-        self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
-    ) -> torch.Tensor:
-        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
-
-        return rmsnorm_triton(residual, norm.weight, norm.eps)[0]
-
-
-class MultiRowOps(InPlaceOps):
-    """2 to 64 tokens (`kernels.skinny_fused`): Batch1Ops' folds on the skinny GEMM. The norms run
-    in the prologues of the q/k/v and gate/up products, SiLU-and-mul in down's, the residual adds
-    in place in the epilogues of o and down (kernels/triton_skinny.py); a product the skinny GEMM
-    does not take (a small weight, fp8, a tensor-parallel shard) runs the separate kernels. As in
-    Batch1Ops, the residual stream is added into in place and h is None after the first layer."""
-
-    def _folds(self, proj: Linear, x: torch.Tensor, k: int) -> bool:
-        from flashstack.engine.kernels.triton_skinny import skinny_applies
-
-        if proj.tp is not None or proj.weight_scale is not None or not x.is_contiguous():
-            return False
-        return skinny_applies(x.shape[0], proj.weight.shape[0], k)
-
-    def norm_project(
-        self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
-        from flashstack.engine.kernels.triton_skinny import skinny_linear
-
-        residual = self._stream(h, residual)
-        if self._folds(proj, residual, residual.shape[1]):
-            norm_in = (norm.weight, norm.eps)
-            pdl = self.kernels.pdl
-            return skinny_linear(residual, proj.weight, proj.bias, pdl=pdl, norm=norm_in), residual
-        return self._linear(proj, rmsnorm_triton(residual, norm.weight, norm.eps)[0]), residual
-
-    def project_add(
-        self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False
-    ) -> Stream:
-        from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
-        from flashstack.engine.kernels.triton_skinny import skinny_linear
-
-        k = x.shape[1] // 2 if silu else x.shape[1]
-        if residual.is_contiguous() and self._folds(proj, x, k):
-            pdl = self.kernels.pdl
-            return None, skinny_linear(
-                x, proj.weight, proj.bias, pdl=pdl, silu=silu, residual=residual
-            )
-        if silu:
-            x = silu_and_mul_triton(x)
-        return None, residual.add_(self._linear(proj, x))
-
-
-class Batch1Ops(InPlaceOps):
+class Batch1Ops(TritonOps):
     """One token: the residual stream is one row that every layer adds into (in place on one GPU,
     through the all-reduce under tensor parallelism: `project_add`). Same rounding as TritonOps on
     one GPU (kernels/triton_gemv.py)."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        TorchOps.__init__(self, backend)
+        self.triton_attention, self.batch1 = True, None
+
+    def for_tokens(self, num_tokens: int) -> TorchOps:
+        return self
 
     def norm_project(
         self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from flashstack.engine.kernels.triton_gemv import gemv_triton
 
-        residual = self._stream(h, residual)
+        if residual is None:  # the embedding row, fresh from the lookup: ours to add into
+            assert h is not None
+            residual = h
         out = gemv_triton(
             proj.weight,
             residual,
@@ -353,6 +280,13 @@ class Batch1Ops(InPlaceOps):
             return None, tp.fast.reduce(staged)
         dist.all_reduce(staged, group=tp.group)
         return None, staged
+
+    def final_norm(
+        self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
+    ) -> torch.Tensor:
+        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+        return rmsnorm_triton(residual, norm.weight, norm.eps)[0]
 
 
 Ops = TorchOps

@@ -127,21 +127,6 @@ def _decode_meta(contexts: list[int], block: int, device) -> AttentionMetadata:
     )
 
 
-def _greedy(model, ops, cache, block, device) -> tuple[list[list[int]], torch.Tensor]:
-    """Three sequences decoding greedily for four steps through `ops`: the tokens, and the last
-    step's logits."""
-    caches = [cache.clone() for _ in range(model.args.num_layers)]
-    ids, contexts, tokens = torch.tensor([3, 17, 41], device=device), [5, 9, 2], []
-    for _ in range(4):
-        pos = torch.tensor([c - 1 for c in contexts], device=device)
-        hidden = model(ids, pos, _decode_meta(contexts, block, device), caches, ops)
-        logits = model.compute_logits(hidden, ops)
-        ids = logits.argmax(-1)
-        tokens.append(ids.tolist())
-        contexts = [c + 1 for c in contexts]
-    return tokens, logits
-
-
 @torch.inference_mode()
 def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypatch):
     """Three sequences decoding greedily for four steps through the Triton ops: the skinny GEMM
@@ -161,7 +146,16 @@ def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypat
     def decode(skinny: bool) -> tuple[list[list[int]], torch.Tensor]:
         kernels = dataclasses.replace(KernelOptions(), skinny_gemm=skinny)
         ops = TritonOps(get_attention_backend("reference", device, kernels))
-        return _greedy(model, ops, cache, block, device)
+        caches = [cache.clone() for _ in range(args.num_layers)]
+        ids, contexts, tokens = torch.tensor([3, 17, 41], device=device), [5, 9, 2], []
+        for _ in range(4):
+            pos = torch.tensor([c - 1 for c in contexts], device=device)
+            hidden = model(ids, pos, _decode_meta(contexts, block, device), caches, ops)
+            logits = model.compute_logits(hidden, ops)
+            ids = logits.argmax(-1)
+            tokens.append(ids.tolist())
+            contexts = [c + 1 for c in contexts]
+        return tokens, logits
 
     on, on_logits = decode(True)
     taken = len(calls)
@@ -169,141 +163,3 @@ def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypat
     assert taken > 0 and len(calls) == taken  # it ran with the option on, and only then
     assert on == off
     torch.testing.assert_close(on_logits, off_logits, atol=1e-3, rtol=1e-4)
-
-
-def _rms(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return gain * (x.float() * rstd)
-
-
-@pytest.mark.parametrize("m,n,k,config", [SHAPES[0], SHAPES[1], SHAPES[3]])
-def test_the_folded_norm_is_the_product_of_the_normed_rows(device, m, n, k, config):
-    """RMSNorm in the prologue (a split-K configuration runs in one slice: every program needs
-    the whole row's mean square)."""
-    g = torch.Generator().manual_seed(k + 7)
-    x, w = (torch.randn(*s, generator=g).to(device) for s in ((m, k), (n, k)))
-    gain = (torch.rand(k, generator=g) + 0.5).to(device)
-    got = skinny_linear(x, w, None, config, norm=(gain, 1e-6))
-    torch.testing.assert_close(got, _rms(x, gain, 1e-6) @ w.T, atol=1e-4, rtol=1e-5)
-
-
-@pytest.mark.parametrize("m,n,k,config", SHAPES)
-def test_folded_silu_and_residual_add_in_place(device, m, n, k, config):
-    """SiLU-and-mul of a gate/up input in the prologue and the residual add in the epilogue (the
-    down projection's), split-K included: the residual is updated in place."""
-    g = torch.Generator().manual_seed(m + n)
-    gate_up = torch.randn(m, 2 * k, generator=g).to(device)
-    w = torch.randn(n, k, generator=g).to(device)
-    residual = torch.randn(m, n, generator=g).to(device)
-    gate, up = gate_up.chunk(2, dim=-1)
-    want = residual + (torch.nn.functional.silu(gate) * up) @ w.T
-    got = skinny_linear(gate_up, w, None, config, silu=True, residual=residual)
-    assert got.data_ptr() == residual.data_ptr()
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-
-
-# The CPU interpreter's bfloat16 is not the GPU's (the elementwise kernels' tests skip it too).
-HALF = [torch.bfloat16, torch.float16] if torch.cuda.is_available() else [torch.float16]
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("m,n,k,config", [SHAPES[1], SHAPES[3]])
-def test_half_precision_folds_round_as_the_separate_kernels(device, dtype, m, n, k, config):
-    """In half precision each fold gives what the engine's separate kernels give: RMSNorm's, then
-    the product; SiLU-and-mul's, then the product, then `residual + product`."""
-    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
-
-    g = torch.Generator().manual_seed(n)
-    x, w = (torch.randn(*s, generator=g).to(device, dtype) for s in ((m, k), (n, k)))
-    gain = (torch.rand(k, generator=g) + 0.5).to(device, dtype)
-
-    def close(got: torch.Tensor, want: torch.Tensor) -> None:
-        # The mean square's float32 sum runs in another order, so a normed input's rounding may
-        # flip: a rare output off by an ulp or two of the largest one.
-        ulp = torch.finfo(dtype).eps * want.abs().max().item()
-        torch.testing.assert_close(got, want, atol=2 * ulp, rtol=0)
-
-    normed = rmsnorm_triton(x, gain, 1e-6)[0]
-    close(
-        skinny_linear(x, w, None, config, norm=(gain, 1e-6)), skinny_linear(normed, w, None, config)
-    )
-    gate_up = torch.randn(m, 2 * k, generator=g).to(device, dtype)
-    residual = torch.randn(m, n, generator=g).to(device, dtype)
-    want = residual + skinny_linear(silu_and_mul_triton(gate_up), w, None, config)
-    got = skinny_linear(gate_up, w, None, config, silu=True, residual=residual.clone())
-    close(got, want)
-
-
-@torch.inference_mode()
-def test_folds_give_the_same_tokens_as_the_separate_kernels(device, monkeypatch):
-    """Three sequences decoding greedily for four steps: with the norms, SiLU-and-mul and residual
-    adds folded into the skinny products (MultiRowOps), the same tokens as with the separate
-    kernels, and logits within float32 rounding."""
-    from flashstack.engine.models import ops as ops_module
-
-    monkeypatch.setattr(triton_skinny, "MIN_WEIGHT", 0)
-    monkeypatch.setattr(triton_skinny, "MIN_PROGRAMS", 1)
-    folded = []
-    skinny = triton_skinny.skinny_linear
-
-    def counted(*a, **k):
-        folded.append(bool(k.get("norm") or k.get("silu") or k.get("residual") is not None))
-        return skinny(*a, **k)
-
-    monkeypatch.setattr(triton_skinny, "skinny_linear", counted)
-    model, block = _model(device), 4
-    args = model.args
-    cache = torch.randn(3 * 8, 2, block, args.num_kv_heads, args.head_dim, device=device)
-
-    def decode(fused: bool) -> tuple[list[list[int]], torch.Tensor]:
-        kernels = dataclasses.replace(KernelOptions(), skinny_gemm=True, skinny_fused=fused)
-        ops = TritonOps(get_attention_backend("reference", device, kernels))
-        assert isinstance(ops.for_tokens(3), ops_module.MultiRowOps) == fused
-        return _greedy(model, ops, cache, block, device)
-
-    on, on_logits = decode(True)
-    # four folds a layer (q/k/v and gate/up norms, o and down residual adds), four steps
-    assert sum(folded) == 4 * 4 * args.num_layers
-    folded.clear()
-    off, off_logits = decode(False)
-    assert not any(folded)
-    assert on == off
-    torch.testing.assert_close(on_logits, off_logits, atol=1e-3, rtol=1e-4)
-
-
-def test_the_ops_row_bound_is_the_kernels():
-    from flashstack.engine.models.ops import MULTIROW_MAX_TOKENS
-
-    assert MULTIROW_MAX_TOKENS == triton_skinny.MAX_ROWS
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [8, 32])
-def test_bf16_folds_replay_in_a_cuda_graph(m):
-    """The 8B gate/up (norm folded) and down (SiLU-and-mul and the residual add folded, split-K)
-    shapes captured once and replayed on new inputs: what the separate kernels give."""
-    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
-
-    bf16, dev = torch.bfloat16, "cuda"
-    gate_up_w = torch.randn(28672, 4096, dtype=bf16, device=dev) * 0.02
-    down_w = torch.randn(4096, 14336, dtype=bf16, device=dev) * 0.02
-    gain = torch.rand(4096, dtype=bf16, device=dev) + 0.5
-    h = torch.randn(m, 4096, dtype=bf16, device=dev)
-    residual = h.clone()
-
-    def layer() -> torch.Tensor:
-        gate_up = skinny_linear(residual, gate_up_w, norm=(gain, 1e-5))
-        return skinny_linear(gate_up, down_w, silu=True, residual=residual)
-
-    layer()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer()
-    residual.copy_(h)
-    graph.replay()
-    torch.cuda.synchronize()
-    gate_up = skinny_linear(rmsnorm_triton(h, gain, 1e-5)[0], gate_up_w)
-    want = h + skinny_linear(silu_and_mul_triton(gate_up), down_w)
-    ulp = torch.finfo(bf16).eps * want.abs().max().item()
-    torch.testing.assert_close(residual, want, atol=4 * ulp, rtol=0)
