@@ -36,7 +36,7 @@ class KernelOptions:
     attention_pdl: bool = True
     # Decode attention over more than one wave of programs starts the longest contexts first, so
     # the shortest fill the last wave (a batch of mixed lengths). nano-vllm's throughput workload
-    # on the H200 (Qwen3-0.6B shape): 6.03 -> 5.89 s.
+    # on the H200 (Qwen3-0.6B shape, two runs each, interleaved): 6.11 / 6.12 -> 5.97 / 6.04 s.
     decode_longest_first: bool = True
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.

@@ -67,9 +67,9 @@ def _input_chunk(
 
 @triton.jit
 def _product(w, x, HALF: tl.constexpr):
-    # One chunk's products. HALF (fp8 weights, 16-bit activations): in float16, the weight through
-    # the packed e4m3 -> f16 conversion and the input pre-scaled by 2^-8 so that 448 * x stays in
-    # range; float32 otherwise (one widening conversion per weight, the ALU-bound path).
+    # One chunk's products. HALF (fp8 weights, 16-bit activations): in float16, one e4m3 -> f16
+    # conversion per weight and the input pre-scaled by 2^-8 so that 448 * x stays in range;
+    # float32 otherwise (for fp8 weights two conversions per weight, e4m3 -> f16 -> f32).
     if HALF:
         p = w.to(tl.float16) * (x * 0.00390625).to(tl.float16)[None, :]
     else:
