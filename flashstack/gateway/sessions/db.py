@@ -6,7 +6,9 @@ loss, not only a crash); PostgreSQL is for replicas. Both run the same SQL.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -199,6 +201,8 @@ SCHEMA_VERSION = len(MIGRATIONS)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 # The PostgreSQL advisory lock that serializes start-ups' schema creation and migrations.
 _MIGRATION_LOCK = 7305917260
+# How long a SQLite connection waits on another's lock before it reports the database locked.
+_SQLITE_BUSY_MS = 30_000
 
 
 def database_url(config: Config) -> str:
@@ -263,6 +267,7 @@ class Database:
         """Create what is missing (file, schema) and apply pending migrations."""
         if self.is_sqlite and self.url.database and self.url.database != ":memory:":
             Path(self.url.database).parent.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(_enable_wal, self.url.database)
         if self.schema:
             async with self._writer.begin() as conn:
                 # IF NOT EXISTS alone races: two replicas starting at once both try to create it.
@@ -277,6 +282,30 @@ class Database:
             await self._writer.dispose()
 
 
+def _enable_wal(path: str) -> None:
+    """Switch the file to WAL (a setting it keeps), retrying while another start-up holds it.
+
+    Once per open, not per connection: the switch reads, then writes the header, and where two
+    connections both read first SQLite answers "locked" at once instead of waiting (its busy
+    handler is skipped when waiting could deadlock), so start-ups at once retry it here.
+    """
+    deadline = time.monotonic() + _SQLITE_BUSY_MS / 1000
+    while True:
+        conn = sqlite3.connect(path, timeout=_SQLITE_BUSY_MS / 1000, isolation_level=None)
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+            continue
+        finally:
+            conn.close()
+        if mode.lower() != "wal":
+            raise ConfigError(f"SQLite file {path}: WAL is refused (mode {mode}); use a local disk")
+        return
+
+
 def _sqlite_engine(url: sa.URL, begin: str, pool_size: int = 5) -> AsyncEngine:
     engine = create_async_engine(url, pool_size=pool_size, max_overflow=0, pool_timeout=120)
 
@@ -285,9 +314,8 @@ def _sqlite_engine(url: sa.URL, begin: str, pool_size: int = 5) -> AsyncEngine:
         # The driver's own implicit transactions are off; `begin` below opens ours.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=FULL")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA busy_timeout={_SQLITE_BUSY_MS}")
+        cur.execute("PRAGMA synchronous=FULL")  # per connection; WAL is the file's, set in open()
         cur.close()
 
     @event.listens_for(engine.sync_engine, "begin")
