@@ -1,4 +1,5 @@
-"""The KV cache's element type: the model's dtype ("auto"), or float8 e4m3 with scales ("fp8").
+"""The KV cache's element type: the model's dtype ("auto"), or float8 e4m3 with scales ("fp8"); and
+its allocation (`allocate_kv_cache`).
 
 An fp8 cache (vLLM's kv_cache_dtype="fp8") holds K / k_scale and V / v_scale, with one k_scale and
 one v_scale per layer, fixed for the engine's life: a cached block means the same to every later
@@ -11,6 +12,9 @@ costs only the smallest values, which move a dot product least.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from flashstack.cuda.torch_interop import device_for
@@ -37,6 +41,18 @@ CALIBRATION_TEXT = (
     "Les feuilles tombent en automne; el invierno es frio; der Sommer ist warm. "
     "東京は日本の首都です。"
 )
+
+
+def allocate_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A zeroed KV cache. On the CPU its pages are committed as blocks are first written, not all
+    at start-up: calloc's zeroed mapping (through numpy; torch.zeros writes every page), so an
+    engine that sizes its cache by kv_cache_memory_gb holds the memory its sequences fill."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device):

@@ -12,7 +12,7 @@ import torch
 from flashstack.engine.config import EngineConfig
 from flashstack.engine.cuda_graphs import DecodeGraphs
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend
-from flashstack.engine.kv_cache import resolve_kv_dtype
+from flashstack.engine.kv_cache import allocate_kv_cache, resolve_kv_dtype
 from flashstack.engine.mixed_graphs import MixedStepGraphs
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.models.ops import select_ops
@@ -92,15 +92,10 @@ class ModelRunner:
         a = model.args
         # [layers, blocks, K|V, block_size, kv_heads, head_dim]: one block of one layer is
         # contiguous. fp8 (kv_cache_dtype): each layer's scales are on its attention module.
-        self.kv_cache = torch.zeros(
-            a.num_layers,
-            num_blocks,
-            2,
-            config.block_size,
-            a.num_kv_heads,
-            a.head_dim,
-            dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
-            device=device,
+        self.kv_cache = allocate_kv_cache(
+            (a.num_layers, num_blocks, 2, config.block_size, a.num_kv_heads, a.head_dim),
+            resolve_kv_dtype(config.kv_cache_dtype, dtype, device),
+            device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.backend = get_attention_backend(config.attention_backend, device, config.kernels)
