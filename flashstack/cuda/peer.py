@@ -7,13 +7,15 @@ it the driver silently stages through host memory, so `copy_peer` refuses rather
 from __future__ import annotations
 
 import threading
+import weakref
 
 from flashstack.cuda.device import Device
 from flashstack.cuda.memory import DeviceBuffer, copy_async
 from flashstack.cuda.stream import Stream
 
 _lock = threading.Lock()
-_enabled: set[tuple[int, int, int]] = set()  # (id(backend), device, peer)
+# backend -> {(device, peer)}; weak, and on the object itself: a later backend may reuse a dead id()
+_enabled: weakref.WeakKeyDictionary[object, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 
 class PeerAccessError(RuntimeError):
@@ -36,20 +38,21 @@ def enable_peer_access(device: Device, peer: Device, both_ways: bool = True) -> 
                 f"device {a.ordinal} cannot access device {b.ordinal} directly "
                 "(different hosts, or no P2P link): copy through host memory instead"
             )
-        key = (id(a.backend), a.ordinal, b.ordinal)
         with _lock:
-            if key in _enabled:
+            enabled = _enabled.setdefault(a.backend, set())
+            if (a.ordinal, b.ordinal) in enabled:
                 continue
             with b:  # the peer's primary context must exist before it can be mapped
                 pass
             with a:  # access is granted to the current context
                 a.backend.enable_peer_access(a.ordinal, b.ordinal)
-            _enabled.add(key)
+            enabled.add((a.ordinal, b.ordinal))
 
 
 def peer_access_enabled(device: Device, peer: Device) -> bool:
     """Whether `enable_peer_access(device, peer)` has run in this process."""
-    return (id(device.backend), device.ordinal, peer.ordinal) in _enabled
+    with _lock:
+        return (device.ordinal, peer.ordinal) in _enabled.get(device.backend, ())
 
 
 def copy_peer(
