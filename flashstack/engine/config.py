@@ -9,7 +9,7 @@ if TYPE_CHECKING:  # torch-free at import: the gateway checks a local model's op
     import torch
 
 TP_ALL_REDUCES = ("push", "nccl")
-QUANTIZATIONS = (None, "fp8")
+QUANTIZATIONS = (None, "fp8", "q8_0")
 DEFAULT_TP_TIMEOUT_S = 300.0
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -159,7 +159,9 @@ class EngineConfig:
     recompute_tflops: float | None = None  # achieved prefill rate, TFLOP/s
     # "fp8": the decoder's linear weights quantized at load to float8_e4m3fn with one scale per
     # output row (as vLLM's --quantization fp8); embeddings, lm_head and norms keep `dtype`. An fp8
-    # checkpoint (compressed-tensors) is fp8 whatever this says.
+    # checkpoint (compressed-tensors) is fp8 whatever this says. "q8_0": llama.cpp's Q8_0 (int8
+    # with a float16 scale per 32 weights), a GGUF file's Q8_0 tensors kept as stored, the rest
+    # quantized at load (engine/quantization.py).
     quantization: str | None = None
     # "fp8": the KV cache in float8_e4m3fn (half the bytes of bf16) with one K and one V scale per
     # layer, calibrated at start-up (engine/kv_cache.py); "auto": the model's dtype.
@@ -194,13 +196,13 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be None (the checkpoint's weights) or 'fp8', "
+                f"quantization must be None (the checkpoint's weights) or 'fp8' or 'q8_0', "
                 f"got {self.quantization!r}"
             )
         if self.quantization and self.tensor_parallel_size > 1:
             raise ValueError(
-                "quantization='fp8' runs on one device: set tensor_parallel_size=1 or leave "
-                "quantization unset"
+                f"quantization={self.quantization!r} runs on one device: set "
+                "tensor_parallel_size=1 or leave quantization unset"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

@@ -1,9 +1,11 @@
 """A GGUF file (llama.cpp's format) as an engine checkpoint: config, dequantized weights, metadata.
 
 Read with PyPI's `gguf` (llama.cpp's own reader); quantized tensors are dequantized at load by
-`gguf.quants`. Tensor names are mapped to the Hugging Face names the models use, and llama.cpp's
-permutation of Llama's Q and K rows (its RoPE pairs adjacent elements, HF's pairs the two halves of
-a head) is undone, as transformers' GGUF loader does.
+`gguf.quants`, except that the decoder's Q8_0 projections may stay as stored (`weights(q8_0=True)`:
+int8 values and their float16 block scales, engine/quantization.py). Tensor names are mapped to the
+Hugging Face names the models use, and llama.cpp's permutation of Llama's Q and K rows (its RoPE
+pairs adjacent elements, HF's pairs the two halves of a head) is undone, as transformers' GGUF
+loader does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# The decoder layers' projections: the weights that EngineConfig.quantization stores quantized.
+_PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
 # Tensor types dequantized at load (gguf.GGMLQuantizationType names).
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # File types (general.file_type) whose weights are 16-bit floats already: served in that dtype.
@@ -216,21 +220,33 @@ class GGUFCheckpoint:
             return {"rope_type": "linear", "factor": self.arch_get("rope.scaling.factor", 1.0)}
         raise GGUFError(f"{self.path}: RoPE scaling {kind!r} is not supported (only linear)")
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for each tensor the model uses, dequantized one at a time."""
+    def weights(self, q8_0: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for each tensor the model uses, dequantized one at a time.
+        `q8_0`: a decoder projection stored as Q8_0 comes as it is stored instead, its int8 values
+        as `<proj>.weight` and its float16 block scales as `<proj>.weight_scale`."""
         import torch
+        from gguf import GGMLQuantizationType
 
-        permuted = self.architecture == "llama"  # llama.cpp's converter permutes only Llama's Q/K
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
-            w = torch.from_numpy(_dequantize(self.path, t))
-            if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = unpermute_qk(w, self._require("attention.head_count"))
-            elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = unpermute_qk(w, self._kv_heads(self._require("attention.head_count")))
-            yield name, w
+            if q8_0 and t.tensor_type == GGMLQuantizationType.Q8_0 and _PROJECTION.search(name):
+                q, scale = _q8_0_blocks(self.path, t)
+                yield name, self._hf_rows(name, torch.from_numpy(q))
+                yield name + "_scale", self._hf_rows(name, torch.from_numpy(scale))
+                continue
+            yield name, self._hf_rows(name, torch.from_numpy(_dequantize(self.path, t)))
+
+    def _hf_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        # llama.cpp's converter permutes only Llama's Q/K rows
+        if self.architecture != "llama":
+            return w
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute_qk(w, self._require("attention.head_count"))
+        if name.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute_qk(w, self._kv_heads(self._require("attention.head_count")))
+        return w
 
 
 @functools.cache
@@ -268,6 +284,17 @@ def _field(reader: Any, key: str, path: Path) -> Any:
     if field is None:
         raise GGUFError(f"{path}: metadata lacks {key}; not a model file")
     return field.contents()
+
+
+def _q8_0_blocks(path: Path, t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 matrix as stored: int8 values [out, in] and float16 scales [out, in / 32] (each
+    34-byte block is its float16 scale, then its 32 int8 values)."""
+    rows, cols = (int(n) for n in reversed(t.shape))
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, 34)
+    if blocks.shape[0] != rows * cols // 32:
+        raise GGUFError(f"{path}: tensor {t.name} holds the wrong number of Q8_0 blocks")
+    scale = blocks[:, :2].copy().view(np.float16).reshape(rows, cols // 32)
+    return blocks[:, 2:].copy().view(np.int8).reshape(rows, cols), scale
 
 
 def _dequantize(path: Path, t: Any) -> np.ndarray:

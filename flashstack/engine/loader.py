@@ -1,7 +1,7 @@
 """Load a checkpoint: a local Hugging Face directory (config.json plus (sharded) *.safetensors,
-memory-mapped) or a GGUF file (engine/gguf.py, dequantized at load). fp8 weights
-(engine/quantization.py) come from an fp8 checkpoint as they are, or are quantized row by row as
-they are copied in."""
+memory-mapped) or a GGUF file (engine/gguf.py, dequantized at load). Quantized weights
+(engine/quantization.py) come from an fp8 checkpoint, or a GGUF file's Q8_0 tensors, as they are,
+or are quantized as they are copied in."""
 
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ from flashstack.engine.gguf import is_gguf, open_gguf
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
 from flashstack.engine.models.linear import Source, checkpoint_sources, to_compute_dtype
-from flashstack.engine.quantization import FP8, quantize_rows, resolve_quantization
+from flashstack.engine.quantization import (
+    FP8,
+    quantize_blocks,
+    quantize_rows,
+    resolve_quantization,
+)
 
 if TYPE_CHECKING:
     from flashstack.engine.tp.group import TensorParallel
@@ -107,10 +112,11 @@ def build_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Allocate an uninitialised model (weights come from the checkpoint); `tp`: this rank's
-    shard; `quantization`: "fp8" for fp8 projection weights."""
+    shard; `quantization`: "fp8" or "q8_0" projection weights (engine/quantization.py)."""
     if quantization and tp is not None:
         raise ValueError(
-            "fp8 weights run on one device: load this checkpoint with tensor_parallel_size=1"
+            f"{quantization} weights run on one device: load this checkpoint with "
+            "tensor_parallel_size=1"
         )
     cls = model_class(hf)
     args = replace(cls.args_from_hf(hf), quantization=quantization)
@@ -174,17 +180,23 @@ class _Filler:
         all)."""
         for param, source in self.sources[key]:
             target = self.params[param]
+            if param.endswith(".weight_scale") and target.dim() == 2:  # Q8_0's, row by row
+                self._place(target, source, read(source))
+                continue
             if param.endswith(".weight_scale"):
                 self._place(target, source, _scale_rows(read(None), source, target))
                 continue
             part = read(source)
-            if part.dtype == FP8 and target.dtype != FP8:
+            stored = {FP8: "fp8", torch.int8: "q8_0"}
+            if part.dtype in stored and target.dtype != part.dtype:
                 raise ValueError(
-                    f"{key} is stored in fp8, but the engine keeps {param} in {target.dtype} "
-                    "(only the decoder layers' projections take fp8 weights)"
+                    f"{key} is stored in {stored[part.dtype]}, but the engine keeps {param} in "
+                    f"{target.dtype} (load it with quantization={stored[part.dtype]!r}; only "
+                    "the decoder layers' projections take quantized weights)"
                 )
-            if target.dtype == FP8 and part.dtype != FP8:  # quantized as it is copied in
-                part, scale = quantize_rows(part.to(target.device))
+            if target.dtype in stored and part.dtype != target.dtype:  # quantized as copied in
+                quantize = quantize_rows if target.dtype == FP8 else quantize_blocks
+                part, scale = quantize(part.to(target.device))
                 self._place(self.params[param + "_scale"], source, scale)
                 self.missing.discard(key + "_scale")
             self._place(target, source, part)
@@ -230,10 +242,12 @@ def load_weights(
 def load_gguf_weights(
     model: LlamaForCausalLM, path: str | Path, on_tensor: Callable[[], None] | None = None
 ) -> None:
-    """Dequantize a GGUF file's tensors into the model (a shard copies only its slice)."""
+    """Dequantize a GGUF file's tensors into the model (a shard copies only its slice); a q8_0
+    model takes the file's Q8_0 projections as they are stored."""
     fill = _Filler(model)
+    q8_0 = model.args.quantization == "q8_0"
     with torch.no_grad():
-        for key, w in open_gguf(path).weights():
+        for key, w in open_gguf(path).weights(q8_0=q8_0):
             if fill.wants(key):
                 fill.copy(key, lambda source, w=w: _narrow(w, source))
             if on_tensor is not None:
@@ -250,8 +264,9 @@ def load_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """config.json + safetensors, or a GGUF file -> a ready model in eval mode (`tp`: only this
-    rank's shard; `quantization`: "fp8" to quantize the projections' weights at load, which an
-    fp8 checkpoint implies)."""
+    rank's shard; `quantization`: "fp8" or "q8_0" to quantize the projections' weights at load,
+    which an fp8 checkpoint implies; a GGUF file's Q8_0 projections stay as stored under
+    "q8_0")."""
     hf = read_hf_config(path)
     model = build_model(hf, dtype, device, tp, resolve_quantization(quantization, hf))
     if is_gguf(path):

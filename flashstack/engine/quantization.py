@@ -1,13 +1,18 @@
-"""fp8 weights: float8_e4m3fn values with one float32 scale per output row, w = scale[:, None] * q.
+"""Quantized projection weights, kept quantized in memory and dequantized inside the products.
 
-Made at load from a bf16 checkpoint (`quantize_rows`, EngineConfig.quantization = "fp8") or read
-from an fp8 Hugging Face checkpoint in the compressed-tensors format (`checkpoint_quantization`):
-`<proj>.weight` in float8_e4m3fn beside `<proj>.weight_scale`, one scale per output channel
-([N, 1]) or one for the whole tensor ([1] or []), which the loader spreads over the rows. Only the
-weights are quantized: activations stay in the compute dtype (W8A16), so a checkpoint's
+- "fp8": float8_e4m3fn values with one float32 scale per output row, w = scale[:, None] * q. Made
+  at load from a bf16 checkpoint (`quantize_rows`, EngineConfig.quantization = "fp8") or read from
+  an fp8 Hugging Face checkpoint in the compressed-tensors format (`checkpoint_quantization`):
+  `<proj>.weight` in float8_e4m3fn beside `<proj>.weight_scale`, one scale per output channel
+  ([N, 1]) or one for the whole tensor ([1] or []), which the loader spreads over the rows.
+- "q8_0": llama.cpp's Q8_0, int8 values with one float16 scale per 32 consecutive weights of a row
+  ([N, K / 32]): 1.0625 bytes a weight. A GGUF file's Q8_0 tensors are kept as they are stored
+  (bit for bit); any other checkpoint is quantized at load (`quantize_blocks`, ggml's rounding).
+
+Only the weights are quantized: activations stay in the compute dtype (W8A16), so a checkpoint's
 `input_scale` (static activation quantization) is not read, and dynamic activation schemes need
-nothing. The products: kernels/triton_gemv.py for one row on CUDA (the scale applied after the
-dot), `dequantized_linear` elsewhere.
+nothing. The products: kernels/triton_gemv.py for one row on CUDA (the scales applied to each
+row's, or each block's, dot), `dequantized_linear` elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448, e4m3's largest finite value
+Q8_BLOCK = 32  # weights per float16 scale in a Q8_0 block
 # compressed-tensors formats whose fp8 weights are stored as plain float8_e4m3fn tensors
 _FP8_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -42,13 +48,38 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale[:, None]).to(dtype)
 
 
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): w [N, K] as Q8_0, int8 [N, K] with float16 scales [N, K / 32], rounded as ggml
+    rounds (d = block amax / 127, q = x / d rounded half away from zero), so a GGUF file written
+    from the same values holds the same bytes."""
+    n, k = w.shape
+    if k % Q8_BLOCK:
+        raise ValueError(f"Q8_0 needs rows of a multiple of {Q8_BLOCK} weights, not {k}")
+    blocks = w.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
+    d = blocks.abs().amax(dim=2) / 127
+    scaled = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))[..., None]
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)
+    return q.reshape(n, k), d.to(torch.float16)
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight a Q8_0 one stands for, in `dtype` (each value q * d in float32, as ggml's)."""
+    n, k = q.shape
+    blocks = q.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * scale.float()[..., None]
+    return blocks.reshape(n, k).to(dtype)
+
+
 def dequantized_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ (scale * q).T (+ bias) in x's dtype: plain torch, any number of rows, any device.
+    """x @ w.T (+ bias) in x's dtype, w the weight q and `scale` stand for (fp8 or Q8_0): plain
+    torch, any number of rows, any device.
 
-    q is exact in bf16 and float32 (3 mantissa bits), so the product is taken with q itself and
-    scaled after, in float32, as the GEMV does."""
+    fp8's q is exact in bf16 and float32 (3 mantissa bits), so its product is taken with q itself
+    and scaled after, in float32, as the GEMV does; Q8_0's scales vary along the row, so its weight
+    is dequantized first."""
+    if q.dtype == torch.int8:
+        return nn.functional.linear(x, dequantize_blocks(q, scale, x.dtype), bias)
     y = (nn.functional.linear(x, q.to(x.dtype)) * scale).to(x.dtype)
     return y if bias is None else y + bias
 

@@ -175,7 +175,9 @@ def test_unsupported_checkpoint_quantization_is_named(
 
 
 def test_bad_quantization_value_is_a_config_error(tmp_path):
-    with pytest.raises(ValueError, match="quantization must be None .* or 'fp8', got 'int8'"):
+    with pytest.raises(
+        ValueError, match="quantization must be None .* or 'fp8' or 'q8_0', got 'int8'"
+    ):
         EngineConfig(model="m", quantization="int8")
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         EngineConfig(model="m", quantization="fp8", tensor_parallel_size=2)

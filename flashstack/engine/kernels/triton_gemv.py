@@ -28,6 +28,10 @@ product summed in float16 over the K chunks (4 to 14 terms) and the rows' sums i
 the floor (docs/benchmarks.md, "fp8 weights"). Tensor-core products of the row block against the
 input chunk measured slower still (2.7x), so they are not used.
 
+Q8_0 weights (int8, one float16 scale per 32 weights of a row: engine/quantization.py) stream with
+their scales, 1.0625 bytes a weight; each 32-weight block's dot (float32) is multiplied by its
+scale as the chunk is summed, so the accumulator holds one partial sum per block of the chunk.
+
 The weights stream one chunk ahead of the multiply, either in registers or (`stages` >= 2 in the
 configuration) through shared memory, stages - 1 chunks ahead, by Triton's software pipeliner:
 more bytes in flight per program without spending registers on them. Same chunks, same order, same
@@ -78,6 +82,42 @@ def _product(w, x, HALF: tl.constexpr):
 
 
 @triton.jit
+def _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Q8_0: each 32-weight block's dot times the block's float16 scale, [BLOCK_N, BLOCK_K // 32].
+    sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // 32, 32)), 2)
+    blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
+    per_row = K // 32
+    s = tl.load(
+        s_ptr + rows[:, None].to(tl.int64) * per_row + blocks[None, :],
+        mask=rmask[:, None] & (blocks < per_row)[None, :],
+        other=0.0,
+    )
+    return sums * s.to(tl.float32)
+
+
+@triton.jit
+def _chunk(
+    w,
+    x,
+    s_ptr,
+    rows,
+    rmask,
+    k,
+    K,
+    HALF: tl.constexpr,
+    Q8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # What one weight chunk adds to the accumulator: products, or Q8_0's scaled block sums.
+    if Q8:
+        p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
+    else:
+        p = _product(w, x, HALF)
+    return p
+
+
+@triton.jit
 def _gemv_kernel(
     w_ptr,
     x_ptr,
@@ -97,6 +137,7 @@ def _gemv_kernel(
     ADD_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
     HALF: tl.constexpr,
+    Q8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -121,30 +162,57 @@ def _gemv_kernel(
     if STAGES > 1:
         # The rest streams through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner,
         # asynchronous copies): more bytes in flight per program without holding them in registers.
-        acc = _product(
+        acc = _chunk(
             w,
             _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN),
+            s_ptr,
+            rows,
+            rmask,
+            0,
+            K,
             HALF,
+            Q8,
+            BLOCK_N,
+            BLOCK_K,
         )
         for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
             cmask = kcols < K
             w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-            acc += _product(
+            acc += _chunk(
                 w,
                 _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN),
+                s_ptr,
+                rows,
+                rmask,
+                k,
+                K,
                 HALF,
+                Q8,
+                BLOCK_N,
+                BLOCK_K,
             )
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float16 if HALF else tl.float32)
+        if Q8:
+            acc = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float16 if HALF else tl.float32)
         for k in range(0, K, BLOCK_K):
             kcols = k + cols
             cmask = kcols < K
-            acc += _product(
+            acc += _chunk(
                 w,
                 _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN),
+                s_ptr,
+                rows,
+                rmask,
+                k,
+                K,
                 HALF,
+                Q8,
+                BLOCK_N,
+                BLOCK_K,
             )
             nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
@@ -181,7 +249,7 @@ def gemv_config(n: int, k: int, fused: str | None = None, fp8: bool = False) -> 
     ("residual") 4 rows, one chunk ahead through shared memory. Plain: long rows (K = 14336) 16 rows
     and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks. A fourth value
     of 2 or more streams the weights through shared memory (`_gemv_kernel`). `fp8`: weights of one
-    byte, `FP8_CONFIGS`."""
+    byte (fp8 or Q8_0), `FP8_CONFIGS`."""
     if fp8:
         return FP8_CONFIGS[fused]
     if fused == "silu":
@@ -206,11 +274,12 @@ def linear(
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear (into `out` if given), through `gemv_triton` when x is one row on CUDA. `scale`:
-    the weight is fp8 with these per-row scales (engine/quantization.py)."""
+    the weight is fp8 with these per-row scales, or Q8_0 with these per-block ones
+    (engine/quantization.py)."""
     if x.shape[0] == 1 and x.is_cuda:
         return gemv_triton(weight, x, bias, out=out, pdl=pdl, scale=scale)
     if scale is not None:
-        assert out is None, "fp8 weights: no `out`"
+        assert out is None, "quantized weights: no `out`"
         return dequantized_linear(x, weight, scale, bias)
     if out is None:
         return torch.nn.functional.linear(x, weight, bias)
@@ -239,14 +308,19 @@ def gemv_triton(
     return it. `out` [1, N]: write the result there (residual added, if given) and return it.
     `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic
     dependent launch where the device has it (EngineConfig.kernels.pdl). `scale` [N] float32: the
-    weight is float8_e4m3fn and row n of the product is multiplied by scale[n]. `half_products`:
-    fp8 products in float16 (default: for 16-bit activations) or in float32."""
+    weight is float8_e4m3fn and row n of the product is multiplied by scale[n]; [N, K / 32]
+    float16: the weight is int8 (Q8_0) and block j of row n by scale[n, j]. `half_products`: fp8
+    products in float16 (default: for 16-bit activations) or in float32."""
     n, k = weight.shape
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
     fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
     block_n, block_k, warps, *stages = config or gemv_config(n, k, fused, fp8=scale is not None)
-    if scale is not None:
+    q8 = weight.dtype == torch.int8
+    if q8:
+        assert scale is not None and scale.shape == (n, k // 32) and scale.is_contiguous()
+        assert k % 32 == 0 and block_k % 32 == 0, "Q8_0: rows and chunks of whole 32-weight blocks"
+    elif scale is not None:
         assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous()
     if residual is not None:
         assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
@@ -263,7 +337,7 @@ def gemv_triton(
     pdl = pdl_applies(x.device, pdl)
     if half_products is None:
         half_products = x.dtype != torch.float32
-    half = scale is not None and half_products
+    half = scale is not None and half_products and not q8
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight,
         x,
@@ -277,12 +351,13 @@ def gemv_triton(
         weight.stride(0),
         eps,
         HAS_BIAS=bias is not None,
-        HAS_SCALE=scale is not None,
+        HAS_SCALE=scale is not None and not q8,
         NORM_IN=norm is not None,
         SILU_IN=silu,
         ADD_OUT=residual is not None,
         USE_PDL=pdl,
         HALF=half,
+        Q8=q8,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         STAGES=stages[0] if stages else 0,

@@ -6,9 +6,10 @@ every part is this rank's slice. A parameter that is not filled by its own check
 names its sources (`Source`) on its module; the loader (loader.py) copies each checkpoint tensor, or
 the slice of it this rank needs, straight into its place: no model surgery after loading.
 
-An fp8 projection (`fp8=True`, engine/quantization.py) stores its weight as float8_e4m3fn beside
-one float32 scale per output row, `weight_scale`, which a packed projection's parts fill row by row
-as they fill the weight.
+A quantized projection (`quantization`, engine/quantization.py) stores its weight as
+float8_e4m3fn beside one float32 scale per output row ("fp8"), or as int8 beside one float16 scale
+per 32 weights of a row ("q8_0"), in `weight_scale`, which a packed projection's parts fill row by
+row as they fill the weight.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from flashstack.engine.quantization import FP8, dequantized_linear
+from flashstack.engine.quantization import FP8, Q8_BLOCK, dequantized_linear
 
 if TYPE_CHECKING:
     from flashstack.engine.tp.group import TensorParallel
@@ -62,24 +63,42 @@ def checkpoint_sources(model: nn.Module) -> dict[str, list[tuple[str, Source]]]:
 class Linear(nn.Linear):
     """nn.Linear on one device (`tp` is None); RowParallelLinear is the one that sums over ranks.
 
-    `fp8`: the weight is float8_e4m3fn and `weight_scale` [out_features] float32 holds each row's
-    scale (None otherwise); the kernels read both (models/ops.py), `forward` dequantizes."""
+    `quantization` "fp8": the weight is float8_e4m3fn and `weight_scale` [out_features] float32
+    holds each row's scale; "q8_0": the weight is int8 and `weight_scale` [out_features,
+    in_features / 32] float16 holds each block's; None: no `weight_scale`. The kernels read both
+    (models/ops.py), `forward` dequantizes."""
 
     tp: TensorParallel | None = None
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, fp8: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        quantization: str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        if not fp8:
+        if quantization is None:
             self.register_parameter("weight_scale", None)
             return
         device = self.weight.device
+        if quantization == "fp8":
+            dtype, scale_shape, scale_dtype = FP8, (out_features,), torch.float32
+        elif quantization == "q8_0":
+            if in_features % Q8_BLOCK:
+                raise ValueError(
+                    f"q8_0 needs projections of a multiple of {Q8_BLOCK} inputs, not "
+                    f"{in_features}: load this model with quantization=None or 'fp8'"
+                )
+            dtype, scale_dtype = torch.int8, torch.float16
+            scale_shape = (out_features, in_features // Q8_BLOCK)
+        else:
+            raise ValueError(f"unknown quantization {quantization!r}: 'fp8', 'q8_0' or None")
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
         )
         self.weight_scale = nn.Parameter(
-            torch.ones(out_features, dtype=torch.float32, device=device), requires_grad=False
+            torch.ones(scale_shape, dtype=scale_dtype, device=device), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +108,7 @@ class Linear(nn.Linear):
 
 
 def to_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """model.to(dtype), except that fp8 weights and their float32 scales keep their dtypes."""
+    """model.to(dtype), except that quantized weights and their scales keep their dtypes."""
     for module in model.modules():
         stored = (
             ("weight", "weight_scale")
@@ -117,12 +136,15 @@ class PackedLinear(Linear):
     """Several checkpoint projections side by side in one weight (q/k/v, gate/up), each cut to the
     rows this rank keeps (column parallelism: no communication)."""
 
-    def __init__(self, in_features: int, parts: list[Part], bias: bool, fp8: bool = False) -> None:
-        super().__init__(in_features, sum(p.stop - p.start for p in parts), bias=bias, fp8=fp8)
+    def __init__(
+        self, in_features: int, parts: list[Part], bias: bool, quantization: str | None = None
+    ) -> None:
+        out_features = sum(p.stop - p.start for p in parts)
+        super().__init__(in_features, out_features, bias=bias, quantization=quantization)
         offset = 0
         for p in parts:
             names = ("weight", "bias") if bias else ("weight",)
-            names += ("weight_scale",) if fp8 else ()
+            names += ("weight_scale",) if quantization else ()
             for param in names:
                 add_source(
                     self,

@@ -52,13 +52,9 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-    # "fp8": the decoder layers' projections store fp8 weights (engine/quantization.py)
+    # "fp8" or "q8_0": how the decoder layers' projections store their weights
+    # (engine/quantization.py); None: in the compute dtype
     quantization: str | None = None
-
-    @property
-    def fp8(self) -> bool:
-        """Whether the decoder layers' projections store fp8 weights."""
-        return self.quantization == "fp8"
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **overrides: Any) -> ModelArgs:
@@ -97,11 +93,11 @@ class Attention(nn.Module):
             Part("k_proj", k0, k0 + nkv),
             Part("v_proj", k0, k0 + nkv),
         ]
-        self.qkv_proj = PackedLinear(h, parts, bias=a.qkv_bias, fp8=a.fp8)
+        self.qkv_proj = PackedLinear(h, parts, bias=a.qkv_bias, quantization=a.quantization)
         self.o_proj = (
             RowParallelLinear(h, q0, q0 + nq, a.o_bias, tp)
             if tp
-            else Linear(nq, h, bias=a.o_bias, fp8=a.fp8)
+            else Linear(nq, h, bias=a.o_bias, quantization=a.quantization)
         )
         if a.qk_norm:
             self.q_norm = RMSNorm(d, a.rms_norm_eps)
@@ -139,12 +135,12 @@ class GatedMLP(nn.Module):
             a.hidden_size,
             [Part("gate_proj", i0, i1), Part("up_proj", i0, i1)],
             bias=a.mlp_bias,
-            fp8=a.fp8,
+            quantization=a.quantization,
         )
         self.down_proj = (
             RowParallelLinear(a.hidden_size, i0, i1, a.mlp_bias, tp)
             if tp
-            else Linear(part, a.hidden_size, bias=a.mlp_bias, fp8=a.fp8)
+            else Linear(part, a.hidden_size, bias=a.mlp_bias, quantization=a.quantization)
         )
 
 

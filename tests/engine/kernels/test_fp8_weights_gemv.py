@@ -14,7 +14,12 @@ from flashstack.engine.models import LlamaForCausalLM
 from flashstack.engine.models.layers import RMSNorm
 from flashstack.engine.models.linear import Linear
 from flashstack.engine.models.ops import Batch1Ops, TorchOps, TritonOps
-from flashstack.engine.quantization import dequantize_rows, dequantized_linear, quantize_rows
+from flashstack.engine.quantization import (
+    dequantize_rows,
+    dequantized_linear,
+    quantize_blocks,
+    quantize_rows,
+)
 from tests.engine.kernels.test_batch1_decoder import (  # noqa: E402
     BLOCK,
     _args,
@@ -113,14 +118,15 @@ def test_linear_takes_fp8_weights_for_any_rows(device):
     torch.testing.assert_close(tg.linear(x[:1], q, b, scale=scale), many[:1], **_tol(DTYPE))
 
 
-def _fp8_model(device) -> LlamaForCausalLM:
+def _quantized_model(device, quantization: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(replace(_args(qk_norm=False), quantization="fp8")).to(device)
+    model = LlamaForCausalLM(replace(_args(qk_norm=False), quantization=quantization)).to(device)
+    quantize = quantize_rows if quantization == "fp8" else quantize_blocks
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear) and module.weight_scale is not None:
                 n, k = module.weight.shape
-                q, scale = quantize_rows(torch.randn(n, k, device=device) * 0.2)
+                q, scale = quantize(torch.randn(n, k, device=device) * 0.2)
                 module.weight.copy_(q)
                 module.weight_scale.copy_(scale)
             elif isinstance(module, RMSNorm):
@@ -131,11 +137,14 @@ def _fp8_model(device) -> LlamaForCausalLM:
 
 
 @torch.inference_mode()
-def test_batch1_step_on_fp8_weights_matches_torch_ops(device):
-    """A decode step through the batch-1 ops (every projection an fp8 GEMV with its prologue or
-    epilogue) gives the plain-torch ops' hidden state on the same fp8 weights."""
-    model = _fp8_model(device)
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+@pytest.mark.parametrize(
+    "quantization,stored", [("fp8", torch.float8_e4m3fn), ("q8_0", torch.int8)]
+)
+def test_batch1_step_on_quantized_weights_matches_torch_ops(device, quantization, stored):
+    """A decode step through the batch-1 ops (every projection an fp8 or Q8_0 GEMV with its
+    prologue or epilogue) gives the plain-torch ops' hidden state on the same weights."""
+    model = _quantized_model(device, quantization)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == stored
     ops = TritonOps(_triton_backend()).for_tokens(1)
     assert isinstance(ops, Batch1Ops)
     args, context = model.args, 7
