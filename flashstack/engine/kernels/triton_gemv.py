@@ -280,6 +280,10 @@ def linear(
         return gemv_triton(weight, x, bias, out=out, pdl=pdl, scale=scale)
     if scale is not None:
         assert out is None, "quantized weights: no `out`"
+        if weight.dtype == torch.int8 and x.is_cuda:  # Q8_0: one dequantizing pass, then cuBLAS
+            from flashstack.engine.kernels.triton_dequant import dequantize_q8_triton
+
+            return torch.nn.functional.linear(x, dequantize_q8_triton(weight, scale, x.dtype), bias)
         return dequantized_linear(x, weight, scale, bias)
     if out is None:
         return torch.nn.functional.linear(x, weight, bias)

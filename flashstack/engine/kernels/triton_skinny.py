@@ -21,6 +21,10 @@ faster on gate/up, down and lm_head only, and at 128 slower everywhere, so past 
 stay on cuBLAS and past 64 rows everything does (`skinny_applies`). In the 8B decode step: batch 8
 4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms.
 
+Q8_0 weights (int8 with a float16 scale per 32 weights: engine/quantization.py) are dequantized
+chunk by chunk into the activations' dtype, in registers, before the tensor-core product: the
+weight stream is 1.0625 bytes a weight instead of 2.
+
 One launch configuration per shape (`skinny_config`), so a step captured in a CUDA graph replays
 the same kernels; nothing reads back to the host. Launched with programmatic dependent launch
 where the device has it (kernels/pdl.py): the launch overlaps the previous kernel's drain.
@@ -35,6 +39,19 @@ import triton.language as tl
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 
 
+@triton.jit
+def _dequantize_q8(w, s_ptr, w_rows, k, K, dtype, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One int8 weight chunk [BLOCK_N, BLOCK_K] times its blocks' float16 scales, in `dtype`.
+    blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
+    s = tl.load(
+        s_ptr + w_rows[:, None].to(tl.int64) * (K // 32) + blocks[None, :],
+        mask=(blocks < K // 32)[None, :],
+        other=0.0,
+    )
+    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * s.to(tl.float32)[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(dtype)
+
+
 # M is not specialized: one compiled kernel serves every batch bucket of a row tile.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
@@ -42,6 +59,7 @@ def _skinny_kernel(
     w_ptr,
     b_ptr,
     y_ptr,
+    s_ptr,
     M,
     N,
     K,
@@ -53,6 +71,7 @@ def _skinny_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr,
+    Q8: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -82,6 +101,8 @@ def _skinny_kernel(
             kmask = k + ks < k_end
             w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
+        if Q8:
+            w = _dequantize_q8(w, s_ptr, w_rows, k, K, x.dtype, BLOCK_N, BLOCK_K)
         # Triton's CPU interpreter multiplies bf16 wrongly; bf16 products are exact in fp32.
         if WIDEN:
             w = w.to(tl.float32)
@@ -137,9 +158,15 @@ MIN_WEIGHT = 16 * 1024 * 1024  # o's 4096 x 4096
 MIN_PROGRAMS = 64  # o's 4096 rows over 64 per program
 
 
-def skinny_applies(rows: int, n: int, k: int) -> bool:
+# Q8_0 weights take the skinny GEMM at every decode batch: cuBLAS would need them dequantized first.
+Q8_MAX_ROWS = 128
+
+
+def skinny_applies(rows: int, n: int, k: int, q8: bool = False) -> bool:
     """Whether a product of `rows` activation rows with an [n, k] weight takes the skinny GEMM (one
-    row takes the GEMV)."""
+    row takes the GEMV). `q8`: Q8_0 weights, up to Q8_MAX_ROWS rows whatever the weight's size."""
+    if q8:
+        return 2 <= rows <= Q8_MAX_ROWS
     size = n * k
     if not 2 <= rows <= (MAX_ROWS if size >= LARGE_WEIGHT else SMALL_WEIGHT_ROWS):
         return False
@@ -170,6 +197,7 @@ def _plan(
     has_bias: bool,
     config: tuple[int, ...] | None,
     pdl: bool = False,
+    q8: bool = False,
 ) -> tuple[tuple[int, int], int, dict]:
     """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
     block_n, block_k, split, warps, stages = config or skinny_config(m, n, k)
@@ -181,6 +209,7 @@ def _plan(
         EVEN_K=k % k_slice == 0,
         IEEE=dtype == torch.float32,
         WIDEN=triton.knobs.runtime.interpret and dtype == torch.bfloat16,
+        Q8=q8,
         USE_PDL=pdl,
         BLOCK_M=block_m(m),
         BLOCK_N=block_n,
@@ -207,6 +236,7 @@ def compile_skinny(
         dtype,
         dtype,
         torch.float32 if grid[1] > 1 else dtype,
+        dtype,
         m,
         n,
         k,
@@ -224,16 +254,23 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
     pdl: bool = True,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
     fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
-    where the device has it (EngineConfig.kernels.pdl)."""
+    where the device has it (EngineConfig.kernels.pdl). `scale` [N, K / 32] float16: the weight
+    is Q8_0's int8 (engine/quantization.py)."""
     m, k = x.shape
     n = weight.shape[0]
+    q8 = scale is not None
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
-    assert weight.dtype == x.dtype, "skinny GEMM: weights in the activations' dtype"
+    if q8:
+        assert weight.dtype == torch.int8 and scale.shape == (n, k // 32) and scale.is_contiguous()
+    else:
+        assert weight.dtype == x.dtype, "skinny GEMM: weights in the activations' dtype"
     pdl = pdl_applies(x.device, pdl)
-    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl)
+    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, q8)
+    assert not q8 or meta["BLOCK_K"] % 32 == 0, "Q8_0: chunks of whole 32-weight blocks"
     split = grid[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
@@ -242,6 +279,7 @@ def skinny_linear(
         weight,
         bias if bias is not None else y,
         partial if partial is not None else y,
+        scale if scale is not None else y,
         m,
         n,
         k,

@@ -75,3 +75,35 @@ def test_linear_takes_q8_0_weights_for_any_rows(device):
     many = tg.linear(x, q, b, scale=scale)
     torch.testing.assert_close(many, dequantized_linear(x, q, scale, b))
     torch.testing.assert_close(tg.linear(x[:1], q, b, scale=scale), many[:1], **_tol(DTYPE))
+
+
+# (M, N, K, skinny config (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) or None): ragged N, a K not a
+# multiple of the chunk, split-K, and past one row tile
+SKINNY = [(3, 70, 224, (32, 64, 1, 4, 2)), (5, 100, 384, (32, 64, 3, 4, 3)), (17, 64, 512, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,config", SKINNY)
+def test_skinny_gemm_on_q8_0_is_the_dequantized_product(device, dtype, m, n, k, config):
+    """A few rows (the multi-row decode step): the skinny GEMM dequantizes each chunk in
+    registers; the plain-torch product of the dequantized weight is the reference."""
+    from flashstack.engine.kernels.triton_skinny import skinny_linear
+
+    torch.manual_seed(m + k)
+    _, q, scale = _q8(n, k, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype)
+    got = skinny_linear(x, q, b, config, scale=scale)
+    want = dequantized_linear(x, q, scale, b)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_one_pass_dequantization_is_dequantize_blocks(device):
+    from flashstack.engine.kernels.triton_dequant import dequantize_q8_triton
+
+    torch.manual_seed(4)
+    _, q, scale = _q8(33, 4160, device)  # 137,280 weights: a last program only partly full
+    for dtype in (torch.float32, DTYPE):
+        got = dequantize_q8_triton(q, scale, dtype)
+        assert torch.equal(got, dequantize_blocks(q, scale, dtype))
