@@ -161,7 +161,8 @@ class EngineConfig:
     # output row (as vLLM's --quantization fp8); embeddings, lm_head and norms keep `dtype`. An fp8
     # checkpoint (compressed-tensors) is fp8 whatever this says. "q8_0": llama.cpp's Q8_0 (int8
     # with a float16 scale per 32 weights), a GGUF file's Q8_0 tensors kept as stored, the rest
-    # quantized at load (engine/quantization.py).
+    # quantized at load (engine/quantization.py): on the H200 faster than bf16 at batch 1 only
+    # (8B: 3.64 vs 4.03 ms), slower from 8 rows (6.82 vs 4.76 ms; docs/benchmarks.md, "Q8_0").
     quantization: str | None = None
     # "fp8": the KV cache in float8_e4m3fn (half the bytes of bf16) with one K and one V scale per
     # layer, calibrated at start-up (engine/kv_cache.py); "auto": the model's dtype.
