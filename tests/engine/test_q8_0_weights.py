@@ -72,3 +72,12 @@ def test_smollm2_quantized_to_q8_0_at_load_answers_and_agrees() -> None:
     assert agreement >= 0.85, agreement
     answer = q8.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=24))[0].text
     assert "Paris" in answer, answer
+
+
+def test_rows_not_of_whole_blocks_are_refused_with_what_to_do() -> None:
+    from flashstack.engine.models.linear import Linear
+
+    with pytest.raises(ValueError, match="multiple of 32 inputs, not 40: load this model with"):
+        Linear(40, 8, quantization="q8_0")
+    with pytest.raises(ValueError, match="multiple of 32 weights, not 40"):
+        quantize_blocks(torch.zeros(8, 40))
