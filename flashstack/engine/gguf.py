@@ -1,8 +1,9 @@
 """A GGUF file (llama.cpp's format) as an engine checkpoint: config, dequantized weights, metadata.
 
 Read with PyPI's `gguf` (llama.cpp's own reader); quantized tensors are dequantized at load by
-`gguf.quants`, except that the decoder's Q8_0 projections may stay as stored (`weights(q8_0=True)`:
-int8 values and their float16 block scales, engine/quantization.py). Tensor names are mapped to the
+`gguf.quants`, except that the decoder's Q8_0 and Q4_K projections may stay as stored
+(`weights(keep)`: Q8_0's int8 values and float16 block scales, Q4_K's values and its headers'
+numbers unpacked, engine/quantization.py). Tensor names are mapped to the
 Hugging Face names the models use, and llama.cpp's permutation of Llama's Q and K rows (its RoPE
 pairs adjacent elements, HF's pairs the two halves of a head) is undone, as transformers' GGUF
 loader does.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ ARCHITECTURES = {
 # The decoder layers' projections: the weights that EngineConfig.quantization stores quantized.
 _PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
 # Tensor types dequantized at load (gguf.GGMLQuantizationType names).
-QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # File types (general.file_type) whose weights are 16-bit floats already: served in that dtype.
 _FILE_DTYPES = {1: "float16", 32: "bfloat16"}
 
@@ -220,19 +221,23 @@ class GGUFCheckpoint:
             return {"rope_type": "linear", "factor": self.arch_get("rope.scaling.factor", 1.0)}
         raise GGUFError(f"{self.path}: RoPE scaling {kind!r} is not supported (only linear)")
 
-    def weights(self, q8_0: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        self, keep: Callable[[str], str | None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) for each tensor the model uses, dequantized one at a time.
-        `q8_0`: a decoder projection stored as Q8_0 comes as it is stored instead, its int8 values
-        as `<proj>.weight` and its float16 block scales as `<proj>.weight_scale`."""
+        `keep(name)`: the GGML type ("Q8_0" or "Q4_K") in which the model holds that decoder
+        projection; one stored in that type comes as it is stored instead, as `<proj>.weight`
+        (Q8_0's int8 values, Q4_K's packed values) and `<proj>.weight_scale` (Q8_0's float16 block
+        scales, Q4_K's scales and mins unpacked into words: engine/quantization.py)."""
         import torch
-        from gguf import GGMLQuantizationType
 
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
-            if q8_0 and t.tensor_type == GGMLQuantizationType.Q8_0 and _PROJECTION.search(name):
-                q, scale = _q8_0_blocks(self.path, t)
+            kept = keep(name) if keep is not None and _PROJECTION.search(name) else None
+            if kept is not None and t.tensor_type.name == kept:
+                q, scale = _STORED[kept](self.path, t)
                 yield name, self._hf_rows(name, torch.from_numpy(q))
                 yield name + "_scale", self._hf_rows(name, torch.from_numpy(scale))
                 continue
@@ -295,6 +300,26 @@ def _q8_0_blocks(path: Path, t: Any) -> tuple[np.ndarray, np.ndarray]:
         raise GGUFError(f"{path}: tensor {t.name} holds the wrong number of Q8_0 blocks")
     scale = blocks[:, :2].copy().view(np.float16).reshape(rows, cols // 32)
     return blocks[:, 2:].copy().view(np.int8).reshape(rows, cols), scale
+
+
+def _q4_k_blocks(path: Path, t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K matrix in the engine's layout: the values as stored [out, in / 2] and the headers'
+    numbers unpacked into int32 words [out, in / 64 + in / 256] (each 144-byte super-block is its
+    16-byte header, d, dmin and 12 bytes of 6-bit scales and mins, then 128 bytes of values)."""
+    import torch
+
+    from flashstack.engine.quantization import unpack_q4_k_heads
+
+    rows, cols = (int(n) for n in reversed(t.shape))
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, 144)
+    if blocks.shape[0] != rows * cols // 256:
+        raise GGUFError(f"{path}: tensor {t.name} holds the wrong number of Q4_K super-blocks")
+    head = torch.from_numpy(blocks[:, :16].reshape(rows, cols // 16).copy())
+    return blocks[:, 16:].reshape(rows, cols // 2).copy(), unpack_q4_k_heads(head).numpy()
+
+
+# GGML types the engine can hold as stored -> their reader
+_STORED = {"Q8_0": _q8_0_blocks, "Q4_K": _q4_k_blocks}
 
 
 def _dequantize(path: Path, t: Any) -> np.ndarray:

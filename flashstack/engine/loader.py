@@ -1,11 +1,12 @@
 """Load a checkpoint: a local Hugging Face directory (config.json plus (sharded) *.safetensors,
 memory-mapped) or a GGUF file (engine/gguf.py, dequantized at load). Quantized weights
-(engine/quantization.py) come from an fp8 checkpoint, or a GGUF file's Q8_0 tensors, as they are,
-or are quantized as they are copied in."""
+(engine/quantization.py) come from an fp8 checkpoint, or a GGUF file's Q8_0 or Q4_K tensors, as
+they are, or are quantized as they are copied in."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,16 +19,20 @@ from flashstack.cuda import cuda_available
 from flashstack.engine.gguf import is_gguf, open_gguf
 from flashstack.engine.models import LlamaForCausalLM, model_class
 from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
-from flashstack.engine.models.linear import Source, checkpoint_sources, to_compute_dtype
+from flashstack.engine.models.linear import Linear, Source, checkpoint_sources, to_compute_dtype
 from flashstack.engine.quantization import (
     FP8,
+    Q4K_BLOCK,
     quantize_blocks,
+    quantize_q4_k,
     quantize_rows,
     resolve_quantization,
 )
 
 if TYPE_CHECKING:
     from flashstack.engine.tp.group import TensorParallel
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -112,7 +117,7 @@ def build_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Allocate an uninitialised model (weights come from the checkpoint); `tp`: this rank's
-    shard; `quantization`: "fp8" or "q8_0" projection weights (engine/quantization.py)."""
+    shard; `quantization`: "fp8", "q8_0" or "q4_k" projection weights (engine/quantization.py)."""
     if quantization and tp is not None:
         raise ValueError(
             f"{quantization} weights run on one device: load this checkpoint with "
@@ -123,6 +128,7 @@ def build_model(
     with torch.device("meta"):
         model = to_compute_dtype(cls(args, tp), dtype)
     model.to_empty(device=device)
+    _report_fallbacks(model, quantization)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
@@ -131,6 +137,25 @@ def build_model(
         ):  # buffers are not in the checkpoint; recompute in fp32
             module.inv_freq = rope_inv_freq(model.args.head_dim, model.args.rope).to(device)
     return model.eval()
+
+
+def _report_fallbacks(model: LlamaForCausalLM, quantization: str | None) -> None:
+    # q4_k projections whose rows are not whole super-blocks hold q8_0: said once, at load.
+    other = sorted(
+        {
+            f"{type(m).__name__} {m.in_features} -> {m.out_features}: {m.quantization}"
+            for m in model.modules()
+            if isinstance(m, Linear) and m.quantization not in (None, quantization)
+        }
+    )
+    if other:
+        log.warning(
+            "quantization=%r: these projections take another scheme (rows of %d weights are "
+            "Q4_K's super-blocks): %s",
+            quantization,
+            Q4K_BLOCK,
+            "; ".join(other),
+        )
 
 
 def _safetensors_part(sf: Any, key: str, source: Source | None) -> torch.Tensor:
@@ -144,8 +169,12 @@ def _narrow(w: torch.Tensor, source: Source | None) -> torch.Tensor:
     return w if source is None else w.narrow(source.dim, source.start, source.stop - source.start)
 
 
-# A quantized weight's storage dtype -> its EngineConfig.quantization
-_QUANTIZED = {FP8: "fp8", torch.int8: "q8_0"}
+# A quantized weight's storage dtype -> its EngineConfig.quantization, and how a float one is
+# quantized into it as it is copied
+_QUANTIZED = {FP8: "fp8", torch.int8: "q8_0", torch.uint8: "q4_k"}
+_QUANTIZE = {FP8: quantize_rows, torch.int8: quantize_blocks, torch.uint8: quantize_q4_k}
+# ... and the GGML type a GGUF file stores it in, where the engine can keep that as stored
+_GGML_TYPES = {torch.int8: "Q8_0", torch.uint8: "Q4_K"}
 
 
 def _scale_rows(scale: torch.Tensor, source: Source | None, target: torch.Tensor) -> torch.Tensor:
@@ -179,12 +208,18 @@ class _Filler:
     def wants(self, key: str) -> bool:
         return key in self.sources
 
+    def ggml_type(self, key: str) -> str | None:
+        """The GGML type ("Q8_0", "Q4_K") in which the model holds checkpoint tensor `key`, if it
+        can take that type as a file stores it."""
+        targets = self.sources.get(key)
+        return _GGML_TYPES.get(self.params[targets[0][0]].dtype) if targets else None
+
     def copy(self, key: str, read: Callable[[Source | None], torch.Tensor]) -> None:
         """Fill every place checkpoint tensor `key` goes; `read(source)` gives its slice (None:
         all)."""
         for param, source in self.sources[key]:
             target = self.params[param]
-            if param.endswith(".weight_scale") and target.dim() == 2:  # Q8_0's, row by row
+            if param.endswith(".weight_scale") and target.dim() == 2:  # Q8_0's, Q4_K's: by row
                 self._place(target, source, read(source))
                 continue
             if param.endswith(".weight_scale"):
@@ -199,8 +234,7 @@ class _Filler:
                     "layers' projections take quantized weights)"
                 )
             if target.dtype in _QUANTIZED and part.dtype != target.dtype:  # quantized as copied
-                quantize = quantize_rows if target.dtype == FP8 else quantize_blocks
-                part, scale = quantize(part.to(target.device))
+                part, scale = _QUANTIZE[target.dtype](part.to(target.device))
                 self._place(self.params[param + "_scale"], source, scale)
                 self.missing.discard(key + "_scale")
             self._place(target, source, part)
@@ -246,12 +280,12 @@ def load_weights(
 def load_gguf_weights(
     model: LlamaForCausalLM, path: str | Path, on_tensor: Callable[[], None] | None = None
 ) -> None:
-    """Dequantize a GGUF file's tensors into the model (a shard copies only its slice); a q8_0
-    model takes the file's Q8_0 projections as they are stored."""
+    """Dequantize a GGUF file's tensors into the model (a shard copies only its slice); a
+    projection the model holds in Q8_0 or Q4_K takes the file's tensor as stored where the file
+    stores it in that type."""
     fill = _Filler(model)
-    q8_0 = model.args.quantization == "q8_0"
     with torch.no_grad():
-        for key, w in open_gguf(path).weights(q8_0=q8_0):
+        for key, w in open_gguf(path).weights(keep=fill.ggml_type):
             if fill.wants(key):
                 fill.copy(key, lambda source, w=w: _narrow(w, source))
             if on_tensor is not None:
@@ -268,9 +302,9 @@ def load_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """config.json + safetensors, or a GGUF file -> a ready model in eval mode (`tp`: only this
-    rank's shard; `quantization`: "fp8" or "q8_0" to quantize the projections' weights at load,
-    which an fp8 checkpoint implies; a GGUF file's Q8_0 projections stay as stored under
-    "q8_0")."""
+    rank's shard; `quantization`: "fp8", "q8_0" or "q4_k" to quantize the projections' weights at
+    load, which an fp8 checkpoint implies; a GGUF file's Q8_0 or Q4_K projections stay as stored
+    under "q8_0" or "q4_k")."""
     hf = read_hf_config(path)
     model = build_model(hf, dtype, device, tp, resolve_quantization(quantization, hf))
     if is_gguf(path):

@@ -8,6 +8,18 @@
 - "q8_0": llama.cpp's Q8_0, int8 values with one float16 scale per 32 consecutive weights of a row
   ([N, K / 32]): 1.0625 bytes a weight. A GGUF file's Q8_0 tensors are kept as they are stored
   (bit for bit); any other checkpoint is quantized at load (`quantize_blocks`, ggml's rounding).
+- "q4_k": llama.cpp's Q4_K, 4-bit values in super-blocks of 256 weights, each 32 with a 6-bit scale
+  and a 6-bit min under the super-block's float16 d and dmin, w = d * sc * q - dmin * m: 4.5 bits
+  a weight as stored. Held as the stored values, uint8 [N, K / 2] (two a byte, in ggml's order),
+  beside the headers unpacked into int32 words [N, K / 64 + K / 256] (`unpack_q4_k_heads`): first
+  one word per 64 weights, the scale and min of its two sub-blocks a byte each, then one word per
+  super-block, d and dmin. ggml packs the 6-bit numbers into 12 bytes, which a kernel can only
+  take apart with a dozen byte loads per 64 weights; unpacked, it is two word loads, for 4.625 bits
+  a weight instead of 4.5, every value unchanged. A GGUF file's Q4_K tensors are kept so; any other
+  weight is quantized at load (`quantize_q4_k`, ggml's search for each sub-block's scale and
+  min). Rows must be whole
+  super-blocks; a projection whose rows are not (SmolLM2's 576 inputs) takes Q8_0 instead, as
+  llama.cpp's own quantizer falls back for such rows.
 
 Only the weights are quantized: activations stay in the compute dtype (W8A16), so a checkpoint's
 `input_scale` (static activation quantization) is not read, and dynamic activation schemes need
@@ -19,12 +31,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448, e4m3's largest finite value
 Q8_BLOCK = 32  # weights per float16 scale in a Q8_0 block
+Q4K_BLOCK = 256  # weights per Q4_K super-block
+Q4K_HEAD = 16  # bytes of a stored super-block's header: d, dmin (float16), 12 of scales and mins
 # compressed-tensors formats whose fp8 weights are stored as plain float8_e4m3fn tensors
 _FP8_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -69,15 +84,150 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return blocks.reshape(n, k).to(dtype)
 
 
+def _ggml_scales(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sub-block's 6-bit scale and min, int32 [..., 8], from stored headers [..., 16]. Of the
+    12 bytes after d and dmin, 0-3 hold sub-blocks 0-3's scales (6 bits) and the top 2 bits of
+    4-7's, 4-7 the same for the mins, 8-11 the low 4 bits of sub-blocks 4-7's scale and min."""
+    s = head[..., 4:16].int()
+    low, mid, high = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([low & 63, (high & 15) | ((low >> 6) << 4)], dim=-1)
+    mn = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def _q4_k_words(sc: torch.Tensor, mn: torch.Tensor, halves: torch.Tensor) -> torch.Tensor:
+    # sc, mn int [N, blocks, 8] and halves int32 [N, blocks] (d | dmin << 16) -> the words
+    n = sc.shape[0]
+    pairs = (sc | (mn << 8)).reshape(n, -1, 4, 2)
+    groups = pairs[..., 0] | (pairs[..., 1] << 16)
+    return torch.cat([groups.reshape(n, -1), halves.reshape(n, -1)], dim=1).int().contiguous()
+
+
+def unpack_q4_k_heads(head: torch.Tensor) -> torch.Tensor:
+    """Stored Q4_K headers uint8 [N, K / 16] -> the engine's int32 words [N, K / 64 + K / 256]: per
+    64 weights (two sub-blocks, j and j + 1) scale_j | min_j << 8 | scale_j+1 << 16 | min_j+1 << 24,
+    then per super-block d | dmin << 16 (their float16 bits)."""
+    blocks = head.reshape(head.shape[0], -1, Q4K_HEAD)
+    sc, mn = _ggml_scales(blocks)
+    return _q4_k_words(sc, mn, blocks[..., 0:4].contiguous().view(torch.int32))
+
+
+def _q4_k_scales(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, min) of each sub-block as float32 [N, K / 32], as ggml multiplies them out (d * sc,
+    dmin * m), from the engine's words [N, K / 64 + K / 256]."""
+    n = words.shape[0]
+    blocks = words.shape[1] // 5  # 4 group words and 1 super-block word per 256 weights
+    groups = words[:, : 4 * blocks]
+    sub = torch.stack([groups & 0xFFFF, (groups >> 16) & 0xFFFF], dim=-1).reshape(n, -1)
+    halves = words[:, 4 * blocks :].contiguous().view(torch.float16).float()  # [N, 2 * blocks]
+    d = halves[:, 0::2].repeat_interleave(8, dim=1)
+    dmin = halves[:, 1::2].repeat_interleave(8, dim=1)
+    return d * (sub & 255), dmin * (sub >> 8)
+
+
+def dequantize_q4_k(qs: torch.Tensor, words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] a Q4_K one stands for, in `dtype`: values `qs` [N, K / 2] (in each 32
+    bytes the low nibbles are 32 weights and the high ones the next 32) and the unpacked headers
+    [N, K / 64 + K / 256] (each value d * sc * q - dmin * m in float32, as ggml's)."""
+    n, k = qs.shape[0], qs.shape[1] * 2
+    scale, mn = _q4_k_scales(words)
+    shifts = torch.tensor([0, 4], device=qs.device)[:, None]
+    q = ((qs.reshape(n, k // 64, 1, 32).int() >> shifts) & 15).reshape(n, k // 32, 32).float()
+    return (scale[..., None] * q - mn[..., None]).reshape(n, k).to(dtype)
+
+
+def _nearest(x: torch.Tensor) -> torch.Tensor:
+    # ggml's nearest_int: round half to even (it adds 1.5 * 2^23 in float32)
+    return torch.round(x).int()
+
+
+def _sub_block_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's make_qkx2_quants for 4 bits over sub-blocks x [..., 32]: (scale, min >= 0, values),
+    w ~ scale * q - min, the least weighted squared error over 21 trial scales, each refined by
+    least squares; weights |x| + rms(x), as quantize_row_q4_K_ref takes them."""
+    weights = x.square().mean(-1, keepdim=True).sqrt() + x.abs()
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True)
+    span = hi - lo
+    flat = span == 0
+    span = torch.where(flat, torch.ones_like(span), span)
+    sum_w = weights.sum(-1, keepdim=True)
+    sum_x = (weights * x).sum(-1, keepdim=True)
+
+    def levels(iscale: torch.Tensor) -> torch.Tensor:
+        return _nearest(iscale * (x - lo)).clamp(0, 15).float()
+
+    def error(scale: torch.Tensor, mn: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return (weights * (scale * q + mn - x).square()).sum(-1, keepdim=True)
+
+    scale, mn = 1 / (15 / span), lo
+    q = levels(15 / span)
+    best = error(scale, mn, q)
+    for step in range(21):
+        # ggml's trial factor, in float32 as it computes it: rmin + rdelta * step + nmax
+        factor = float(np.float32(-1) + np.float32(0.1) * np.float32(step) + np.float32(15))
+        trial = levels(factor / span)
+        sum_l = (weights * trial).sum(-1, keepdim=True)
+        sum_l2 = (weights * trial * trial).sum(-1, keepdim=True)
+        sum_xl = (weights * trial * x).sum(-1, keepdim=True)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        safe = torch.where(det > 0, det, torch.ones_like(det))
+        t_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
+        t_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        positive = t_min > 0  # the min is held as a non-negative offset: refit the scale alone
+        t_scale = torch.where(positive, sum_xl / sum_l2.clamp(min=1e-30), t_scale)
+        t_min = torch.where(positive, torch.zeros_like(t_min), t_min)
+        t_err = error(t_scale, t_min, trial)
+        better = (det > 0) & (t_err < best) & ~flat & ~(positive & (sum_l2 == 0))
+        q = torch.where(better, trial, q)
+        best = torch.where(better, t_err, best)
+        scale = torch.where(better, t_scale, scale)
+        mn = torch.where(better, t_min, mn)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    q = torch.where(flat, torch.zeros_like(q), q)
+    return scale[..., 0], -mn[..., 0], q
+
+
+def quantize_q4_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qs, words): w [N, K] as Q4_K, values uint8 [N, K / 2] and the unpacked headers int32
+    [N, K / 64 + K / 256], by ggml's quantize_row_q4_K_ref (each sub-block's scale and min
+    searched, both quantized to 6 bits of the super-block's largest, the values re-rounded against
+    them): the bytes a GGUF file of the same weights holds, headers unpacked."""
+    n, k = w.shape
+    if k % Q4K_BLOCK:
+        raise ValueError(f"Q4_K needs rows of a multiple of {Q4K_BLOCK} weights, not {k}")
+    x = w.float().reshape(n, k // Q4K_BLOCK, 8, 32)
+    scale, mn, q = _sub_block_scales(x)
+    max_scale, max_min = scale.amax(-1, keepdim=True), mn.amax(-1, keepdim=True)
+    inv_scale = torch.where(max_scale > 0, 63 / max_scale, torch.zeros_like(max_scale))
+    inv_min = torch.where(max_min > 0, 63 / max_min, torch.zeros_like(max_min))
+    ls = _nearest(inv_scale * scale).clamp(max=63)
+    lm = _nearest(inv_min * mn).clamp(max=63)
+    d = (max_scale / 63).to(torch.float16)
+    dmin = (max_min / 63).to(torch.float16)
+    sub_d = d.float() * ls
+    sub_m = dmin.float() * lm
+    safe = torch.where(sub_d != 0, sub_d, torch.ones_like(sub_d))
+    fresh = _nearest((x + sub_m[..., None]) / safe[..., None]).clamp(0, 15)
+    # a sub-block whose 6-bit scale came out 0 keeps the values of its search
+    q = torch.where((sub_d != 0)[..., None], fresh, q.int())
+    packed = q.reshape(n, k // Q4K_BLOCK, 4, 2, 32)
+    qs = (packed[:, :, :, 0] | (packed[:, :, :, 1] << 4)).to(torch.uint8).reshape(n, k // 2)
+    halves = torch.cat([d, dmin], dim=-1).contiguous().view(torch.int32)
+    return qs, _q4_k_words(ls, lm, halves)
+
+
 def dequantized_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ w.T (+ bias) in x's dtype, w the weight q and `scale` stand for (fp8 or Q8_0): plain
-    torch, any number of rows, any device.
+    """x @ w.T (+ bias) in x's dtype, w the weight q and `scale` stand for (fp8, Q8_0 or Q4_K's
+    values and headers): plain torch, any number of rows, any device.
 
     fp8's q is exact in bf16 and float32 (3 mantissa bits), so its product is taken with q itself
     and scaled after, in float32, as the GEMV does; Q8_0's scales vary along the row, so its weight
     is dequantized first."""
+    if q.dtype == torch.uint8:
+        return nn.functional.linear(x, dequantize_q4_k(q, scale, x.dtype), bias)
     if q.dtype == torch.int8:
         return nn.functional.linear(x, dequantize_blocks(q, scale, x.dtype), bias)
     y = (nn.functional.linear(x, q.to(x.dtype)) * scale).to(x.dtype)

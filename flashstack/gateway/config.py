@@ -75,7 +75,9 @@ class EngineOptions(BaseModel):
     swap_space_gb: float | None = Field(None, ge=0)
     swap_bandwidth_gbps: float | None = Field(None, gt=0)
     recompute_tflops: float | None = Field(None, gt=0)
-    quantization: Literal["fp8", "q8_0"] | None = None  # linear weights (engine/quantization.py)
+    quantization: Literal["fp8", "q8_0", "q4_k"] | None = (
+        None  # linear weights (engine/quantization.py)
+    )
     kv_cache_dtype: Literal["auto", "fp8"] | None = None  # fp8: the KV cache in float8_e4m3fn
     kernels: KernelSwitches | None = None
 

@@ -176,7 +176,7 @@ def test_unsupported_checkpoint_quantization_is_named(
 
 def test_bad_quantization_value_is_a_config_error(tmp_path):
     with pytest.raises(
-        ValueError, match="quantization must be None .* or 'fp8' or 'q8_0', got 'int8'"
+        ValueError, match="quantization must be None .*, 'fp8', 'q8_0' or 'q4_k', got 'int8'"
     ):
         EngineConfig(model="m", quantization="int8")
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):

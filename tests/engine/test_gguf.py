@@ -18,7 +18,7 @@ from tests.engine.helpers import greedy, hf_greedy
 
 # Bytes per 256-value K-quant block, and where its float16 scales sit (gguf-py's block layouts).
 _K_BLOCKS = {QT.Q4_K: (144, (0, 2)), QT.Q5_K: (176, (0, 2)), QT.Q6_K: (210, (208,))}
-_QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
+_QUANTIZABLE = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 _COMMON = dict(
     vocab_size=384,
     hidden_size=64,
@@ -253,16 +253,16 @@ def test_corrupt_magic_is_refused(good_file, tmp_path) -> None:
 
 
 def test_unsupported_quant_type_is_named(tmp_path) -> None:
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "q2.gguf"
     w = GGUFWriter(str(path), "llama")
-    # 4 x 256 values
-    w.add_tensor("token_embd.weight", np.zeros((4, 22 * 8), np.uint8), raw_dtype=QT.Q5_0)
+    # 4 x 256 values in 84-byte Q2_K blocks
+    w.add_tensor("token_embd.weight", np.zeros((4, 84), np.uint8), raw_dtype=QT.Q2_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(
-        GGUFError, match=r"token_embd\.weight is stored as Q5_0.*supported types: F32"
+        GGUFError, match=r"token_embd\.weight is stored as Q2_K.*supported types: F32"
     ) as e:
         LLM(path, device="cpu", show_progress=False)
     assert str(path) in str(e.value)

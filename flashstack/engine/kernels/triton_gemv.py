@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.kernels.triton_q4k import group_scales
 from flashstack.engine.quantization import dequantized_linear
 
 
@@ -96,24 +97,60 @@ def _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _q4k_product(
+    w, x_lo, x_hi, s_ptr, rows, rmask, k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    # Q4_K: BLOCK_K bytes of values, in 32-byte groups whose low nibbles are one sub-block and
+    # high nibbles the next. Each sub-block's dot times d * sc, less dmin * m times the sum of its
+    # inputs: [BLOCK_N, BLOCK_K // 32], one entry per pair of sub-blocks.
+    groups: tl.constexpr = BLOCK_K // 32
+    lo = tl.reshape((w & 15).to(tl.float32) * x_lo[None, :], (BLOCK_N, groups, 32))
+    hi = tl.reshape((w >> 4).to(tl.float32) * x_hi[None, :], (BLOCK_N, groups, 32))
+    sum_lo = tl.sum(tl.reshape(x_lo, (groups, 32)), 1)[None, :]
+    sum_hi = tl.sum(tl.reshape(x_hi, (groups, 32)), 1)[None, :]
+    g = k // 32 + tl.arange(0, groups)  # 64-weight group in the row
+    mask = rmask[:, None] & (g < K // 64)[None, :]
+    sc_lo, m_lo, sc_hi, m_hi, d, dmin = group_scales(s_ptr, rows, g, K, mask)
+    scaled = sc_lo * tl.sum(lo, 2) + sc_hi * tl.sum(hi, 2)
+    return d * scaled - dmin * (m_lo * sum_lo + m_hi * sum_hi)
+
+
+@triton.jit
 def _chunk(
     w,
-    x,
+    x_ptr,
+    g_ptr,
     s_ptr,
     rows,
     rmask,
     k,
     K,
+    rstd,
+    act_dtype,
+    NORM_IN: tl.constexpr,
+    SILU_IN: tl.constexpr,
     HALF: tl.constexpr,
     Q8: tl.constexpr,
+    Q4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # What one weight chunk adds to the accumulator: products, or Q8_0's scaled block sums.
-    if Q8:
-        p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
+    # What one weight chunk (storage columns k .. k + BLOCK_K) adds to the accumulator: products,
+    # Q8_0's scaled block sums or Q4_K's, with the activations it multiplies.
+    cols = k + tl.arange(0, BLOCK_K)
+    if Q4:  # byte b holds input (b // 32) * 64 + b % 32 and, in its high nibble, 32 further on
+        x_cols = cols // 32 * 64 + cols % 32
+        x_lo = _input_chunk(x_ptr, g_ptr, x_cols, x_cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+        x_hi = _input_chunk(
+            x_ptr, g_ptr, x_cols + 32, x_cols + 32 < K, K, rstd, act_dtype, NORM_IN, SILU_IN
+        )
+        p = _q4k_product(w, x_lo, x_hi, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
     else:
-        p = _product(w, x, HALF)
+        x = _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+        if Q8:
+            p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
+        else:
+            p = _product(w, x, HALF)
     return p
 
 
@@ -128,6 +165,7 @@ def _gemv_kernel(
     s_ptr,
     N,
     K,
+    KW,
     stride_w,
     eps,
     HAS_BIAS: tl.constexpr,
@@ -138,10 +176,12 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
     HALF: tl.constexpr,
     Q8: tl.constexpr,
+    Q4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
+    # K: the input's length; KW: a weight row's, in stored elements (K / 2 bytes for Q4_K)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -150,7 +190,7 @@ def _gemv_kernel(
     # The first weight chunk depends on nothing earlier in the stream: under programmatic dependent
     # launch it is in flight while the previous kernel finishes.
     cols = tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
+    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < KW)[None, :], other=0.0)
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
     rstd = 1.0
     if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
@@ -164,58 +204,75 @@ def _gemv_kernel(
         # asynchronous copies): more bytes in flight per program without holding them in registers.
         acc = _chunk(
             w,
-            _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN),
+            x_ptr,
+            g_ptr,
             s_ptr,
             rows,
             rmask,
             0,
             K,
+            rstd,
+            act_dtype,
+            NORM_IN,
+            SILU_IN,
             HALF,
             Q8,
+            Q4,
             BLOCK_N,
             BLOCK_K,
         )
-        for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        for k in tl.range(BLOCK_K, KW, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
-            cmask = kcols < K
-            w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            w = tl.load(
+                w_rows + kcols[None, :], mask=rmask[:, None] & (kcols < KW)[None, :], other=0.0
+            )
             acc += _chunk(
                 w,
-                _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN),
+                x_ptr,
+                g_ptr,
                 s_ptr,
                 rows,
                 rmask,
                 k,
                 K,
+                rstd,
+                act_dtype,
+                NORM_IN,
+                SILU_IN,
                 HALF,
                 Q8,
+                Q4,
                 BLOCK_N,
                 BLOCK_K,
             )
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
-        if Q8:
+        if Q8 or Q4:
             acc = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float16 if HALF else tl.float32)
-        for k in range(0, K, BLOCK_K):
-            kcols = k + cols
-            cmask = kcols < K
+        for k in range(0, KW, BLOCK_K):
             acc += _chunk(
                 w,
-                _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN, SILU_IN),
+                x_ptr,
+                g_ptr,
                 s_ptr,
                 rows,
                 rmask,
                 k,
                 K,
+                rstd,
+                act_dtype,
+                NORM_IN,
+                SILU_IN,
                 HALF,
                 Q8,
+                Q4,
                 BLOCK_N,
                 BLOCK_K,
             )
-            nxt = kcols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
-            w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
+            nxt = k + cols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
+            w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < KW)[None, :], other=0.0)
     y = tl.sum(acc.to(tl.float32), 1)
     if HAS_SCALE:  # fp8 weights: each row's scale (and the input's 2^-8 back, HALF)
         y *= tl.load(s_ptr + rows, mask=rmask, other=0.0) * (256.0 if HALF else 1.0)
@@ -240,7 +297,20 @@ FP8_CONFIGS: dict[str | None, tuple[int, ...]] = {
 }
 
 
-def gemv_config(n: int, k: int, fused: str | None = None, fp8: bool = False) -> tuple[int, ...]:
+# Q4_K weights' configurations, chunks counted in bytes (two weights each), swept in the 8B chain
+# on the H200 (bench/engine_fp8.py --sweep q4_k): q/k/v and gate/up 8 rows in 512-byte chunks, three
+# stages; o 4 rows in 1024-byte chunks, three stages; down 8 rows, the next chunk in registers.
+Q4K_CONFIGS: dict[str | None, tuple[int, ...]] = {
+    "norm": (8, 512, 4, 3),
+    "residual": (4, 1024, 4, 3),
+    "silu": (8, 512, 4),
+    None: (8, 512, 4, 3),
+}
+
+
+def gemv_config(
+    n: int, k: int, fused: str | None = None, fp8: bool = False, q4: bool = False
+) -> tuple[int, ...]:
     """(rows per program, K chunk, warps[, stages]) per shape, measured on the H200 in the decoder's
     own 32-layer chain (bench/engine_gemv_chain.py; each weight read from memory as in a decode
     step). Fused, as the decoder runs them (`fused` = "norm", "silu" or "residual"): q/k/v and
@@ -249,7 +319,9 @@ def gemv_config(n: int, k: int, fused: str | None = None, fp8: bool = False) -> 
     ("residual") 4 rows, one chunk ahead through shared memory. Plain: long rows (K = 14336) 16 rows
     and 8 warps; very many rows (lm_head) 2 rows; the rest 8 rows, 512-wide chunks. A fourth value
     of 2 or more streams the weights through shared memory (`_gemv_kernel`). `fp8`: weights of one
-    byte (fp8 or Q8_0), `FP8_CONFIGS`."""
+    byte (fp8 or Q8_0), `FP8_CONFIGS`; `q4`: Q4_K's half a byte, `Q4K_CONFIGS`."""
+    if q4:
+        return Q4K_CONFIGS[fused]
     if fp8:
         return FP8_CONFIGS[fused]
     if fused == "silu":
@@ -274,16 +346,16 @@ def linear(
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear (into `out` if given), through `gemv_triton` when x is one row on CUDA. `scale`:
-    the weight is fp8 with these per-row scales, or Q8_0 with these per-block ones
-    (engine/quantization.py)."""
+    the weight is fp8 with these per-row scales, Q8_0 with these per-block ones, or Q4_K's values
+    with these scales' words (engine/quantization.py)."""
     if x.shape[0] == 1 and x.is_cuda:
         return gemv_triton(weight, x, bias, out=out, pdl=pdl, scale=scale)
     if scale is not None:
         assert out is None, "quantized weights: no `out`"
-        if weight.dtype == torch.int8 and x.is_cuda:  # Q8_0: one dequantizing pass, then cuBLAS
-            from flashstack.engine.kernels.triton_dequant import dequantize_q8_triton
+        if weight.dtype in (torch.int8, torch.uint8) and x.is_cuda:  # one dequantizing pass, cuBLAS
+            from flashstack.engine.kernels.triton_dequant import dequantize_triton
 
-            return torch.nn.functional.linear(x, dequantize_q8_triton(weight, scale, x.dtype), bias)
+            return torch.nn.functional.linear(x, dequantize_triton(weight, scale, x.dtype), bias)
         return dequantized_linear(x, weight, scale, bias)
     if out is None:
         return torch.nn.functional.linear(x, weight, bias)
@@ -313,17 +385,28 @@ def gemv_triton(
     `config` overrides `gemv_config` (rows per program, K chunk, warps). `pdl`: programmatic
     dependent launch where the device has it (EngineConfig.kernels.pdl). `scale` [N] float32: the
     weight is float8_e4m3fn and row n of the product is multiplied by scale[n]; [N, K / 32]
-    float16: the weight is int8 (Q8_0) and block j of row n by scale[n, j]. `half_products`: fp8
-    products in float16 (default: for 16-bit activations) or in float32."""
-    n, k = weight.shape
+    float16: the weight is int8 (Q8_0) and block j of row n by scale[n, j]; [N, K / 64 + K / 256]
+    int32: the weight is Q4_K's values, uint8 [N, K / 2], and `scale` their scales' words (the chunk
+    of `config` is then in bytes). `half_products`: fp8 products in float16 (default: for 16-bit
+    activations) or in float32."""
+    n, kw = weight.shape
+    q8, q4 = weight.dtype == torch.int8, weight.dtype == torch.uint8
+    k = 2 * kw if q4 else kw
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
     fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
-    block_n, block_k, warps, *stages = config or gemv_config(n, k, fused, fp8=scale is not None)
-    q8 = weight.dtype == torch.int8
+    block_n, block_k, warps, *stages = config or gemv_config(
+        n, k, fused, fp8=scale is not None, q4=q4
+    )
     if q8:
         assert scale is not None and scale.shape == (n, k // 32) and scale.is_contiguous()
         assert k % 32 == 0 and block_k % 32 == 0, "Q8_0: rows and chunks of whole 32-weight blocks"
+    elif q4:
+        words = (n, k // 64 + k // 256)
+        assert scale is not None and scale.shape == words and scale.dtype == torch.int32
+        assert scale.is_contiguous() and k % 256 == 0 and block_k % 32 == 0, (
+            "Q4_K: rows of whole 256-weight super-blocks, chunks of whole 64-weight groups"
+        )
     elif scale is not None:
         assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous()
     if residual is not None:
@@ -341,7 +424,7 @@ def gemv_triton(
     pdl = pdl_applies(x.device, pdl)
     if half_products is None:
         half_products = x.dtype != torch.float32
-    half = scale is not None and half_products and not q8
+    half = scale is not None and half_products and not (q8 or q4)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight,
         x,
@@ -352,16 +435,18 @@ def gemv_triton(
         scale if scale is not None else y,
         n,
         k,
+        kw,
         weight.stride(0),
         eps,
         HAS_BIAS=bias is not None,
-        HAS_SCALE=scale is not None and not q8,
+        HAS_SCALE=scale is not None and not (q8 or q4),
         NORM_IN=norm is not None,
         SILU_IN=silu,
         ADD_OUT=residual is not None,
         USE_PDL=pdl,
         HALF=half,
         Q8=q8,
+        Q4=q4,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         STAGES=stages[0] if stages else 0,

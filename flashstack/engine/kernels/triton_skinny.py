@@ -23,7 +23,8 @@ stay on cuBLAS and past 64 rows everything does (`skinny_applies`). In the 8B de
 
 Q8_0 weights (int8 with a float16 scale per 32 weights: engine/quantization.py) are dequantized
 chunk by chunk into the activations' dtype, in registers, before the tensor-core product: the
-weight stream is 1.0625 bytes a weight instead of 2.
+weight stream is 1.0625 bytes a weight instead of 2. Q4_K's (0.5625 bytes a weight) likewise, each
+chunk's low and high nibbles as two halves, each with the inputs it holds (kernels/triton_q4k.py).
 
 One launch configuration per shape (`skinny_config`), so a step captured in a CUDA graph replays
 the same kernels; nothing reads back to the host. Launched with programmatic dependent launch
@@ -37,6 +38,7 @@ import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.kernels.triton_q4k import dequantize_chunk
 
 
 @triton.jit
@@ -50,6 +52,52 @@ def _dequantize_q8(w, s_ptr, w_rows, k, K, dtype, BLOCK_N: tl.constexpr, BLOCK_K
     )
     w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * s.to(tl.float32)[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(dtype)
+
+
+@triton.jit
+def _q4k_slice(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    w_rows,
+    x_rows,
+    k0,
+    k_end,
+    K,
+    stride_x,
+    stride_w,
+    acc,
+    IEEE: tl.constexpr,
+    WIDEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # Q4_K: each chunk's BLOCK_K / 2 bytes dequantized in registers to two halves, the low and the
+    # high nibbles, each multiplied with the inputs it holds (x's columns gathered to match).
+    # Chunks are whole 64-weight groups, so one mask serves the bytes and both halves' inputs.
+    kb = tl.arange(0, BLOCK_K // 2)
+    x_cols = kb // 32 * 64 + kb % 32
+    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_w + (k0 // 2 + kb)[None, :]
+    x_ptrs = x_ptr + x_rows[None, :].to(tl.int64) * stride_x + (k0 + x_cols)[:, None]
+    for k in tl.range(k0, k_end, BLOCK_K, num_stages=STAGES):
+        kmask = k + x_cols < k_end
+        w = tl.load(w_ptrs, mask=kmask[None, :], other=0)
+        x_lo = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
+        x_hi = tl.load(x_ptrs + 32, mask=kmask[:, None], other=0.0)
+        lo, hi = dequantize_chunk(w, s_ptr, w_rows, k, K, x_lo.dtype, BLOCK_N, BLOCK_K)
+        if WIDEN:  # as in _skinny_kernel
+            lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+            x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(lo, x_lo, acc, input_precision="ieee")
+            acc = tl.dot(hi, x_hi, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lo, x_lo, acc)
+            acc = tl.dot(hi, x_hi, acc)
+        w_ptrs += BLOCK_K // 2
+        x_ptrs += BLOCK_K
+    return acc
 
 
 # M is not specialized: one compiled kernel serves every batch bucket of a row tile.
@@ -72,6 +120,7 @@ def _skinny_kernel(
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr,
     Q8: tl.constexpr,
+    Q4: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -89,30 +138,50 @@ def _skinny_kernel(
     x_rows = tl.minimum(rows, M - 1)
     k0 = pid_k * k_slice
     k_end = tl.minimum(k0 + k_slice, K)
-    ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_w + (k0 + ks)[None, :]
-    x_ptrs = x_ptr + x_rows[None, :].to(tl.int64) * stride_x + (k0 + ks)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k in tl.range(k0, k_end, BLOCK_K, num_stages=STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
-        else:
-            kmask = k + ks < k_end
-            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
-        if Q8:
-            w = _dequantize_q8(w, s_ptr, w_rows, k, K, x.dtype, BLOCK_N, BLOCK_K)
-        # Triton's CPU interpreter multiplies bf16 wrongly; bf16 products are exact in fp32.
-        if WIDEN:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        if IEEE:  # float32 activations: full precision, not tf32
-            acc = tl.dot(w, x, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if Q4:
+        acc = _q4k_slice(
+            x_ptr,
+            w_ptr,
+            s_ptr,
+            w_rows,
+            x_rows,
+            k0,
+            k_end,
+            K,
+            stride_x,
+            stride_w,
+            acc,
+            IEEE,
+            WIDEN,
+            BLOCK_N,
+            BLOCK_K,
+            STAGES,
+        )
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + w_rows[:, None].to(tl.int64) * stride_w + (k0 + ks)[None, :]
+        x_ptrs = x_ptr + x_rows[None, :].to(tl.int64) * stride_x + (k0 + ks)[:, None]
+        for k in tl.range(k0, k_end, BLOCK_K, num_stages=STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                kmask = k + ks < k_end
+                w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
+            if Q8:
+                w = _dequantize_q8(w, s_ptr, w_rows, k, K, x.dtype, BLOCK_N, BLOCK_K)
+            # Triton's CPU interpreter multiplies bf16 wrongly; bf16 products are exact in fp32.
+            if WIDEN:
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            if IEEE:  # float32 activations: full precision, not tf32
+                acc = tl.dot(w, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     out = (tl.arange(0, BLOCK_M) < M)[None, :] & (cols < N)[:, None]
     if PARTIAL:  # y_ptr is the float32 [SPLIT_K, M, N] workspace
         tl.store(y_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=out)
@@ -158,15 +227,17 @@ MIN_WEIGHT = 16 * 1024 * 1024  # o's 4096 x 4096
 MIN_PROGRAMS = 64  # o's 4096 rows over 64 per program
 
 
-# Q8_0 weights take the skinny GEMM at every decode batch: cuBLAS would need them dequantized first.
-Q8_MAX_ROWS = 128
+# Q8_0 and Q4_K weights take the skinny GEMM at every decode batch: cuBLAS would need them
+# dequantized first.
+BLOCKS_MAX_ROWS = 128
 
 
-def skinny_applies(rows: int, n: int, k: int, q8: bool = False) -> bool:
+def skinny_applies(rows: int, n: int, k: int, blocks: bool = False) -> bool:
     """Whether a product of `rows` activation rows with an [n, k] weight takes the skinny GEMM (one
-    row takes the GEMV). `q8`: Q8_0 weights, up to Q8_MAX_ROWS rows whatever the weight's size."""
-    if q8:
-        return 2 <= rows <= Q8_MAX_ROWS
+    row takes the GEMV). `blocks`: Q8_0 or Q4_K weights, up to BLOCKS_MAX_ROWS rows whatever the
+    weight's size."""
+    if blocks:
+        return 2 <= rows <= BLOCKS_MAX_ROWS
     size = n * k
     if not 2 <= rows <= (MAX_ROWS if size >= LARGE_WEIGHT else SMALL_WEIGHT_ROWS):
         return False
@@ -197,7 +268,7 @@ def _plan(
     has_bias: bool,
     config: tuple[int, ...] | None,
     pdl: bool = False,
-    q8: bool = False,
+    weight_dtype: torch.dtype | None = None,
 ) -> tuple[tuple[int, int], int, dict]:
     """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
     block_n, block_k, split, warps, stages = config or skinny_config(m, n, k)
@@ -213,7 +284,8 @@ def _plan(
         EVEN_K=k % k_slice == 0,
         IEEE=dtype == torch.float32,
         WIDEN=triton.knobs.runtime.interpret and dtype == torch.bfloat16,
-        Q8=q8,
+        Q8=weight_dtype == torch.int8,
+        Q4=weight_dtype == torch.uint8,
         USE_PDL=pdl,
         BLOCK_M=block_m(m),
         BLOCK_N=block_n,
@@ -263,18 +335,25 @@ def skinny_linear(
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
     fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
     where the device has it (EngineConfig.kernels.pdl). `scale` [N, K / 32] float16: the weight
-    is Q8_0's int8 (engine/quantization.py)."""
+    is Q8_0's int8; [N, K / 64 + K / 256] int32: the weight is Q4_K's values [N, K / 2] and
+    `scale` their scales' words (engine/quantization.py)."""
     m, k = x.shape
     n = weight.shape[0]
-    q8 = scale is not None
-    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
-    if q8:
+    assert weight.stride(1) == 1 and x.stride(1) == 1
+    if weight.dtype == torch.uint8:
+        assert (
+            scale is not None and scale.shape == (n, k // 64 + k // 256) and scale.is_contiguous()
+        )
+        assert weight.shape[1] * 2 == k and k % 256 == 0
+    elif scale is not None:
         assert weight.dtype == torch.int8 and scale.shape == (n, k // 32) and scale.is_contiguous()
     else:
         assert weight.dtype == x.dtype, "skinny GEMM: weights in the activations' dtype"
+    assert scale is not None or weight.shape[1] == k
     pdl = pdl_applies(x.device, pdl)
-    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, q8)
-    assert not q8 or meta["BLOCK_K"] % 32 == 0, "Q8_0: chunks of whole 32-weight blocks"
+    blocks = weight.dtype if scale is not None else None
+    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, blocks)
+    assert blocks is None or meta["BLOCK_K"] % 64 == 0, "Q8_0, Q4_K: chunks of whole blocks"
     split = grid[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None

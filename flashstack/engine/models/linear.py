@@ -7,9 +7,10 @@ names its sources (`Source`) on its module; the loader (loader.py) copies each c
 the slice of it this rank needs, straight into its place: no model surgery after loading.
 
 A quantized projection (`quantization`, engine/quantization.py) stores its weight as
-float8_e4m3fn beside one float32 scale per output row ("fp8"), or as int8 beside one float16 scale
-per 32 weights of a row ("q8_0"), in `weight_scale`, which a packed projection's parts fill row by
-row as they fill the weight.
+float8_e4m3fn beside one float32 scale per output row ("fp8"), as int8 beside one float16 scale
+per 32 weights of a row ("q8_0"), or as packed 4-bit values beside the words of their scales
+("q4_k"), in `weight_scale`, which a packed projection's parts fill row by row as they fill the
+weight.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from flashstack.engine.quantization import FP8, Q8_BLOCK, dequantized_linear
+from flashstack.engine.quantization import (
+    FP8,
+    Q4K_BLOCK,
+    Q8_BLOCK,
+    dequantized_linear,
+)
 
 if TYPE_CHECKING:
     from flashstack.engine.tp.group import TensorParallel
@@ -65,8 +71,11 @@ class Linear(nn.Linear):
 
     `quantization` "fp8": the weight is float8_e4m3fn and `weight_scale` [out_features] float32
     holds each row's scale; "q8_0": the weight is int8 and `weight_scale` [out_features,
-    in_features / 32] float16 holds each block's; None: no `weight_scale`. The kernels read both
-    (models/ops.py), `forward` dequantizes."""
+    in_features / 32] float16 holds each block's; "q4_k": the weight is uint8 [out_features,
+    in_features / 2] (two 4-bit values a byte) and `weight_scale` [out_features, in_features / 64
+    + in_features / 256] int32 the words of their scales and mins, or, where in_features is not
+    whole 256-weight super-blocks, the projection takes q8_0 (`quantization` says which it holds);
+    None: no `weight_scale`. The kernels read both (models/ops.py), `forward` dequantizes."""
 
     tp: TensorParallel | None = None
 
@@ -78,12 +87,20 @@ class Linear(nn.Linear):
         quantization: str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
+        if quantization == "q4_k" and in_features % Q4K_BLOCK:
+            quantization = "q8_0"  # as llama.cpp's quantizer does for rows of partial super-blocks
+        self.quantization = quantization
         if quantization is None:
             self.register_parameter("weight_scale", None)
             return
         device = self.weight.device
+        shape = (out_features, in_features)
         if quantization == "fp8":
             dtype, scale_shape, scale_dtype = FP8, (out_features,), torch.float32
+        elif quantization == "q4_k":
+            dtype, scale_dtype = torch.uint8, torch.int32
+            shape = (out_features, in_features // 2)
+            scale_shape = (out_features, in_features // 64 + in_features // Q4K_BLOCK)
         elif quantization == "q8_0":
             if in_features % Q8_BLOCK:
                 raise ValueError(
@@ -93,9 +110,11 @@ class Linear(nn.Linear):
             dtype, scale_dtype = torch.int8, torch.float16
             scale_shape = (out_features, in_features // Q8_BLOCK)
         else:
-            raise ValueError(f"unknown quantization {quantization!r}: 'fp8', 'q8_0' or None")
+            raise ValueError(
+                f"unknown quantization {quantization!r}: 'fp8', 'q8_0', 'q4_k' or None"
+            )
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+            torch.empty(shape, dtype=dtype, device=device), requires_grad=False
         )
         self.weight_scale = nn.Parameter(
             torch.ones(scale_shape, dtype=scale_dtype, device=device), requires_grad=False

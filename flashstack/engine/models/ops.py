@@ -112,12 +112,14 @@ class TritonOps(TorchOps):
     def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
         if proj.tp is not None:
             return proj(x)  # a row-parallel layer reduces across ranks in its forward
-        q8 = proj.weight.dtype == torch.int8  # Q8_0: the skinny GEMM dequantizes in registers
-        if self.kernels.skinny_gemm and (proj.weight_scale is None or q8) and x.stride(-1) == 1:
+        # Q8_0, Q4_K: the skinny GEMM dequantizes in registers
+        blocks = proj.weight.dtype in (torch.int8, torch.uint8)
+        if self.kernels.skinny_gemm and (proj.weight_scale is None or blocks) and x.stride(-1) == 1:
             from flashstack.engine.kernels.triton_skinny import skinny_applies, skinny_linear
 
-            if skinny_applies(x.shape[0], *proj.weight.shape, q8=q8):  # a few rows: a weight stream
-                scale = proj.weight_scale if q8 else None
+            shape = (proj.out_features, proj.in_features)
+            if skinny_applies(x.shape[0], *shape, blocks=blocks):  # a few rows: a weight stream
+                scale = proj.weight_scale if blocks else None
                 return skinny_linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl, scale=scale)
         if not self.kernels.triton_gemv:
             return proj(x)

@@ -100,10 +100,10 @@ def test_skinny_gemm_on_q8_0_is_the_dequantized_product(device, dtype, m, n, k, 
 
 
 def test_one_pass_dequantization_is_dequantize_blocks(device):
-    from flashstack.engine.kernels.triton_dequant import dequantize_q8_triton
+    from flashstack.engine.kernels.triton_dequant import dequantize_triton
 
     torch.manual_seed(4)
     _, q, scale = _q8(33, 4160, device)  # 137,280 weights: a last program only partly full
     for dtype in (torch.float32, DTYPE):
-        got = dequantize_q8_triton(q, scale, dtype)
+        got = dequantize_triton(q, scale, dtype)
         assert torch.equal(got, dequantize_blocks(q, scale, dtype))
