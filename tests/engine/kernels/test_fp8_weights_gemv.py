@@ -18,6 +18,7 @@ from flashstack.engine.quantization import (
     dequantize_rows,
     dequantized_linear,
     quantize_blocks,
+    quantize_q4_k,
     quantize_rows,
 )
 from tests.engine.kernels.test_batch1_decoder import (  # noqa: E402
@@ -118,15 +119,21 @@ def test_linear_takes_fp8_weights_for_any_rows(device):
     torch.testing.assert_close(tg.linear(x[:1], q, b, scale=scale), many[:1], **_tol(DTYPE))
 
 
+_QUANTIZERS = {"fp8": quantize_rows, "q8_0": quantize_blocks, "q4_k": quantize_q4_k}
+
+
 def _quantized_model(device, quantization: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(replace(_args(qk_norm=False), quantization=quantization)).to(device)
-    quantize = quantize_rows if quantization == "fp8" else quantize_blocks
+    args = replace(_args(qk_norm=False), quantization=quantization)
+    if quantization == "q4_k":  # every projection's rows whole 256-weight super-blocks
+        args = replace(args, hidden_size=256, intermediate_size=256, head_dim=64)
+    model = LlamaForCausalLM(args).to(device)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear) and module.weight_scale is not None:
-                n, k = module.weight.shape
-                q, scale = quantize(torch.randn(n, k, device=device) * 0.2)
+                n, k = module.out_features, module.in_features
+                w = torch.randn(n, k, device=device) * 0.2
+                q, scale = _QUANTIZERS[module.quantization](w)
                 module.weight.copy_(q)
                 module.weight_scale.copy_(scale)
             elif isinstance(module, RMSNorm):
@@ -138,10 +145,11 @@ def _quantized_model(device, quantization: str) -> LlamaForCausalLM:
 
 @torch.inference_mode()
 @pytest.mark.parametrize(
-    "quantization,stored", [("fp8", torch.float8_e4m3fn), ("q8_0", torch.int8)]
+    "quantization,stored",
+    [("fp8", torch.float8_e4m3fn), ("q8_0", torch.int8), ("q4_k", torch.uint8)],
 )
 def test_batch1_step_on_quantized_weights_matches_torch_ops(device, quantization, stored):
-    """A decode step through the batch-1 ops (every projection an fp8 or Q8_0 GEMV with its
+    """A decode step through the batch-1 ops (every projection an fp8, Q8_0 or Q4_K GEMV with its
     prologue or epilogue) gives the plain-torch ops' hidden state on the same weights."""
     model = _quantized_model(device, quantization)
     assert model.model.layers[0].mlp.down_proj.weight.dtype == stored
