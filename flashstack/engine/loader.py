@@ -150,8 +150,8 @@ def _report_fallbacks(model: LlamaForCausalLM, quantization: str | None) -> None
     )
     if other:
         log.warning(
-            "quantization=%r: these projections take another scheme (rows of %d weights are "
-            "Q4_K's super-blocks): %s",
+            "quantization=%r: projections whose inputs are not whole %d-weight super-blocks "
+            "hold another scheme: %s",
             quantization,
             Q4K_BLOCK,
             "; ".join(other),

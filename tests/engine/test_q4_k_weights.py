@@ -146,7 +146,7 @@ def test_smollm2_in_q4_k_answers_and_says_what_took_q8_0(smollm2_q4_k, caplog) -
         q4 = LLM(
             smollm2_q4_k, device="cpu", dtype="float32", show_progress=False, quantization="q4_k"
         )
-    assert "take another scheme" in caplog.text and "576 -> 3072: q8_0" in caplog.text
+    assert "hold another scheme" in caplog.text and "576 -> 3072: q8_0" in caplog.text
     layer = q4.engine.model.model.layers[1]
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # 1536 inputs: whole super-blocks
     assert layer.self_attn.qkv_proj.weight.dtype == torch.int8  # 576 inputs: Q8_0

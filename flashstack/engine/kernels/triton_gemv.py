@@ -32,6 +32,13 @@ Q8_0 weights (int8, one float16 scale per 32 weights of a row: engine/quantizati
 their scales, 1.0625 bytes a weight; each 32-weight block's dot (float32) is multiplied by its
 scale as the chunk is summed, so the accumulator holds one partial sum per block of the chunk.
 
+Q4_K weights (4-bit values two a byte, beside int32 words with each 32 weights' 6-bit scale and
+min and each super-block's d and dmin: engine/quantization.py) stream at 0.58 bytes a weight; each
+32 bytes of a chunk are two sub-blocks, the low nibbles and the high, each dotted with its own
+inputs, times d * sc, less dmin * m times the sum of those inputs (kernels/triton_q4k.py reads the
+words). On the H200 it runs at bf16's batch-1 speed on a third of the bytes, bound by those
+instructions (docs/benchmarks.md, "Q4_K weights").
+
 The weights stream one chunk ahead of the multiply, either in registers or (`stages` >= 2 in the
 configuration) through shared memory, stages - 1 chunks ahead, by Triton's software pipeliner:
 more bytes in flight per program without spending registers on them. Same chunks, same order, same
