@@ -103,8 +103,8 @@ def test_quantize_q4_k_is_llama_cpps(smollm2_q4_k) -> None:
         theirs_qs, theirs_words, blocks = _planes(t)
         equal = (_super_blocks(qs, words) == _super_blocks(theirs_qs, theirs_words)).all(-1)
         same, total = same + int(equal.sum()), total + equal.numel()
-        ours_err = (dequantize_q4_k(qs, words, torch.float32).numpy() - w).__pow__(2).mean()
-        theirs_err = (quants.dequantize(blocks, QT.Q4_K).reshape(w.shape) - w).__pow__(2).mean()
+        ours_err = np.square(dequantize_q4_k(qs, words, torch.float32).numpy() - w).mean()
+        theirs_err = np.square(quants.dequantize(blocks, QT.Q4_K).reshape(w.shape) - w).mean()
         assert ours_err <= theirs_err * 1.01, (t.name, ours_err, theirs_err)
     assert same / total >= 0.97, same / total
 
