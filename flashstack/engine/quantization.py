@@ -16,10 +16,9 @@
   super-block, d and dmin. ggml packs the 6-bit numbers into 12 bytes, which a kernel can only
   take apart with a dozen byte loads per 64 weights; unpacked, it is two word loads, for 4.625 bits
   a weight instead of 4.5, every value unchanged. A GGUF file's Q4_K tensors are kept so; any other
-  weight is quantized at load (`quantize_q4_k`, ggml's search for each sub-block's scale and
-  min). Rows must be whole
-  super-blocks; a projection whose rows are not (SmolLM2's 576 inputs) takes Q8_0 instead, as
-  llama.cpp's own quantizer falls back for such rows.
+  weight is quantized at load (`quantize_q4_k`, ggml's search for each sub-block's scale and min).
+  Rows must be whole super-blocks; a projection whose rows are not (SmolLM2's 576 inputs) takes
+  Q8_0 instead, as llama.cpp's own quantizer falls back for such rows.
 
 Only the weights are quantized: activations stay in the compute dtype (W8A16), so a checkpoint's
 `input_scale` (static activation quantization) is not read, and dynamic activation schemes need
@@ -221,7 +220,7 @@ def dequantized_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x @ w.T (+ bias) in x's dtype, w the weight q and `scale` stand for (fp8, Q8_0 or Q4_K's
-    values and headers): plain torch, any number of rows, any device.
+    values and words): plain torch, any number of rows, any device.
 
     fp8's q is exact in bf16 and float32 (3 mantissa bits), so its product is taken with q itself
     and scaled after, in float32, as the GEMV does; Q8_0's scales vary along the row, so its weight

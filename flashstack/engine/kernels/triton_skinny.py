@@ -339,21 +339,21 @@ def skinny_linear(
     `scale` their scales' words (engine/quantization.py)."""
     m, k = x.shape
     n = weight.shape[0]
+    q4 = weight.dtype == torch.uint8
+    assert weight.shape[1] == (k // 2 if q4 else k)
     assert weight.stride(1) == 1 and x.stride(1) == 1
-    if weight.dtype == torch.uint8:
-        assert (
-            scale is not None and scale.shape == (n, k // 64 + k // 256) and scale.is_contiguous()
-        )
-        assert weight.shape[1] * 2 == k and k % 256 == 0
+    if q4:
+        assert scale is not None and scale.shape == (n, k // 64 + k // 256) and k % 256 == 0
     elif scale is not None:
-        assert weight.dtype == torch.int8 and scale.shape == (n, k // 32) and scale.is_contiguous()
+        assert weight.dtype == torch.int8 and scale.shape == (n, k // 32)
     else:
         assert weight.dtype == x.dtype, "skinny GEMM: weights in the activations' dtype"
-    assert scale is not None or weight.shape[1] == k
+    assert scale is None or scale.is_contiguous()
     pdl = pdl_applies(x.device, pdl)
     blocks = weight.dtype if scale is not None else None
     grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, blocks)
-    assert blocks is None or meta["BLOCK_K"] % 64 == 0, "Q8_0, Q4_K: chunks of whole blocks"
+    # whole Q8_0 blocks per chunk; Q4_K: whole 64-weight groups (a low and a high sub-block)
+    assert blocks is None or meta["BLOCK_K"] % (64 if q4 else 32) == 0
     split = grid[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
