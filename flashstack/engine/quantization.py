@@ -20,10 +20,13 @@
   Rows must be whole super-blocks; a projection whose rows are not (SmolLM2's 576 inputs) takes
   Q8_0 instead, as llama.cpp's own quantizer falls back for such rows.
 
-Only the weights are quantized: activations stay in the compute dtype (W8A16), so a checkpoint's
-`input_scale` (static activation quantization) is not read, and dynamic activation schemes need
-nothing. The products: kernels/triton_gemv.py for one row on CUDA (the scales applied to each
-row's, or each block's, dot), `dequantized_linear` elsewhere.
+Activations stay in the compute dtype (W8A16) except in the products of 2 to 128 rows on fp8
+weights (KernelOptions.fp8_activations): there each activation row is quantized to e4m3 under its
+own scale (`quantize_activations`, dynamic per token, as vLLM's fp8 W8A8) and the product is taken
+on the fp8 tensor cores (`fp8_activations_linear` is its plain-torch form). A checkpoint's
+`input_scale` (static activation quantization) is not read. The products: kernels/triton_gemv.py
+for one row on CUDA (the scales applied to each row's, or each block's, dot),
+kernels/triton_skinny.py for a few rows, `dequantized_linear` elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448, e4m3's largest finite value
 Q8_BLOCK = 32  # weights per float16 scale in a Q8_0 block
 Q4K_BLOCK = 256  # weights per Q4_K super-block
 Q4K_HEAD = 16  # bytes of a stored super-block's header: d, dmin (float16), 12 of scales and mins
+FP8_ACT_MAX_ROWS = 128  # the most rows a product with fp8 activations has: the skinny GEMM's
 # compressed-tensors formats whose fp8 weights are stored as plain float8_e4m3fn tensors
 _FP8_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -231,6 +235,29 @@ def dequantized_linear(
         return nn.functional.linear(x, dequantize_blocks(q, scale, x.dtype), bias)
     y = (nn.functional.linear(x, q.to(x.dtype)) * scale).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): x [M, K] as float8_e4m3fn [M, K] with one float32 scale per row [M], each row's
+    largest magnitude mapped to 448 (an all-zero row gets scale 1)."""
+    amax = x.float().abs().amax(dim=1)
+    # a tensor divisor: torch's CUDA kernels multiply by the reciprocal of a scalar one, which is
+    # not the kernel's correctly rounded quotient
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    return quantize_fp8(x, scale[:, None]), scale
+
+
+def fp8_activations_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ w.T (+ bias) in x's dtype with x quantized as `quantize_activations` does and w the fp8
+    weight q with its row scales: the W8A8 product of the skinny GEMM, in plain torch (float32
+    sums: every product of two e4m3 values is exact in float32)."""
+    xq, xs = quantize_activations(x)
+    y = nn.functional.linear(xq.float(), q.float()) * xs[:, None] * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def checkpoint_quantization(hf: dict[str, Any]) -> str | None:

@@ -26,6 +26,15 @@ chunk by chunk into the activations' dtype, in registers, before the tensor-core
 weight stream is 1.0625 bytes a weight instead of 2. Q4_K's (0.5625 bytes a weight) likewise, each
 chunk's low and high nibbles as two halves, each with the inputs it holds (kernels/triton_q4k.py).
 
+fp8 weights (float8_e4m3fn, a float32 scale per row) are not converted at all: the activations are
+quantized to e4m3 first, one scale per row (`_quantize_activations_kernel`; the plain-torch form is
+quantization.fp8_activations_linear), the chunks go to the fp8 tensor cores as they are, and the
+sums take the weight's row scales and the activations' at the end (W8A8, as vLLM's fp8 on Hopper).
+Widening e4m3 to 16 bits in registers instead is what bounds the batch-1 fp8 GEMV. Per-row scales,
+not per 64 values: one scale per group of a chunk meant a product and a scaled add per group, 1.2-2x
+slower at 32 to 128 rows on the H200, and quantizing inside the loop (a maximum across threads per
+chunk in every program) 1.4-2x slower than the separate pass.
+
 One launch configuration per shape (`skinny_config`), so a step captured in a CUDA graph replays
 the same kernels; nothing reads back to the host. Launched with programmatic dependent launch
 where the device has it (kernels/pdl.py): the launch overlaps the previous kernel's drain.
@@ -37,8 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
+from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.kernels.triton_attention import fp8_e4m3
 from flashstack.engine.kernels.triton_q4k import dequantize_chunk
+from flashstack.engine.quantization import FP8, FP8_ACT_MAX_ROWS, FP8_MAX
+
+E4M3_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -100,6 +114,23 @@ def _q4k_slice(
     return acc
 
 
+@triton.jit
+def _quantize_activations_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, USE_PDL: tl.constexpr, BLOCK: tl.constexpr
+):
+    # One row, whole in registers (one read from L2): its largest magnitude to 448, an all-zero
+    # row scale 1.
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
+    tl.store(q_ptr + row.to(tl.int64) * K + cols, fp8_e4m3(tl.math.div_rn(x, scale)), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
 # M is not specialized: one compiled kernel serves every batch bucket of a row tile.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
@@ -108,6 +139,7 @@ def _skinny_kernel(
     b_ptr,
     y_ptr,
     s_ptr,
+    xs_ptr,
     M,
     N,
     K,
@@ -121,6 +153,8 @@ def _skinny_kernel(
     WIDEN: tl.constexpr,
     Q8: tl.constexpr,
     Q4: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_IN: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -172,6 +206,8 @@ def _skinny_kernel(
                 x = tl.load(x_ptrs, mask=kmask[:, None], other=0.0)
             if Q8:
                 w = _dequantize_q8(w, s_ptr, w_rows, k, K, x.dtype, BLOCK_N, BLOCK_K)
+            if FP8 and not FP8_IN:  # e4m3 is exact in 16 bits: the row scales come at the end
+                w = w.to(x.dtype)
             # Triton's CPU interpreter multiplies bf16 wrongly; bf16 products are exact in fp32.
             if WIDEN:
                 w = w.to(tl.float32)
@@ -182,6 +218,10 @@ def _skinny_kernel(
                 acc = tl.dot(w, x, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+    if FP8_IN:  # e4m3 x e4m3 on the tensor cores; each slice's share times both scales
+        acc *= tl.load(s_ptr + w_rows)[:, None] * tl.load(xs_ptr + x_rows)[None, :]
+    elif FP8:
+        acc *= tl.load(s_ptr + w_rows)[:, None]
     out = (tl.arange(0, BLOCK_M) < M)[None, :] & (cols < N)[:, None]
     if PARTIAL:  # y_ptr is the float32 [SPLIT_K, M, N] workspace
         tl.store(y_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=out)
@@ -227,15 +267,15 @@ MIN_WEIGHT = 16 * 1024 * 1024  # o's 4096 x 4096
 MIN_PROGRAMS = 64  # o's 4096 rows over 64 per program
 
 
-# Q8_0 and Q4_K weights take the skinny GEMM at every decode batch: cuBLAS would need them
+# Q8_0, Q4_K and fp8 weights take the skinny GEMM at every decode batch: cuBLAS would need them
 # dequantized first.
-BLOCKS_MAX_ROWS = 128
+BLOCKS_MAX_ROWS = FP8_ACT_MAX_ROWS
 
 
 def skinny_applies(rows: int, n: int, k: int, blocks: bool = False) -> bool:
     """Whether a product of `rows` activation rows with an [n, k] weight takes the skinny GEMM (one
-    row takes the GEMV). `blocks`: Q8_0 or Q4_K weights, up to BLOCKS_MAX_ROWS rows whatever the
-    weight's size."""
+    row takes the GEMV). `blocks`: Q8_0, Q4_K or fp8 weights, up to BLOCKS_MAX_ROWS rows whatever
+    the weight's size."""
     if blocks:
         return 2 <= rows <= BLOCKS_MAX_ROWS
     size = n * k
@@ -243,6 +283,14 @@ def skinny_applies(rows: int, n: int, k: int, blocks: bool = False) -> bool:
         return False
     block_n, _, split, _, _ = skinny_config(rows, n, k)
     return size >= MIN_WEIGHT and triton.cdiv(n, block_n) * split >= MIN_PROGRAMS
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` converts and multiplies e4m3 in Triton, on its tensor cores (compute
+    capability 8.9 and later; Triton's interpreter emulates them)."""
+    if triton.knobs.runtime.interpret:
+        return True
+    return device.type == "cuda" and device_for(device).compute_capability >= (8, 9)
 
 
 def block_m(m: int) -> int:
@@ -260,6 +308,21 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return 64, 256 if block_m(m) <= 32 else 128, 2 if k > 8192 else 1, 4, 4
 
 
+def fp8_skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """`skinny_config` for fp8 weights and activations, the best of the H200 sweep on the Llama-3-8B
+    shapes at 8 to 128 rows (docs/benchmarks.md, "fp8 weights"): very many weight rows (gate/up)
+    128 per program in 128-wide chunks on 8 warps; the rest 64 per program in 256-wide chunks, six
+    stages, four at 64 rows, and at 128 rows 128-wide chunks, or long rows (down) split in two."""
+    bm = block_m(m)
+    if n >= 16384:
+        return 128, 128, 1, 8, 4 if bm <= 32 else 3
+    if bm <= 32:
+        return 64, 256, 1, 4, 6
+    if bm <= 64:
+        return 64, 256, 1, 4, 6 if k > 8192 else 4
+    return (64, 256, 2, 4, 4) if k > 8192 else (64, 128, 1, 4, 6)
+
+
 def _plan(
     m: int,
     n: int,
@@ -269,10 +332,16 @@ def _plan(
     config: tuple[int, ...] | None,
     pdl: bool = False,
     weight_dtype: torch.dtype | None = None,
+    fp8_activations: bool = True,
 ) -> tuple[tuple[int, int], int, dict]:
     """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
-    block_n, block_k, split, warps, stages = config or skinny_config(m, n, k)
-    if config is None and dtype == torch.float32:
+    fp8 = weight_dtype == FP8
+    act8 = fp8 and fp8_activations
+    # fp8 weights with 16-bit activations: tiles as small as bf16's, bf16's configurations
+    block_n, block_k, split, warps, stages = config or (
+        fp8_skinny_config(m, n, k) if act8 else skinny_config(m, n, k)
+    )
+    if config is None and dtype == torch.float32 and not act8:
         # The 16-bit configurations' tiles at 4 bytes a value overflow shared memory (227 KB on
         # the H200): half the chunk, three stages. Not swept: float32 is the oracles' dtype.
         block_k, stages = block_k // 2, min(stages, 3)
@@ -282,10 +351,12 @@ def _plan(
         HAS_BIAS=has_bias,
         PARTIAL=split > 1,
         EVEN_K=k % k_slice == 0,
-        IEEE=dtype == torch.float32,
+        IEEE=dtype == torch.float32 and not act8,
         WIDEN=triton.knobs.runtime.interpret and dtype == torch.bfloat16,
         Q8=weight_dtype == torch.int8,
         Q4=weight_dtype == torch.uint8,
+        FP8=fp8,
+        FP8_IN=act8,
         USE_PDL=pdl,
         BLOCK_M=block_m(m),
         BLOCK_N=block_n,
@@ -303,16 +374,21 @@ def compile_skinny(
     dtype: torch.dtype,
     config: tuple[int, ...] | None = None,
     pdl: bool = True,
+    weight_dtype: torch.dtype | None = None,
+    fp8_activations: bool = True,
 ) -> None:
     """Compile the kernel `skinny_linear` would launch for this product, without launching it (a
-    benchmark compiles its sweep in parallel processes: Triton caches the result on disk)."""
-    grid, k_slice, meta = _plan(m, n, k, dtype, False, config, pdl)
+    benchmark compiles its sweep in parallel processes: Triton caches the result on disk).
+    `weight_dtype`: fp8 weights (Q8_0 and Q4_K are not compiled here)."""
+    grid, k_slice, meta = _plan(m, n, k, dtype, False, config, pdl, weight_dtype, fp8_activations)
+    fp8 = weight_dtype == FP8
     _skinny_kernel.warmup(
-        dtype,
-        dtype,
+        FP8 if meta["FP8_IN"] else dtype,
+        FP8 if fp8 else dtype,
         dtype,
         torch.float32 if grid[1] > 1 else dtype,
-        dtype,
+        torch.float32 if fp8 else dtype,
+        torch.float32 if fp8 else dtype,
         m,
         n,
         k,
@@ -331,18 +407,24 @@ def skinny_linear(
     config: tuple[int, ...] | None = None,
     pdl: bool = True,
     scale: torch.Tensor | None = None,
+    fp8_activations: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
     fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
     where the device has it (EngineConfig.kernels.pdl). `scale` [N, K / 32] float16: the weight
     is Q8_0's int8; [N, K / 64 + K / 256] int32: the weight is Q4_K's values [N, K / 2] and
-    `scale` their scales' words (engine/quantization.py)."""
+    `scale` their scales' words; [N] float32: the weight is fp8 with those row scales, and x is
+    quantized to fp8 first (W8A8: quantization.fp8_activations_linear), or with
+    `fp8_activations` False each weight chunk is widened to x's dtype (W8A16)."""
     m, k = x.shape
     n = weight.shape[0]
-    q4 = weight.dtype == torch.uint8
+    q4, fp8 = weight.dtype == torch.uint8, weight.dtype == FP8
     assert weight.shape[1] == (k // 2 if q4 else k)
     assert weight.stride(1) == 1 and x.stride(1) == 1
-    if q4:
+    xs = None
+    if fp8:
+        assert scale is not None and scale.shape == (n,) and scale.dtype == torch.float32
+    elif q4:
         assert scale is not None and scale.shape == (n, k // 64 + k // 256) and k % 256 == 0
     elif scale is not None:
         assert weight.dtype == torch.int8 and scale.shape == (n, k // 32)
@@ -351,11 +433,15 @@ def skinny_linear(
     assert scale is None or scale.is_contiguous()
     pdl = pdl_applies(x.device, pdl)
     blocks = weight.dtype if scale is not None else None
-    grid, k_slice, meta = _plan(m, n, k, x.dtype, bias is not None, config, pdl, blocks)
-    # whole Q8_0 blocks per chunk; Q4_K: whole 64-weight groups (a low and a high sub-block)
-    assert blocks is None or meta["BLOCK_K"] % (64 if q4 else 32) == 0
-    split = grid[1]
+    grid, k_slice, meta = _plan(
+        m, n, k, x.dtype, bias is not None, config, pdl, blocks, fp8_activations
+    )
+    # whole Q8_0 blocks per chunk; Q4_K: whole 64-weight groups
+    assert blocks not in (torch.int8, torch.uint8) or meta["BLOCK_K"] % (64 if q4 else 32) == 0
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if meta["FP8_IN"]:
+        x, xs = quantize_activations_triton(x, pdl)
+    split = grid[1]
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
     _skinny_kernel[grid](
         x,
@@ -363,6 +449,7 @@ def skinny_linear(
         bias if bias is not None else y,
         partial if partial is not None else y,
         scale if scale is not None else y,
+        xs if xs is not None else y,
         m,
         n,
         k,
@@ -387,3 +474,27 @@ def skinny_linear(
             launch_pdl=pdl,
         )
     return y
+
+
+def quantize_activations_triton(
+    x: torch.Tensor, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantization.quantize_activations on the device: (x [M, K] in float8_e4m3fn, float32 scales
+    [M]), bit for bit."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    _quantize_activations_kernel[(m,)](
+        x,
+        q,
+        scales,
+        k,
+        x.stride(0),
+        USE_PDL=pdl,
+        BLOCK=block,
+        num_warps=min(16, max(4, block // 1024)),
+        launch_pdl=pdl,
+    )
+    return q, scales

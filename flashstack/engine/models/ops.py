@@ -25,6 +25,11 @@ from torch import nn
 from flashstack.engine.config import KernelOptions
 from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from flashstack.engine.models.layers import apply_rotary
+from flashstack.engine.quantization import (
+    FP8,
+    FP8_ACT_MAX_ROWS,
+    fp8_activations_linear,
+)
 
 if TYPE_CHECKING:
     from flashstack.engine.models.layers import RMSNorm
@@ -52,7 +57,22 @@ class TorchOps:
         """proj(norm(residual + h)) and the new residual (h itself before the first layer)."""
         assert h is not None
         residual = h if residual is None else residual + h
-        return proj(norm(residual)), residual
+        return self._linear(proj, norm(residual)), residual
+
+    def _fp8_activations(self, proj: Linear, rows: int) -> bool:
+        """Whether this product quantizes its activations to fp8 (KernelOptions.fp8_activations):
+        fp8 weights, 2 to FP8_ACT_MAX_ROWS rows, one device."""
+        return (
+            self.kernels.fp8_activations
+            and proj.weight.dtype == FP8
+            and proj.tp is None
+            and 2 <= rows <= FP8_ACT_MAX_ROWS
+        )
+
+    def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._fp8_activations(proj, x.shape[0]):
+            return fp8_activations_linear(x, proj.weight, proj.weight_scale, proj.bias)
+        return proj(x)
 
     def attend(
         self,
@@ -81,7 +101,7 @@ class TorchOps:
         if silu:
             gate, up = x.chunk(2, dim=-1)
             x = nn.functional.silu(gate) * up
-        return proj(x), residual
+        return self._linear(proj, x), residual
 
     def final_norm(
         self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
@@ -112,15 +132,32 @@ class TritonOps(TorchOps):
     def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
         if proj.tp is not None:
             return proj(x)  # a row-parallel layer reduces across ranks in its forward
-        # Q8_0, Q4_K: the skinny GEMM dequantizes in registers
-        blocks = proj.weight.dtype in (torch.int8, torch.uint8)
-        if self.kernels.skinny_gemm and (proj.weight_scale is None or blocks) and x.stride(-1) == 1:
-            from flashstack.engine.kernels.triton_skinny import skinny_applies, skinny_linear
+        from flashstack.engine.kernels.triton_skinny import (
+            fp8_tensor_cores,
+            skinny_applies,
+            skinny_linear,
+        )
 
+        # Q8_0, Q4_K and fp8 W8A16: the skinny GEMM dequantizes in registers; fp8 W8A8: no
+        # conversion, the fp8 tensor cores (Ada, Hopper and later; elsewhere plain torch's W8A8)
+        fp8 = proj.weight.dtype == FP8
+        act8 = self._fp8_activations(proj, x.shape[0])
+        if fp8 and not fp8_tensor_cores(x.device):
+            return super()._linear(proj, x)
+        blocks = proj.weight.dtype in (torch.int8, torch.uint8) or fp8
+        if self.kernels.skinny_gemm and (proj.weight_scale is None or blocks) and x.stride(-1) == 1:
             shape = (proj.out_features, proj.in_features)
             if skinny_applies(x.shape[0], *shape, blocks=blocks):  # a few rows: a weight stream
-                scale = proj.weight_scale if blocks else None
-                return skinny_linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl, scale=scale)
+                return skinny_linear(
+                    x,
+                    proj.weight,
+                    proj.bias,
+                    pdl=self.kernels.pdl,
+                    scale=proj.weight_scale if blocks else None,
+                    fp8_activations=act8,
+                )
+        if act8:  # the skinny GEMM is off: the same numbers in plain torch
+            return super()._linear(proj, x)
         if not self.kernels.triton_gemv:
             return proj(x)
         from flashstack.engine.kernels.triton_gemv import linear
