@@ -26,10 +26,11 @@ class KernelOptions:
     # cuBLAS (kernels/triton_skinny.py); tensor parallelism keeps its own. 8B decode
     # step on the H200: batch 8 4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms.
     skinny_gemm: bool = True
-    # Products of 2 to 128 rows on fp8 weights quantize their activations to e4m3 (a scale per 64
-    # values of a row) and multiply on the fp8 tensor cores (W8A8, engine/quantization.py), as
-    # vLLM's fp8 does on Hopper; False: W8A16, each weight dequantized to 16 bits per product. 8B
-    # projections at 8 rows on the H200: 0.67x bf16's time (docs/benchmarks.md, "fp8 weights").
+    # Products of 2 to 128 rows on fp8 weights quantize their activations to e4m3 (one scale per
+    # row, dynamic) and multiply on the fp8 tensor cores (W8A8, engine/quantization.py), as
+    # vLLM's fp8 does on Hopper; False: W8A16, each weight chunk widened to 16 bits in registers.
+    # 8B decode step on the H200, batch 8: 5.551 ms W8A16, 3.451 ms W8A8 (bf16 4.762); on the
+    # trained SmolLM2 it costs 3 points of agreement (docs/benchmarks.md, "fp8 weights").
     fp8_activations: bool = True
     pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
     decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v

@@ -29,11 +29,13 @@ chunk's low and high nibbles as two halves, each with the inputs it holds (kerne
 fp8 weights (float8_e4m3fn, a float32 scale per row) are not converted at all: the activations are
 quantized to e4m3 first, one scale per row (`_quantize_activations_kernel`; the plain-torch form is
 quantization.fp8_activations_linear), the chunks go to the fp8 tensor cores as they are, and the
-sums take the weight's row scales and the activations' at the end (W8A8, as vLLM's fp8 on Hopper).
-Widening e4m3 to 16 bits in registers instead is what bounds the batch-1 fp8 GEMV. Per-row scales,
-not per 64 values: one scale per group of a chunk meant a product and a scaled add per group, 1.2-2x
-slower at 32 to 128 rows on the H200, and quantizing inside the loop (a maximum across threads per
-chunk in every program) 1.4-2x slower than the separate pass.
+sums take the weight's row scales and the activations' at the end (W8A8, as vLLM's fp8 on Hopper):
+8B decode step on the H200 at batch 8 / 32 / 128 1.38 / 1.33 / 1.22x faster than bf16. Per-row
+scales, not per 64 values: one scale per group of a chunk meant a product and a scaled add per
+group, 1.3-4.5x slower at 32 to 128 rows, for no better agreement on the trained SmolLM2; and
+quantizing inside the loop (a maximum across threads per chunk in every program) measured 1.4-2x
+slower than the separate pass. With `fp8_activations=False` each fp8 chunk is widened to the
+activations' dtype in registers instead (W8A16), as Q8_0's: 0.76-0.86x bf16's speed.
 
 One launch configuration per shape (`skinny_config`), so a step captured in a CUDA graph replays
 the same kernels; nothing reads back to the host. Launched with programmatic dependent launch

@@ -22,7 +22,7 @@ from flashstack.engine.quantization import (
     fp8_activations_linear,
     quantize_activations,
 )
-from tests.engine.kernels.test_fp8_weights_gemv import DTYPES, _fp8, _quantized_model
+from tests.engine.kernels.test_fp8_weights_gemv import DTYPES, GPU, _fp8, _quantized_model
 from tests.engine.kernels.test_skinny_gemm import _decode_meta
 
 
@@ -129,7 +129,14 @@ def test_multi_row_steps_on_fp8_weights_match_torch_ops(device, fp8_activations)
     reference = get_attention_backend("reference", device, kernels)
     want = hidden(TorchOps(reference))
     got = hidden(TritonOps(reference))
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     other = dataclasses.replace(kernels, fp8_activations=not fp8_activations)
-    differs = hidden(TorchOps(get_attention_backend("reference", device, other)))
-    assert not torch.allclose(differs, want, atol=1e-4, rtol=1e-4)  # the option changes the sums
+    gap = (hidden(TorchOps(get_attention_backend("reference", device, other))) - want).abs()
+    assert gap.mean() > 1e-3  # the option changes the sums
+    # On the CPU interpreter the two agree to float32's last bits. On a GPU the Triton norms and
+    # rotary round differently from torch's, and an activation that lands on the other side of an
+    # e4m3 rounding boundary moves its products by up to 2^-4: far less than the option's effect.
+    err = (got - want).abs()
+    if GPU and fp8_activations:
+        assert err.mean() < 0.1 * gap.mean(), (err.mean(), gap.mean())
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
