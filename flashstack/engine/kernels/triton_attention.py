@@ -63,10 +63,12 @@ def fp8_e4m3(x):
     bits = x.to(tl.int32, bitcast=True)
     # keep 3 of fp32's 23 mantissa bits, ties to even; a carry rounds up into the exponent
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    # below e4m3's smallest normal, 2^-6: multiples of 2^-9 (adding 1.5 * 2^23 rounds to integers)
+    # below e4m3's smallest normal, 2^-6: multiples of 2^-9 (adding 1.5 * 2^23 rounds to integers),
+    # x's sign bit put back (a negative that rounds to zero is -0, as torch's cast gives)
     a = tl.abs(x)
     sub = ((a * 512.0 + 12582912.0) - 12582912.0) / 512.0
-    return tl.where(a < 0.015625, tl.where(x < 0, -sub, sub), normal).to(tl.float8e4nv)
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(a < 0.015625, sub, normal).to(tl.float8e4nv)
 
 
 @triton.jit
