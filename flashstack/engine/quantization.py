@@ -31,7 +31,6 @@ kernels/triton_skinny.py for a few rows, `dequantized_linear` elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -236,16 +235,6 @@ def dequantized_linear(
         return nn.functional.linear(x, dequantize_blocks(q, scale, x.dtype), bias)
     y = (nn.functional.linear(x, q.to(x.dtype)) * scale).to(x.dtype)
     return y if bias is None else y + bias
-
-
-@dataclass(frozen=True, slots=True)
-class Fp8Activations:
-    """Activation rows as `quantize_activations` leaves them: e4m3 values [M, K], a float32 scale
-    per row [M], and the dtype they stand for (the product's output dtype)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flashstack.engine.kernels.triton_skinny import store_fp8_row
-from flashstack.engine.quantization import FP8, Fp8Activations
-
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -23,8 +20,6 @@ def _rmsnorm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
-    q_ptr,
-    s_ptr,
     stride_x,
     stride_r,
     stride_o,
@@ -32,7 +27,6 @@ def _rmsnorm_kernel(
     n_cols,
     eps,
     HAS_RES: tl.constexpr,
-    FP8_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -48,29 +42,16 @@ def _rmsnorm_kernel(
     var = tl.sum(x * x, 0) / n_cols
     normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (w * normed).to(out_ptr.dtype.element_ty)
-    if FP8_OUT:  # the next product's fp8 activations, quantized from the rounded output
-        store_fp8_row(q_ptr, s_ptr, row, y.to(tl.float32), cols, mask, n_cols)
-    else:
-        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rmsnorm_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    fp8_out: bool = False,
-) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor | None]:
-    """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual.
-    `fp8_out`: the norm as the fp8 activations of the product after it (x [M, K] only), quantized
-    as quantization.quantize_activations would quantize the 16-bit output."""
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual."""
     x2 = x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    # with fp8_out the 16-bit output is not written: only its dtype is read
-    out = torch.empty(0 if fp8_out else (m, k), dtype=x.dtype, device=x.device)
-    q, scales = _fp8_rows(m, k, x.device) if fp8_out else (out, out)
-    res_out = torch.empty_like(x2) if residual is not None else x2
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
     r2 = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
     _rmsnorm_kernel[(x2.shape[0],)](
         x2,
@@ -78,29 +59,16 @@ def rmsnorm_triton(
         weight,
         out,
         res_out,
-        q,
-        scales,
         x2.stride(0),
         r2.stride(0),
-        k,
+        out.stride(0),
         res_out.stride(0),
         x2.shape[1],
         eps,
         HAS_RES=residual is not None,
-        FP8_OUT=fp8_out,
         BLOCK=triton.next_power_of_2(x2.shape[1]),
     )
-    new_residual = res_out.view_as(x) if residual is not None else None
-    if fp8_out:
-        assert x.dim() == 2
-        return Fp8Activations(q, scales, x.dtype), new_residual
-    return out.view_as(x), new_residual
-
-
-def _fp8_rows(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # where a kernel writes m rows of fp8 activations and their scales
-    q = torch.empty(m, k, dtype=FP8, device=device)
-    return q, torch.empty(m, dtype=torch.float32, device=device)
+    return out.view_as(x), (res_out.view_as(x) if residual is not None else None)
 
 
 def rmsnorm_reference(
@@ -179,47 +147,24 @@ def rope_triton(
 
 
 @triton.jit
-def _silu_mul_kernel(
-    x_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_o, n, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr
-):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    if FP8_OUT:  # one program holds the whole row (BLOCK >= n): its scale is the row's
-        store_fp8_row(q_ptr, s_ptr, row, (act * up).to(tl.float32), cols, mask, n)
-    else:
-        tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Activations:
-    """silu(x[..., :n]) * x[..., n:] for x [tokens, 2n] (a fused gate_up projection's output).
-    `fp8_out`: as the fp8 activations of the product after it, quantized as
-    quantization.quantize_activations would quantize the 16-bit result."""
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :n]) * x[..., n:] for x [tokens, 2n] (a fused gate_up projection's output)."""
     rows, two_n = x.shape
     n = two_n // 2
-    if fp8_out:
-        q, scales = _fp8_rows(rows, n, x.device)
-        block = triton.next_power_of_2(n)
-        _silu_mul_kernel[(rows, 1)](
-            x,
-            scales,
-            q,
-            scales,
-            x.stride(0),
-            0,
-            n,
-            FP8_OUT=True,
-            BLOCK=block,
-            num_warps=min(16, max(4, block // 1024)),
-        )
-        return Fp8Activations(q, scales, x.dtype)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        x, out, out, out, x.stride(0), out.stride(0), n, FP8_OUT=False, BLOCK=block
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block
     )
     return out
 

@@ -52,7 +52,7 @@ from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 from flashstack.engine.kernels.triton_attention import fp8_e4m3
 from flashstack.engine.kernels.triton_q4k import dequantize_chunk
-from flashstack.engine.quantization import FP8, FP8_ACT_MAX_ROWS, FP8_MAX, Fp8Activations
+from flashstack.engine.quantization import FP8, FP8_ACT_MAX_ROWS, FP8_MAX
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 
@@ -117,28 +117,20 @@ def _q4k_slice(
 
 
 @triton.jit
-def store_fp8_row(q_ptr, s_ptr, row, x, cols, mask, K):
-    """Activation row `row` (x float32 [BLOCK] in registers, zero where masked) as
-    quantization.quantize_activations leaves it: e4m3 values into q [M, K] under the row's scale
-    into s [M], its largest magnitude to 448 (an all-zero row scale 1). Callers round x to the
-    activations' dtype first, where the unfused product would see it rounded."""
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
-    tl.store(q_ptr + row.to(tl.int64) * K + cols, fp8_e4m3(tl.math.div_rn(x, scale)), mask=mask)
-    tl.store(s_ptr + row, scale)
-
-
-@triton.jit
 def _quantize_activations_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_x, USE_PDL: tl.constexpr, BLOCK: tl.constexpr
 ):
-    # One row, whole in registers (one read from L2).
+    # One row, whole in registers (one read from L2): its largest magnitude to 448, an all-zero
+    # row scale 1.
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    store_fp8_row(q_ptr, s_ptr, row, x, cols, mask, K)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
+    tl.store(q_ptr + row.to(tl.int64) * K + cols, fp8_e4m3(tl.math.div_rn(x, scale)), mask=mask)
+    tl.store(s_ptr + row, scale)
 
 
 # M is not specialized: one compiled kernel serves every batch bucket of a row tile.
@@ -411,7 +403,7 @@ def compile_skinny(
 
 
 def skinny_linear(
-    x: torch.Tensor | Fp8Activations,
+    x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
@@ -425,19 +417,13 @@ def skinny_linear(
     is Q8_0's int8; [N, K / 64 + K / 256] int32: the weight is Q4_K's values [N, K / 2] and
     `scale` their scales' words; [N] float32: the weight is fp8 with those row scales, and x is
     quantized to fp8 first (W8A8: quantization.fp8_activations_linear), or with
-    `fp8_activations` False each weight chunk is widened to x's dtype (W8A16). x may come
-    quantized already (`Fp8Activations`, from a kernel that wrote it so: triton_elementwise.py)."""
-    xs = None
-    if isinstance(x, Fp8Activations):
-        assert weight.dtype == FP8 and fp8_activations, "fp8 activations: fp8 weights"
-        x, xs, dtype = x.q, x.scale, x.dtype
-    else:
-        dtype = x.dtype
+    `fp8_activations` False each weight chunk is widened to x's dtype (W8A16)."""
     m, k = x.shape
     n = weight.shape[0]
     q4, fp8 = weight.dtype == torch.uint8, weight.dtype == FP8
     assert weight.shape[1] == (k // 2 if q4 else k)
     assert weight.stride(1) == 1 and x.stride(1) == 1
+    xs = None
     if fp8:
         assert scale is not None and scale.shape == (n,) and scale.dtype == torch.float32
     elif q4:
@@ -450,12 +436,12 @@ def skinny_linear(
     pdl = pdl_applies(x.device, pdl)
     blocks = weight.dtype if scale is not None else None
     grid, k_slice, meta = _plan(
-        m, n, k, dtype, bias is not None, config, pdl, blocks, fp8_activations
+        m, n, k, x.dtype, bias is not None, config, pdl, blocks, fp8_activations
     )
     # whole Q8_0 blocks per chunk; Q4_K: whole 64-weight groups
     assert blocks not in (torch.int8, torch.uint8) or meta["BLOCK_K"] % (64 if q4 else 32) == 0
-    y = torch.empty(m, n, dtype=dtype, device=x.device)
-    if meta["FP8_IN"] and xs is None:
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if meta["FP8_IN"]:
         x, xs = quantize_activations_triton(x, pdl)
     split = grid[1]
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None

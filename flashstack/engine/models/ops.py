@@ -28,7 +28,6 @@ from flashstack.engine.models.layers import apply_rotary
 from flashstack.engine.quantization import (
     FP8,
     FP8_ACT_MAX_ROWS,
-    Fp8Activations,
     fp8_activations_linear,
 )
 
@@ -130,32 +129,14 @@ class TritonOps(TorchOps):
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self.batch1 if num_tokens == 1 and self.batch1 is not None else self
 
-    def _quantizes_in(self, proj: Linear, x: torch.Tensor) -> bool:
-        """Whether proj's input comes as fp8 activations from the kernel that makes it (the
-        RMSNorm or SiLU-and-mul before it): where `_linear` takes the skinny GEMM's W8A8 product,
-        which would otherwise quantize it in a kernel of its own."""
-        from flashstack.engine.kernels.triton_skinny import fp8_tensor_cores
-
-        rows = x.shape[0] if x.dim() == 2 else 0
-        return (
-            self._fp8_activations(proj, rows)
-            and self.kernels.skinny_gemm
-            and fp8_tensor_cores(x.device)
-        )
-
-    def _linear(self, proj: Linear, x: torch.Tensor | Fp8Activations) -> torch.Tensor:
+    def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+        if proj.tp is not None:
+            return proj(x)  # a row-parallel layer reduces across ranks in its forward
         from flashstack.engine.kernels.triton_skinny import (
             fp8_tensor_cores,
             skinny_applies,
             skinny_linear,
         )
-
-        if isinstance(x, Fp8Activations):  # quantized by the kernel before (`_quantizes_in`)
-            return skinny_linear(
-                x, proj.weight, proj.bias, pdl=self.kernels.pdl, scale=proj.weight_scale
-            )
-        if proj.tp is not None:
-            return proj(x)  # a row-parallel layer reduces across ranks in its forward
 
         # Q8_0, Q4_K and fp8 W8A16: the skinny GEMM dequantizes in registers; fp8 W8A8: no
         # conversion, the fp8 tensor cores (Ada, Hopper and later; elsewhere plain torch's W8A8)
@@ -190,8 +171,7 @@ class TritonOps(TorchOps):
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
         assert h is not None
-        fp8_out = self._quantizes_in(proj, h)
-        out, new_residual = rmsnorm_triton(h, norm.weight, norm.eps, residual, fp8_out)
+        out, new_residual = rmsnorm_triton(h, norm.weight, norm.eps, residual)
         return self._linear(proj, out), (h if residual is None else new_residual)
 
     def attend(
@@ -253,7 +233,7 @@ class TritonOps(TorchOps):
         if silu:
             from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
 
-            x = silu_and_mul_triton(x, fp8_out=self._quantizes_in(proj, x))
+            x = silu_and_mul_triton(x)
         return self._linear(proj, x), residual
 
     def final_norm(

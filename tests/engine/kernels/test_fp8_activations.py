@@ -11,7 +11,6 @@ import torch
 
 from flashstack.engine.config import KernelOptions
 from flashstack.engine.kernels.attention import get_attention_backend
-from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, silu_and_mul_triton
 from flashstack.engine.kernels.triton_skinny import (
     fp8_skinny_config,
     quantize_activations_triton,
@@ -44,33 +43,6 @@ def test_quantized_activations_are_bit_exact(device, dtype, m, k):
     assert scale[0] == 1.0  # the all-zero row
     # every other row's largest magnitude lands on e4m3's largest value
     assert (q[1:].float().abs().amax(-1) == 448.0).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rmsnorm_and_silu_write_the_same_fp8_activations(device, dtype, with_residual):
-    """The kernels before q/k/v, gate/up and down write the fp8 activations themselves: the same
-    bytes and scales as quantizing their 16-bit outputs, and the product takes them as is."""
-    torch.manual_seed(4)
-    m, k = 5, 576
-    x = _scaled(m, k, device).to(dtype)
-    residual = torch.randn(m, k, device=device).to(dtype) if with_residual else None
-    w = (torch.rand(k, device=device) + 0.5).to(dtype)
-    fused, fused_residual = rmsnorm_triton(x, w, 1e-6, residual, fp8_out=True)
-    out, new_residual = rmsnorm_triton(x, w, 1e-6, residual)
-    gate_up = (torch.randn(m, 2 * k, device=device) * 3).to(dtype)
-    for got, plain in ((fused, out), (silu_and_mul_triton(gate_up, fp8_out=True), None)):
-        plain = silu_and_mul_triton(gate_up) if plain is None else plain
-        want_q, want_scale = quantize_activations(plain)
-        assert got.dtype == dtype
-        assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.equal(got.scale, want_scale)
-    if with_residual:
-        assert torch.equal(fused_residual, new_residual)
-    _, q, scale = _fp8(64, k, device)
-    torch.testing.assert_close(
-        skinny_linear(fused, q, scale=scale), skinny_linear(out, q, scale=scale), atol=0, rtol=0
-    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
