@@ -51,7 +51,8 @@ def test_smollm2_quantized_at_load_answers_and_agrees(smollm2):
     forced = forced_argmax(fp8, prompts, refs)
     flat = [t for r in refs for t in r]
     agreement = sum(a == b for a, b in zip(forced, flat)) / len(flat)
-    # measured 2026-12-01: 0.891 (fp32 compute); fp8 weights of the wrong scale score near 0
+    # measured 2026-12-03: 0.885 (fp32 compute; 0.891 without fp8 activations past one row); fp8
+    # weights of the wrong scale score near 0
     assert agreement >= 0.8, agreement
     answer = fp8.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=24))[0].text
     assert "Paris" in answer, answer
