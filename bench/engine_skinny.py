@@ -1,5 +1,7 @@
 """Skinny GEMM per 8B projection at M = 8..128 rows, Triton vs cuBLAS: docs/benchmarks.md,
-"Skinny GEMM"."""
+"Skinny GEMM". `--fp8`: the same weights quantized to fp8 (one scale per row), the skinny GEMM with
+fp8 activations (W8A8, the activation quantization kernel timed with it) and without (W8A16) beside
+bf16's figures: docs/benchmarks.md, "fp8 weights"."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from bench.engine_gemv import SHAPES, graph_us
 from flashstack.engine.kernels.triton_skinny import (
     block_m,
     compile_skinny,
+    fp8_skinny_config,
     skinny_config,
     skinny_linear,
 )
+from flashstack.engine.quantization import fp8_activations_linear, quantize_rows
 
 # (BLOCK_N, BLOCK_K, warps, stages) swept, each with SPLIT_K 1, 2 and 4 where the split leaves
 # fewer than 4 programs per SM.
@@ -32,6 +36,18 @@ TILES = [
     (128, 128, 8, 4),
 ]
 WIDE_M_TILES = [(64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) swept for fp8 weights and activations (one byte a
+# value: longer chunks and more stages fit shared memory)
+FP8_TILES = [
+    (64, 256, 1, 4, 6),
+    (64, 256, 1, 4, 4),
+    (64, 256, 2, 4, 4),
+    (64, 128, 1, 4, 6),
+    (64, 512, 1, 4, 4),
+    (128, 128, 1, 8, 4),
+    (128, 128, 1, 8, 3),
+    (128, 256, 1, 8, 3),
+]
 SMS = 132
 
 
@@ -129,6 +145,51 @@ def shape_rows(name: str, n: int, k: int, ms: list[int], sweep: bool) -> dict:
     return rows
 
 
+def fp8_shape_rows(name: str, n: int, k: int, ms: list[int], sweep: bool) -> dict:
+    """fp8 weights on one shape at each M: W8A8 at fp8_skinny_config's configuration (and the
+    sweep's best), W8A16, each checked against its plain-torch product."""
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    copies = [quantize_rows(w) for _ in range(-(-400_000_000 // (n * k)))]
+    xs = torch.randn(max(ms), k, dtype=torch.bfloat16, device="cuda")
+    floor_us = n * k / 4.26e6
+    rows = {}
+    for m in ms:
+        x = xs[:m]
+        q, scale = copies[0]
+        ref = fp8_activations_linear(x, q, scale, None).float()
+        err = (skinny_linear(x, q, scale=scale).float() - ref).abs().max().item()
+
+        def w8a8(i: int, c: tuple | None = None) -> None:
+            skinny_linear(x, copies[i % len(copies)][0], config=c, scale=copies[i % len(copies)][1])
+
+        def w8a16(i: int) -> None:
+            q, scale = copies[i % len(copies)]
+            skinny_linear(x, q, scale=scale, fp8_activations=False)
+
+        row = {
+            "floor_us": round(floor_us, 2),
+            "w8a8_max_abs_err_vs_torch": err,
+            "max_abs_out": ref.abs().max().item(),
+            "w8a8_default": "n{}_k{}_s{}_w{}_st{}".format(*fp8_skinny_config(m, n, k)),
+            "w8a8_default_us": round(graph_us(w8a8), 2),
+            "w8a16_us": round(graph_us(w8a16), 2),
+        }
+        if sweep:
+            timed = []
+            for c in FP8_TILES:
+                try:
+                    timed.append((graph_us(lambda i, c=c: w8a8(i, c)), c))
+                except Exception:  # out of shared memory at this row tile
+                    continue
+            if timed:
+                us, c = min(timed)
+                row["w8a8_best"] = "n{}_k{}_s{}_w{}_st{}".format(*c)
+                row["w8a8_best_us"] = round(us, 2)
+        rows[str(m)] = row
+        print(name, "fp8", m, row, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -136,6 +197,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--workers", type=int, default=14, help="processes compiling the sweep")
     ap.add_argument("--no-sweep", action="store_true", help="only the default configurations")
+    ap.add_argument("--fp8", action="store_true", help="also fp8 weights, W8A8 and W8A16")
     ap.add_argument(
         "--sweep-budget-s", type=float, default=40.0, help="later shapes only time the defaults"
     )
@@ -154,6 +216,9 @@ def main() -> None:
         sweep = not args.no_sweep and time.perf_counter() - t < args.sweep_budget_s
         result[name] = shape_rows(name, n, k, ms, sweep)
         torch.cuda.empty_cache()
+        if args.fp8:
+            result[f"{name}_fp8"] = fp8_shape_rows(name, n, k, ms, sweep)
+            torch.cuda.empty_cache()
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
     # The 32 layers' four projections plus lm_head, from the figures above: the matmul part of a
