@@ -1,4 +1,4 @@
-"""Skinny GEMM: y = x W^T (+ b) for a few activation rows (M = 2..64) against an nn.Linear weight
+"""Skinny GEMM: y = x W^T (+ b) for a few activation rows (M = 2..128) against an nn.Linear weight
 [N, K], the multi-row decode step's projections.
 
 At these shapes a projection is still a weight stream: M rows of activations (a few hundred KB,
