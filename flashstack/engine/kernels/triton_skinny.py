@@ -390,7 +390,7 @@ def compile_skinny(
         dtype,
         torch.float32 if grid[1] > 1 else dtype,
         torch.float32 if fp8 else dtype,
-        torch.float32 if fp8 else dtype,
+        torch.float32 if meta["FP8_IN"] else dtype,  # the activations' scales, or a stand-in
         m,
         n,
         k,
