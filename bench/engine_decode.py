@@ -280,7 +280,9 @@ def main() -> None:
         "(kernels.triton_gemv=False), sepqkv (the separate q/k/v kernel before "
         "decode attention: kernels.decode_qkv=False), plainkv (decode attention "
         "without the tensor-memory accelerator: kernels.decode_tma=False), skinny / noskinny "
-        "(multi-row products through the Triton skinny GEMM or cuBLAS: kernels.skinny_gemm)",
+        "(multi-row products through the Triton skinny GEMM or cuBLAS: kernels.skinny_gemm), "
+        "noelempdl (the norms, SiLU-and-mul and rotary/KV-store kernels without PDL: "
+        "kernels.elementwise_pdl=False)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -366,6 +368,7 @@ def main() -> None:
         "plainkv": {"decode_tma": False},
         "skinny": {"skinny_gemm": True},
         "noskinny": {"skinny_gemm": False},
+        "noelempdl": {"elementwise_pdl": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs
@@ -417,8 +420,10 @@ def main() -> None:
                     for b in (1, 8, 32)
                     if b in graphs.bounds
                 }
-                if args.profile:
-                    entry["graph_kernels_b1"] = graph_kernel_profile(graphs, 1, ctx)
+                if args.profile:  # batch 1's path, and the multi-row path's
+                    for b in (1, 8):
+                        if b in graphs.bounds:
+                            entry[f"graph_kernels_b{b}"] = graph_kernel_profile(graphs, b, ctx)
             for b in batches:
                 ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
                 floor = (wbytes + kv_bytes_read(shape, b, ctx)) / COPY_BW * 1000

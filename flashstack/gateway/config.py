@@ -38,6 +38,7 @@ class KernelSwitches(BaseModel):
     decode_qkv: bool | None = None
     decode_tma: bool | None = None
     attention_pdl: bool | None = None
+    elementwise_pdl: bool | None = None
     decode_longest_first: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None
     tp_all_reduce_block: int | None = Field(None, ge=64)

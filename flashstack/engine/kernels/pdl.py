@@ -12,6 +12,9 @@ wait, when everything before it has finished.
 The batch-1 GEMVs use it, and so do decode attention and its merge (KernelOptions.attention_pdl):
 each of those waits first thing, yet its launch and ramp-up overlap the kernel before, which on a
 small model is most of the two kernels' cost (docs/benchmarks.md, "engine small-model profile").
+So do the skinny GEMM and the kernels between the products of a multi-row step (RMSNorm,
+SiLU-and-mul, rotary with the KV store: KernelOptions.elementwise_pdl): a kernel launched without
+PDL in such a chain makes its neighbours wait on both sides.
 """
 
 from __future__ import annotations

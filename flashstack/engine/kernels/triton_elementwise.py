@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -27,11 +29,14 @@ def _rmsnorm_kernel(
     n_cols,
     eps,
     HAS_RES: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: safe before the wait
+    wait_for_previous_kernel(USE_PDL)  # x and the residual are the previous kernel's output
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -41,14 +46,19 @@ def _rmsnorm_kernel(
         x = x.to(tl.float32)
     var = tl.sum(x * x, 0) / n_cols
     normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rmsnorm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual."""
+    """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual. `pdl`:
+    programmatic dependent launch where the device has it (KernelOptions.elementwise_pdl)."""
+    pdl = pdl_applies(x.device, pdl)
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else out
@@ -66,7 +76,9 @@ def rmsnorm_triton(
         x2.shape[1],
         eps,
         HAS_RES=residual is not None,
+        USE_PDL=pdl,
         BLOCK=triton.next_power_of_2(x2.shape[1]),
+        launch_pdl=pdl,
     )
     return out.view_as(x), (res_out.view_as(x) if residual is not None else None)
 
@@ -147,24 +159,29 @@ def rope_triton(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n, USE_PDL: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
+    wait_for_previous_kernel(USE_PDL)  # x is the previous kernel's output
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
     tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :n]) * x[..., n:] for x [tokens, 2n] (a fused gate_up projection's output)."""
+def silu_and_mul_triton(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """silu(x[..., :n]) * x[..., n:] for x [tokens, 2n] (a fused gate_up projection's output).
+    `pdl`: as rmsnorm_triton's."""
+    pdl = pdl_applies(x.device, pdl)
     rows, two_n = x.shape
     n = two_n // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block
+        x, out, x.stride(0), out.stride(0), n, USE_PDL=pdl, BLOCK=block, launch_pdl=pdl
     )
     return out
 

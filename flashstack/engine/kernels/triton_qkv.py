@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.attention import check_kv_scale
+from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 from flashstack.engine.kernels.triton_attention import fp8_e4m3
 
 
@@ -72,10 +73,13 @@ def _qkv_kernel(
     BLOCK_H: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
+    # q/k/v are the previous kernel's output, and the cache is read by the kernels before it
+    wait_for_previous_kernel(USE_PDL)
     cos = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
 
@@ -122,11 +126,13 @@ def rope_and_store_kv_triton(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     kv_scale: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Rotate q [n, Hq, D] in place; rotate k [n, Hkv, D] and store it and v into `kv_cache` at
     `slot_mapping` (-1 = skip). With `q_norm`/`k_norm` weights, each head of q and k is first
     RMS-normalised (Qwen3). cos/sin are [n, 1, D]. `kv_scale`: an fp8 cache's [k_scale, v_scale].
-    Returns q."""
+    `pdl`: programmatic dependent launch where the device has it. Returns q."""
+    pdl = pdl_applies(q.device, pdl)
     fp8 = check_kv_scale(kv_cache, kv_scale)
     n, hq, dim = q.shape
     hk = k.shape[1]
@@ -167,5 +173,7 @@ def rope_and_store_kv_triton(
         BLOCK_H=triton.next_power_of_2(max(hq, hk)),
         QK_NORM=qk_norm,
         FP8=fp8,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
     return q

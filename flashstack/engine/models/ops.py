@@ -171,7 +171,9 @@ class TritonOps(TorchOps):
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
         assert h is not None
-        out, new_residual = rmsnorm_triton(h, norm.weight, norm.eps, residual)
+        out, new_residual = rmsnorm_triton(
+            h, norm.weight, norm.eps, residual, pdl=self.kernels.elementwise_pdl
+        )
         return self._linear(proj, out), (h if residual is None else new_residual)
 
     def attend(
@@ -215,7 +217,16 @@ class TritonOps(TorchOps):
             from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
 
             q = rope_and_store_kv_triton(
-                q, k, v, cos, sin, kv_cache, meta.slot_mapping, *norms, kv_scale=attn.kv_scale
+                q,
+                k,
+                v,
+                cos,
+                sin,
+                kv_cache,
+                meta.slot_mapping,
+                *norms,
+                kv_scale=attn.kv_scale,
+                pdl=self.kernels.elementwise_pdl,
             )
         else:
             if attn.qk_norm:
@@ -233,7 +244,7 @@ class TritonOps(TorchOps):
         if silu:
             from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
 
-            x = silu_and_mul_triton(x)
+            x = silu_and_mul_triton(x, pdl=self.kernels.elementwise_pdl)
         return self._linear(proj, x), residual
 
     def final_norm(
@@ -242,7 +253,7 @@ class TritonOps(TorchOps):
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
         assert h is not None
-        return rmsnorm_triton(h, norm.weight, norm.eps, residual)[0]
+        return rmsnorm_triton(h, norm.weight, norm.eps, residual, self.kernels.elementwise_pdl)[0]
 
     def logits(self, head: Linear, hidden: torch.Tensor) -> torch.Tensor | None:
         from flashstack.engine.models.parallel import ParallelLMHead
@@ -327,7 +338,7 @@ class Batch1Ops(TritonOps):
     ) -> torch.Tensor:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
-        return rmsnorm_triton(residual, norm.weight, norm.eps)[0]
+        return rmsnorm_triton(residual, norm.weight, norm.eps, pdl=self.kernels.elementwise_pdl)[0]
 
 
 Ops = TorchOps

@@ -55,3 +55,54 @@ def test_silu_and_mul(device, dtype, n):
     torch.testing.assert_close(
         te.silu_and_mul_triton(x), te.silu_and_mul_reference(x), **_tol(dtype)
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_launches_wait_for_their_producers_in_a_graph():
+    """Under programmatic dependent launch (Hopper) each kernel may start before its producer has
+    drained: in a captured chain of skinny products, RMSNorm with the residual add, SiLU-and-mul
+    and the q/k/v kernel, replayed on new inputs, every output equals the chain launched without
+    PDL."""
+    from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
+    from flashstack.engine.kernels.triton_skinny import skinny_linear
+
+    torch.manual_seed(3)
+    bf16, rows, hidden, heads, dim = torch.bfloat16, 8, 4096, 8, 128
+    x = torch.randn(rows, hidden, dtype=bf16, device="cuda")
+    residual = torch.randn_like(x)
+    gain = torch.randn(hidden, dtype=bf16, device="cuda")
+    w_up = torch.randn(2 * 6144, hidden, dtype=bf16, device="cuda") / hidden**0.5
+    w_qkv = torch.randn(3 * heads * dim, hidden, dtype=bf16, device="cuda") / hidden**0.5
+    cos = torch.rand(rows, 1, dim, dtype=bf16, device="cuda")
+    sin = torch.rand(rows, 1, dim, dtype=bf16, device="cuda")
+    slots = torch.arange(rows, device="cuda") * 3
+
+    def chain(pdl: bool) -> list[torch.Tensor]:
+        normed, stream = te.rmsnorm_triton(x, gain, 1e-5, residual, pdl=pdl)
+        act = te.silu_and_mul_triton(skinny_linear(normed, w_up, pdl=pdl), pdl=pdl)
+        normed2, stream2 = te.rmsnorm_triton(act[:, :hidden], gain, 1e-5, stream, pdl=pdl)
+        qkv = skinny_linear(normed2, w_qkv, pdl=pdl).view(rows, 3 * heads, dim)
+        cache = torch.zeros(8, 2, 16, heads, dim, dtype=bf16, device="cuda")
+        q = rope_and_store_kv_triton(
+            qkv[:, :heads],
+            qkv[:, heads : 2 * heads],
+            qkv[:, 2 * heads :],
+            cos,
+            sin,
+            cache,
+            slots,
+            pdl=pdl,
+        )
+        return [stream, act, stream2, q, cache]
+
+    chain(True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    for t in (x, residual):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, chain(False)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
