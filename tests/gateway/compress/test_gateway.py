@@ -147,7 +147,9 @@ def test_anthropic_tool_use_history_compressed_without_splitting(claude, upstrea
     assert raw.headers["x-flashstack-compression"] == "compressed"
     # What the upstream received: every tool_result right after the assistant turn with its tool_use
     # (the real API rejects anything else), and fewer turns than were sent.
-    sent = upstreams["anthropic"].requests[-1].body["messages"]
+    # the last Messages request: a health probe (no body) may have come after it
+    calls = [q for q in upstreams["anthropic"].requests if q.path.endswith("/messages")]
+    sent = calls[-1].body["messages"]
     assert len(sent) < len(msgs)
     results = 0
     for i, m in enumerate(sent):
