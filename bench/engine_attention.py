@@ -1,5 +1,6 @@
 """Split-KV decode kernel launch sweep: docs/benchmarks.md, "Decode attention launch"; with
-`--fp8`, decode attention over an fp8 KV cache beside bf16: docs/benchmarks.md, "fp8 KV cache"."""
+`--fp8`, decode attention over an fp8 KV cache beside bf16: docs/benchmarks.md, "fp8 KV cache";
+with `--mixed`, over a batch of mixed context lengths: docs/benchmarks.md, "Throughput"."""
 
 from __future__ import annotations
 
@@ -41,6 +42,48 @@ FP8_LAUNCHES = {
 }
 
 
+# nano-vllm's throughput workload mid-run (docs/benchmarks.md, "Throughput"): ~208 live sequences
+# of 100-2,000 tokens, Qwen3-0.6B heads, the grid sized for max_model_len 4096
+MIXED = {"batch": 208, "lengths": (100, 2000), "heads": 16, "kv_heads": 8, "grid": 4096}
+# launches over mixed lengths beside the engine's (longest first, plan_decode's tiles and splits)
+MIXED_LAUNCHES = {
+    "grid order": {},
+    "longest first (the engine's)": {"longest_first": True},
+    "longest first, 128-token tiles": {"longest_first": True, "block_n": 128},
+    "longest first, 2 splits of >= 512": {"longest_first": True, "num_splits": 2, "min_split": 512},
+    "longest first, 4 splits of >= 512": {"longest_first": True, "num_splits": 4, "min_split": 512},
+    "longest first, 8 splits of >= 256": {"longest_first": True, "num_splits": 8, "min_split": 256},
+}
+
+
+def mixed_main(json_path: Path | None) -> None:
+    """One layer's decode attention over a batch of mixed context lengths and over the same
+    batch at their mean length, under each of MIXED_LAUNCHES."""
+    import torch
+
+    lo, hi = MIXED["lengths"]
+    gen = torch.Generator().manual_seed(1)
+    mixed = torch.randint(lo, hi, (MIXED["batch"],), generator=gen).tolist()
+    batches = {"mixed": mixed, "mean length": [sum(mixed) // len(mixed)] * len(mixed)}
+    result: dict = {"workload": MIXED}
+    for name, contexts in batches.items():
+        for label, launch in MIXED_LAUNCHES.items():
+            row = decode_kernel_bandwidth(
+                0,
+                0,
+                256,
+                MIXED["kv_heads"],
+                MIXED["heads"],
+                grid_context=MIXED["grid"],
+                contexts=contexts,
+                **launch,
+            )
+            result[f"{name}: {label}"] = row
+            print(name, label, row, flush=True)
+            if json_path:
+                json_path.write_text(json.dumps(result, indent=1))
+
+
 def fp8_main(json_path: Path | None) -> None:
     """bf16 and fp8 KV side by side: each workload's default launch and a few others."""
     result: dict = {}
@@ -79,6 +122,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--fp8", action="store_true", help="fp8 KV cache beside bf16 (FP8_WORKLOADS)")
+    ap.add_argument(
+        "--mixed", action="store_true", help="mixed context lengths (MIXED, MIXED_LAUNCHES)"
+    )
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3")
@@ -88,6 +134,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.fp8:
         fp8_main(args.json)
+        return
+    if args.mixed:
+        mixed_main(args.json)
         return
     configs = list(
         itertools.product(

@@ -282,7 +282,8 @@ def main() -> None:
         "without the tensor-memory accelerator: kernels.decode_tma=False), skinny / noskinny "
         "(multi-row products through the Triton skinny GEMM or cuBLAS: kernels.skinny_gemm), "
         "noelempdl (the norms, SiLU-and-mul and rotary/KV-store kernels without PDL: "
-        "kernels.elementwise_pdl=False)",
+        "kernels.elementwise_pdl=False), noargmax (greedy sampling launched after the graph "
+        "replay: kernels.argmax_in_graph=False)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -369,6 +370,7 @@ def main() -> None:
         "skinny": {"skinny_gemm": True},
         "noskinny": {"skinny_gemm": False},
         "noelempdl": {"elementwise_pdl": False},
+        "noargmax": {"argmax_in_graph": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -35,6 +35,7 @@ def decode_kernel_bandwidth(
     calls_per_graph: int = 10,
     kv_dtype: str = "bf16",
     splits_factor: int | None = None,
+    contexts: list[int] | None = None,
     **launch,
 ) -> dict:
     """KV bytes read per second by one layer's split-KV decode kernel (and its merge) over a paged
@@ -43,10 +44,18 @@ def decode_kernel_bandwidth(
     `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
     goes to plan_decode (num_splits, min_split, block_n, num_warps, num_stages, tma).
     `kv_dtype="fp8"`: the cache in float8_e4m3fn with its scales; `splits_factor` multiplies the
-    planned splits."""
-    from flashstack.engine.kernels.triton_attention import paged_decode_triton, plan_decode
+    planned splits. `contexts`: each sequence's own length (a batch of mixed lengths, `batch` and
+    `context` then unused); `longest_first` in `launch` orders the programs as the engine does."""
+    from flashstack.engine.kernels.triton_attention import (
+        decode_order,
+        paged_decode_triton,
+        plan_decode,
+    )
     from flashstack.engine.quantization import FP8, quantize_fp8
 
+    if contexts is None:
+        contexts = [context] * batch
+    batch, context = len(contexts), max(contexts)
     blocks_per_seq = math.ceil(context / block_size)
     num_blocks = batch * blocks_per_seq
     cache = torch.randn(
@@ -59,14 +68,15 @@ def decode_kernel_bandwidth(
     # scattered blocks, as after churn
     perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     tables = perm.view(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
     plan = plan_decode(batch, cache, grid_context or context, **launch)
     if splits_factor:
         splits = plan.num_splits * splits_factor
         plan = plan_decode(batch, cache, grid_context or context, num_splits=splits, **launch)
+    order = decode_order(lens) if plan.longest_first else None
     run = lambda: paged_decode_triton(  # noqa: E731
-        q, cache, tables, lens, dim**-0.5, plan, kv_scale=kv_scale
+        q, cache, tables, lens, dim**-0.5, plan, kv_scale=kv_scale, order=order
     )
     run()
     graph = torch.cuda.CUDAGraph()
@@ -82,7 +92,7 @@ def decode_kernel_bandwidth(
     end.record()
     torch.cuda.synchronize()
     sec = start.elapsed_time(end) / 1000 / iters / calls_per_graph
-    kv_bytes = batch * context * 2 * kv_heads * dim * (1 if cache.dtype == FP8 else 2)
+    kv_bytes = sum(contexts) * 2 * kv_heads * dim * (1 if cache.dtype == FP8 else 2)
     return {
         "us": round(sec * 1e6, 2),
         "kv_bytes": kv_bytes,
@@ -93,6 +103,7 @@ def decode_kernel_bandwidth(
             "splits": plan.num_splits,
             "block_n": plan.block_n,
             "stages": plan.num_stages,
+            "longest_first": plan.longest_first,
         },
     }
 

@@ -289,7 +289,7 @@ def main() -> None:
         default="default",
         help="comma-separated kernel options to run: default, nopdl (kernels.pdl=False), "
         "sepqkv (kernels.decode_qkv=False), attnpdl / noattnpdl "
-        "(kernels.attention_pdl)",
+        "(kernels.attention_pdl), noargmax (kernels.argmax_in_graph=False)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -302,6 +302,7 @@ def main() -> None:
         "sepqkv": {"decode_qkv": False},
         "attnpdl": {"attention_pdl": True},
         "noattnpdl": {"attention_pdl": False},
+        "noargmax": {"argmax_in_graph": False},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

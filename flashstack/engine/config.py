@@ -49,6 +49,10 @@ class KernelOptions:
     # the shortest fill the last wave (a batch of mixed lengths). nano-vllm's throughput workload
     # on the H200 (Qwen3-0.6B shape, two runs each, interleaved): 6.11 / 6.12 -> 5.97 / 6.04 s.
     decode_longest_first: bool = True
+    # Decode graphs take the logits' argmax inside the graph: a step whose rows are all greedy
+    # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
+    # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.
+    argmax_in_graph: bool = True
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"

@@ -90,6 +90,11 @@ class DecodeGraphs:
         self.bounds = {bs: sorted(b for c, b in self.captures if c == bs) for bs in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
+        # Each graph's greedy tokens, the logits' argmax taken inside it (KernelOptions.
+        # argmax_in_graph): a greedy step then launches nothing after the replay but the tokens'
+        # copy to the host. None where the graph has no logits (a TP rank other than 0).
+        self.argmax_in_graph = ops.kernels.argmax_in_graph
+        self.greedy: dict[int, torch.Tensor | None] = {}
         self.pool = None
         # rank 0 of a tensor-parallel group announces the step
         self.before_replay: StepHook | None = None
@@ -163,14 +168,21 @@ class DecodeGraphs:
         Under tensor parallelism every rank calls this at once: warm-ups and captures issue the
         same collectives in the same order on every rank.
         """
+        from flashstack.engine.kernels.triton_sampling import argmax_triton
+
         for key, (bs, max_context_len) in enumerate(self.captures):
             self._pad(bs)
             # warm-up: Triton compiles and autotunes outside the capture
-            self._forward(bs, max_context_len)
+            logits = self._forward(bs, max_context_len)
+            if logits is not None and self.argmax_in_graph:
+                argmax_triton(logits)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[key] = self._forward(bs, max_context_len)
+                self.logits[key] = logits = self._forward(bs, max_context_len)
+                self.greedy[key] = (
+                    argmax_triton(logits) if logits is not None and self.argmax_in_graph else None
+                )
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph
@@ -185,6 +197,7 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.logits.clear()
+        self.greedy.clear()
         self.pool = None
 
     def key_for(self, bs: int, longest: int) -> int:
@@ -203,9 +216,11 @@ class DecodeGraphs:
         block_tables: list[list[int]],
         context_lens: list[int],
         ids_from: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch). `ids_from`, a
-        device tensor [n], replaces `input_ids` (the previous step's samples, never read back)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch), and their argmax
+        [n] (int64) when the graph takes it (else None). Both are the graph's own memory, valid
+        until its next replay: what reads them must be queued before that. `ids_from`, a device
+        tensor [n], replaces `input_ids` (the previous step's samples, never read back)."""
         bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
         if ids_from is not None:
             self.packed[: len(input_ids)].copy_(ids_from)
@@ -213,9 +228,10 @@ class DecodeGraphs:
         if self.before_replay is not None:
             self.before_replay(key, self.packed[: self.packed_size(bs)])
         self.graphs[key].replay()
-        logits = self.logits[key]
+        logits, greedy = self.logits[key], self.greedy[key]
         assert logits is not None, "only the rank that samples replays through run()"
-        return logits[: len(input_ids)]
+        n = len(input_ids)
+        return logits[:n], (greedy[:n] if greedy is not None else None)
 
     def stage(
         self,

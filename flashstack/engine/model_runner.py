@@ -184,8 +184,9 @@ class ModelRunner:
         batch: ScheduledBatch,
         ids_from: torch.Tensor | None = None,
         ahead: list[int] | None = None,
-    ) -> torch.Tensor | None:
-        """Logits from a graph replay when the batch is a plain decode step that fits one."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(logits, their argmax or None) from a graph replay (DecodeGraphs.run) when the batch
+        is a plain decode step that fits one."""
         graphs = self.graphs
         if graphs is None or len(batch.seqs) > graphs.max_batch:
             return None
@@ -245,12 +246,17 @@ class ModelRunner:
             if len(rows) != len(after.batch.seqs):
                 ids_from = after.tokens[self._tensor(rows, torch.int64)]
             ahead = [after.batch.num_new_tokens[r] for r in rows]
-        logits = self._graph_logits(batch, ids_from, ahead)
-        if logits is None:
+        seqs = batch.seqs
+        replayed = self._graph_logits(batch, ids_from, ahead)
+        if replayed is not None:
+            logits, greedy = replayed
+            if greedy is not None and all(s.params.greedy for s in seqs):
+                # the graph took the argmax (can_launch leaves no penalties): nothing to launch
+                return PendingStep(batch, greedy, to_host(greedy))
+        else:
             logits = self._eager_decode_logits(batch, ids_from, ahead)
         if logits is None:
             return self._launch_mixed(batch, ids_from, ahead)
-        seqs = batch.seqs
         tokens = sample_on_device(
             logits, [s.params for s in seqs], lambda i: ([], []), [self._generator(s) for s in seqs]
         )
@@ -380,8 +386,9 @@ class ModelRunner:
             self.swap_space.swap(batch.swap_out, batch.swap_in)
         if not batch.seqs:
             return []
-        logits = self._graph_logits(batch)
-        if logits is not None:
+        replayed = self._graph_logits(batch)
+        if replayed is not None:
+            logits = replayed[0]  # sample() below reads the tokens back itself
             sample_seqs = list(range(len(batch.seqs)))
         else:
             inputs = self.prepare(batch)

@@ -51,6 +51,36 @@ def test_cuda_graphs_and_eager_agree_with_transformers(enforce_eager: bool, hf_c
     assert run_checked(llm, prompts, greedy(12)) == refs
 
 
+def test_cuda_graph_argmax_serves_greedy_steps(hf_checkpoints, monkeypatch) -> None:
+    """With the argmax in the decode graphs, all-greedy decode steps launch no sampling of their
+    own and still give transformers' tokens; a sampled row beside greedy ones is sampled from the
+    same graph's logits, the greedy rows unchanged."""
+    from flashstack.engine import model_runner
+
+    path, model = hf_checkpoints["llama"]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53))]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    calls = {"n": 0}
+    sample = model_runner.sample_on_device
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return sample(*a, **kw)
+
+    monkeypatch.setattr(model_runner, "sample_on_device", counted)
+    launches = {}
+    kw = dict(block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=8)
+    for in_graph in (False, True):  # the last one serves the mixed batch below
+        llm = LLM(path, kernels={"argmax_in_graph": in_graph}, **kw)
+        calls["n"] = 0
+        assert run_checked(llm, prompts, greedy(12)) == refs
+        launches[in_graph] = calls["n"]
+    assert launches[True] + 10 <= launches[False]  # the decode steps sampled inside the graph
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    out = llm.generate(prompts[:2], [greedy(12), sampled])
+    assert out[0].token_ids == refs[0] and len(out[1].token_ids) == 12
+
+
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
