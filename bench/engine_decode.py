@@ -283,7 +283,8 @@ def main() -> None:
         "(multi-row products through the Triton skinny GEMM or cuBLAS: kernels.skinny_gemm), "
         "noelempdl (the norms, SiLU-and-mul and rotary/KV-store kernels without PDL: "
         "kernels.elementwise_pdl=False), noargmax (greedy sampling launched after the graph "
-        "replay: kernels.argmax_in_graph=False)",
+        "replay: kernels.argmax_in_graph=False), nodeep (decode attention two stages deep: "
+        "kernels.decode_deep_tma=False)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -371,6 +372,7 @@ def main() -> None:
         "noskinny": {"skinny_gemm": False},
         "noelempdl": {"elementwise_pdl": False},
         "noargmax": {"argmax_in_graph": False},
+        "nodeep": {"decode_deep_tma": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -40,6 +40,7 @@ class KernelSwitches(BaseModel):
     attention_pdl: bool | None = None
     elementwise_pdl: bool | None = None
     decode_longest_first: bool | None = None
+    decode_deep_tma: bool | None = None
     argmax_in_graph: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None
     tp_all_reduce_block: int | None = Field(None, ge=64)

@@ -539,8 +539,24 @@ def tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
 TMA_MAX_TABLE_SPAN = 64
 
 
+# (sequence, KV head) pairs from which a 16-bit TMA launch reads 64-token tiles three stages deep
+# (deep_tma_launch).
+DEEP_TMA_PAIRS = 128
+
+
+def deep_tma_launch(batch: int, kv_heads: int, short: bool, fp8: bool) -> bool:
+    """Whether a TMA decode launch of 16-bit KV reads 64-token tiles three stages deep, two
+    programs per SM, instead of decode_block_n's tiles two stages deep. Measured on the H200
+    (bench/engine_attention.py --mixed and the 8B heads at context 576, one layer, ten launches a
+    graph): batches of mixed context lengths, what serving sees, 231 -> 217 µs (208 sequences of
+    100-2,000 tokens, Qwen3-0.6B heads) and 158 -> 144 µs (128 of them, 8B heads); uniform
+    contexts at 16 / 32 sequences 13.0 -> 12.1 / 24.4 -> 22.3 µs, but at 64 / 128 sequences of 576
+    to 2,000 tokens 2-4 % slower. Below 128 pairs (batch 8 of the 8B) it measured no faster."""
+    return not short and not fp8 and batch * kv_heads >= DEEP_TMA_PAIRS
+
+
 def tma_launch(
-    batch: int, kv_heads: int, sm_count: int, short: bool, fp8: bool = False
+    batch: int, kv_heads: int, sm_count: int, short: bool, fp8: bool = False, deep: bool = False
 ) -> tuple[int, int]:
     """(pipeline stages, programs per SM) of a TMA decode launch. Measured on the H200 (8B heads,
     docs/benchmarks.md): with at most one (sequence, KV head) pair per 8 SMs, 3 stages (two
@@ -548,8 +564,9 @@ def tma_launch(
     context fastest (batch 1 37.6 µs against 39.6 with 2 stages); otherwise 2 stages (106 KB, two
     programs per SM) win everywhere, short contexts included. An fp8 cache's tiles are half the
     bytes: 3 stages and two programs per SM took batch 1 at 32K 42.1 -> 31.1 µs, batch 4 at 32K
-    111.9 -> 101.4 µs and batch 32 at 4K 103.5 -> 94.7 µs (docs/benchmarks.md, "fp8 KV cache")."""
-    if fp8 and not short:
+    111.9 -> 101.4 µs and batch 32 at 4K 103.5 -> 94.7 µs (docs/benchmarks.md, "fp8 KV cache").
+    `deep`: deep_tma_launch's 64-token tiles, three stages (96 KB: two programs per SM)."""
+    if (fp8 or deep) and not short:
         return 3, 2
     if not short and batch * kv_heads * 8 <= sm_count:
         return 3, 1
@@ -613,15 +630,19 @@ def plan_decode(
     num_warps: int | None = None,
     pdl: bool = False,
     longest_first: bool = False,
+    deep: bool = True,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
     Pass the engine's max_model_len when capturing a CUDA graph, so one graph serves every step.
     `tma`: None takes the accelerator where tma_applies (with tma_launch's stages and split count
-    unless given), False never, True always. The other arguments override the measured defaults
+    unless given), False never, True always. `deep`: deep_tma_launch where it applies
+    (KernelOptions.decode_deep_tma). The other arguments override the measured defaults
     (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
+    fp8 = kv_cache.dtype == FP8
+    deep = deep and block_n is None and deep_tma_launch(batch, kv_heads, short, fp8)
     if short:
         block_n = 64 if block_n is None else block_n
         min_split = block_n if min_split is None else min_split
@@ -631,17 +652,15 @@ def plan_decode(
     if min_split is None:
         min_split = DECODE_MIN_SPLIT
     sm_count = _sm_count(kv_cache.device)
-    if tma is None and tma_applies(kv_cache, block_n):
+    tile = 64 if deep else block_n  # a deep launch's tiles; plain loads keep block_n's
+    if tma is None and tma_applies(kv_cache, tile):
         # A TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs.
-        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short, kv_cache.dtype == FP8)
+        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short, fp8, deep)
         splits = num_splits or max(
-            1, min(per_sm * sm_count // (batch * kv_heads), math.ceil(max_context_len / block_n))
+            1, min(per_sm * sm_count // (batch * kv_heads), math.ceil(max_context_len / tile))
         )
-        if (
-            _table_span(max_context_len, splits, block_n, min_split, block_size)
-            <= TMA_MAX_TABLE_SPAN
-        ):
-            tma, num_splits, num_stages = True, splits, num_stages or stages
+        if _table_span(max_context_len, splits, tile, min_split, block_size) <= TMA_MAX_TABLE_SPAN:
+            tma, num_splits, num_stages, block_n = True, splits, num_stages or stages, tile
     tma = bool(tma)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, max_context_len, block_n, sm_count)
@@ -1012,6 +1031,7 @@ def plan_step_decode(
         tma=None if kernels.decode_tma else False,
         pdl=kernels.attention_pdl,
         longest_first=kernels.decode_longest_first,
+        deep=kernels.decode_deep_tma,
     )
 
 
@@ -1051,6 +1071,7 @@ def _mixed_in_graph(
             tma=None if kernels.decode_tma else False,
             pdl=kernels.attention_pdl,
             longest_first=kernels.decode_longest_first,
+            deep=kernels.decode_deep_tma,
         )
         paged_decode_triton(
             q[:rows],

@@ -425,6 +425,17 @@ def test_decode_longest_first_matches_reference(device, num_splits, monkeypatch)
     assert not tk.plan_decode(2, cache, 64, num_splits=1, longest_first=True).longest_first
 
 
+def test_deep_tma_launches_only_for_many_pairs_of_a_16_bit_cache():
+    """From DEEP_TMA_PAIRS (sequence, KV head) pairs a 16-bit TMA launch reads 64-token tiles three
+    stages deep, two programs per SM; one sequence's launch and an fp8 cache keep their own."""
+    assert tk.deep_tma_launch(16, 8, short=False, fp8=False)
+    assert not tk.deep_tma_launch(8, 8, short=False, fp8=False)  # the 8B's batch 8
+    assert not tk.deep_tma_launch(1, 128, short=True, fp8=False)
+    assert not tk.deep_tma_launch(64, 8, short=False, fp8=True)
+    assert tk.tma_launch(32, 8, 132, short=False, deep=True) == (3, 2)
+    assert tk.tma_launch(32, 8, 132, short=False) == (2, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_decode_longest_first_replays_in_a_cuda_graph():
