@@ -551,7 +551,7 @@ def deep_tma_launch(batch: int, kv_heads: int, short: bool, fp8: bool) -> bool:
     graph): batches of mixed context lengths, what serving sees, 231 -> 217 µs (208 sequences of
     100-2,000 tokens, Qwen3-0.6B heads) and 158 -> 144 µs (128 of them, 8B heads); uniform
     contexts at 16 / 32 sequences 13.0 -> 12.1 / 24.4 -> 22.3 µs, but at 64 / 128 sequences of 576
-    to 2,000 tokens 2-4 % slower. Below 128 pairs (batch 8 of the 8B) it measured no faster."""
+    to 2,000 tokens 3-7 % slower. Below 128 pairs (batch 8 of the 8B) it measured no faster."""
     return not short and not fp8 and batch * kv_heads >= DEEP_TMA_PAIRS
 
 
@@ -561,10 +561,11 @@ def tma_launch(
     """(pipeline stages, programs per SM) of a TMA decode launch. Measured on the H200 (8B heads,
     docs/benchmarks.md): with at most one (sequence, KV head) pair per 8 SMs, 3 stages (two
     128-token tiles of K and V in flight, 172 KB of shared memory: one program per SM) read a 32K
-    context fastest (batch 1 37.6 µs against 39.6 with 2 stages); otherwise 2 stages (106 KB, two
-    programs per SM) win everywhere, short contexts included. An fp8 cache's tiles are half the
-    bytes: 3 stages and two programs per SM took batch 1 at 32K 42.1 -> 31.1 µs, batch 4 at 32K
-    111.9 -> 101.4 µs and batch 32 at 4K 103.5 -> 94.7 µs (docs/benchmarks.md, "fp8 KV cache").
+    context fastest (batch 1 37.6 µs against 39.6 with 2 stages); otherwise, for 128-token tiles,
+    2 stages (106 KB, two programs per SM) win everywhere, short contexts included. An fp8
+    cache's tiles are half the bytes: 3 stages and two programs per SM took batch 1 at 32K
+    42.1 -> 31.1 µs, batch 4 at 32K 111.9 -> 101.4 µs and batch 32 at 4K 103.5 -> 94.7 µs
+    (docs/benchmarks.md, "fp8 KV cache").
     `deep`: deep_tma_launch's 64-token tiles, three stages (96 KB: two programs per SM)."""
     if (fp8 or deep) and not short:
         return 3, 2
