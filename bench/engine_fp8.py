@@ -3,8 +3,10 @@
 
 `--weights` picks the variants (default bf16,fp8; fp8_w8a16: fp8 weights with
 kernels.fp8_activations off, so products of 2 to 128 rows dequantize each weight instead of taking
-the fp8 tensor cores; q8_0: llama.cpp's Q8_0 kept quantized, int8 with a float16 scale per 32
-weights, dequantized inside the GEMV; q4_k: llama.cpp's Q4_K, 4.5 bits a weight, likewise).
+the fp8 tensor cores; fp8_fusedsilu: fp8 with kernels.fp8_silu_kernel off, the batch-1 down
+GEMV computing its SiLU input in every program; q8_0: llama.cpp's Q8_0 kept quantized, int8
+with a float16 scale per 32 weights, dequantized inside the GEMV; q4_k: llama.cpp's Q4_K, 4.5 bits
+a weight, likewise).
 
 Default (GPU): the Llama-3-8B shape with random weights (bench/_shapes.py, made on the GPU, its head
 planted so that greedy tokens are decisive), loaded twice in one process, bf16 and
@@ -54,11 +56,15 @@ VARIANTS: dict[str, str | None] = {
     "bf16": None,
     "fp8": "fp8",
     "fp8_w8a16": "fp8",
+    "fp8_fusedsilu": "fp8",
     "q8_0": "q8_0",
     "q4_k": "q4_k",
 }
 # --weights names -> EngineConfig.kernels, where a variant is not the default kernels
-VARIANT_KERNELS: dict[str, dict[str, Any]] = {"fp8_w8a16": {"fp8_activations": False}}
+VARIANT_KERNELS: dict[str, dict[str, Any]] = {
+    "fp8_w8a16": {"fp8_activations": False},
+    "fp8_fusedsilu": {"fp8_silu_kernel": False},  # the down GEMV computes its SiLU input itself
+}
 
 # Perplexity text: the openings of two public-domain novels (Dickens, 1859; Austen, 1813).
 FIXED_TEXT = (

@@ -58,6 +58,11 @@ class KernelOptions:
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.
     argmax_in_graph: bool = True
+    # A batch-1 step's fp8 down projection takes silu(gate) * up from a SiLU-and-mul kernel of its
+    # own, in float16 pre-scaled, instead of computing and converting it in every GEMV program:
+    # the fp8 GEMV is bound by conversions (kernels/triton_gemv.py). 8B batch-1 step on the H200:
+    # 2.715 -> 2.667 ms.
+    fp8_silu_kernel: bool = True
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"

@@ -42,6 +42,7 @@ class KernelSwitches(BaseModel):
     decode_longest_first: bool | None = None
     decode_deep_tma: bool | None = None
     argmax_in_graph: bool | None = None
+    fp8_silu_kernel: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None
     tp_all_reduce_block: int | None = Field(None, ge=64)
     tp_all_reduce_warps: Literal[1, 2, 4, 8, 16] | None = None

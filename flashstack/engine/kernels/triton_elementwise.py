@@ -160,7 +160,14 @@ def rope_triton(
 
 @triton.jit
 def _silu_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n, USE_PDL: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    n,
+    USE_PDL: tl.constexpr,
+    OUT_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -168,20 +175,36 @@ def _silu_mul_kernel(
     wait_for_previous_kernel(USE_PDL)  # x is the previous kernel's output
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+    if OUT_SCALE != 1.0:  # rounded in x's dtype first, as the unscaled output is
+        act = act.to(tl.float32) * OUT_SCALE
+    tl.store(out_ptr + row * stride_o + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def silu_and_mul_triton(
+    x: torch.Tensor,
+    pdl: bool = False,
+    out_dtype: torch.dtype | None = None,
+    out_scale: float = 1.0,
+) -> torch.Tensor:
     """silu(x[..., :n]) * x[..., n:] for x [tokens, 2n] (a fused gate_up projection's output).
-    `pdl`: as rmsnorm_triton's."""
+    `pdl`: as rmsnorm_triton's. `out_dtype` / `out_scale`: the result, rounded in x's dtype, then
+    times `out_scale` in that dtype (an fp8 GEMV's float16 input: triton_gemv.py)."""
     pdl = pdl_applies(x.device, pdl)
     rows, two_n = x.shape
     n = two_n // 2
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, USE_PDL=pdl, BLOCK=block, launch_pdl=pdl
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        n,
+        USE_PDL=pdl,
+        OUT_SCALE=out_scale,
+        BLOCK=block,
+        launch_pdl=pdl,
     )
     return out
 

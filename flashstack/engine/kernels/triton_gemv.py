@@ -26,7 +26,10 @@ With 16-bit activations the products are therefore taken in float16: one convers
 (e4m3 -> f16) instead of two, the input pre-scaled by 2^-8 so that 448 * x stays in range, each
 product summed in float16 over the K chunks (4 to 14 terms) and the rows' sums in float32: 73 % of
 the floor (docs/benchmarks.md, "fp8 weights"). Tensor-core products of the row block against the
-input chunk measured slower still (2.7x), so they are not used.
+input chunk measured slower still (2.7x), so they are not used. The input's own conversions count
+too: the down projection's SiLU prologue, computed and converted in every program, took 23.4 us
+where a float16 input already pre-scaled takes 16.3 (`prescaled`, fed by a SiLU-and-mul kernel
+of its own: KernelOptions.fp8_silu_kernel).
 
 Q8_0 weights (int8, one float16 scale per 32 weights of a row: engine/quantization.py) stream with
 their scales, 1.0625 bytes a weight; each 32-weight block's dot (float32) is multiplied by its
@@ -56,12 +59,20 @@ import triton.language as tl
 
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 from flashstack.engine.kernels.triton_q4k import group_scales
-from flashstack.engine.quantization import dequantized_linear
+from flashstack.engine.quantization import FP8, dequantized_linear
 
 
 @triton.jit
 def _input_chunk(
-    x_ptr, g_ptr, kcols, cmask, K, rstd, act_dtype, NORM_IN: tl.constexpr, SILU_IN: tl.constexpr
+    x_ptr,
+    g_ptr,
+    kcols,
+    cmask,
+    K,
+    rstd,
+    act_dtype,
+    NORM_IN: tl.constexpr,
+    SILU_IN: tl.constexpr,
 ):
     # The activations that multiply one weight chunk, with the input prologue applied.
     if SILU_IN:
@@ -78,11 +89,14 @@ def _input_chunk(
 
 
 @triton.jit
-def _product(w, x, HALF: tl.constexpr):
+def _product(w, x, HALF: tl.constexpr, PRESCALED: tl.constexpr = False):
     # One chunk's products. HALF (fp8 weights, 16-bit activations): in float16, one e4m3 -> f16
-    # conversion per weight and the input pre-scaled by 2^-8 so that 448 * x stays in range;
-    # float32 otherwise (for fp8 weights two conversions per weight, e4m3 -> f16 -> f32).
-    if HALF:
+    # conversion per weight and the input pre-scaled by 2^-8 so that 448 * x stays in range
+    # (PRESCALED: it came so); float32 otherwise (for fp8 weights two conversions per weight,
+    # e4m3 -> f16 -> f32).
+    if PRESCALED:
+        p = w.to(tl.float16) * x[None, :]
+    elif HALF:
         p = w.to(tl.float16) * (x * 0.00390625).to(tl.float16)[None, :]
     else:
         p = w.to(tl.float32) * x[None, :]
@@ -141,6 +155,7 @@ def _chunk(
     Q4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRESCALED: tl.constexpr,
 ):
     # What one weight chunk (storage columns k .. k + BLOCK_K) adds to the accumulator: products,
     # Q8_0's scaled block sums or Q4_K's, with the activations it multiplies.
@@ -153,11 +168,14 @@ def _chunk(
         )
         p = _q4k_product(w, x_lo, x_hi, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
     else:
-        x = _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
-        if Q8:
-            p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
+        if PRESCALED:  # float16, already times 2^-8 (_product): as stored
+            p = _product(w, tl.load(x_ptr + cols, mask=cols < K, other=0.0), HALF, PRESCALED)
         else:
-            p = _product(w, x, HALF)
+            x = _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+            if Q8:
+                p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
+            else:
+                p = _product(w, x, HALF, PRESCALED)
     return p
 
 
@@ -187,6 +205,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    PRESCALED: tl.constexpr,
 ):
     # K: the input's length; KW: a weight row's, in stored elements (K / 2 bytes for Q4_K)
     pid = tl.program_id(0)
@@ -227,6 +246,7 @@ def _gemv_kernel(
             Q4,
             BLOCK_N,
             BLOCK_K,
+            PRESCALED,
         )
         for k in tl.range(BLOCK_K, KW, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
@@ -251,6 +271,7 @@ def _gemv_kernel(
                 Q4,
                 BLOCK_N,
                 BLOCK_K,
+                PRESCALED,
             )
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
@@ -277,6 +298,7 @@ def _gemv_kernel(
                 Q4,
                 BLOCK_N,
                 BLOCK_K,
+                PRESCALED,
             )
             nxt = k + cols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < KW)[None, :], other=0.0)
@@ -292,6 +314,10 @@ def _gemv_kernel(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
+# What fp8 products in float16 multiply their input by first (_product): 448 * x stays in range.
+HALF_INPUT_SCALE = 2.0**-8
+
+
 # fp8 weights' configurations by prologue or epilogue, swept in the 8B chain on the H200 with the
 # float16 products (bench/engine_fp8.py --sweep): three stages each (two chunks ahead through shared
 # memory); q/k/v and gate/up with twice bf16's rows, o with bf16's rows in chunks twice as wide,
@@ -301,6 +327,9 @@ FP8_CONFIGS: dict[str | None, tuple[int, ...]] = {
     "residual": (4, 2048, 4, 3),
     "silu": (8, 2048, 8, 3),
     None: (8, 1024, 4, 3),
+    # float16 input already pre-scaled (a separate SiLU-and-mul kernel's, before down): the
+    # best of the down projection alone in a graph of 24 weight copies on the H200, 16.3 us
+    "prescaled": (8, 1024, 4, 3),
 }
 
 
@@ -383,6 +412,7 @@ def gemv_triton(
     pdl: bool = True,
     scale: torch.Tensor | None = None,
     half_products: bool | None = None,
+    prescaled: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
@@ -395,13 +425,19 @@ def gemv_triton(
     float16: the weight is int8 (Q8_0) and block j of row n by scale[n, j]; [N, K / 64 + K / 256]
     int32: the weight is Q4_K's values, uint8 [N, K / 2], and `scale` their scales' words (the chunk
     of `config` is then in bytes). `half_products`: fp8 products in float16 (default: for 16-bit
-    activations) or in float32."""
+    activations) or in float32. `prescaled`: fp8 weights and x float16 already times 2^-8, as the
+    float16 products take it (silu_and_mul_triton's `out_scale`), so that no program converts it;
+    the result is then in `residual`'s or `out`'s dtype."""
     n, kw = weight.shape
     q8, q4 = weight.dtype == torch.int8, weight.dtype == torch.uint8
     k = 2 * kw if q4 else kw
     assert not (norm and silu), "one input prologue per call"
     assert x.shape == (1, 2 * k if silu else k) and weight.stride(1) == 1 and x.stride(-1) == 1
     fused = "silu" if silu else "norm" if norm else "residual" if residual is not None else None
+    if prescaled:
+        assert scale is not None and weight.dtype == FP8 and x.dtype == torch.float16
+        assert not (norm or silu) and (residual is not None or out is not None)
+        fused = "prescaled"
     block_n, block_k, warps, *stages = config or gemv_config(
         n, k, fused, fp8=scale is not None, q4=q4
     )
@@ -416,10 +452,14 @@ def gemv_triton(
         )
     elif scale is not None:
         assert scale.shape == (n,) and scale.dtype == torch.float32 and scale.is_contiguous()
+    y_dtype = x.dtype
     if residual is not None:
-        assert residual.shape == (1, n) and residual.is_contiguous() and residual.dtype == x.dtype
+        assert residual.shape == (1, n) and residual.is_contiguous()
+        y_dtype = residual.dtype
     if out is not None:
-        assert out.shape == (1, n) and out.is_contiguous() and out.dtype == x.dtype
+        assert out.shape == (1, n) and out.is_contiguous()
+        y_dtype = out.dtype
+    assert y_dtype == x.dtype or prescaled, "the residual and `out` in x's dtype"
     y = (
         out
         if out is not None
@@ -457,6 +497,7 @@ def gemv_triton(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         STAGES=stages[0] if stages else 0,
+        PRESCALED=prescaled,
         num_warps=warps,
         launch_pdl=pdl,
     )

@@ -303,9 +303,25 @@ class Batch1Ops(TritonOps):
         the driver's also carries the residual (and the bias), so the all-reduce of the partials is
         the new residual, with no separate add. The partials go straight into the buffer the
         all-reduce pushes from."""
-        from flashstack.engine.kernels.triton_gemv import gemv_triton
+        from flashstack.engine.kernels.triton_gemv import HALF_INPUT_SCALE, gemv_triton
 
         pdl, tp = self.kernels.pdl, proj.tp
+        prescaled = (
+            silu
+            and self.kernels.fp8_silu_kernel
+            and proj.weight.dtype == FP8
+            and x.dtype != torch.float32
+        )
+        if prescaled:  # the input once, in the float16 the fp8 products take (KernelOptions)
+            from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
+
+            x = silu_and_mul_triton(
+                x,
+                pdl=self.kernels.elementwise_pdl,
+                out_dtype=torch.float16,
+                out_scale=HALF_INPUT_SCALE,
+            )
+            silu = False
         if tp is None:
             return None, gemv_triton(
                 proj.weight,
@@ -315,6 +331,7 @@ class Batch1Ops(TritonOps):
                 residual=residual,
                 pdl=pdl,
                 scale=proj.weight_scale,
+                prescaled=prescaled,
             )
         driver = tp.is_driver
         fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)

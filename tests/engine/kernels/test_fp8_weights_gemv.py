@@ -166,3 +166,69 @@ def test_batch1_step_on_quantized_weights_matches_torch_ops(device, quantization
     want = model(ids, pos, _meta(context, device), caches, reference)
     got = model(ids, pos, _meta(context, device), batch1_caches, ops)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_prescaled_float16_input_is_the_silu_prologue_bit_for_bit(device):
+    """The down projection on a SiLU-and-mul kernel's float16 output, pre-scaled by 2^-8
+    (`prescaled`), gives the fused SiLU prologue's result to the last bit: the same input values,
+    rounded where the prologue rounds them, summed in the same order (one chunk a row here;
+    different chunk widths would sum in another order)."""
+    from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
+
+    torch.manual_seed(4)
+    n, k = 48, 640
+    dtype = torch.bfloat16 if GPU else torch.float16  # the interpreter's bf16 SiLU gives NaN
+    _, q, scale = _fp8(n, k, device)
+    gate_up = torch.randn(1, 2 * k, device=device).to(dtype) * 3
+    residual = torch.randn(1, n, device=device).to(dtype)
+    fused = tg.gemv_triton(q, gate_up, silu=True, residual=residual.clone(), scale=scale)
+    x = silu_and_mul_triton(gate_up, out_dtype=torch.float16, out_scale=tg.HALF_INPUT_SCALE)
+    assert x.dtype == torch.float16
+    apart = tg.gemv_triton(q, x, residual=residual.clone(), scale=scale, prescaled=True)
+    assert apart.dtype == dtype and torch.isfinite(apart).all()
+    torch.testing.assert_close(apart, fused, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prescaled_input_needs_fp8_weights_and_float16(device, dtype):
+    """`prescaled` is the fp8 float16 products' input: any other is refused, not misread."""
+    _, q, scale = _fp8(16, 64, device)
+    residual = torch.zeros(1, 16, dtype=dtype, device=device)
+    x = torch.randn(1, 64, device=device).to(dtype)
+    if dtype == torch.float16:
+        with pytest.raises(AssertionError):  # the result needs the residual's or out's dtype
+            tg.gemv_triton(q, x, scale=scale, prescaled=True)
+        w = torch.randn(16, 64, device=device, dtype=dtype)
+        with pytest.raises(AssertionError):
+            tg.gemv_triton(w, x, residual=residual, prescaled=True)
+    else:
+        with pytest.raises(AssertionError):
+            tg.gemv_triton(q, x, residual=residual, scale=scale, prescaled=True)
+
+
+@torch.inference_mode()
+def test_batch1_down_projection_with_and_without_the_silu_kernel(device):
+    """Batch1Ops's fp8 down projection with its input from a SiLU-and-mul kernel of its own
+    (KernelOptions.fp8_silu_kernel, the default) and with the GEMV's SiLU prologue: the same
+    residual stream, bit for bit (16-bit activations; float32 ones take neither path's float16)."""
+    from dataclasses import replace as dc_replace
+
+    from flashstack.engine.config import KernelOptions
+
+    torch.manual_seed(5)
+    dtype = torch.bfloat16 if GPU else torch.float16
+    n, k = 64, 256
+    proj = Linear(k, n, bias=False, quantization="fp8").to(device)
+    q, scale = quantize_rows(torch.randn(n, k, device=device) * 0.1)
+    with torch.no_grad():
+        proj.weight.copy_(q)
+        proj.weight_scale.copy_(scale)
+    gate_up = torch.randn(1, 2 * k, device=device).to(dtype)
+    residual = torch.randn(1, n, device=device).to(dtype)
+    results = []
+    for on in (True, False):
+        backend = dc_replace(_triton_backend(), kernels=KernelOptions(fp8_silu_kernel=on))
+        ops = Batch1Ops(backend)
+        _, out = ops.project_add(proj, gate_up, residual.clone(), silu=True)
+        results.append(out)
+    torch.testing.assert_close(results[0], results[1], atol=0, rtol=0)
