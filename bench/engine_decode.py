@@ -284,7 +284,8 @@ def main() -> None:
         "noelempdl (the norms, SiLU-and-mul and rotary/KV-store kernels without PDL: "
         "kernels.elementwise_pdl=False), noargmax (greedy sampling launched after the graph "
         "replay: kernels.argmax_in_graph=False), nodeep (decode attention two stages deep: "
-        "kernels.decode_deep_tma=False)",
+        "kernels.decode_deep_tma=False), nowave (decode attention of up to one (sequence, KV "
+        "head) pair per SM two stages deep, two programs per SM: kernels.decode_wave_tma=False)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -373,6 +374,7 @@ def main() -> None:
         "noelempdl": {"elementwise_pdl": False},
         "noargmax": {"argmax_in_graph": False},
         "nodeep": {"decode_deep_tma": False},
+        "nowave": {"decode_wave_tma": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -54,6 +54,11 @@ class KernelOptions:
     # over 208 mixed-length sequences on the H200 231 -> 217 µs; 64-128 sequences all of one
     # length 3-7 % slower.
     decode_deep_tma: bool = True
+    # Decode launches of up to one (sequence, KV head) pair per SM over a 16-bit cache, for grids
+    # of up to 8,192 tokens, read three stages deep, one program per SM
+    # (kernels/triton_attention.tma_launch): the 8B's batch 8 at context 544, one layer on the
+    # H200, 12.3 -> 8.8 µs; its decode step 4.577 -> 4.448 ms.
+    decode_wave_tma: bool = True
     # Decode graphs take the logits' argmax inside the graph: a step whose rows are all greedy
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.

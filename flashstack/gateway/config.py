@@ -41,6 +41,7 @@ class KernelSwitches(BaseModel):
     elementwise_pdl: bool | None = None
     decode_longest_first: bool | None = None
     decode_deep_tma: bool | None = None
+    decode_wave_tma: bool | None = None
     argmax_in_graph: bool | None = None
     fp8_silu_kernel: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None

@@ -542,6 +542,8 @@ TMA_MAX_TABLE_SPAN = 64
 # (sequence, KV head) pairs from which a 16-bit TMA launch reads 64-token tiles three stages deep
 # (deep_tma_launch).
 DEEP_TMA_PAIRS = 128
+# Longest grid bound of a `wave` launch (tma_launch): beyond it, fewer and longer splits lose.
+WAVE_TMA_MAX_CONTEXT = 8192
 
 
 def deep_tma_launch(batch: int, kv_heads: int, short: bool, fp8: bool) -> bool:
@@ -556,7 +558,13 @@ def deep_tma_launch(batch: int, kv_heads: int, short: bool, fp8: bool) -> bool:
 
 
 def tma_launch(
-    batch: int, kv_heads: int, sm_count: int, short: bool, fp8: bool = False, deep: bool = False
+    batch: int,
+    kv_heads: int,
+    sm_count: int,
+    short: bool,
+    fp8: bool = False,
+    deep: bool = False,
+    wave: bool = False,
 ) -> tuple[int, int]:
     """(pipeline stages, programs per SM) of a TMA decode launch. Measured on the H200 (8B heads,
     docs/benchmarks.md): with at most one (sequence, KV head) pair per 8 SMs, 3 stages (two
@@ -566,10 +574,17 @@ def tma_launch(
     cache's tiles are half the bytes: 3 stages and two programs per SM took batch 1 at 32K
     42.1 -> 31.1 µs, batch 4 at 32K 111.9 -> 101.4 µs and batch 32 at 4K 103.5 -> 94.7 µs
     (docs/benchmarks.md, "fp8 KV cache").
-    `deep`: deep_tma_launch's 64-token tiles, three stages (96 KB: two programs per SM)."""
+    `deep`: deep_tma_launch's 64-token tiles, three stages (96 KB: two programs per SM).
+    `wave` (KernelOptions.decode_wave_tma, for grids of up to WAVE_TMA_MAX_CONTEXT tokens): up to
+    one pair per SM also reads 3 stages deep, one program per SM. Measured on the H200 under PDL,
+    as a step launches it (8B heads, ten launches a graph; the sweeps above ran without PDL):
+    batch 8 at context 544 12.3 -> 8.8 µs (two splits of 128-token tiles instead of four), at
+    4,096 40.1 -> 36.0 µs, at 8,192 70.0 -> 65.3 µs; batch 4 at 544 / 4,096 / 8,192 8.1 -> 7.3 /
+    23.0 -> 21.3 / 38.3 -> 36.2 µs; but at 16K and 32K contexts 11-13 % slower."""
     if (fp8 or deep) and not short:
         return 3, 2
-    if not short and batch * kv_heads * 8 <= sm_count:
+    pairs = batch * kv_heads
+    if not short and (pairs * 8 <= sm_count or (wave and pairs <= sm_count)):
         return 3, 1
     return 2, 2
 
@@ -632,13 +647,15 @@ def plan_decode(
     pdl: bool = False,
     longest_first: bool = False,
     deep: bool = True,
+    wave: bool = True,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
     Pass the engine's max_model_len when capturing a CUDA graph, so one graph serves every step.
     `tma`: None takes the accelerator where tma_applies (with tma_launch's stages and split count
     unless given), False never, True always. `deep`: deep_tma_launch where it applies
-    (KernelOptions.decode_deep_tma). The other arguments override the measured defaults
+    (KernelOptions.decode_deep_tma). `wave`: tma_launch's (KernelOptions.decode_wave_tma). The
+    other arguments override the measured defaults
     (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
@@ -656,7 +673,8 @@ def plan_decode(
     tile = 64 if deep else block_n  # a deep launch's tiles; plain loads keep block_n's
     if tma is None and tma_applies(kv_cache, tile):
         # A TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs.
-        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short, fp8, deep)
+        wave = wave and max_context_len <= WAVE_TMA_MAX_CONTEXT
+        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short, fp8, deep, wave)
         splits = num_splits or max(
             1, min(per_sm * sm_count // (batch * kv_heads), math.ceil(max_context_len / tile))
         )
@@ -1033,6 +1051,7 @@ def plan_step_decode(
         pdl=kernels.attention_pdl,
         longest_first=kernels.decode_longest_first,
         deep=kernels.decode_deep_tma,
+        wave=kernels.decode_wave_tma,
     )
 
 
@@ -1073,6 +1092,7 @@ def _mixed_in_graph(
             pdl=kernels.attention_pdl,
             longest_first=kernels.decode_longest_first,
             deep=kernels.decode_deep_tma,
+            wave=kernels.decode_wave_tma,
         )
         paged_decode_triton(
             q[:rows],
