@@ -360,12 +360,15 @@ def gemv_config(
         return Q4K_CONFIGS[fused]
     if fp8:
         return FP8_CONFIGS[fused]
+    # Small models' rows, swept the same way in their own chains (docs/benchmarks.md, "GEMV
+    # chain"): rows of one chunk take the shared-memory path (SmolLM2-135M's q/k/v, gate/up and
+    # down; Qwen3-0.6B's o); Llama-3.2-1B's step measured slower with such rules, so it keeps these.
     if fused == "silu":
-        return 8, 1024, 4, 3
+        return (4, 2048, 4, 2) if k <= 2048 else (8, 1024, 4, 3)
     if fused == "residual":
-        return 4, 1024, 4, 2
+        return (4, 2048, 4, 2) if n <= 1024 and 1024 < k <= 2048 else (4, 1024, 4, 2)
     if fused == "norm":
-        return 4, 1024, 4
+        return (4, 1024, 4, 2) if k < 1024 else (4, 1024, 4)
     if k > 8192:
         return 16, 1024, 8
     if n >= 16384:

@@ -25,6 +25,14 @@ def test_config_per_shape():
     assert tg.gemv_config(28672, 4096, "norm") == tg.gemv_config(6144, 4096, "norm") == (4, 1024, 4)
     assert tg.gemv_config(4096, 14336, "silu") == (8, 1024, 4, 3)
     assert tg.gemv_config(4096, 4096, "residual") == (4, 1024, 4, 2)
+    # Small models' one-chunk rows through shared memory: SmolLM2-135M's q/k/v, gate/up and down,
+    # Qwen3-0.6B's o; Llama-3.2-1B's keep the configurations above.
+    assert tg.gemv_config(960, 576, "norm") == tg.gemv_config(3072, 576, "norm") == (4, 1024, 4, 2)
+    assert tg.gemv_config(576, 1536, "silu") == (4, 2048, 4, 2)
+    assert tg.gemv_config(1024, 2048, "residual") == (4, 2048, 4, 2)
+    assert tg.gemv_config(2048, 2048, "residual") == (4, 1024, 4, 2)
+    assert tg.gemv_config(2048, 8192, "silu") == (8, 1024, 4, 3)
+    assert tg.gemv_config(3072, 2048, "norm") == (4, 1024, 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
