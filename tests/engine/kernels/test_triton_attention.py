@@ -473,3 +473,34 @@ def test_decode_longest_first_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     want = paged_attention_reference(q, cache, _meta([1] * batch, new, tables, bs, "cuda"), 0.1)
     torch.testing.assert_close(out, want, **_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_wave_launch_reads_three_stages_deep_and_matches_the_reference():
+    """decode_wave_tma: 8 sequences x 8 KV heads (at most one pair per SM) over a grid of up to
+    WAVE_TMA_MAX_CONTEXT tokens read three stages deep, one program per SM, and agree with the
+    reference; a longer grid, or the option off, keeps two stages."""
+    from flashstack.engine.config import KernelOptions
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the TMA launch needs Hopper or later")
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    torch.manual_seed(7)
+    dtype, bs, heads, kv_heads, dim, batch = torch.bfloat16, 256, 32, 8, 128, 8
+    if batch * kv_heads > sm_count:
+        pytest.skip("fewer SMs than (sequence, KV head) pairs")
+    ctx = [544, 100, 2000, 4096, 1, 700, 3000, 256]
+    num_blocks = batch * 16 + 3
+    cache = _cache(num_blocks, bs, kv_heads, dim, dtype, "cuda")
+    plan = tk.plan_decode(batch, cache, 4096)
+    assert plan.tma and plan.num_stages == 3 and plan.num_splits == sm_count // (batch * kv_heads)
+    assert tk.plan_decode(batch, cache, 4096, wave=False).num_stages == 2
+    assert tk.plan_decode(batch, cache, 4 * tk.WAVE_TMA_MAX_CONTEXT).num_stages == 2
+    tables = _tables([4096] * batch, bs, num_blocks, "cuda")
+    meta = _meta([1] * batch, ctx, tables, bs, "cuda")
+    meta.grid_context_len = 4096
+    q = torch.randn(batch, heads, dim, dtype=dtype, device="cuda")
+    out = tk.paged_attention_triton(q, cache, meta, 0.1, kernels=KernelOptions())
+    want = paged_attention_reference(q, cache, _meta([1] * batch, ctx, tables, bs, "cuda"), 0.1)
+    torch.testing.assert_close(out, want, **_tol(dtype))
