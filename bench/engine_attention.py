@@ -1,6 +1,8 @@
 """Split-KV decode kernel launch sweep: docs/benchmarks.md, "Decode attention launch"; with
 `--fp8`, decode attention over an fp8 KV cache beside bf16: docs/benchmarks.md, "fp8 KV cache";
-with `--mixed`, over a batch of mixed context lengths: docs/benchmarks.md, "Throughput"."""
+with `--mixed`, over a batch of mixed context lengths: docs/benchmarks.md, "Throughput"; with
+`--wave`, kernels.decode_wave_tma on and off under PDL: docs/benchmarks.md, "Decode attention
+launch"."""
 
 from __future__ import annotations
 
@@ -55,6 +57,39 @@ MIXED_LAUNCHES = {
     "longest first, 4 splits of >= 512": {"longest_first": True, "num_splits": 4, "min_split": 512},
     "longest first, 8 splits of >= 256": {"longest_first": True, "num_splits": 8, "min_split": 256},
 }
+
+
+# decode_wave_tma's workloads (docs/benchmarks.md, "Decode attention launch"): 8B heads, (batch,
+# context, grid bound)
+WAVE_WORKLOADS = [
+    (4, 544, 4096),
+    (8, 544, 4096),
+    (12, 544, 4096),
+    (8, 2048, 4096),
+    (4, 4096, 4096),
+    (8, 4096, 4096),
+    (4, 8192, 8192),
+    (8, 8192, 8192),
+    (8, 544, 16384),
+    (8, 16384, 16384),
+    (4, 32768, 32768),
+    (8, 32768, 32768),
+]
+
+
+def wave_main(json_path: Path | None, pdl: bool) -> None:
+    """Each WAVE_WORKLOADS launch with `decode_wave_tma`'s one-wave, three-stage launch and
+    without it (plan_decode's `wave`)."""
+    result: dict = {}
+    for batch, ctx, grid in WAVE_WORKLOADS:
+        row = {
+            label: decode_kernel_bandwidth(batch, ctx, 256, grid_context=grid, pdl=pdl, wave=wave)
+            for label, wave in (("wave off", False), ("wave on", True))
+        }
+        result[f"batch {batch}, context {ctx}, grid {grid}"] = row
+        print(batch, ctx, grid, json.dumps(row), flush=True)
+        if json_path:
+            json_path.write_text(json.dumps(result, indent=1))
 
 
 def mixed_main(json_path: Path | None) -> None:
@@ -126,6 +161,18 @@ def main() -> None:
     ap.add_argument(
         "--mixed", action="store_true", help="mixed context lengths (MIXED, MIXED_LAUNCHES)"
     )
+    ap.add_argument(
+        "--wave",
+        action="store_true",
+        help="kernels.decode_wave_tma on and off (WAVE_WORKLOADS), launched with PDL unless "
+        "--no-pdl",
+    )
+    ap.add_argument(
+        "--pdl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--wave: launch with programmatic dependent launch, as a decode step does",
+    )
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3")
@@ -138,6 +185,9 @@ def main() -> None:
         return
     if args.mixed:
         mixed_main(args.json)
+        return
+    if args.wave:
+        wave_main(args.json, args.pdl)
         return
     configs = list(
         itertools.product(
