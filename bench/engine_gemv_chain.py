@@ -108,6 +108,69 @@ def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str,
     return {"shapes": shapes, **swept}
 
 
+# Small models' layers (hidden, intermediate, q width, k/v width, layers) and the configurations
+# swept over them (docs/benchmarks.md, "GEMV chain": small models' chains).
+SMALL_MODELS = {
+    "smollm2-135m": (576, 1536, 576, 192, 30),
+    "qwen3-0.6b": (1024, 3072, 2048, 1024, 28),
+    "llama3.2-1b": (2048, 8192, 2048, 512, 16),
+}
+SMALL_CANDIDATES = [
+    (2, 1024, 4),
+    (4, 1024, 4),
+    (8, 1024, 4),
+    (4, 512, 4),
+    (8, 512, 4),
+    (16, 512, 8),
+    (2, 512, 4),
+    (4, 1024, 4, 2),
+    (8, 1024, 4, 3),
+    (4, 2048, 4, 2),
+    (8, 512, 4, 3),
+    (16, 1024, 8, 3),
+    (4, 256, 4),
+    (8, 256, 4),
+]
+
+
+def sweep_small(name: str) -> dict[str, Any]:
+    """A small model's four fused batch-1 GEMVs for all its layers in one graph (bf16, random
+    weights), SMALL_CANDIDATES swept per projection from gemv_config's."""
+    hidden, inter, q_width, kv_width, layers_n = SMALL_MODELS[name]
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+
+    layers = [
+        {
+            "qkv": w(q_width + 2 * kv_width, hidden),
+            "o": w(hidden, q_width),
+            "gate_up": w(2 * inter, hidden),
+            "down": w(hidden, inter),
+        }
+        for _ in range(layers_n)
+    ]
+    x = torch.randn(1, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    norm = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    defaults = {p: gemv_config(*layers[0][p].shape, FUSED[p]) for p in PROJECTIONS}
+
+    def chain(c: dict[str, Any]) -> None:
+        residual = x.clone()
+        for lw in layers:
+            qkv = gemv_triton(lw["qkv"], residual, config=c["qkv"], norm=(norm, 1e-5))
+            residual = gemv_triton(lw["o"], qkv[:, :q_width], config=c["o"], residual=residual)
+            gate_up = gemv_triton(lw["gate_up"], residual, config=c["gate_up"], norm=(norm, 1e-5))
+            residual = gemv_triton(
+                lw["down"], gate_up, config=c["down"], silu=True, residual=residual
+            )
+
+    floor_ms = sum(t.numel() * 2 for lw in layers for t in lw.values()) / COPY_BANDWIDTH * 1e3
+    return sweep(
+        lambda c: graph_ms(lambda: chain(c)), defaults, SMALL_CANDIDATES, floor_ms, tag=name
+    )
+
+
 def sweep(
     time: Callable[[dict[str, Any]], float],
     defaults: dict[str, Any],
@@ -170,7 +233,20 @@ def main() -> None:
         "through shared memory (Triton's pipeliner)",
     )
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--models",
+        help=f"instead: small models' chains, comma-separated of {sorted(SMALL_MODELS)}, each "
+        "over SMALL_CANDIDATES",
+    )
     args = ap.parse_args()
+    if args.models:
+        report = {name: sweep_small(name) for name in args.models.split(",")}
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        print(
+            json.dumps({k: {"default": v["default"], "best": v["best"]} for k, v in report.items()})
+        )
+        return
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     candidates = list(
         itertools.product(ints(args.rows), ints(args.chunks), ints(args.warps), ints(args.stages))
