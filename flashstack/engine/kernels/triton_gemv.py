@@ -175,7 +175,7 @@ def _chunk(
             if Q8:
                 p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
             else:
-                p = _product(w, x, HALF, PRESCALED)
+                p = _product(w, x, HALF)
     return p
 
 

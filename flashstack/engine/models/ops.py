@@ -306,8 +306,9 @@ class Batch1Ops(TritonOps):
         from flashstack.engine.kernels.triton_gemv import HALF_INPUT_SCALE, gemv_triton
 
         pdl, tp = self.kernels.pdl, proj.tp
-        prescaled = (
+        prescaled = (  # one GPU: quantized weights refuse tensor parallelism (EngineConfig)
             silu
+            and tp is None
             and self.kernels.fp8_silu_kernel
             and proj.weight.dtype == FP8
             and x.dtype != torch.float32
