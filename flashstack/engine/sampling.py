@@ -136,16 +136,17 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return filtered.softmax(-1)
 
 
-def _fused_gumbel_applies(
+def _fused_applies(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> bool:
-    # Temperature alone, on CUDA, and no seeded row (a seeded row draws from its own generator so
-    # that its tokens never depend on the batch): one fused pass (kernels/triton_sampling.py).
+    # Greedy rows and temperature alone, on CUDA, and no seeded row (a seeded row draws from its
+    # own generator so that its tokens never depend on the batch): the fused sampler
+    # (kernels/triton_sampling.py), greedy rows at temperature 0.
     vocab = logits.shape[-1]
     return (
         logits.is_cuda
         and all(g is None for g in generators)
-        and all(_temperature_only(p, vocab) for p in params)
+        and all(p.greedy or _temperature_only(p, vocab) for p in params)
     )
 
 
@@ -224,14 +225,14 @@ def sample_on_device(
         for i in penalized:
             logits[i] = apply_penalties(logits[i], params[i], *history(i))
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if len(sampled_rows) == len(params):  # no greedy row: no argmax pass, no row gathers
-        if _fused_gumbel_applies(logits, params, generators):
-            from flashstack.engine.kernels.triton_sampling import gumbel_sample_triton
+    if sampled_rows and _fused_applies(logits, params, generators):
+        from flashstack.engine.kernels.triton_sampling import sample_triton
 
-            temps = to_device([p.temperature for p in params], torch.float32, logits.device)
-            # The noise seed comes from torch's global generator: torch.manual_seed fixes it too.
-            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-            return gumbel_sample_triton(logits, temps, seed)
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        # The draws' seed comes from torch's global generator: torch.manual_seed fixes it too.
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        return sample_triton(logits, to_device(temps, torch.float32, logits.device), seed)
+    if len(sampled_rows) == len(params):  # no greedy row: no argmax pass, no row gathers
         return _draw(_filtered_probs(logits.float(), params), generators)
     chosen = _argmax(logits)
     if sampled_rows:

@@ -1,14 +1,18 @@
-"""Sampling at temperature in one pass over the logits: the Gumbel-max trick, fused.
+"""Sampling at temperature by inverse CDF, in two small kernels; greedy rows by a fused argmax.
 
-argmax(logits / T + G), with G = -log(-log U) drawn per entry, picks index i with probability
-softmax(logits / T)_i. Done in torch that is a temperature divide, a softmax, a noise tensor and an
-argmax, each a full pass over a [batch, vocab] fp32 tensor (at batch 256 and a 152K vocabulary,
-155 MB per pass, ~0.4 ms a step); here each program reads its slice of the (bf16) logits once,
-draws its noise in registers (Philox, four columns a call) and keeps a running best, and a tiny
-reduction over the slices picks each row's token. The noise, not the reads, bounds it.
+softmax(logits / T) is sampled by drawing u ~ U(0, 1) and taking the first index whose cumulative
+probability passes u. The first kernel gives every slice of a row (CHUNK entries) its maximum,
+its first argmax and its sum of exp((x - max) / T) in one read of the (bf16) logits; the second,
+one program a row, weighs the slices' sums to the row's maximum, draws u, finds the slice the
+cumulative sum crosses u in and scans only that slice. One exponential per entry and one random
+number per row: the Gumbel-max trick this replaces drew a Philox number and two logarithms per
+entry, and was bound by them, not by its reads (200 rows of a 152K vocabulary: 120 µs on the
+H200, docs/benchmarks.md).
 
-Greedy rows take the same kernel without the noise: torch's argmax over one 128K-entry row (plus
-its fp32 copy of the logits) measured 30 µs per batch-1 step on the H200, a single program's work.
+A row at temperature 0 takes its first maximum, so greedy and sampled rows share a call; an
+all-greedy batch (`argmax_triton`) takes the same two kernels without the sums. torch's argmax
+gives one program a row: one 128K-entry row (plus its fp32 copy of the logits) measured 30 µs per
+batch-1 step on the H200.
 """
 
 from __future__ import annotations
@@ -17,93 +21,147 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024
+# Entries of a row one program of the inverse-CDF sampler reads: the second kernel scans one such
+# slice in registers (32 values a thread on 4 warps).
+_CHUNK = 4096
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _gumbel_max_kernel(
+def _inverse(t):
+    # 1 / T, and 0 for a greedy row (T = 0)
+    return tl.where(t > 0.0, 1.0 / tl.maximum(t, 1e-30), 0.0)
+
+
+@triton.jit
+def _slice_softmax_kernel(
     logits_ptr,
-    inv_temp_ptr,
-    val_ptr,
-    idx_ptr,
+    temp_ptr,
+    max_ptr,
+    arg_ptr,
+    sum_ptr,
     stride_row,
     vocab,
-    seed,
-    chunk_size,
     num_chunks,
-    NOISE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    GREEDY: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    inv_t = tl.load(inv_temp_ptr + row) if NOISE else 1.0
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int32)
-    start = chunk * chunk_size
-    end = tl.minimum(start + chunk_size, vocab)
-    for off in range(start, end, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        mask = cols < end
-        x = tl.load(
-            logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf")
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(
+        logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=float("-inf")
+    ).to(tl.float32)
+    top = tl.max(x, 0)
+    arg = tl.min(tl.where(x == top, cols, vocab), 0)  # the slice's first maximum
+    out = row * num_chunks + chunk
+    tl.store(max_ptr + out, top)
+    tl.store(arg_ptr + out, arg)
+    if not GREEDY:
+        scale = _inverse(tl.load(temp_ptr + row)) * _LOG2E
+        # A slice of -inf only: its sum is 0 (exp2 of -inf), never NaN from -inf - -inf.
+        total = tl.sum(tl.exp2((x - tl.where(top == float("-inf"), 0.0, top)) * scale), 0)
+        tl.store(sum_ptr + out, total)
+
+
+@triton.jit
+def _pick_kernel(
+    logits_ptr,
+    temp_ptr,
+    max_ptr,
+    arg_ptr,
+    sum_ptr,
+    token_ptr,
+    stride_row,
+    vocab,
+    num_chunks,
+    seed,
+    GREEDY: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    inv_t = 0.0 if GREEDY else _inverse(tl.load(temp_ptr + row))
+    scale = inv_t * _LOG2E
+    c = tl.arange(0, CHUNKS)
+    live = c < num_chunks
+    tops = tl.load(max_ptr + row * num_chunks + c, mask=live, other=float("-inf"))
+    best = tl.max(tops, 0)
+    if inv_t == 0.0:  # greedy: the first slice holding the maximum has the row's first maximum
+        args = tl.load(arg_ptr + row * num_chunks + c, mask=live, other=vocab)
+        token = tl.min(tl.where(tops == best, args, vocab), 0)
+    else:
+        ref = tl.where(best == float("-inf"), 0.0, best)
+        sums = tl.load(sum_ptr + row * num_chunks + c, mask=live, other=0.0)
+        # each slice's mass relative to the row's maximum
+        mass = tl.where(tops == float("-inf"), 0.0, sums * tl.exp2((tops - ref) * scale))
+        target = tl.rand(seed, row) * tl.sum(mass, 0)
+        cum = tl.cumsum(mass, 0)
+        # the first slice whose cumulative mass passes the target; rounding may carry the target
+        # past the last slice with mass, which then takes it
+        pick = tl.minimum(
+            tl.sum((cum <= target).to(tl.int32), 0), tl.max(tl.where(mass > 0, c, 0), 0)
         )
-        if NOISE:
-            # Philox counters per (step seed, row, four columns): rows draw independently, and each
-            # ten-round Philox call gives four columns their noise (one a call: 1.5x the time).
-            quad = row * tl.cdiv(vocab, 4) + off // 4 + tl.arange(0, BLOCK // 4)
-            r0, r1, r2, r3 = tl.randint4x(seed, quad)
-            bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
-            u = tl.maximum(tl.random.uint_to_uniform_float(bits), 1e-20)
-            score = tl.where(mask, x.to(tl.float32) * inv_t - tl.log(-tl.log(u)), float("-inf"))
-        else:
-            score = x.to(tl.float32)
-        better = score > best  # strict: each lane keeps its first maximum
-        best = tl.where(better, score, best)
-        best_i = tl.where(better, cols, best_i)
-    top = tl.max(best, 0)
-    idx = tl.min(tl.where(best == top, best_i, vocab), 0)  # the slice's first maximum
-    tl.store(val_ptr + row * num_chunks + chunk, top)
-    tl.store(idx_ptr + row * num_chunks + chunk, idx)
+        rest = target - tl.sum(tl.where(c < pick, mass, 0.0), 0)
+        cols = pick * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(
+            logits_ptr + row.to(tl.int64) * stride_row + cols,
+            mask=cols < vocab,
+            other=float("-inf"),
+        ).to(tl.float32)
+        p = tl.exp2((x - ref) * scale)
+        hit = tl.min(tl.where(tl.cumsum(p, 0) > rest, cols, vocab), 0)
+        # the slice's sum, recomputed here, may fall a rounding short of `rest`: its last
+        # possible entry then
+        token = tl.where(hit < vocab, hit, tl.max(tl.where(p > 0, cols, 0), 0))
+    tl.store(token_ptr + row, token.to(tl.int64))
 
 
-def gumbel_sample_triton(
-    logits: torch.Tensor, temperatures: torch.Tensor, seed: int
+def sample_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seed: int, chunk: int = _CHUNK
 ) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] (any float dtype), drawn from softmax(logits / T)
-    with T = `temperatures` [n] (> 0); `seed` picks the noise. Returns int64 [n] on the device."""
-    inv_t = (1.0 / temperatures.float()).contiguous()
-    return _best_per_row(logits, inv_t, seed, noise=True)
+    with T = `temperatures` [n] (0: the row's first maximum); `seed` picks the draws. Returns
+    int64 [n] on the device. `chunk`: entries a program reads (a power of two)."""
+    return _launch(logits, temperatures.float().contiguous(), seed, chunk)
 
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum, as torch.argmax(logits, -1) gives it (int64 [n], on the device)."""
-    # no temperatures: any tensor fills the slot
-    return _best_per_row(logits, logits, 0, noise=False)
+    return _launch(logits, None, 0, _CHUNK)
 
 
-def _best_per_row(
-    logits: torch.Tensor, inv_t: torch.Tensor, seed: int, noise: bool
+def _launch(
+    logits: torch.Tensor, temps: torch.Tensor | None, seed: int, chunk: int
 ) -> torch.Tensor:
+    # temps None: every row greedy, no temperatures read and no sums taken
     n, vocab = logits.shape
     assert logits.stride(1) == 1
-    # Enough programs to fill the GPU at batch 1, a few per row at large batches.
-    num_chunks = max(1, min(64, triton.cdiv(vocab, 4 * _BLOCK), triton.cdiv(512, n)))
-    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), _BLOCK) * _BLOCK
+    chunk = min(chunk, max(16, triton.next_power_of_2(vocab)))
     num_chunks = triton.cdiv(vocab, chunk)
-    vals = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
-    idx = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_max_kernel[(n, num_chunks)](
-        logits,
-        inv_t,
-        vals,
-        idx,
-        logits.stride(0),
-        vocab,
-        seed,
-        chunk,
-        num_chunks,
-        NOISE=noise,
-        BLOCK=_BLOCK,
+    tops = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
+    args = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
+    sums = tops if temps is None else torch.empty_like(tops)
+    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+    temps = tops if temps is None else temps  # any tensor fills the greedy launch's slot
+    greedy = temps is tops
+    warps = max(1, min(8, chunk // 1024))
+    common = (logits.stride(0), vocab, num_chunks)
+    _slice_softmax_kernel[(n, num_chunks)](
+        logits, temps, tops, args, sums, *common, GREEDY=greedy, CHUNK=chunk, num_warps=warps
     )
-    # argmax over the slices takes the first slice holding the maximum: the row's first maximum
-    return idx.gather(1, vals.argmax(1, keepdim=True)).squeeze(1).long()
+    _pick_kernel[(n,)](
+        logits,
+        temps,
+        tops,
+        args,
+        sums,
+        tokens,
+        *common,
+        seed,
+        GREEDY=greedy,
+        CHUNK=chunk,
+        CHUNKS=max(2, triton.next_power_of_2(num_chunks)),
+        num_warps=warps,
+    )
+    return tokens
