@@ -46,6 +46,23 @@ def floor_seconds(
     return seconds
 
 
+def phases(t0: float, ends: list[float], replayed: list[bool]) -> dict:
+    """Wall time until the step after the last one with prompt tokens (steps queue one ahead, so a
+    step's end marks the one before it finishing on the device), the decode-only rest, and the
+    run in tenths of its steps."""
+    eager = [i for i, r in enumerate(replayed) if not r]
+    cut = min(len(ends) - 1, eager[-1] + 1) if eager else -1
+    prompt = ends[cut] - t0 if cut >= 0 else 0.0
+    n = len(ends)
+    marks = [t0] + [ends[max(0, (i + 1) * n // 10 - 1)] for i in range(10)]
+    return {
+        "prompt_steps": len(eager),
+        "until_last_prompt_step": round(prompt, 3),
+        "decode_rest": round(ends[-1] - t0 - prompt, 3) if ends else 0.0,
+        "tenths_of_the_steps": [round(b - a, 3) for a, b in zip(marks, marks[1:])],
+    }
+
+
 def profile_run(
     llm, prompts: list[list[int]], sampling: list, window: tuple[int, int] = (300, 310)
 ) -> dict:
@@ -81,8 +98,10 @@ def profile_run(
     for p, sp in zip(prompts, sampling):
         engine.add_request(p, sp)
     steps, kernels, window_s = 0, [], 0.0
+    ends, replayed = [], []  # each step's end, and whether it was a graph replay (decode only)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
+        before = calls["graph steps"]
         if steps == window[0]:
             if on_gpu:
                 torch.cuda.synchronize()
@@ -91,6 +110,8 @@ def profile_run(
             tw = time.perf_counter()
         engine.step()
         steps += 1
+        ends.append(time.perf_counter())
+        replayed.append(calls["graph steps"] > before)
         if steps == window[1]:
             if on_gpu:
                 torch.cuda.synchronize()
@@ -127,6 +148,7 @@ def profile_run(
         "seconds": round(total, 2),
         "steps": steps,
         "graph_steps": calls["graph steps"],
+        "phases_s": phases(t0, ends, replayed),
         "host_parts_s": parts,
         "window_steps": list(window),
         "window_wall_ms_per_step": round(window_s / (window[1] - window[0]) * 1e3, 3),
