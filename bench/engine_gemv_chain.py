@@ -20,24 +20,32 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 FUSED = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "silu"}
 
 
+# A decoder's GEMV shapes: (hidden, intermediate, q width, k/v width, layers)
+LLAMA3_8B = (HIDDEN, INTER, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, LAYERS)
+
+
 def layer_weights(
-    world: int, gen: torch.Generator, device: torch.device | str = "cuda"
+    world: int,
+    gen: torch.Generator,
+    device: torch.device | str = "cuda",
+    shape: tuple[int, int, int, int, int] = LLAMA3_8B,
+    std: float = 0.01,
 ) -> list[dict[str, torch.Tensor]]:
-    """One rank's q/k/v, o, gate/up and down weights for each of the LAYERS layers (bf16,
-    random)."""
+    """One rank's q/k/v, o, gate/up and down weights for each layer of `shape` (bf16, random)."""
+    hidden, inter, q, kv, layers = shape
 
     def w(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=gen, device=device) * 0.01).to(torch.bfloat16)
+        return (torch.randn(n, k, generator=gen, device=device) * std).to(torch.bfloat16)
 
-    q, kv, inter = HEADS * HEAD_DIM // world, KV_HEADS * HEAD_DIM // world, INTER // world
+    q, kv, inter = q // world, kv // world, inter // world
     return [
         {
-            "qkv": w(q + 2 * kv, HIDDEN),
-            "o": w(HIDDEN, q),
-            "gate_up": w(2 * inter, HIDDEN),
-            "down": w(HIDDEN, inter),
+            "qkv": w(q + 2 * kv, hidden),
+            "o": w(hidden, q),
+            "gate_up": w(2 * inter, hidden),
+            "down": w(hidden, inter),
         }
-        for _ in range(LAYERS)
+        for _ in range(layers)
     ]
 
 
@@ -48,7 +56,7 @@ def _chain(
     x: torch.Tensor,
     norm: torch.Tensor,
 ) -> None:
-    q = HEADS * HEAD_DIM // world
+    q = layers[0]["o"].shape[1]  # this rank's q width
     residual = x.clone()
     for lw in layers:
         qkv = gemv_triton(lw["qkv"], residual, config=configs["qkv"], norm=(norm, 1e-5))
@@ -136,38 +144,19 @@ SMALL_CANDIDATES = [
 def sweep_small(name: str) -> dict[str, Any]:
     """A small model's four fused batch-1 GEMVs for all its layers in one graph (bf16, random
     weights), SMALL_CANDIDATES swept per projection from gemv_config's."""
-    hidden, inter, q_width, kv_width, layers_n = SMALL_MODELS[name]
+    shape = SMALL_MODELS[name]
     gen = torch.Generator("cuda").manual_seed(0)
-
-    def w(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-
-    layers = [
-        {
-            "qkv": w(q_width + 2 * kv_width, hidden),
-            "o": w(hidden, q_width),
-            "gate_up": w(2 * inter, hidden),
-            "down": w(hidden, inter),
-        }
-        for _ in range(layers_n)
-    ]
-    x = torch.randn(1, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    norm = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    layers = layer_weights(1, gen, shape=shape, std=0.02)
+    x = torch.randn(1, shape[0], generator=gen, device="cuda").to(torch.bfloat16)
+    norm = torch.ones(shape[0], dtype=torch.bfloat16, device="cuda")
     defaults = {p: gemv_config(*layers[0][p].shape, FUSED[p]) for p in PROJECTIONS}
-
-    def chain(c: dict[str, Any]) -> None:
-        residual = x.clone()
-        for lw in layers:
-            qkv = gemv_triton(lw["qkv"], residual, config=c["qkv"], norm=(norm, 1e-5))
-            residual = gemv_triton(lw["o"], qkv[:, :q_width], config=c["o"], residual=residual)
-            gate_up = gemv_triton(lw["gate_up"], residual, config=c["gate_up"], norm=(norm, 1e-5))
-            residual = gemv_triton(
-                lw["down"], gate_up, config=c["down"], silu=True, residual=residual
-            )
-
     floor_ms = sum(t.numel() * 2 for lw in layers for t in lw.values()) / COPY_BANDWIDTH * 1e3
     return sweep(
-        lambda c: graph_ms(lambda: chain(c)), defaults, SMALL_CANDIDATES, floor_ms, tag=name
+        lambda c: graph_ms(lambda: _chain(layers, c, 1, x, norm)),
+        defaults,
+        SMALL_CANDIDATES,
+        floor_ms,
+        tag=name,
     )
 
 

@@ -122,6 +122,7 @@ class KernelOptions:
                 elementwise_pdl=False,
                 decode_longest_first=False,
                 decode_deep_tma=False,
+                decode_wave_tma=False,
             )
         from flashstack.cuda.torch_interop import device_for
 

@@ -61,6 +61,10 @@ from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 from flashstack.engine.kernels.triton_q4k import group_scales
 from flashstack.engine.quantization import FP8, dequantized_linear
 
+# What fp8 products in float16 multiply their input by first (_product): 448 * x stays in range.
+HALF_INPUT_SCALE = 2.0**-8
+_HALF_INPUT_SCALE = tl.constexpr(HALF_INPUT_SCALE)
+
 
 @triton.jit
 def _input_chunk(
@@ -97,7 +101,7 @@ def _product(w, x, HALF: tl.constexpr, PRESCALED: tl.constexpr = False):
     if PRESCALED:
         p = w.to(tl.float16) * x[None, :]
     elif HALF:
-        p = w.to(tl.float16) * (x * 0.00390625).to(tl.float16)[None, :]
+        p = w.to(tl.float16) * (x * _HALF_INPUT_SCALE).to(tl.float16)[None, :]
     else:
         p = w.to(tl.float32) * x[None, :]
     return p
@@ -312,10 +316,6 @@ def _gemv_kernel(
             r_ptr + rows, mask=rmask, other=0.0
         ).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-
-
-# What fp8 products in float16 multiply their input by first (_product): 448 * x stays in range.
-HALF_INPUT_SCALE = 2.0**-8
 
 
 # fp8 weights' configurations by prologue or epilogue, swept in the 8B chain on the H200 with the

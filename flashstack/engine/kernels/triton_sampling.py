@@ -141,10 +141,11 @@ def _launch(
     num_chunks = triton.cdiv(vocab, chunk)
     tops = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     args = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
-    sums = tops if temps is None else torch.empty_like(tops)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-    temps = tops if temps is None else temps  # any tensor fills the greedy launch's slot
-    greedy = temps is tops
+    greedy = temps is None
+    # a greedy launch reads no temperatures and writes no sums: any tensor fills those slots
+    sums = tops if greedy else torch.empty_like(tops)
+    temps = tops if greedy else temps
     warps = max(1, min(8, chunk // 1024))
     common = (logits.stride(0), vocab, num_chunks)
     _slice_softmax_kernel[(n, num_chunks)](
