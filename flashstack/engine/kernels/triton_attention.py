@@ -704,9 +704,37 @@ def plan_decode(
     )
 
 
+@triton.jit
+def _longest_first_kernel(lens_ptr, order_ptr, n, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    # Each sequence's rank counts the longer contexts, and the equal ones before it (a stable
+    # order); the sequence then writes itself at its rank.
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mine = tl.load(lens_ptr + i, mask=i < n, other=0)
+    rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+    for start in range(0, n, BLOCK_J):
+        j = start + tl.arange(0, BLOCK_J)
+        theirs = tl.load(lens_ptr + j, mask=j < n, other=0)
+        ahead = (theirs[None, :] > mine[:, None]) | (
+            (theirs[None, :] == mine[:, None]) & (j[None, :] < i[:, None])
+        )
+        rank += tl.sum((ahead & (j[None, :] < n)).to(tl.int32), 1)
+    tl.store(order_ptr + rank, i, mask=i < n)
+
+
+_ORDER_BLOCK = 64  # sequences a program ranks, and compares against per iteration
+
+
 def decode_order(context_lens: torch.Tensor) -> torch.Tensor:
-    """The sequences' permutation, longest context first (int32): a decode launch's start order."""
-    return torch.argsort(context_lens, descending=True).to(torch.int32)
+    """The sequences' permutation, longest context first, ties in batch order (int32): a decode
+    launch's start order. One small kernel of pairwise comparisons, where torch's sort of a few
+    hundred values launches several (18 µs a step at 207 sequences on the H200)."""
+    n = context_lens.shape[0]
+    order = torch.empty(n, dtype=torch.int32, device=context_lens.device)
+    block = _ORDER_BLOCK
+    _longest_first_kernel[(triton.cdiv(n, block),)](
+        context_lens, order, n, BLOCK_I=block, BLOCK_J=block
+    )
+    return order
 
 
 def paged_decode_triton(

@@ -425,6 +425,18 @@ def test_decode_longest_first_matches_reference(device, num_splits, monkeypatch)
     assert not tk.plan_decode(2, cache, 64, num_splits=1, longest_first=True).longest_first
 
 
+@pytest.mark.parametrize("n", [1, 5, 64, 65, 200])
+def test_decode_order_is_a_stable_sort_longest_first(device, n):
+    """The launch order ranks every sequence in one kernel: longest context first, equal lengths
+    in batch order, as torch's stable sort gives it, across several programs."""
+    rng = random.Random(n)
+    lens = torch.tensor([rng.randint(1, 20) for _ in range(n)], dtype=torch.int32, device=device)
+    want = torch.sort(lens, descending=True, stable=True).indices.to(torch.int32)
+    got = tk.decode_order(lens)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, want)
+
+
 def test_deep_tma_launches_only_for_many_pairs_of_a_16_bit_cache():
     """From DEEP_TMA_PAIRS (sequence, KV head) pairs a 16-bit TMA launch reads 64-token tiles three
     stages deep, two programs per SM; one sequence's launch and an fp8 cache keep their own."""
