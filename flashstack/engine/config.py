@@ -63,6 +63,13 @@ class KernelOptions:
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.
     argmax_in_graph: bool = True
+    # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
+    # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
+    # triton_sampling.py) reads the temperatures and the seed from the step's staged inputs, in
+    # place of the argmax, so a sampled step too launches nothing between replays. Off until
+    # measured on the GPU (bench/engine_throughput.py --variants): on nano-vllm's workload it
+    # would take the argmax's ~32 µs a step, and the sampler's launch after the replay.
+    sample_in_graph: bool = False
     # A batch-1 step's fp8 down projection takes silu(gate) * up from a SiLU-and-mul kernel of its
     # own, in float16 pre-scaled, instead of computing and converting it in every GEMV program:
     # the fp8 GEMV is bound by conversions (kernels/triton_gemv.py). 8B batch-1 step on the H200:

@@ -2,11 +2,12 @@
 
 A captured graph replays the whole forward pass (and the logits) with one launch, so the CPU cost of
 a step no longer depends on the model's depth. A step's inputs travel as one packed int64 tensor
-(ids, positions, slots, context lengths, block-table rows: `bucket * (4 + width)` values): one
-asynchronous copy from a pooled pinned block (engine/staging.py), and under tensor parallelism one
-broadcast to the other ranks. Each bucket's graph reads the packed buffer in its own layout and
-converts the two int32 inputs of the attention kernels itself. Padded rows write nothing (slot -1)
-and read one harmless slot (context length 1).
+(ids, positions, slots, context lengths, block-table rows, then the sampler's temperatures and
+seed: `bucket * (5 + width) + 1` values): one asynchronous copy from a pooled pinned block
+(engine/staging.py), and under tensor parallelism one broadcast to the other ranks. Each bucket's
+graph reads the packed buffer in its own layout and converts the two int32 inputs of the attention
+kernels itself. Padded rows write nothing (slot -1), read one harmless slot (context length 1) and
+are greedy.
 
 A bucket has one graph per grid bound its attention backend asks for (`decode_grid_bounds`: the
 Triton backend gives bucket 1 a short-context launch too, kernels/triton_attention.plan_decode), as
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashstack.engine.kernels.attention import AttentionMetadata
@@ -28,7 +30,7 @@ from flashstack.engine.staging import to_device
 from flashstack.engine.step import ShareInputs, StepHook
 
 MAX_GRAPH_BATCH = 512
-_INPUT_ROWS = 4  # ids, positions, slots, context lengths; the block table follows
+_INPUT_ROWS = 4  # ids, positions, slots, context lengths; the block table and the draws follow
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -50,6 +52,8 @@ class _BucketInputs:
     slot_mapping: torch.Tensor
     context_lens: torch.Tensor  # int64; the graph converts it
     block_tables: torch.Tensor  # int64 [bucket, width]; the graph converts it
+    temperatures: torch.Tensor  # int64: float32 bit patterns, read by the sampler as they are
+    seed: torch.Tensor  # int64 [1]: the step's draws
 
 
 class DecodeGraphs:
@@ -90,11 +94,14 @@ class DecodeGraphs:
         self.bounds = {bs: sorted(b for c, b in self.captures if c == bs) for bs in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
-        # Each graph's greedy tokens, the logits' argmax taken inside it (KernelOptions.
-        # argmax_in_graph): a greedy step then launches nothing after the replay but the tokens'
-        # copy to the host. None where the graph has no logits (a TP rank other than 0).
-        self.argmax_in_graph = ops.kernels.argmax_in_graph
-        self.greedy: dict[int, torch.Tensor | None] = {}
+        # Each graph's tokens, taken inside it: the logits' argmax (KernelOptions.
+        # argmax_in_graph), or draws at the staged temperatures, greedy rows at 0
+        # (sample_in_graph). A step whose rows the graph's tokens serve then launches nothing after
+        # the replay but their copy to the host. None where the graph has no logits (a TP rank
+        # other than 0).
+        self.sample_in_graph = ops.kernels.sample_in_graph
+        self.argmax_in_graph = ops.kernels.argmax_in_graph or self.sample_in_graph
+        self.tokens: dict[int, torch.Tensor | None] = {}
         self.pool = None
         # rank 0 of a tensor-parallel group announces the step
         self.before_replay: StepHook | None = None
@@ -109,19 +116,19 @@ class DecodeGraphs:
     @staticmethod
     def packed_capacity(max_model_len: int, block_size: int, max_num_seqs: int) -> int:
         """Values in the largest bucket's packed inputs."""
-        return graph_buckets(max_num_seqs)[-1] * (
-            _INPUT_ROWS + math.ceil(max_model_len / block_size)
-        )
+        return _packed_size(graph_buckets(max_num_seqs)[-1], math.ceil(max_model_len / block_size))
 
     def packed_size(self, bs: int) -> int:
         """Values in bucket `bs`'s packed inputs."""
-        return bs * (_INPUT_ROWS + self.width)
+        return _packed_size(bs, self.width)
 
     def _views(self, bs: int) -> _BucketInputs:
         p = self.packed
         ids, pos, slots, ctx = (p[i * bs : (i + 1) * bs] for i in range(_INPUT_ROWS))
-        tables = p[_INPUT_ROWS * bs : self.packed_size(bs)].view(bs, self.width)
-        return _BucketInputs(ids, pos, slots, ctx, tables)
+        tables_end = (_INPUT_ROWS + self.width) * bs
+        tables = p[_INPUT_ROWS * bs : tables_end].view(bs, self.width)
+        temps, seed = p[tables_end : tables_end + bs], p[tables_end + bs : tables_end + bs + 1]
+        return _BucketInputs(ids, pos, slots, ctx, tables, temps, seed)
 
     def _meta(self, bs: int, slot_mapping: torch.Tensor, max_context_len: int) -> AttentionMetadata:
         # One grid for every step of this graph: split-KV sized for the longest context it serves.
@@ -149,6 +156,16 @@ class DecodeGraphs:
         # None on ranks other than a group's rank 0
         return self.model.compute_logits(hidden, self.ops)
 
+    def _tokens(self, bs: int, logits: torch.Tensor | None) -> torch.Tensor | None:
+        if logits is None or not self.argmax_in_graph:
+            return None
+        from flashstack.engine.kernels.triton_sampling import argmax_triton, sample_triton
+
+        if not self.sample_in_graph:
+            return argmax_triton(logits)
+        v = self._views(bs)
+        return sample_triton(logits, v.temperatures, v.seed)
+
     def _pad(self, bs: int) -> None:
         """Fill bucket `bs`'s inputs with padding rows (what warm-up and capture run on)."""
         v = self._views(bs)
@@ -158,6 +175,8 @@ class DecodeGraphs:
             (v.slot_mapping, -1),
             (v.context_lens, 1),
             (v.block_tables, 0),
+            (v.temperatures, 0),
+            (v.seed, 0),
         ):
             t.fill_(value)
 
@@ -168,21 +187,15 @@ class DecodeGraphs:
         Under tensor parallelism every rank calls this at once: warm-ups and captures issue the
         same collectives in the same order on every rank.
         """
-        from flashstack.engine.kernels.triton_sampling import argmax_triton
-
         for key, (bs, max_context_len) in enumerate(self.captures):
             self._pad(bs)
             # warm-up: Triton compiles and autotunes outside the capture
-            logits = self._forward(bs, max_context_len)
-            if logits is not None and self.argmax_in_graph:
-                argmax_triton(logits)
+            self._tokens(bs, self._forward(bs, max_context_len))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[key] = logits = self._forward(bs, max_context_len)
-                self.greedy[key] = (
-                    argmax_triton(logits) if logits is not None and self.argmax_in_graph else None
-                )
+                self.tokens[key] = self._tokens(bs, logits)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph
@@ -197,7 +210,7 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.logits.clear()
-        self.greedy.clear()
+        self.tokens.clear()
         self.pool = None
 
     def key_for(self, bs: int, longest: int) -> int:
@@ -216,22 +229,28 @@ class DecodeGraphs:
         block_tables: list[list[int]],
         context_lens: list[int],
         ids_from: torch.Tensor | None = None,
+        temperatures: list[float] | None = None,
+        seed: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch), and their argmax
-        [n] (int64) when the graph takes it (else None). Both are the graph's own memory, valid
-        until its next replay: what reads them must be queued before that. `ids_from`, a device
-        tensor [n], replaces `input_ids` (the previous step's samples, never read back)."""
-        bs = self.stage(input_ids, positions, slot_mapping, block_tables, context_lens)
+        """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch), and the graph's
+        tokens [n] (int64) when it takes them (else None): drawn at `temperatures` (one a row, 0:
+        greedy) from `seed` where the graph samples (sample_in_graph), else the logits' argmax.
+        Both are the graph's own memory, valid until its next replay: what reads them must be
+        queued before that. `ids_from`, a device tensor [n], replaces `input_ids` (the previous
+        step's samples, never read back)."""
+        bs = self.stage(
+            input_ids, positions, slot_mapping, block_tables, context_lens, temperatures, seed
+        )
         if ids_from is not None:
             self.packed[: len(input_ids)].copy_(ids_from)
         key = self.key_for(bs, max(context_lens))
         if self.before_replay is not None:
             self.before_replay(key, self.packed[: self.packed_size(bs)])
         self.graphs[key].replay()
-        logits, greedy = self.logits[key], self.greedy[key]
+        logits, tokens = self.logits[key], self.tokens[key]
         assert logits is not None, "only the rank that samples replays through run()"
         n = len(input_ids)
-        return logits[:n], (greedy[:n] if greedy is not None else None)
+        return logits[:n], (tokens[:n] if tokens is not None else None)
 
     def stage(
         self,
@@ -240,8 +259,11 @@ class DecodeGraphs:
         slot_mapping: list[int],
         block_tables: list[list[int]],
         context_lens: list[int],
+        temperatures: list[float] | None = None,
+        seed: int = 0,
     ) -> int:
-        """Pack one step's inputs, padded to its bucket, into `packed`; returns the bucket."""
+        """Pack one step's inputs, padded to its bucket, into `packed`; returns the bucket.
+        Without `temperatures` every row is greedy."""
         n = len(input_ids)
         bs = self.bucket_for(n)
         pad, width = bs - n, self.width
@@ -253,6 +275,9 @@ class DecodeGraphs:
             values += row
             values += [0] * (width - len(row))
         values += [0] * (width * pad)
+        values += float32_bits(temperatures) if temperatures else [0] * n
+        values += [0] * pad
+        values.append(seed)
         to_device(values, torch.int64, self.device, out=self.packed)
         return bs
 
@@ -260,3 +285,14 @@ class DecodeGraphs:
         """Replay graph `key` (rank 0's choice) on inputs another rank has just written into
         `packed` (a TP rank)."""
         self.graphs[key].replay()
+
+
+def _packed_size(bs: int, width: int) -> int:
+    # the inputs' rows and the block table, a temperature a row, the seed
+    return bs * (_INPUT_ROWS + width + 1) + 1
+
+
+def float32_bits(values: list[float]) -> list[int]:
+    """Floats as their float32 bit patterns (signed 32-bit integers): how the packed int64 inputs
+    carry the sampler's temperatures (kernels/triton_sampling.py reads them back bit for bit)."""
+    return np.asarray(values, dtype=np.float32).view(np.int32).tolist()

@@ -16,7 +16,14 @@ from flashstack.engine.kv_cache import allocate_kv_cache, resolve_kv_dtype
 from flashstack.engine.mixed_graphs import MixedStepGraphs
 from flashstack.engine.models import LlamaForCausalLM, ModelArgs
 from flashstack.engine.models.ops import select_ops
-from flashstack.engine.sampling import needs_host, sample, sample_on_device
+from flashstack.engine.sampling import (
+    SamplingParams,
+    draw_seed,
+    graph_temperatures,
+    needs_host,
+    sample,
+    sample_on_device,
+)
 from flashstack.engine.scheduler import ScheduledBatch
 from flashstack.engine.sequence import Sequence
 from flashstack.engine.staging import to_device, to_device_parts, to_host
@@ -184,9 +191,11 @@ class ModelRunner:
         batch: ScheduledBatch,
         ids_from: torch.Tensor | None = None,
         ahead: list[int] | None = None,
+        temperatures: list[float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(logits, their argmax or None) from a graph replay (DecodeGraphs.run) when the batch
-        is a plain decode step that fits one."""
+        """(logits, the graph's tokens or None) from a graph replay (DecodeGraphs.run) when the
+        batch is a plain decode step that fits one; the graph draws at `temperatures` where it
+        samples, else it takes the argmax."""
         graphs = self.graphs
         if graphs is None or len(batch.seqs) > graphs.max_batch:
             return None
@@ -194,9 +203,18 @@ class ModelRunner:
         if rows is None:
             return None
         ids, positions, slots, lens = rows
-        return graphs.run(
-            ids, positions, slots, [s.block_table for s in batch.seqs], lens, ids_from=ids_from
-        )
+        tables = [s.block_table for s in batch.seqs]
+        seed = draw_seed() if temperatures is not None else 0
+        return graphs.run(ids, positions, slots, tables, lens, ids_from, temperatures, seed)
+
+    def _graph_temperatures(self, params: list[SamplingParams]) -> list[float] | None:
+        """The rows' temperatures where the decode graph draws this step's tokens itself
+        (KernelOptions.sample_in_graph); None where it does not, or where every row is greedy
+        (the graph then takes the argmax)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.sample_in_graph or all(p.greedy for p in params):
+            return None
+        return graph_temperatures(params, self.model.args.vocab_size)
 
     def _eager_decode_logits(
         self, batch: ScheduledBatch, ids_from: torch.Tensor | None, ahead: list[int] | None
@@ -247,18 +265,21 @@ class ModelRunner:
                 ids_from = after.tokens[self._tensor(rows, torch.int64)]
             ahead = [after.batch.num_new_tokens[r] for r in rows]
         seqs = batch.seqs
-        replayed = self._graph_logits(batch, ids_from, ahead)
+        params = [s.params for s in seqs]
+        temperatures = self._graph_temperatures(params)
+        replayed = self._graph_logits(batch, ids_from, ahead, temperatures)
         if replayed is not None:
-            logits, greedy = replayed
-            if greedy is not None and all(s.params.greedy for s in seqs):
-                # the graph took the argmax (can_launch leaves no penalties): nothing to launch
-                return PendingStep(batch, greedy, to_host(greedy))
+            logits, tokens = replayed
+            if tokens is not None and (temperatures is not None or all(p.greedy for p in params)):
+                # the graph drew the tokens, or took the argmax of greedy rows (can_launch leaves
+                # no penalties): nothing to launch
+                return PendingStep(batch, tokens, to_host(tokens))
         else:
             logits = self._eager_decode_logits(batch, ids_from, ahead)
         if logits is None:
             return self._launch_mixed(batch, ids_from, ahead)
         tokens = sample_on_device(
-            logits, [s.params for s in seqs], lambda i: ([], []), [self._generator(s) for s in seqs]
+            logits, params, lambda i: ([], []), [self._generator(s) for s in seqs]
         )
         return PendingStep(batch, tokens, to_host(tokens))
 

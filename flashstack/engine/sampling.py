@@ -150,6 +150,29 @@ def _fused_applies(
     )
 
 
+def _kernel_temperatures(params: list[SamplingParams]) -> list[float]:
+    # the fused sampler takes a greedy row at temperature 0
+    return [0.0 if p.greedy else p.temperature for p in params]
+
+
+def draw_seed() -> int:
+    """A step's seed for the fused sampler, from torch's global generator: torch.manual_seed
+    fixes the draws too."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def graph_temperatures(params: list[SamplingParams], vocab: int) -> list[float] | None:
+    """Each row's temperature (0: greedy) where a decode graph's own sampler can draw the whole
+    batch (engine/cuda_graphs.py, KernelOptions.sample_in_graph), or None where a row needs more:
+    top-k, top-p or min-p, penalties, or a seed of its own."""
+    if all(
+        not _has_penalties(p) and (p.greedy or (p.seed is None and _temperature_only(p, vocab)))
+        for p in params
+    ):
+        return _kernel_temperatures(params)
+    return None
+
+
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row; seeded rows use their own generator so their tokens never depend on the
     batch."""
@@ -228,10 +251,8 @@ def sample_on_device(
     if sampled_rows and _fused_applies(logits, params, generators):
         from flashstack.engine.kernels.triton_sampling import sample_triton
 
-        temps = [0.0 if p.greedy else p.temperature for p in params]
-        # The draws' seed comes from torch's global generator: torch.manual_seed fixes it too.
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        return sample_triton(logits, to_device(temps, torch.float32, logits.device), seed)
+        temps = to_device(_kernel_temperatures(params), torch.float32, logits.device)
+        return sample_triton(logits, temps, draw_seed())
     if len(sampled_rows) == len(params):  # no greedy row: no argmax pass, no row gathers
         return _draw(_filtered_probs(logits.float(), params), generators)
     chosen = _argmax(logits)

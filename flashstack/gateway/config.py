@@ -43,6 +43,7 @@ class KernelSwitches(BaseModel):
     decode_deep_tma: bool | None = None
     decode_wave_tma: bool | None = None
     argmax_in_graph: bool | None = None
+    sample_in_graph: bool | None = None
     fp8_silu_kernel: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None
     tp_all_reduce_block: int | None = Field(None, ge=64)

@@ -81,6 +81,47 @@ def test_cuda_graph_argmax_serves_greedy_steps(hf_checkpoints, monkeypatch) -> N
     assert out[0].token_ids == refs[0] and len(out[1].token_ids) == 12
 
 
+def test_cuda_graph_sampler_draws_temperature_steps_itself(hf_checkpoints, monkeypatch) -> None:
+    """With the sampler in the decode graphs (kernels.sample_in_graph), steps of greedy rows and
+    rows at a temperature alone launch no sampling of their own: the greedy rows keep
+    transformers' tokens, the draws follow torch's global seed, and a row with a seed of its own
+    sends its steps back to the sampler after the replay."""
+    from flashstack.engine import model_runner
+
+    path, model = hf_checkpoints["llama"]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53))]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    calls = {"n": 0}
+    sample = model_runner.sample_on_device
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return sample(*a, **kw)
+
+    monkeypatch.setattr(model_runner, "sample_on_device", counted)
+    kw = dict(block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=8)
+    llm = LLM(path, kernels={"sample_in_graph": True}, **kw)
+    hot = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    params = [greedy(12), hot, hot]
+
+    def drawn(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        calls["n"] = 0
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        assert calls["n"] <= 2, "decode steps sampled after the replay"  # the prompts' steps
+        return out
+
+    first = drawn(1)
+    assert first[0] == refs[0]
+    assert all(len(t) == 12 and max(t) < model.config.vocab_size for t in first)
+    assert drawn(1) == first  # torch's seed fixes the graph's draws
+    assert drawn(2)[1:] != first[1:]
+    calls["n"] = 0
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts, [greedy(12), hot, seeded])
+    assert calls["n"] >= 10  # a row with its own generator: sampled after every replay
+
+
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]

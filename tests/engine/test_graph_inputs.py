@@ -45,7 +45,23 @@ def test_staged_step_reads_back_through_its_bucket_views() -> None:
     assert v.slot_mapping.tolist() == [85, 273, 680, -1], "a padded row must write no KV slot"
     assert v.context_lens.tolist() == [6, 18, 41, 1], "a padded row reads one slot"
     assert v.block_tables.tolist() == [[5, 0, 0, 0], [2, 17, 0, 0], [9, 1, 42, 0], [0, 0, 0, 0]]
-    assert g.packed_size(4) == 4 * (4 + 4)
+    assert v.temperatures.tolist() == [0] * 4, "without temperatures every row is greedy"
+    # a temperature a row and the seed after the block table
+    assert g.packed_size(4) == 4 * (4 + 4 + 1) + 1
+
+
+def test_staged_temperatures_and_seed_read_back_bit_for_bit() -> None:
+    """The sampler's inputs ride in the packed int64 tensor: float32 bit patterns that read back
+    as the very temperatures staged, padded rows greedy, and the step's seed."""
+    g = _graphs()
+    temps = [0.6, 0.0, 1.3]
+    bucket = g.stage([1, 2, 3], [4, 5, 6], [7, 8, 9], [[1], [2], [3]], [5, 6, 7], temps, 2**31 - 2)
+    v = g._views(bucket)
+    as_float = v.temperatures.to(torch.int32).view(torch.float32)
+    assert as_float.tolist() == torch.tensor(temps + [0.0], dtype=torch.float32).tolist()
+    assert v.seed.tolist() == [2**31 - 2]
+    assert v.block_tables.tolist()[:3] == [[1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0]]
+    assert g.packed_capacity(64, 16, 16) == g.packed_size(16)
 
 
 def test_a_smaller_step_after_a_larger_one_uses_only_its_own_layout() -> None:

@@ -185,3 +185,27 @@ def test_rows_that_all_set_top_k_filter_exactly_without_a_full_sort() -> None:
     for i, p in enumerate(params):
         torch.testing.assert_close(batched[i], filter_logits(logits[i].clone(), p).softmax(-1))
         assert int((batched[i] > 0).sum()) <= p.top_k
+
+
+def test_graph_temperatures_only_where_a_temperature_is_all_a_row_needs() -> None:
+    """A decode graph draws a batch itself only when every row is greedy or sampled at a
+    temperature alone; any row with a filter, a penalty or a seed of its own sends the batch to
+    the sampler after the replay."""
+    from flashstack.engine.sampling import graph_temperatures
+
+    vocab = 100
+    plain = [SamplingParams(temperature=0.6), SamplingParams(temperature=0), SamplingParams()]
+    assert graph_temperatures(plain, vocab) == [0.6, 0.0, 1.0]
+    # top_k 1 is greedy, and a top-k of the whole vocabulary filters nothing
+    edge = [SamplingParams(temperature=0.9, top_k=1), SamplingParams(top_k=vocab, seed=None)]
+    assert graph_temperatures(edge, vocab) == [0.0, 1.0]
+    assert graph_temperatures([SamplingParams(temperature=0, seed=3)], vocab) == [0.0]
+    for needs_more in (
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.1),
+        SamplingParams(seed=3),
+        SamplingParams(temperature=0, repetition_penalty=1.2),
+        SamplingParams(presence_penalty=0.5),
+    ):
+        assert graph_temperatures(plain + [needs_more], vocab) is None, needs_more

@@ -28,8 +28,12 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _inverse(t):
-    # 1 / T, and 0 for a greedy row (T = 0)
+def _inverse_temperature(temp_ptr, row):
+    # 1 / T, and 0 for a greedy row (T = 0). int64 temperatures are float32 bit patterns: a decode
+    # graph stages them among its integer inputs (engine/cuda_graphs.py).
+    t = tl.load(temp_ptr + row)
+    if temp_ptr.dtype.element_ty == tl.int64:
+        t = t.to(tl.int32).to(tl.float32, bitcast=True)
     return tl.where(t > 0.0, 1.0 / tl.maximum(t, 1e-30), 0.0)
 
 
@@ -58,10 +62,11 @@ def _slice_softmax_kernel(
     tl.store(max_ptr + out, top)
     tl.store(arg_ptr + out, arg)
     if not GREEDY:
-        scale = _inverse(tl.load(temp_ptr + row)) * _LOG2E
-        # A slice of -inf only: its sum is 0 (exp2 of -inf), never NaN from -inf - -inf.
-        total = tl.sum(tl.exp2((x - tl.where(top == float("-inf"), 0.0, top)) * scale), 0)
-        tl.store(sum_ptr + out, total)
+        scale = _inverse_temperature(temp_ptr, row) * _LOG2E
+        if scale > 0.0:  # a greedy row of a sampled batch reads no sums
+            # A slice of -inf only: its sum is 0 (exp2 of -inf), never NaN from -inf - -inf.
+            total = tl.sum(tl.exp2((x - tl.where(top == float("-inf"), 0.0, top)) * scale), 0)
+            tl.store(sum_ptr + out, total)
 
 
 @triton.jit
@@ -81,7 +86,7 @@ def _pick_kernel(
     CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    inv_t = 0.0 if GREEDY else _inverse(tl.load(temp_ptr + row))
+    inv_t = 0.0 if GREEDY else _inverse_temperature(temp_ptr, row)
     scale = inv_t * _LOG2E
     c = tl.arange(0, CHUNKS)
     live = c < num_chunks
@@ -95,7 +100,9 @@ def _pick_kernel(
         sums = tl.load(sum_ptr + row * num_chunks + c, mask=live, other=0.0)
         # each slice's mass relative to the row's maximum
         mass = tl.where(tops == float("-inf"), 0.0, sums * tl.exp2((tops - ref) * scale))
-        target = tl.rand(seed, row) * tl.sum(mass, 0)
+        # a decode graph's seed is one of its staged inputs, read when the graph replays
+        key = tl.load(seed) if seed.dtype.is_ptr() else seed
+        target = tl.rand(key, row) * tl.sum(mass, 0)
         cum = tl.cumsum(mass, 0)
         # the first slice whose cumulative mass passes the target; rounding may carry the target
         # past the last slice with mass, which then takes it
@@ -118,12 +125,19 @@ def _pick_kernel(
 
 
 def sample_triton(
-    logits: torch.Tensor, temperatures: torch.Tensor, seed: int, chunk: int = _CHUNK
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seed: int | torch.Tensor,
+    chunk: int = _CHUNK,
 ) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] (any float dtype), drawn from softmax(logits / T)
-    with T = `temperatures` [n] (0: the row's first maximum); `seed` picks the draws. Returns
-    int64 [n] on the device. `chunk`: entries a program reads (a power of two)."""
-    return _launch(logits, temperatures.float().contiguous(), seed, chunk)
+    with T = `temperatures` [n] (0: the row's first maximum; int64: float32 bit patterns); `seed`
+    picks the draws (a one-element int64 device tensor: read when the kernel runs, as a CUDA
+    graph replays it). Returns int64 [n] on the device. `chunk`: entries a program reads (a power
+    of two)."""
+    if temperatures.dtype != torch.int64:
+        temperatures = temperatures.float()
+    return _launch(logits, temperatures.contiguous(), seed, chunk)
 
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
@@ -132,7 +146,7 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    logits: torch.Tensor, temps: torch.Tensor | None, seed: int, chunk: int
+    logits: torch.Tensor, temps: torch.Tensor | None, seed: int | torch.Tensor, chunk: int
 ) -> torch.Tensor:
     # temps None: every row greedy, no temperatures read and no sums taken
     n, vocab = logits.shape

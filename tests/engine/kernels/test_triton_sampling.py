@@ -86,3 +86,23 @@ def test_argmax_matches_torch_with_ties(device):
     assert ts.argmax_triton(logits)[1].item() == 17
     one = torch.tensor([[3.0]], device=device)
     assert ts.argmax_triton(one).tolist() == [0]
+
+
+def test_graph_inputs_draw_as_the_host_values(device):
+    """A decode graph's form: temperatures as float32 bit patterns in int64 and the seed a device
+    tensor, read when the kernel runs; the same draws as the host's floats and integer seed, and a
+    greedy row of the batch still its first maximum."""
+    import numpy as np
+
+    torch.manual_seed(4)
+    rows, vocab = 6, 300
+    logits = torch.randn(rows, vocab, device=device)
+    temps = [0.6, 0.0, 1.0, 0.6, 2.0, 0.0]
+    bits = np.asarray(temps, dtype=np.float32).view(np.int32).astype(np.int64)
+    staged = torch.tensor(bits, device=device)
+    for seed in (11, 2**31 - 2):
+        want = ts.sample_triton(logits, torch.tensor(temps, device=device), seed, chunk=128)
+        seed_on_device = torch.tensor([seed], dtype=torch.int64, device=device)
+        got = ts.sample_triton(logits, staged, seed_on_device, chunk=128)
+        assert torch.equal(got, want)
+        assert got[1] == logits[1].argmax() and got[5] == logits[5].argmax()
