@@ -285,7 +285,9 @@ def main() -> None:
         "kernels.elementwise_pdl=False), noargmax (greedy sampling launched after the graph "
         "replay: kernels.argmax_in_graph=False), nodeep (decode attention two stages deep: "
         "kernels.decode_deep_tma=False), nowave (decode attention of up to one (sequence, KV "
-        "head) pair per SM two stages deep, two programs per SM: kernels.decode_wave_tma=False)",
+        "head) pair per SM two stages deep, two programs per SM: kernels.decode_wave_tma=False), "
+        "persistent (a batch-1 step's layers in one persistent kernel: "
+        "kernels.persistent_decoder)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -375,6 +377,7 @@ def main() -> None:
         "noargmax": {"argmax_in_graph": False},
         "nodeep": {"decode_deep_tma": False},
         "nowave": {"decode_wave_tma": False},
+        "persistent": {"persistent_decoder": True},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

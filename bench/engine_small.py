@@ -289,7 +289,9 @@ def main() -> None:
         default="default",
         help="comma-separated kernel options to run: default, nopdl (kernels.pdl=False), "
         "sepqkv (kernels.decode_qkv=False), attnpdl / noattnpdl "
-        "(kernels.attention_pdl), noargmax (kernels.argmax_in_graph=False)",
+        "(kernels.attention_pdl), noargmax (kernels.argmax_in_graph=False), persistent "
+        "(kernels.persistent_decoder: one program an SM, 4 warps), persistent8w (8 warps), "
+        "persistent2 (two programs an SM, items from the atomic queue)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -303,6 +305,9 @@ def main() -> None:
         "attnpdl": {"attention_pdl": True},
         "noattnpdl": {"attention_pdl": False},
         "noargmax": {"argmax_in_graph": False},
+        "persistent": {"persistent_decoder": True},
+        "persistent8w": {"persistent_decoder": True, "persistent_decoder_warps": 8},
+        "persistent2": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 2},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

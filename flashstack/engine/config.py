@@ -70,6 +70,14 @@ class KernelOptions:
     # measured on the GPU (bench/engine_throughput.py --variants): on nano-vllm's workload it
     # would take the argmax's ~32 µs a step, and the sampler's launch after the replay.
     sample_in_graph: bool = False
+    # A batch-1 step's decoder layers as one persistent kernel (kernels/triton_decoder.py): no
+    # kernel boundary inside the stack, each stage's weights streaming while the stage before
+    # finishes. For the small models, whose layers cost six kernels' fixed latency each; off
+    # until measured on the GPU (bench/engine_small.py --variants default,persistent).
+    persistent_decoder: bool = False
+    # Its programs per SM (one: items taken round-robin; more: from an atomic counter) and warps.
+    persistent_decoder_programs_per_sm: int = 1
+    persistent_decoder_warps: int = 4
     # A batch-1 step's fp8 down projection takes silu(gate) * up from a SiLU-and-mul kernel of its
     # own, in float16 pre-scaled, instead of computing and converting it in every GEMV program:
     # the fp8 GEMV is bound by conversions (kernels/triton_gemv.py). 8B batch-1 step on the H200:
@@ -97,6 +105,16 @@ class KernelOptions:
             raise ValueError(
                 "kernels.tp_all_reduce_warps must be 1, 2, 4, 8 or 16, got "
                 f"{self.tp_all_reduce_warps}"
+            )
+        if self.persistent_decoder_programs_per_sm < 1:
+            raise ValueError(
+                "kernels.persistent_decoder_programs_per_sm must be at least 1, got "
+                f"{self.persistent_decoder_programs_per_sm}"
+            )
+        if self.persistent_decoder_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                "kernels.persistent_decoder_warps must be 1, 2, 4, 8 or 16, got "
+                f"{self.persistent_decoder_warps}"
             )
         if self.tp_timeout_s <= 0:
             raise ValueError(f"kernels.tp_timeout_s must be positive, got {self.tp_timeout_s}")
@@ -130,6 +148,7 @@ class KernelOptions:
                 decode_longest_first=False,
                 decode_deep_tma=False,
                 decode_wave_tma=False,
+                persistent_decoder=False,
             )
         from flashstack.cuda.torch_interop import device_for
 

@@ -44,6 +44,9 @@ class KernelSwitches(BaseModel):
     decode_wave_tma: bool | None = None
     argmax_in_graph: bool | None = None
     sample_in_graph: bool | None = None
+    persistent_decoder: bool | None = None
+    persistent_decoder_programs_per_sm: int | None = Field(None, ge=1)
+    persistent_decoder_warps: Literal[1, 2, 4, 8, 16] | None = None
     fp8_silu_kernel: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None
     tp_all_reduce_block: int | None = Field(None, ge=64)

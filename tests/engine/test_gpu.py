@@ -122,6 +122,33 @@ def test_cuda_graph_sampler_draws_temperature_steps_itself(hf_checkpoints, monke
     assert calls["n"] >= 10  # a row with its own generator: sampled after every replay
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("programs_per_sm", [1, 2], ids=["round-robin", "atomic-queue"])
+def test_persistent_decoder_matches_transformers(
+    family: str, programs_per_sm: int, hf_checkpoints
+) -> None:
+    """Batch-1 decode steps with every layer in one persistent kernel (kernels.
+    persistent_decoder), replayed in CUDA graphs and run eagerly: transformers' greedy tokens."""
+    path, model = hf_checkpoints[family]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 53))]
+    refs = [hf_greedy(model, p, 24) for p in prompts]
+    kernels = {"persistent_decoder": True, "persistent_decoder_programs_per_sm": programs_per_sm}
+    for eager in (False, True):
+        llm = LLM(
+            path,
+            block_size=16,
+            device="cuda",
+            dtype="float32",
+            show_progress=False,
+            max_num_seqs=1,
+            enforce_eager=eager,
+            kernels=kernels,
+        )
+        ops = llm.engine.runner.ops.for_tokens(1)
+        assert [run_checked(llm, [p], greedy(24))[0] for p in prompts] == refs
+        assert any(d is not None for d in ops._decoders.values()), "the decoder never ran"
+
+
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]

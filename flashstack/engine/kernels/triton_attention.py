@@ -156,14 +156,18 @@ class NewTokens:
 
 
 @triton.jit
-def _rotated(ptr, mask, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.constexpr):
-    # Heads [rows, D] at ptr (+ d): optional per-head RMSNorm, then the rotary embedding, in fp32.
-    # Full-width, each element beside its rotation partner, so no dot ever runs over a half head.
-    # Rounds where rmsnorm_triton and rope_triton round.
+def rotated_heads(
+    ptr, mask, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.constexpr, CG: tl.constexpr
+):
+    """Heads [rows, D] at ptr (+ d): optional per-head RMSNorm, then the rotary embedding, in
+    fp32. Full-width, each element beside its rotation partner, so no dot ever runs over a half
+    head. Rounds where rmsnorm_triton and rope_triton round. CG: read the heads from L2, past
+    this SM's L1 (another SM of the same kernel wrote them: kernels/triton_decoder.py)."""
     HALF: tl.constexpr = D // 2
+    cache: tl.constexpr = ".cg" if CG else ""
     partner = tl.where(d < HALF, d + HALF, d - HALF)
-    x = tl.load(ptr + d[None, :], mask=mask, other=0.0)
-    xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0)
+    x = tl.load(ptr + d[None, :], mask=mask, other=0.0, cache_modifier=cache)
+    xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0, cache_modifier=cache)
     if QK_NORM:
         dtype = x.dtype
         xf = x.to(tl.float32)
@@ -175,9 +179,22 @@ def _rotated(ptr, mask, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.co
 
 
 @triton.jit
-def _splits_of(ctx, min_split, num_splits, BLOCK_N: tl.constexpr):
-    # (tokens per split, splits holding part of the context) for one sequence: the split kernel and
-    # the merge kernel must agree on both.
+def rotated_key(
+    ptr, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.constexpr, CG: tl.constexpr
+):
+    """A new token's key head [1, D] at ptr, rotated (rotated_heads) and rounded to ptr's dtype, as
+    the q/k/v kernel stores it."""
+    one = tl.arange(0, 1)
+    k = rotated_heads(
+        ptr + one[:, None] * 0, one[:, None] < 1, d, cos, sin, w_ptr, eps, D, QK_NORM, CG
+    )
+    return k.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def splits_of(ctx, min_split, num_splits, BLOCK_N: tl.constexpr):
+    """(tokens per split, splits holding part of the context) for one sequence: the split kernel
+    and the merge must agree on both."""
     ctx = tl.maximum(ctx, 1)
     tokens_per_split = tl.maximum(min_split, tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N)
     return tokens_per_split, tl.cdiv(ctx, tokens_per_split)
@@ -263,7 +280,7 @@ def _decode_kernel(
     # This sequence's own share per split (whole tiles, at least `min_split` tokens), not the
     # grid's: a graph's grid is sized for max_model_len, and a short context should still be read by
     # all its splits, not by the first few. Splits past the context have nothing to read.
-    tokens_per_split, active = _splits_of(ctx, min_split, num_splits, BLOCK_N)
+    tokens_per_split, active = splits_of(ctx, min_split, num_splits, BLOCK_N)
     # A split past the context (lo >= ctx) runs an empty loop and writes nothing.
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, ctx)
@@ -280,23 +297,11 @@ def _decode_kernel(
         # (after the loop), and the split that owns its position stores them in the cache.
         cos = tl.load(cos_ptr + b * stride_rb + d % (D // 2)).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_rb + d % (D // 2)).to(tl.float32)
-        q = _rotated(q_rows, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM).to(
+        q = rotated_heads(q_rows, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM, False).to(
             q_ptr.dtype.element_ty
         )
-        one = tl.arange(0, 1)
-        k_new = _rotated(
-            k_ptr + b * stride_kb + hkv * stride_kh + one[:, None] * 0,
-            one[:, None] < 1,
-            d,
-            cos,
-            sin,
-            kw_ptr,
-            eps,
-            D,
-            QK_NORM,
-        )
-        # as the q/k/v kernel stores it
-        k_new = k_new.to(k_ptr.dtype.element_ty)
+        k_ptr += b * stride_kb + hkv * stride_kh
+        k_new = rotated_key(k_ptr, d, cos, sin, kw_ptr, eps, D, QK_NORM, False)
         v_new = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + d[None, :])
         if FP8:
             k_new = fp8_e4m3(tl.math.div_rn(k_new.to(tl.float32), k_scale))
@@ -454,7 +459,7 @@ def _merge_splits_kernel(
         mask=in_grid[:, None] & (d[None, :] < D),
         other=0.0,
     )
-    _, active = _splits_of(ctx, min_split, num_splits, BLOCK_N)
+    _, active = splits_of(ctx, min_split, num_splits, BLOCK_N)
     if active > 1:
         smask = s < active
         lse = tl.where(smask, lse, float("-inf"))

@@ -77,14 +77,18 @@ def _input_chunk(
     act_dtype,
     NORM_IN: tl.constexpr,
     SILU_IN: tl.constexpr,
+    CG: tl.constexpr = False,
 ):
-    # The activations that multiply one weight chunk, with the input prologue applied.
+    # The activations that multiply one weight chunk, with the input prologue applied. CG: read
+    # them from L2, past this SM's L1 (another SM of the same kernel wrote them: the persistent
+    # decoder, kernels/triton_decoder.py).
+    cache: tl.constexpr = ".cg" if CG else ""
     if SILU_IN:
-        gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0)
+        gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0, cache_modifier=cache).to(tl.float32)
+        up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0, cache_modifier=cache)
         x = (gate / (1.0 + tl.exp(-gate))).to(act_dtype) * up
     else:
-        x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
+        x = tl.load(x_ptr + kcols, mask=cmask, other=0.0, cache_modifier=cache)
         if NORM_IN:
             x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(
                 act_dtype

@@ -202,6 +202,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(a, split, tp) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(a.head_dim, a.rope, a.max_positions)
+        self.args = replace(a, num_heads=split.num_q, num_kv_heads=split.num_kv)  # this rank's
 
     def forward(
         self,
@@ -214,7 +215,9 @@ class DecoderModel(nn.Module):
         ops = ops.for_tokens(input_ids.shape[0])
         h: torch.Tensor | None
         h, rope = self.embed(input_ids, positions)
-        residual: torch.Tensor | None = None
+        residual = ops.all_layers(self, h, rope, meta, kv_caches)
+        if residual is not None:  # one kernel ran every layer (Batch1Ops)
+            return ops.final_norm(self.norm, None, residual)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, rope, meta, kv_cache, ops)
         return ops.final_norm(self.norm, h, residual)

@@ -8,7 +8,8 @@
   bandwidth floor. The norms run in the prologues of the q/k/v and gate/up GEMVs, SiLU-and-mul in
   the down GEMV's, the residual adds in the epilogues of o and down (kernels/triton_gemv.py), and
   the decode attention kernel does the q/k/v kernel's work: six kernels a layer (four GEMVs,
-  attention and its merge).
+  attention and its merge). With `kernels.persistent_decoder`, one persistent kernel runs every
+  layer instead (`all_layers`, kernels/triton_decoder.py).
 
 A layer passes (h, residual): the residual stream and the block's output still to be added, which
 the next norm adds in (`norm_project`). Batch1Ops adds in place and leaves h None.
@@ -16,12 +17,14 @@ the next norm adds in (`norm_project`). Batch1Ops adds in place and leaves h Non
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.config import KernelOptions
 from flashstack.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from flashstack.engine.models.layers import apply_rotary
@@ -32,9 +35,12 @@ from flashstack.engine.quantization import (
 )
 
 if TYPE_CHECKING:
+    from flashstack.engine.kernels.triton_decoder import PersistentDecoder
     from flashstack.engine.models.layers import RMSNorm
     from flashstack.engine.models.linear import Linear
-    from flashstack.engine.models.llama import Attention
+    from flashstack.engine.models.llama import Attention, DecoderModel
+
+log = logging.getLogger(__name__)
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 Stream = tuple[torch.Tensor | None, torch.Tensor]
@@ -50,6 +56,18 @@ class TorchOps:
     def for_tokens(self, num_tokens: int) -> TorchOps:
         """The ops for a step of `num_tokens` tokens (Batch1Ops where it applies)."""
         return self
+
+    def all_layers(
+        self,
+        model: DecoderModel,
+        h: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """The residual stream after every decoder layer at once, before the final norm, where one
+        kernel runs them all (Batch1Ops); None: the layers run one by one."""
+        return None
 
     def norm_project(
         self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
@@ -271,9 +289,68 @@ class Batch1Ops(TritonOps):
     def __init__(self, backend: AttentionBackend) -> None:
         TorchOps.__init__(self, backend)
         self.triton_attention, self.batch1 = True, None
+        # the persistent decoder of each (model, KV caches), None where it does not apply
+        self._decoders: dict[tuple[int, int], PersistentDecoder | None] = {}
 
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self
+
+    def all_layers(
+        self,
+        model: DecoderModel,
+        h: torch.Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Every layer in one persistent kernel (KernelOptions.persistent_decoder), the residual
+        stream `h` updated in place."""
+        if not self.kernels.persistent_decoder:
+            return None
+        key = (id(model), kv_caches[0].data_ptr())
+        if key not in self._decoders:
+            self._decoders[key] = self._persistent_decoder(model, kv_caches)
+        decoder = self._decoders[key]
+        if decoder is None:
+            return None
+        cos, sin = rope
+        return decoder.run(
+            h,
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.block_tables[0],
+            meta.context_lens,
+            model.args.rms_norm_eps,
+        )
+
+    def _persistent_decoder(
+        self, model: DecoderModel, kv_caches: list[torch.Tensor]
+    ) -> PersistentDecoder | None:
+        from flashstack.engine.kernels.triton_decoder import (
+            PersistentDecoder,
+            plan_launch,
+            unsupported,
+        )
+
+        a, k = model.args, self.kernels
+        reason = unsupported(a, model.layers, kv_caches)
+        if reason is not None:
+            log.info("persistent decoder off for this model: %s", reason)
+            return None
+        per_sm = k.persistent_decoder_programs_per_sm
+        sms = device_for(kv_caches[0].device).sm_count if kv_caches[0].is_cuda else 1
+        launch = plan_launch(
+            a.hidden_size,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.intermediate_size,
+            programs=sms * per_sm,
+            dynamic=per_sm > 1,
+            num_warps=k.persistent_decoder_warps,
+        )
+        return PersistentDecoder(a, model.layers, kv_caches, launch)
 
     def norm_project(
         self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None

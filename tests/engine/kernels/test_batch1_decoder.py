@@ -105,6 +105,54 @@ def test_batch1_step_matches_torch_ops(device, qk_norm):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("programs_per_sm", [1, 3], ids=["round-robin", "atomic-queue"])
+@torch.inference_mode()
+def test_persistent_decoder_matches_torch_ops(device, qk_norm, programs_per_sm, monkeypatch):
+    """Every layer in one persistent kernel (kernels.persistent_decoder): the hidden state and
+    the KV written as the plain ops give them, over a context long enough for several splits,
+    whether programs take items round-robin or from the atomic queue."""
+    import dataclasses
+
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.kernels import triton_decoder
+
+    kernels = dataclasses.replace(
+        KernelOptions(),
+        persistent_decoder=True,
+        persistent_decoder_programs_per_sm=programs_per_sm,
+    )
+    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+    runs, run = [], triton_decoder.PersistentDecoder.run
+
+    def spy(decoder, *a, **kw):
+        runs.append(decoder.launch)
+        return run(decoder, *a, **kw)
+
+    monkeypatch.setattr(triton_decoder.PersistentDecoder, "run", spy)
+    model = _model(qk_norm, device)
+    args, context = model.args, 300
+    caches = [
+        torch.randn(80, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
+    mine = [c.clone() for c in caches]
+    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
+    want = model(
+        ids,
+        pos,
+        _meta(context, device),
+        caches,
+        TorchOps(get_attention_backend("reference", device)),
+    )
+    got = model(ids, pos, _meta(context, device), mine, ops)
+    (launch,) = runs
+    assert launch.dynamic == (programs_per_sm > 1) and launch.splits > 1
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for m, c in zip(mine, caches):
+        torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
+
+
 @torch.inference_mode()
 def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device):
     """Under tensor parallelism o and down are row-parallel: each rank's GEMV writes a partial sum,

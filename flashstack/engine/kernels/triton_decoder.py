@@ -1,0 +1,703 @@
+"""A batch-1 decode step's decoder layers in one persistent kernel.
+
+On a small model every layer of a batch-1 step is six short kernels whose cost is their fixed
+latency, not their bytes: launch, ramp-up, a wait for the previous kernel to drain, a tail (2-5 µs
+each where the bytes take 0.2-1 µs; docs/benchmarks.md, "Engine small-model profile"). Here the
+layers run as one grid of programs that stay resident and walk one list of work items, in order:
+per layer the q/k/v rows (RMSNorm folded in), the attention splits (q/k-norm, rotary and the new
+K/V store folded in), the o rows (the splits' merge and the residual add folded in), the gate/up
+rows (RMSNorm) and the down rows (SiLU-and-mul, the residual add). An item waits only for the
+count of finished items of the stage it reads, and loads its first weight chunk before it waits, so
+the weights stream while the stage before finishes.
+
+Items are taken in list order, each after every item of the stages it waits for: a program that
+waits waits for items already taken by running programs, so the walk cannot deadlock. With one
+program per SM every program is resident at once (any kernel fits one block an SM), and programs
+take items round-robin (item = program + k * programs); with more, from an atomic counter, which
+needs no program to be resident before another finishes.
+
+Activations written by other programs are read with `.cg` (from L2, past the SM's own L1, which
+is not coherent); an item's writes are fenced at the GPU's scope before its count is raised.
+Rounds where the batch-1 ops round (models/ops.py, Batch1Ops): the same hidden states to the
+accumulation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from flashstack.engine.kernels.triton_attention import rotated_heads, rotated_key, splits_of
+from flashstack.engine.kernels.triton_gemv import _input_chunk
+from flashstack.engine.models.parallel import RowParallelLinear
+
+if TYPE_CHECKING:
+    from flashstack.engine.models.llama import ModelArgs
+
+# A layer's stages, in the order of the work list, each with a count of finished items per layer.
+_QKV, _ATTENTION, _O, _GATE_UP, _DOWN = (tl.constexpr(i) for i in range(5))
+_STAGES = tl.constexpr(5)
+# A layer's tensors in the table (int64 addresses), in this order: its weights, then its KV cache.
+FIELDS = (
+    "input_norm",
+    "qkv",
+    "qkv_bias",
+    "q_norm",
+    "k_norm",
+    "o",
+    "post_norm",
+    "gate_up",
+    "down",
+    "kv_cache",
+)
+_INPUT_NORM, _QKV_W, _QKV_B, _Q_NORM, _K_NORM, _O_W, _POST_NORM, _GATE_UP_W, _DOWN_W, _KV = (
+    tl.constexpr(i) for i in range(len(FIELDS))
+)
+_TABLE_WIDTH = tl.constexpr(len(FIELDS))
+ACC_ELEMENTS = 4096  # weight elements a program multiplies per chunk (rows * chunk): 32 a thread
+MAX_SPLITS = 8  # the o rows merge every split of every head: at most this many
+SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
+_SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
+
+
+@triton.jit
+def _fence(FENCE: tl.constexpr):
+    # Every thread's writes visible at the GPU's scope (compiled only: the interpreter runs the
+    # programs one after another).
+    if FENCE:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _finish(count_ptr, FENCE: tl.constexpr):
+    # The item's writes first, then its count: a reader that sees the count sees the writes.
+    _fence(FENCE)
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
+def _wait(count_ptr, target):
+    done = tl.atomic_add(count_ptr, 0, sem="acquire")
+    while done < target:
+        done = tl.atomic_add(count_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _address(entry, field: tl.constexpr, like):
+    # A layer's tensor from the table, as a pointer of `like`'s type.
+    return tl.load(entry + field).to(like.dtype, bitcast=True)
+
+
+@triton.jit
+def _rows_of(unit, N, K, w_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A unit's rows of a weight [N, K], and its first chunk: loaded before any wait.
+    rows = unit * ROWS + tl.arange(0, ROWS)
+    rmask = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
+    cols = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
+    return rows, rmask, w_rows, w
+
+
+@triton.jit
+def _stream(w, w_rows, rmask, x_ptr, g_ptr, K, rstd, act_dtype, NORM_IN, SILU_IN, BLOCK_K):
+    # sum over K of W[rows] * input, the input's prologue applied chunk by chunk, the next weight
+    # chunk loading while this one multiplies (as kernels/triton_gemv.py streams its rows)
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros(w.shape, tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kcols = k + cols
+        x = _input_chunk(x_ptr, g_ptr, kcols, kcols < K, K, rstd, act_dtype, NORM_IN, SILU_IN, True)
+        acc += w.to(tl.float32) * x[None, :]
+        nxt = kcols + BLOCK_K
+        w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    cols = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0, cache_modifier=".cg")
+        sq += xs.to(tl.float32) * xs.to(tl.float32)
+    return tl.rsqrt(tl.sum(sq, 0) / K + eps)
+
+
+@triton.jit
+def _norm_rows(
+    unit,
+    w_ptr,
+    b_ptr,
+    g_ptr,
+    x_ptr,
+    y_ptr,
+    eps,
+    count_ptr,
+    target,
+    N,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # y[rows] = W[rows] @ RMSNorm(x) (+ b): the q/k/v and gate/up items
+    rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
+    _wait(count_ptr, target)
+    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    act = x_ptr.dtype.element_ty
+    y = _stream(w, w_rows, rmask, x_ptr, g_ptr, K, rstd, act, True, False, BLOCK_K)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(act), mask=rmask)
+
+
+@triton.jit
+def _down_rows(
+    unit,
+    w_ptr,
+    gu_ptr,
+    x_ptr,
+    count_ptr,
+    target,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x[rows] += W[rows] @ (silu(gate) * up): the down items
+    rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
+    _wait(count_ptr, target)
+    act = x_ptr.dtype.element_ty
+    y = _stream(w, w_rows, rmask, gu_ptr, gu_ptr, K, 1.0, act, False, True, BLOCK_K)
+    _add_into(x_ptr, rows, rmask, y)
+
+
+@triton.jit
+def _add_into(x_ptr, rows, rmask, y):
+    # the projection rounded first, as `proj(x) + residual` rounds
+    act = x_ptr.dtype.element_ty
+    old = tl.load(x_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(x_ptr + rows, (y.to(act).to(tl.float32) + old).to(act), mask=rmask)
+
+
+@triton.jit
+def _merged(part_ptr, lse_ptr, kcols, cmask, active, S: tl.constexpr, D: tl.constexpr, act):
+    # The attention output at these columns (head * D + d): the splits' partials weighted by their
+    # log-sum-exp, as the merge kernel weighs them (kernels/triton_attention.py)
+    h = kcols // D
+    d = kcols % D
+    top = tl.full(kcols.shape, float("-inf"), tl.float32)
+    for s in range(0, active):
+        top = tl.maximum(
+            top, tl.load(lse_ptr + h * S + s, mask=cmask, other=0.0, cache_modifier=".cg")
+        )
+    num = tl.zeros(kcols.shape, tl.float32)
+    den = tl.zeros(kcols.shape, tl.float32)
+    for s in range(0, active):
+        lse = tl.load(lse_ptr + h * S + s, mask=cmask, other=0.0, cache_modifier=".cg")
+        w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+        part = tl.load(part_ptr + (h * S + s) * D + d, mask=cmask, other=0.0, cache_modifier=".cg")
+        num += part * w
+        den += w
+    return (num / tl.where(den > 0, den, 1.0)).to(act).to(tl.float32)
+
+
+@triton.jit
+def _o_rows(
+    unit,
+    w_ptr,
+    part_ptr,
+    lse_ptr,
+    x_ptr,
+    ctx,
+    count_ptr,
+    target,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x[rows] += W[rows] @ attention: the o items, merging the splits as they read them
+    rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
+    _wait(count_ptr, target)
+    _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
+    act = x_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros(w.shape, tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kcols = k + cols
+        x = _merged(part_ptr, lse_ptr, kcols, kcols < K, active, S, D, act)
+        acc += w.to(tl.float32) * x[None, :]
+        nxt = kcols + BLOCK_K
+        w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
+    _add_into(x_ptr, rows, rmask, tl.sum(acc, 1))
+
+
+@triton.jit
+def _attention_split(
+    unit,
+    qkv_ptr,
+    qw_ptr,
+    kw_ptr,
+    cache_ptr,
+    part_ptr,
+    lse_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    blocks_ptr,
+    ctx,
+    scale,
+    eps,
+    block_size,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    count_ptr,
+    target,
+    NQ: tl.constexpr,
+    NKV: tl.constexpr,
+    D: tl.constexpr,
+    S: tl.constexpr,
+    G_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # One KV head's split of the context: its query heads' partial output and log-sum-exp, the new
+    # token's k/v rotated and attended from registers, and stored by the split that owns its slot
+    # (kernels/triton_attention.py's decode kernel with NewTokens, at batch 1).
+    G: tl.constexpr = NQ // NKV
+    hkv = unit // S
+    split = unit % S
+    d = tl.arange(0, D)
+    g = tl.arange(0, G_PAD)
+    gmask = g < G
+    heads = hkv * G + g
+    cos = tl.load(cos_ptr + d % (D // 2)).to(tl.float32)
+    sin = tl.load(sin_ptr + d % (D // 2)).to(tl.float32)
+    tokens_per_split, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
+    lo = split * tokens_per_split
+    last = tl.maximum(ctx, 1) - 1
+    hi = tl.minimum(tl.minimum(lo + tokens_per_split, ctx), last)
+    owner = split == last // tokens_per_split
+    _wait(count_ptr, target)
+    act = qkv_ptr.dtype.element_ty
+    q = rotated_heads(
+        qkv_ptr + heads[:, None] * D, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM, True
+    ).to(act)
+    k_new = rotated_key(qkv_ptr + (NQ + hkv) * D, d, cos, sin, kw_ptr, eps, D, QK_NORM, True)
+    v_new = tl.load(qkv_ptr + (NQ + NKV + hkv) * D + d[None, :], cache_modifier=".cg")
+    kv = cache_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr)
+    if owner & (slot >= 0):
+        row = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs
+        row += hkv * stride_ch
+        tl.store(cache_ptr + row + d[None, :], k_new.to(kv))
+        tl.store(cache_ptr + stride_ckv + row + d[None, :], v_new.to(kv))
+    q = (q * scale).to(kv)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    row_sum = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for start in range(lo, hi, _SPLIT_TOKENS):
+        n = start + tl.arange(0, _SPLIT_TOKENS)
+        nmask = n < hi
+        blk = tl.load(blocks_ptr + n // block_size, mask=nmask, other=0)
+        row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
+        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v = tl.load(
+            cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+    if owner:  # the new token: a rank-one online-softmax update
+        s = tl.sum(q.to(tl.float32) * k_new.to(kv).to(tl.float32), 1)
+        m_new = tl.maximum(m, s)
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m - m_new)
+        row_sum = row_sum * alpha + p
+        acc = acc * alpha[:, None] + p.to(kv).to(tl.float32)[:, None] * v_new.to(kv).to(tl.float32)
+        m = m_new
+    if split < active:
+        has = row_sum > 0
+        out = acc / tl.where(has, row_sum, 1.0)[:, None]
+        lse = tl.where(has, m + tl.log(tl.where(has, row_sum, 1.0)), float("-inf"))
+        at = heads * S + split
+        tl.store(part_ptr + at[:, None] * D + d[None, :], out, mask=gmask[:, None])
+        tl.store(lse_ptr + at, lse, mask=gmask)
+
+
+@triton.jit
+def _decoder_kernel(
+    table_ptr,
+    x_ptr,
+    qkv_ptr,
+    part_ptr,
+    lse_ptr,
+    gu_ptr,
+    count_ptr,
+    queue_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    blocks_ptr,
+    ctx_ptr,
+    num_layers,
+    eps,
+    scale,
+    block_size,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    H: tl.constexpr,
+    NQ: tl.constexpr,
+    NKV: tl.constexpr,
+    D: tl.constexpr,
+    INTER: tl.constexpr,
+    S: tl.constexpr,
+    G_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PREC: tl.constexpr,
+    ROWS_QKV: tl.constexpr,
+    K_QKV: tl.constexpr,
+    ROWS_O: tl.constexpr,
+    K_O: tl.constexpr,
+    ROWS_GU: tl.constexpr,
+    K_GU: tl.constexpr,
+    ROWS_DOWN: tl.constexpr,
+    K_DOWN: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    FENCE: tl.constexpr,
+):
+    QKV_N: tl.constexpr = (NQ + 2 * NKV) * D
+    N_QKV: tl.constexpr = (QKV_N + ROWS_QKV - 1) // ROWS_QKV
+    N_ATT: tl.constexpr = NKV * S
+    N_O: tl.constexpr = (H + ROWS_O - 1) // ROWS_O
+    N_GU: tl.constexpr = (2 * INTER + ROWS_GU - 1) // ROWS_GU
+    N_DOWN: tl.constexpr = (H + ROWS_DOWN - 1) // ROWS_DOWN
+    PER_LAYER: tl.constexpr = N_QKV + N_ATT + N_O + N_GU + N_DOWN
+    total = num_layers * PER_LAYER
+    ctx = tl.load(ctx_ptr)  # a step input, written before the kernel
+    if DYNAMIC:
+        item = tl.atomic_add(queue_ptr, 1)
+    else:
+        item = tl.program_id(0)
+    while item < total:
+        layer = item // PER_LAYER
+        r = item % PER_LAYER
+        entry = table_ptr + layer * _TABLE_WIDTH
+        counts = count_ptr + layer * _STAGES
+        if r < N_QKV:
+            # the layer before's down rows, all of them (layer 0: none, its input is the embedding)
+            before = count_ptr + tl.maximum(layer - 1, 0) * _STAGES + _DOWN
+            _norm_rows(
+                r,
+                _address(entry, _QKV_W, x_ptr),
+                _address(entry, _QKV_B, x_ptr),
+                _address(entry, _INPUT_NORM, x_ptr),
+                x_ptr,
+                qkv_ptr,
+                eps,
+                before,
+                tl.where(layer > 0, N_DOWN, 0),
+                QKV_N,
+                H,
+                HAS_BIAS,
+                ROWS_QKV,
+                K_QKV,
+            )
+            _finish(counts + _QKV, FENCE)
+        elif r < N_QKV + N_ATT:
+            _attention_split(
+                r - N_QKV,
+                qkv_ptr,
+                _address(entry, _Q_NORM, x_ptr),
+                _address(entry, _K_NORM, x_ptr),
+                _address(entry, _KV, x_ptr),
+                part_ptr,
+                lse_ptr,
+                cos_ptr,
+                sin_ptr,
+                slot_ptr,
+                blocks_ptr,
+                ctx,
+                scale,
+                eps,
+                block_size,
+                stride_cb,
+                stride_ckv,
+                stride_cs,
+                stride_ch,
+                counts + _QKV,
+                N_QKV,
+                NQ,
+                NKV,
+                D,
+                S,
+                G_PAD,
+                QK_NORM,
+                PREC,
+            )
+            _finish(counts + _ATTENTION, FENCE)
+        elif r < N_QKV + N_ATT + N_O:
+            _o_rows(
+                r - N_QKV - N_ATT,
+                _address(entry, _O_W, x_ptr),
+                part_ptr,
+                lse_ptr,
+                x_ptr,
+                ctx,
+                counts + _ATTENTION,
+                N_ATT,
+                H,
+                NQ * D,
+                S,
+                D,
+                ROWS_O,
+                K_O,
+            )
+            _finish(counts + _O, FENCE)
+        elif r < N_QKV + N_ATT + N_O + N_GU:
+            _norm_rows(
+                r - N_QKV - N_ATT - N_O,
+                _address(entry, _GATE_UP_W, x_ptr),
+                x_ptr,
+                _address(entry, _POST_NORM, x_ptr),
+                x_ptr,
+                gu_ptr,
+                eps,
+                counts + _O,
+                N_O,
+                2 * INTER,
+                H,
+                False,
+                ROWS_GU,
+                K_GU,
+            )
+            _finish(counts + _GATE_UP, FENCE)
+        else:
+            _down_rows(
+                r - N_QKV - N_ATT - N_O - N_GU,
+                _address(entry, _DOWN_W, x_ptr),
+                gu_ptr,
+                x_ptr,
+                counts + _GATE_UP,
+                N_GU,
+                H,
+                INTER,
+                ROWS_DOWN,
+                K_DOWN,
+            )
+            _finish(counts + _DOWN, FENCE)
+        if DYNAMIC:
+            item = tl.atomic_add(queue_ptr, 1)
+        else:
+            item += tl.num_programs(0)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLaunch:
+    """How the persistent decoder is launched: its grid, how programs take items, the rows and
+    chunk of each projection's items, and the splits of each KV head's context."""
+
+    programs: int
+    dynamic: bool  # items from an atomic counter, not round-robin (see the module docstring)
+    splits: int
+    rows: tuple[int, int, int, int]  # q/k/v, o, gate/up, down
+    chunks: tuple[int, int, int, int]
+    num_warps: int = 4
+
+
+def _rows_and_chunk(n: int, k: int, programs: int) -> tuple[int, int]:
+    # about one item per program, at most ACC_ELEMENTS weights multiplied per chunk
+    rows = min(64, max(2, triton.next_power_of_2(triton.cdiv(n, programs))))
+    chunk = min(triton.next_power_of_2(k), max(64, ACC_ELEMENTS // rows))
+    return rows, chunk
+
+
+def plan_launch(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    programs: int,
+    dynamic: bool,
+    num_warps: int = 4,
+) -> DecoderLaunch:
+    """The launch of `programs` programs for a model of these sizes; `dynamic`: items from an
+    atomic counter (required unless every program is resident at once)."""
+    shapes = (
+        ((heads + 2 * kv_heads) * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (2 * intermediate, hidden),
+        (hidden, intermediate),
+    )
+    picks = [_rows_and_chunk(n, k, programs) for n, k in shapes]
+    # as many splits as the merge allows: a short context fills only some (SPLIT_TOKENS each)
+    splits = MAX_SPLITS
+    return DecoderLaunch(
+        programs,
+        dynamic,
+        splits,
+        tuple(r for r, _ in picks),  # type: ignore[arg-type]
+        tuple(c for _, c in picks),  # type: ignore[arg-type]
+        num_warps,
+    )
+
+
+def unsupported(
+    args: ModelArgs, layers: nn.ModuleList, kv_caches: list[torch.Tensor]
+) -> str | None:
+    """Why the persistent decoder cannot run these decoder layers (None: it can)."""
+    a = args
+    if a.head_dim & (a.head_dim - 1) or a.head_dim < 16:
+        return f"head_dim {a.head_dim} is not a power of two of at least 16"
+    if a.sliding_window:
+        return "sliding-window attention"
+    if a.quantization is not None:
+        return f"{a.quantization} weights"
+    if a.o_bias or a.mlp_bias:
+        return "a bias on the o or MLP projections"
+    layer = layers[0]
+    dtype = layer.self_attn.qkv_proj.weight.dtype
+    if any(c.dtype != dtype for c in kv_caches):
+        return "a KV cache in another dtype than the weights (fp8)"
+    if isinstance(layer.self_attn.o_proj, RowParallelLinear):
+        return "tensor parallelism"
+    return None
+
+
+class PersistentDecoder:
+    """The decoder layers of one model over its KV caches, for batch-1 decode steps: `run` takes
+    the embedding row (the residual stream, updated in place) and returns it after the last
+    layer, before the final norm."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        layers: nn.ModuleList,
+        kv_caches: list[torch.Tensor],
+        launch: DecoderLaunch,
+    ) -> None:
+        a = args
+        device = kv_caches[0].device
+        self.args, self.launch, self.num_layers = a, launch, len(layers)
+        self.dtype = layers[0].self_attn.qkv_proj.weight.dtype
+        self._keep = layers  # the table holds their addresses
+        self.table = torch.tensor(
+            [self._addresses(layer, cache) for layer, cache in zip(layers, kv_caches)],
+            dtype=torch.int64,
+            device=device,
+        )
+        self.cache_strides = kv_caches[0].stride()[:4]
+        self.block_size = kv_caches[0].shape[2]
+        self.scale = layers[0].self_attn.scale
+        dim, splits = a.head_dim, launch.splits
+        self.qkv = torch.empty(
+            (a.num_heads + 2 * a.num_kv_heads) * dim, dtype=self.dtype, device=device
+        )
+        self.part = torch.empty(a.num_heads, splits, dim, dtype=torch.float32, device=device)
+        self.lse = torch.empty(a.num_heads, splits, dtype=torch.float32, device=device)
+        self.gate_up = torch.empty(2 * a.intermediate_size, dtype=self.dtype, device=device)
+        # the layers' counts of finished items, then the work queue's (zeroed every step)
+        self.counts = torch.zeros(self.num_layers * 5 + 1, dtype=torch.int32, device=device)
+
+    def _addresses(self, layer: nn.Module, cache: torch.Tensor) -> list[int]:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        bias = attn.qkv_proj.bias
+        tensors = (
+            layer.input_layernorm.weight,
+            attn.qkv_proj.weight,
+            bias,
+            *norms,
+            attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight,
+            mlp.down_proj.weight,
+            cache,
+        )
+        assert len(tensors) == len(FIELDS)
+        for t in tensors:
+            assert t is None or t.is_contiguous(), "the decoder reads weights row by row"
+        # an absent bias or norm is never read: any address fills its slot
+        return [t.data_ptr() if t is not None else cache.data_ptr() for t in tensors]
+
+    def run(
+        self,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """Every decoder layer on one token: `residual` [1, hidden] (the embedding row) in place."""
+        a, launch = self.args, self.launch
+        assert residual.shape == (1, a.hidden_size) and residual.dtype == self.dtype
+        assert residual.is_contiguous() and block_table.stride(-1) == 1
+        self.counts.zero_()
+        rows, chunks = launch.rows, launch.chunks
+        _decoder_kernel[(launch.programs,)](
+            self.table,
+            residual,
+            self.qkv,
+            self.part,
+            self.lse,
+            self.gate_up,
+            self.counts,
+            self.counts[-1:],
+            cos,
+            sin,
+            slot_mapping,
+            block_table,
+            context_lens,
+            self.num_layers,
+            eps,
+            self.scale,
+            self.block_size,
+            *self.cache_strides,
+            H=a.hidden_size,
+            NQ=a.num_heads,
+            NKV=a.num_kv_heads,
+            D=a.head_dim,
+            INTER=a.intermediate_size,
+            S=launch.splits,
+            G_PAD=max(16, triton.next_power_of_2(a.num_heads // a.num_kv_heads)),
+            QK_NORM=a.qk_norm,
+            HAS_BIAS=a.qkv_bias,
+            PREC="ieee" if self.dtype == torch.float32 else "tf32",
+            ROWS_QKV=rows[0],
+            K_QKV=chunks[0],
+            ROWS_O=rows[1],
+            K_O=chunks[1],
+            ROWS_GU=rows[2],
+            K_GU=chunks[2],
+            ROWS_DOWN=rows[3],
+            K_DOWN=chunks[3],
+            DYNAMIC=launch.dynamic,
+            FENCE=residual.is_cuda and not triton.knobs.runtime.interpret,
+            num_warps=launch.num_warps,
+        )
+        return residual
