@@ -85,6 +85,10 @@ class CoreBackend:
             "total_memory": int(_check(driver.cuDeviceTotalMem(ordinal))),
             "sm_count": int(dev.properties.multiprocessor_count),
             "l2_cache_size": int(dev.properties.l2_cache_size),
+            "registers_per_sm": int(dev.properties.max_registers_per_multiprocessor),
+            "shared_memory_per_sm": int(dev.properties.max_shared_memory_per_multiprocessor),
+            "threads_per_sm": int(dev.properties.max_threads_per_multiprocessor),
+            "blocks_per_sm": int(dev.properties.max_blocks_per_multiprocessor),
         }
 
     def mem_info(self, ordinal: int) -> tuple[int, int]:

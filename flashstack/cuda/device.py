@@ -20,6 +20,11 @@ class DeviceProperties:
     total_memory: int
     sm_count: int
     l2_cache_size: int
+    # what one SM holds at once: a kernel's occupancy is bounded by each
+    registers_per_sm: int
+    shared_memory_per_sm: int
+    threads_per_sm: int
+    blocks_per_sm: int
 
 
 class Device:
@@ -67,6 +72,19 @@ class Device:
     def l2_cache_size(self) -> int:
         """L2 cache in bytes."""
         return self.properties.l2_cache_size
+
+    def resident_blocks(self, threads: int, registers: int, shared_memory: int) -> int:
+        """Blocks of a kernel (`threads` a block, `registers` a thread, `shared_memory` bytes a
+        block) one SM holds at once: registers are handed out 256 a warp, from each of the SM's
+        four quarters."""
+        p = self.properties
+        warps = -(-threads // 32)
+        per_warp = -(-max(registers, 1) * 32 // 256) * 256
+        quarter_warps = p.registers_per_sm // 4 // per_warp
+        by_registers = 4 * quarter_warps // warps
+        by_threads = p.threads_per_sm // (warps * 32)
+        by_shared = p.shared_memory_per_sm // shared_memory if shared_memory else p.blocks_per_sm
+        return max(0, min(by_registers, by_threads, by_shared, p.blocks_per_sm))
 
     @property
     def free_memory(self) -> int:

@@ -31,6 +31,9 @@ def dev() -> fc.Device:
 
 def test_properties(dev: fc.Device) -> None:
     assert dev.name and dev.sm_count > 0 and dev.l2_cache_size > 0
+    p = dev.properties
+    assert p.registers_per_sm >= 65536 and p.shared_memory_per_sm > 0 and p.blocks_per_sm > 0
+    assert dev.resident_blocks(p.threads_per_sm, 32, 0) == 1
     assert dev.compute_capability >= (7, 0)
     assert 0 < dev.free_memory <= dev.total_memory
 

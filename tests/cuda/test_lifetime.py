@@ -423,3 +423,15 @@ def test_built_graph_pins_its_nodes_resources_and_replays(fake: FakeBackend) -> 
     for r in (src, dst, mod):
         r.close()
     assert fake.violations == [] and fc.tracker.live() == {}
+
+
+def test_resident_blocks_follow_registers_threads_and_shared_memory(fake: FakeBackend) -> None:
+    """How many blocks of a kernel one SM holds at once (an H100/H200's limits in the fake):
+    registers go out 256 a warp from each quarter of the SM."""
+    dev = fc.Device(0)
+    assert dev.resident_blocks(128, 255, 0) == 2  # 8,192 registers a warp: two warps a quarter
+    assert dev.resident_blocks(128, 168, 20 << 10) == 3
+    assert dev.resident_blocks(128, 128, 0) == 4
+    assert dev.resident_blocks(128, 32, 100 << 10) == 2  # shared memory binds first
+    assert dev.resident_blocks(1024, 32, 0) == 2  # 2,048 threads
+    assert dev.resident_blocks(32, 16, 0) == 32  # the block limit

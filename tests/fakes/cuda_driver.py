@@ -109,6 +109,10 @@ class FakeBackend:
             "total_memory": 80 << 30,
             "sm_count": 132,
             "l2_cache_size": 50 << 20,
+            "registers_per_sm": 65536,
+            "shared_memory_per_sm": 228 << 10,
+            "threads_per_sm": 2048,
+            "blocks_per_sm": 32,
         }
 
     def mem_info(self, ordinal: int) -> tuple[int, int]:

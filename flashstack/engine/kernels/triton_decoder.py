@@ -92,8 +92,9 @@ def _wait(count_ptr, target):
 
 @triton.jit
 def _address(entry, field: tl.constexpr, like):
-    # A layer's tensor from the table, as a pointer of `like`'s type.
-    return tl.load(entry + field).to(like.dtype, bitcast=True)
+    # A layer's tensor from the table, as a pointer of `like`'s type, 16-byte aligned (checked when
+    # the table is made): without that no load from it is vectorized.
+    return tl.multiple_of(tl.load(entry + field).to(like.dtype, bitcast=True), 16)
 
 
 @triton.jit
@@ -190,22 +191,22 @@ def _add_into(x_ptr, rows, rmask, y):
 
 
 @triton.jit
-def _merged(part_ptr, lse_ptr, kcols, cmask, active, S: tl.constexpr, D: tl.constexpr, act):
+def _merged(part_ptr, lse_ptr, kcols, cmask, active, NQ: tl.constexpr, D: tl.constexpr, act):
     # The attention output at these columns (head * D + d): the splits' partials weighted by their
-    # log-sum-exp, as the merge kernel weighs them (kernels/triton_attention.py)
+    # log-sum-exp, as the merge kernel weighs them (kernels/triton_attention.py). Split-major
+    # partials [S, NQ * D]: each split's slice of the chunk is one contiguous load.
     h = kcols // D
-    d = kcols % D
     top = tl.full(kcols.shape, float("-inf"), tl.float32)
     for s in range(0, active):
-        top = tl.maximum(
-            top, tl.load(lse_ptr + h * S + s, mask=cmask, other=0.0, cache_modifier=".cg")
-        )
+        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0, cache_modifier=".cg")
+        top = tl.maximum(top, lse)
     num = tl.zeros(kcols.shape, tl.float32)
     den = tl.zeros(kcols.shape, tl.float32)
     for s in range(0, active):
-        lse = tl.load(lse_ptr + h * S + s, mask=cmask, other=0.0, cache_modifier=".cg")
+        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0, cache_modifier=".cg")
         w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
-        part = tl.load(part_ptr + (h * S + s) * D + d, mask=cmask, other=0.0, cache_modifier=".cg")
+        at = part_ptr + s * (NQ * D) + kcols
+        part = tl.load(at, mask=cmask, other=0.0, cache_modifier=".cg")
         num += part * w
         den += w
     return (num / tl.where(den > 0, den, 1.0)).to(act).to(tl.float32)
@@ -222,13 +223,14 @@ def _o_rows(
     count_ptr,
     target,
     N: tl.constexpr,
-    K: tl.constexpr,
+    NQ: tl.constexpr,
     S: tl.constexpr,
     D: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     # x[rows] += W[rows] @ attention: the o items, merging the splits as they read them
+    K: tl.constexpr = NQ * D
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target)
     _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
@@ -237,7 +239,7 @@ def _o_rows(
     acc = tl.zeros(w.shape, tl.float32)
     for k in range(0, K, BLOCK_K):
         kcols = k + cols
-        x = _merged(part_ptr, lse_ptr, kcols, kcols < K, active, S, D, act)
+        x = _merged(part_ptr, lse_ptr, kcols, kcols < K, active, NQ, D, act)
         acc += w.to(tl.float32) * x[None, :]
         nxt = kcols + BLOCK_K
         w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
@@ -339,7 +341,7 @@ def _attention_split(
         has = row_sum > 0
         out = acc / tl.where(has, row_sum, 1.0)[:, None]
         lse = tl.where(has, m + tl.log(tl.where(has, row_sum, 1.0)), float("-inf"))
-        at = heads * S + split
+        at = split * NQ + heads  # split-major (_merged)
         tl.store(part_ptr + at[:, None] * D + d[None, :], out, mask=gmask[:, None])
         tl.store(lse_ptr + at, lse, mask=gmask)
 
@@ -360,6 +362,7 @@ def _decoder_kernel(
     blocks_ptr,
     ctx_ptr,
     num_layers,
+    dynamic,
     eps,
     scale,
     block_size,
@@ -385,7 +388,6 @@ def _decoder_kernel(
     K_GU: tl.constexpr,
     ROWS_DOWN: tl.constexpr,
     K_DOWN: tl.constexpr,
-    DYNAMIC: tl.constexpr,
     FENCE: tl.constexpr,
 ):
     QKV_N: tl.constexpr = (NQ + 2 * NKV) * D
@@ -397,7 +399,8 @@ def _decoder_kernel(
     PER_LAYER: tl.constexpr = N_QKV + N_ATT + N_O + N_GU + N_DOWN
     total = num_layers * PER_LAYER
     ctx = tl.load(ctx_ptr)  # a step input, written before the kernel
-    if DYNAMIC:
+    # `dynamic` (the same binary either way, so that its occupancy is known before round-robin)
+    if dynamic:
         item = tl.atomic_add(queue_ptr, 1)
     else:
         item = tl.program_id(0)
@@ -469,7 +472,7 @@ def _decoder_kernel(
                 counts + _ATTENTION,
                 N_ATT,
                 H,
-                NQ * D,
+                NQ,
                 S,
                 D,
                 ROWS_O,
@@ -508,7 +511,7 @@ def _decoder_kernel(
                 K_DOWN,
             )
             _finish(counts + _DOWN, FENCE)
-        if DYNAMIC:
+        if dynamic:
             item = tl.atomic_add(queue_ptr, 1)
         else:
             item += tl.num_programs(0)
@@ -516,11 +519,11 @@ def _decoder_kernel(
 
 @dataclass(frozen=True, slots=True)
 class DecoderLaunch:
-    """How the persistent decoder is launched: its grid, how programs take items, the rows and
-    chunk of each projection's items, and the splits of each KV head's context."""
+    """How the persistent decoder is launched: its grid, the rows and chunk of each projection's
+    items, and the splits of each KV head's context."""
 
     programs: int
-    dynamic: bool  # items from an atomic counter, not round-robin (see the module docstring)
+    programs_per_sm: int
     splits: int
     rows: tuple[int, int, int, int]  # q/k/v, o, gate/up, down
     chunks: tuple[int, int, int, int]
@@ -540,12 +543,13 @@ def plan_launch(
     kv_heads: int,
     head_dim: int,
     intermediate: int,
-    programs: int,
-    dynamic: bool,
+    sm_count: int,
+    programs_per_sm: int = 1,
     num_warps: int = 4,
 ) -> DecoderLaunch:
-    """The launch of `programs` programs for a model of these sizes; `dynamic`: items from an
-    atomic counter (required unless every program is resident at once)."""
+    """The launch of `programs_per_sm` programs on each of `sm_count` SMs for a model of these
+    sizes."""
+    programs = sm_count * programs_per_sm
     shapes = (
         ((heads + 2 * kv_heads) * head_dim, hidden),
         (hidden, heads * head_dim),
@@ -557,7 +561,7 @@ def plan_launch(
     splits = MAX_SPLITS
     return DecoderLaunch(
         programs,
-        dynamic,
+        programs_per_sm,
         splits,
         tuple(r for r, _ in picks),  # type: ignore[arg-type]
         tuple(c for _, c in picks),  # type: ignore[arg-type]
@@ -616,11 +620,19 @@ class PersistentDecoder:
         self.qkv = torch.empty(
             (a.num_heads + 2 * a.num_kv_heads) * dim, dtype=self.dtype, device=device
         )
-        self.part = torch.empty(a.num_heads, splits, dim, dtype=torch.float32, device=device)
-        self.lse = torch.empty(a.num_heads, splits, dtype=torch.float32, device=device)
+        self.part = torch.empty(splits, a.num_heads, dim, dtype=torch.float32, device=device)
+        self.lse = torch.empty(splits, a.num_heads, dtype=torch.float32, device=device)
         self.gate_up = torch.empty(2 * a.intermediate_size, dtype=self.dtype, device=device)
         # the layers' counts of finished items, then the work queue's (zeroed every step)
         self.counts = torch.zeros(self.num_layers * 5 + 1, dtype=torch.int32, device=device)
+        # Round-robin needs every program resident at once: one an SM always is; more only once
+        # the compiled kernel's registers and shared memory are known to fit (`run`).
+        self.round_robin = launch.programs_per_sm == 1
+        compiled = device.type == "cuda" and not triton.knobs.runtime.interpret
+        self._fence = compiled
+        self._options = {"num_warps": launch.num_warps}
+        if compiled and launch.programs_per_sm > 1:  # registers for that many programs an SM
+            self._options["maxnreg"] = _register_cap(launch.programs_per_sm, launch.num_warps)
 
     def _addresses(self, layer: nn.Module, cache: torch.Tensor) -> list[int]:
         attn, mlp = layer.self_attn, layer.mlp
@@ -640,6 +652,7 @@ class PersistentDecoder:
         assert len(tensors) == len(FIELDS)
         for t in tensors:
             assert t is None or t.is_contiguous(), "the decoder reads weights row by row"
+            assert t is None or t.data_ptr() % 16 == 0, "the decoder's loads assume 16-byte rows"
         # an absent bias or norm is never read: any address fills its slot
         return [t.data_ptr() if t is not None else cache.data_ptr() for t in tensors]
 
@@ -659,7 +672,7 @@ class PersistentDecoder:
         assert residual.is_contiguous() and block_table.stride(-1) == 1
         self.counts.zero_()
         rows, chunks = launch.rows, launch.chunks
-        _decoder_kernel[(launch.programs,)](
+        kernel = _decoder_kernel[(launch.programs,)](
             self.table,
             residual,
             self.qkv,
@@ -674,6 +687,7 @@ class PersistentDecoder:
             block_table,
             context_lens,
             self.num_layers,
+            0 if self.round_robin else 1,
             eps,
             self.scale,
             self.block_size,
@@ -696,8 +710,25 @@ class PersistentDecoder:
             K_GU=chunks[2],
             ROWS_DOWN=rows[3],
             K_DOWN=chunks[3],
-            DYNAMIC=launch.dynamic,
-            FENCE=residual.is_cuda and not triton.knobs.runtime.interpret,
-            num_warps=launch.num_warps,
+            FENCE=self._fence,
+            **self._options,
         )
+        if not self.round_robin and self._fence:
+            self.round_robin = self._all_resident(kernel, residual.device)
         return residual
+
+    def _all_resident(self, kernel: triton.compiler.CompiledKernel, device: torch.device) -> bool:
+        # the kernel just launched (from the atomic queue): may its programs take turns instead?
+        from flashstack.cuda.torch_interop import device_for
+
+        per_sm = device_for(device).resident_blocks(
+            32 * self.launch.num_warps, kernel.n_regs, kernel.metadata.shared
+        )
+        return per_sm >= self.launch.programs_per_sm
+
+
+def _register_cap(programs_per_sm: int, num_warps: int) -> int:
+    # the most registers a thread may use for that many programs of num_warps on one SM (65,536
+    # registers, handed out 256 a warp): a multiple of 8, at most 255
+    per_thread = 65536 // (programs_per_sm * num_warps * 32)
+    return min(255, per_thread // 8 * 8)

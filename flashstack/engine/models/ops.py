@@ -338,7 +338,6 @@ class Batch1Ops(TritonOps):
         if reason is not None:
             log.info("persistent decoder off for this model: %s", reason)
             return None
-        per_sm = k.persistent_decoder_programs_per_sm
         sms = device_for(kv_caches[0].device).sm_count if kv_caches[0].is_cuda else 1
         launch = plan_launch(
             a.hidden_size,
@@ -346,8 +345,8 @@ class Batch1Ops(TritonOps):
             a.num_kv_heads,
             a.head_dim,
             a.intermediate_size,
-            programs=sms * per_sm,
-            dynamic=per_sm > 1,
+            sm_count=sms,
+            programs_per_sm=k.persistent_decoder_programs_per_sm,
             num_warps=k.persistent_decoder_warps,
         )
         return PersistentDecoder(a, model.layers, kv_caches, launch)
