@@ -588,13 +588,34 @@ def unsupported(
         return "a KV cache in another dtype than the weights (fp8)"
     if isinstance(layer.self_attn.o_proj, RowParallelLinear):
         return "tensor parallelism"
+    for layer, cache in zip(layers, kv_caches):
+        for t in _layer_tensors(layer, cache):
+            if t is not None and (t.dtype != dtype or not t.is_contiguous() or t.data_ptr() % 16):
+                return "a weight in another dtype, not contiguous or not 16-byte aligned"
     return None
 
 
+def _layer_tensors(layer: nn.Module, cache: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    # a layer's row of the table, in FIELDS' order
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+    return (
+        layer.input_layernorm.weight,
+        attn.qkv_proj.weight,
+        attn.qkv_proj.bias,
+        *norms,
+        attn.o_proj.weight,
+        layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.weight,
+        mlp.down_proj.weight,
+        cache,
+    )
+
+
 class PersistentDecoder:
-    """The decoder layers of one model over its KV caches, for batch-1 decode steps: `run` takes
-    the embedding row (the residual stream, updated in place) and returns it after the last
-    layer, before the final norm."""
+    """The decoder layers of one model over its KV caches (`unsupported` says None), for batch-1
+    decode steps: `run` takes the embedding row (the residual stream, updated in place) and
+    returns it after the last layer, before the final norm."""
 
     def __init__(
         self,
@@ -607,7 +628,6 @@ class PersistentDecoder:
         device = kv_caches[0].device
         self.args, self.launch, self.num_layers = a, launch, len(layers)
         self.dtype = layers[0].self_attn.qkv_proj.weight.dtype
-        self._keep = layers  # the table holds their addresses
         self.table = torch.tensor(
             [self._addresses(layer, cache) for layer, cache in zip(layers, kv_caches)],
             dtype=torch.int64,
@@ -634,25 +654,10 @@ class PersistentDecoder:
         if compiled and launch.programs_per_sm > 1:  # registers for that many programs an SM
             self._options["maxnreg"] = _register_cap(launch.programs_per_sm, launch.num_warps)
 
-    def _addresses(self, layer: nn.Module, cache: torch.Tensor) -> list[int]:
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
-        bias = attn.qkv_proj.bias
-        tensors = (
-            layer.input_layernorm.weight,
-            attn.qkv_proj.weight,
-            bias,
-            *norms,
-            attn.o_proj.weight,
-            layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight,
-            mlp.down_proj.weight,
-            cache,
-        )
+    @staticmethod
+    def _addresses(layer: nn.Module, cache: torch.Tensor) -> list[int]:
+        tensors = _layer_tensors(layer, cache)
         assert len(tensors) == len(FIELDS)
-        for t in tensors:
-            assert t is None or t.is_contiguous(), "the decoder reads weights row by row"
-            assert t is None or t.data_ptr() % 16 == 0, "the decoder's loads assume 16-byte rows"
         # an absent bias or norm is never read: any address fills its slot
         return [t.data_ptr() if t is not None else cache.data_ptr() for t in tensors]
 

@@ -189,3 +189,22 @@ def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device)
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_persistent_decoder_says_what_it_cannot_run(device):
+    """Models the persistent decoder leaves to the layer-by-layer ops, each with its reason."""
+    import dataclasses
+
+    from flashstack.engine.kernels.triton_decoder import unsupported
+
+    model = _model(False, device)
+    args, layers = model.args, model.model.layers
+    caches = [torch.zeros(2, 2, BLOCK, args.num_kv_heads, args.head_dim) for _ in layers]
+    assert unsupported(args, layers, caches) is None
+    assert "sliding" in unsupported(dataclasses.replace(args, sliding_window=8), layers, caches)
+    assert "fp8" in unsupported(args, layers, [c.to(torch.float8_e4m3fn) for c in caches])
+    assert "fp8" in unsupported(dataclasses.replace(args, quantization="fp8"), layers, caches)
+    odd = dataclasses.replace(args, head_dim=24)
+    assert "head_dim" in unsupported(odd, layers, caches)
+    layers[1].post_attention_layernorm.weight.data = torch.ones(args.hidden_size).double()
+    assert "dtype" in unsupported(args, layers, caches)
