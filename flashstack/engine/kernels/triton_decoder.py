@@ -62,6 +62,12 @@ _TABLE_WIDTH = tl.constexpr(len(FIELDS))
 ACC_ELEMENTS = 4096  # weight elements a program multiplies per chunk (rows * chunk): 32 a thread
 MAX_SPLITS = 8  # the o rows merge every split of every head: at most this many
 SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
+# Each projection item's weight chunks after its first: this many stages deep through shared
+# memory (STAGES - 1 chunks in flight beside the one being multiplied). At batch 1 a program
+# needs ~32 KB in flight for its share of the bandwidth; one chunk is ACC_ELEMENTS weights.
+_STAGES_AHEAD = tl.constexpr(4)
+# an item's input prologue
+_NORM, _SILU, _MERGE = (tl.constexpr(i) for i in range(3))
 _SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
 
 
@@ -109,17 +115,47 @@ def _rows_of(unit, N, K, w_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _stream(w, w_rows, rmask, x_ptr, g_ptr, K, rstd, act_dtype, NORM_IN, SILU_IN, BLOCK_K):
-    # sum over K of W[rows] * input, the input's prologue applied chunk by chunk, the next weight
-    # chunk loading while this one multiplies (as kernels/triton_gemv.py streams its rows)
+def _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE: tl.constexpr, NQ, D):
+    # the activations one weight chunk multiplies: RMSNorm(x), silu(gate) * up, or the merged
+    # attention output (x_ptr then holds the splits' partials)
+    cmask = kcols < K
+    if PROLOGUE == _MERGE:
+        x = _merged(x_ptr, lse_ptr, kcols, cmask, active, NQ, D, act)
+    else:
+        norm: tl.constexpr = PROLOGUE == _NORM
+        silu: tl.constexpr = PROLOGUE == _SILU
+        x = _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act, norm, silu, True)
+    return x
+
+
+@triton.jit
+def _stream(
+    w,
+    w_rows,
+    rmask,
+    x_ptr,
+    g_ptr,
+    lse_ptr,
+    K,
+    rstd,
+    active,
+    act,
+    PROLOGUE: tl.constexpr,
+    NQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # sum over K of W[rows] * input: the first chunk `w` (loaded before the wait), then the rest
+    # through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner), as kernels/
+    # triton_gemv.py streams long rows
     cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros(w.shape, tl.float32)
-    for k in range(0, K, BLOCK_K):
+    x = _input(x_ptr, g_ptr, lse_ptr, cols, K, rstd, active, act, PROLOGUE, NQ, D)
+    acc = w.to(tl.float32) * x[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=_STAGES_AHEAD):
         kcols = k + cols
-        x = _input_chunk(x_ptr, g_ptr, kcols, kcols < K, K, rstd, act_dtype, NORM_IN, SILU_IN, True)
+        w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & (kcols < K)[None, :], other=0.0)
+        x = _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE, NQ, D)
         acc += w.to(tl.float32) * x[None, :]
-        nxt = kcols + BLOCK_K
-        w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
     return tl.sum(acc, 1)
 
 
@@ -155,7 +191,7 @@ def _norm_rows(
     _wait(count_ptr, target)
     rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     act = x_ptr.dtype.element_ty
-    y = _stream(w, w_rows, rmask, x_ptr, g_ptr, K, rstd, act, True, False, BLOCK_K)
+    y = _stream(w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(act), mask=rmask)
@@ -178,7 +214,7 @@ def _down_rows(
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target)
     act = x_ptr.dtype.element_ty
-    y = _stream(w, w_rows, rmask, gu_ptr, gu_ptr, K, 1.0, act, False, True, BLOCK_K)
+    y = _stream(w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, BLOCK_K)
     _add_into(x_ptr, rows, rmask, y)
 
 
@@ -235,15 +271,10 @@ def _o_rows(
     _wait(count_ptr, target)
     _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
     act = x_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros(w.shape, tl.float32)
-    for k in range(0, K, BLOCK_K):
-        kcols = k + cols
-        x = _merged(part_ptr, lse_ptr, kcols, kcols < K, active, NQ, D, act)
-        acc += w.to(tl.float32) * x[None, :]
-        nxt = kcols + BLOCK_K
-        w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < K)[None, :], other=0.0)
-    _add_into(x_ptr, rows, rmask, tl.sum(acc, 1))
+    y = _stream(
+        w, w_rows, rmask, part_ptr, part_ptr, lse_ptr, K, 1.0, active, act, _MERGE, NQ, D, BLOCK_K
+    )
+    _add_into(x_ptr, rows, rmask, y)
 
 
 @triton.jit
@@ -531,10 +562,13 @@ class DecoderLaunch:
 
 
 def _rows_and_chunk(n: int, k: int, programs: int) -> tuple[int, int]:
-    # about one item per program, at most ACC_ELEMENTS weights multiplied per chunk
+    # About one item per program, ACC_ELEMENTS weights multiplied per chunk; a row of up to twice
+    # that in one chunk (SmolLM2's 576-wide rows: one 1,024-wide chunk, not a second one of 64).
     rows = min(64, max(2, triton.next_power_of_2(triton.cdiv(n, programs))))
-    chunk = min(triton.next_power_of_2(k), max(64, ACC_ELEMENTS // rows))
-    return rows, chunk
+    whole = triton.next_power_of_2(k)
+    if rows * whole <= 2 * ACC_ELEMENTS:
+        return rows, whole
+    return rows, max(64, ACC_ELEMENTS // rows)
 
 
 def plan_launch(
