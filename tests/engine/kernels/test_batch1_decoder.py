@@ -208,3 +208,56 @@ def test_persistent_decoder_says_what_it_cannot_run(device):
     assert "head_dim" in unsupported(odd, layers, caches)
     layers[1].post_attention_layernorm.weight.data = torch.ones(args.hidden_size).double()
     assert "dtype" in unsupported(args, layers, caches)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "context"),
+    [(4, 4, 16, 1), (4, 1, 32, 130), (6, 2, 16, 513)],
+    ids=["mha-first-token", "mqa", "gqa3-past-the-splits"],
+)
+@torch.inference_mode()
+def test_persistent_decoder_over_scattered_blocks(device, heads, kv_heads, head_dim, context):
+    """Other head layouts, a first token (nothing cached yet) and a context longer than its
+    splits hold at the fewest tokens each, over blocks in random order."""
+    import dataclasses
+
+    from flashstack.engine.config import KernelOptions
+
+    args = dataclasses.replace(
+        _args(True), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(args).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    block, blocks = 16, 40
+    caches = [
+        torch.randn(blocks, 2, block, kv_heads, head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
+    mine = [c.clone() for c in caches]
+    order = torch.randperm(blocks)[: -(-context // block)].to(torch.int32).to(device)
+    last = context - 1
+    slot = int(order[last // block]) * block + last % block
+    meta = dict(
+        slot_mapping=torch.tensor([slot], device=device),
+        block_tables=order[None],
+        context_lens=torch.tensor([context], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        block_size=block,
+        max_query_len=1,
+        max_context_len=context,
+        query_lens_host=[1],
+        context_lens_host=[context],
+    )
+    ids, pos = torch.tensor([11], device=device), torch.tensor([last], device=device)
+    reference = TorchOps(get_attention_backend("reference", device))
+    want = model(ids, pos, AttentionMetadata(**meta), caches, reference)
+    kernels = dataclasses.replace(KernelOptions(), persistent_decoder=True)
+    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+    got = model(ids, pos, AttentionMetadata(**meta), mine, ops)
+    assert [d is not None for d in ops._decoders.values()] == [True]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for m, c in zip(mine, caches):
+        torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
