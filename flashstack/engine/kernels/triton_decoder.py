@@ -66,6 +66,8 @@ SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
 # memory (STAGES - 1 chunks in flight beside the one being multiplied). At batch 1 a program
 # needs ~32 KB in flight for its share of the bandwidth; one chunk is ACC_ELEMENTS weights.
 _STAGES_AHEAD = tl.constexpr(4)
+# polls of a count before a wait gives up (~seconds; a wait's usual few polls take ~1 µs each)
+_MAX_SPINS = tl.constexpr(1 << 22)
 # an item's input prologue
 _NORM, _SILU, _MERGE = (tl.constexpr(i) for i in range(3))
 _SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
@@ -90,10 +92,17 @@ def _finish(count_ptr, FENCE: tl.constexpr):
 
 
 @triton.jit
-def _wait(count_ptr, target):
+def _wait(count_ptr, target, stall_ptr):
+    # Until `target` items have finished. Bounded: a wait that never ends (a bug) counts a stall
+    # and goes on, so the kernel ends with wrong numbers and `PersistentDecoder.stalls` says so,
+    # rather than holding the GPU for good.
     done = tl.atomic_add(count_ptr, 0, sem="acquire")
-    while done < target:
+    spins = 0
+    while (done < target) & (spins < _MAX_SPINS):
         done = tl.atomic_add(count_ptr, 0, sem="acquire")
+        spins += 1
+    if done < target:
+        tl.atomic_add(stall_ptr, 1)
 
 
 @triton.jit
@@ -180,6 +189,7 @@ def _norm_rows(
     eps,
     count_ptr,
     target,
+    stall_ptr,
     N,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -188,7 +198,7 @@ def _norm_rows(
 ):
     # y[rows] = W[rows] @ RMSNorm(x) (+ b): the q/k/v and gate/up items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
-    _wait(count_ptr, target)
+    _wait(count_ptr, target, stall_ptr)
     rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     act = x_ptr.dtype.element_ty
     y = _stream(w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K)
@@ -205,6 +215,7 @@ def _down_rows(
     x_ptr,
     count_ptr,
     target,
+    stall_ptr,
     N: tl.constexpr,
     K: tl.constexpr,
     ROWS: tl.constexpr,
@@ -212,7 +223,7 @@ def _down_rows(
 ):
     # x[rows] += W[rows] @ (silu(gate) * up): the down items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
-    _wait(count_ptr, target)
+    _wait(count_ptr, target, stall_ptr)
     act = x_ptr.dtype.element_ty
     y = _stream(w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, BLOCK_K)
     _add_into(x_ptr, rows, rmask, y)
@@ -258,6 +269,7 @@ def _o_rows(
     ctx,
     count_ptr,
     target,
+    stall_ptr,
     N: tl.constexpr,
     NQ: tl.constexpr,
     S: tl.constexpr,
@@ -268,7 +280,7 @@ def _o_rows(
     # x[rows] += W[rows] @ attention: the o items, merging the splits as they read them
     K: tl.constexpr = NQ * D
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
-    _wait(count_ptr, target)
+    _wait(count_ptr, target, stall_ptr)
     _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
     act = x_ptr.dtype.element_ty
     y = _stream(
@@ -300,6 +312,7 @@ def _attention_split(
     stride_ch,
     count_ptr,
     target,
+    stall_ptr,
     NQ: tl.constexpr,
     NKV: tl.constexpr,
     D: tl.constexpr,
@@ -325,7 +338,7 @@ def _attention_split(
     last = tl.maximum(ctx, 1) - 1
     hi = tl.minimum(tl.minimum(lo + tokens_per_split, ctx), last)
     owner = split == last // tokens_per_split
-    _wait(count_ptr, target)
+    _wait(count_ptr, target, stall_ptr)
     act = qkv_ptr.dtype.element_ty
     q = rotated_heads(
         qkv_ptr + heads[:, None] * D, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM, True
@@ -387,6 +400,7 @@ def _decoder_kernel(
     gu_ptr,
     count_ptr,
     queue_ptr,
+    stalls_ptr,
     cos_ptr,
     sin_ptr,
     slot_ptr,
@@ -453,6 +467,7 @@ def _decoder_kernel(
                 eps,
                 before,
                 tl.where(layer > 0, N_DOWN, 0),
+                stalls_ptr,
                 QKV_N,
                 H,
                 HAS_BIAS,
@@ -483,6 +498,7 @@ def _decoder_kernel(
                 stride_ch,
                 counts + _QKV,
                 N_QKV,
+                stalls_ptr,
                 NQ,
                 NKV,
                 D,
@@ -502,6 +518,7 @@ def _decoder_kernel(
                 ctx,
                 counts + _ATTENTION,
                 N_ATT,
+                stalls_ptr,
                 H,
                 NQ,
                 S,
@@ -521,6 +538,7 @@ def _decoder_kernel(
                 eps,
                 counts + _O,
                 N_O,
+                stalls_ptr,
                 2 * INTER,
                 H,
                 False,
@@ -536,6 +554,7 @@ def _decoder_kernel(
                 x_ptr,
                 counts + _GATE_UP,
                 N_GU,
+                stalls_ptr,
                 H,
                 INTER,
                 ROWS_DOWN,
@@ -677,8 +696,9 @@ class PersistentDecoder:
         self.part = torch.empty(splits, a.num_heads, dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(splits, a.num_heads, dtype=torch.float32, device=device)
         self.gate_up = torch.empty(2 * a.intermediate_size, dtype=self.dtype, device=device)
-        # the layers' counts of finished items, then the work queue's (zeroed every step)
-        self.counts = torch.zeros(self.num_layers * 5 + 1, dtype=torch.int32, device=device)
+        # the layers' counts of finished items, the work queue's, the stalled waits' (_wait);
+        # zeroed every step
+        self.counts = torch.zeros(self.num_layers * 5 + 2, dtype=torch.int32, device=device)
         # Round-robin needs every program resident at once: one an SM always is; more only once
         # the compiled kernel's registers and shared memory are known to fit (`run`).
         self.round_robin = launch.programs_per_sm == 1
@@ -719,6 +739,7 @@ class PersistentDecoder:
             self.lse,
             self.gate_up,
             self.counts,
+            self.counts[-2:-1],
             self.counts[-1:],
             cos,
             sin,
@@ -755,6 +776,11 @@ class PersistentDecoder:
         if not self.round_robin and self._fence:
             self.round_robin = self._all_resident(kernel, residual.device)
         return residual
+
+    def stalls(self) -> int:
+        """Waits of the last run that gave up (0 unless the decoder has a bug: its output is then
+        wrong). Reads the device: it waits for the run to finish."""
+        return int(self.counts[-1].item())
 
     def _all_resident(self, kernel: triton.compiler.CompiledKernel, device: torch.device) -> bool:
         # the kernel just launched (from the atomic queue): may its programs take turns instead?
