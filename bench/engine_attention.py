@@ -41,6 +41,11 @@ FP8_LAUNCHES = {
     "tma s3 x2 splits": {"num_stages": 3, "splits_factor": 2},
     "tma s3 w8": {"num_stages": 3, "num_warps": 8},
     "plain w8": {"tma": False, "num_warps": 8},
+    # q @ K on the fp8 tensor cores, K's tiles as stored (kernels.decode_fp8_qk)
+    "qk fp8": {"qk_fp8": True},
+    "qk fp8 s2": {"qk_fp8": True, "num_stages": 2},
+    "qk fp8 w8": {"qk_fp8": True, "num_warps": 8},
+    "qk fp8 plain": {"qk_fp8": True, "tma": False},
 }
 
 

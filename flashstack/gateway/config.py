@@ -43,6 +43,7 @@ class KernelSwitches(BaseModel):
     decode_deep_tma: bool | None = None
     decode_wave_tma: bool | None = None
     argmax_in_graph: bool | None = None
+    decode_fp8_qk: bool | None = None
     sample_in_graph: bool | None = None
     persistent_decoder: bool | None = None
     persistent_decoder_programs_per_sm: int | None = Field(None, ge=1)

@@ -259,6 +259,7 @@ def _decode_kernel(
     FP8: tl.constexpr,
     KV_DOT: tl.constexpr,
     ORDERED: tl.constexpr,
+    QK_FP8: tl.constexpr = False,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -323,7 +324,17 @@ def _decode_kernel(
             tl.store(cache_ptr + stride_ckv + row + d[None, :], v_new)
     else:
         q = tl.load(q_rows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if FP8:  # the dot products run in KV_DOT on dequantized tiles; k_scale rides on q
+    # P @ V's operands: dequantized tiles of an fp8 cache, the cache's own dtype otherwise
+    pv_dtype: tl.constexpr = KV_DOT if FP8 else cache_ptr.dtype.element_ty
+    q_scale = 1.0
+    if QK_FP8:
+        # q @ K on the fp8 tensor cores, K's tiles as stored: q quantized to e4m3 with one scale
+        # for the program's rows (k_scale and the softmax scale ride on it), every score then
+        # multiplied back by it
+        qs = q.to(tl.float32) * (scale * k_scale)
+        q_scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(qs), 1), 0), 1e-30), 448.0)
+        q = fp8_e4m3(tl.math.div_rn(qs, q_scale))
+    elif FP8:  # the dot products run in KV_DOT on dequantized tiles; k_scale rides on q
         q = (q * (scale * k_scale)).to(KV_DOT)
     else:
         q = (q * scale).to(cache_ptr.dtype.element_ty)
@@ -360,9 +371,12 @@ def _decode_kernel(
             row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if QK_FP8:
+            qk = tl.dot(q, tl.trans(k)) * q_scale
+        else:
+            if FP8:
+                k = k.to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
@@ -373,23 +387,23 @@ def _decode_kernel(
             # their scores are masked above, and V is zeroed so a stale NaN cannot reach the sum.
             v = cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, D_PAD)
             if FP8:
-                v = v.to(q.dtype)
+                v = v.to(pv_dtype)
             v = tl.where(nmask[:, None], v, 0.0)
         else:
             v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if FP8:
-                v = v.to(q.dtype)
+                v = v.to(pv_dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     if NEW:
         if owner:  # the new token: a rank-one online-softmax update
-            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1)
+            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * q_scale
             m_new = tl.maximum(m, s)
             p = tl.exp(s - m_new)
             alpha = tl.exp(m - m_new)
             row_sum = row_sum * alpha + p
-            # p rounded as the tiles' dot rounds it (q's dtype is the tiles' after conversion)
-            acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v_new.to(
+            # p rounded as the tiles' dot rounds it
+            acc = acc * alpha[:, None] + p.to(pv_dtype).to(tl.float32)[:, None] * v_new.to(
                 tl.float32
             )
             m = m_new
@@ -636,6 +650,8 @@ class DecodePlan:
     pdl: bool = False  # launched with programmatic dependent launch (KernelOptions.attention_pdl)
     # programs start longest context first (KernelOptions.decode_longest_first), over one wave
     longest_first: bool = False
+    # an fp8 cache's q @ K on the fp8 tensor cores, q quantized (KernelOptions.decode_fp8_qk)
+    qk_fp8: bool = False
 
 
 def plan_decode(
@@ -653,13 +669,15 @@ def plan_decode(
     longest_first: bool = False,
     deep: bool = True,
     wave: bool = True,
+    qk_fp8: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
     Pass the engine's max_model_len when capturing a CUDA graph, so one graph serves every step.
     `tma`: None takes the accelerator where tma_applies (with tma_launch's stages and split count
     unless given), False never, True always. `deep`: deep_tma_launch where it applies
-    (KernelOptions.decode_deep_tma). `wave`: tma_launch's (KernelOptions.decode_wave_tma). The
+    (KernelOptions.decode_deep_tma). `wave`: tma_launch's (KernelOptions.decode_wave_tma).
+    `qk_fp8`: over an fp8 cache, q @ K on the fp8 tensor cores (KernelOptions.decode_fp8_qk). The
     other arguments override the measured defaults
     (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -706,6 +724,7 @@ def plan_decode(
         num_warps,
         pdl_applies(kv_cache.device, pdl),
         longest_first,
+        qk_fp8 and fp8,
     )
 
 
@@ -844,7 +863,8 @@ def paged_decode_triton(
         min_split,
         num_splits,
         G=group,
-        G_PAD=max(16, triton.next_power_of_2(group)),
+        # the fp8 tensor cores' products (wgmma) take 64 rows: the group padded to them
+        G_PAD=64 if plan.qk_fp8 else max(16, triton.next_power_of_2(group)),
         D=dim,
         D_PAD=d_pad,
         BLOCK_N=block_n,
@@ -858,6 +878,7 @@ def paged_decode_triton(
         FP8=fp8,
         KV_DOT=_kv_dot(q),
         ORDERED=order is not None,
+        QK_FP8=plan.qk_fp8,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1085,6 +1106,7 @@ def plan_step_decode(
         longest_first=kernels.decode_longest_first,
         deep=kernels.decode_deep_tma,
         wave=kernels.decode_wave_tma,
+        qk_fp8=kernels.decode_fp8_qk,
     )
 
 

@@ -192,3 +192,47 @@ def test_an_fp8_cache_without_scales_is_refused(device):
     k = torch.zeros(1, 2, 64, device=device)
     with pytest.raises(AssertionError, match="kv_scale"):
         store_kvcache_reference(k, k, cache, torch.zeros(1, dtype=torch.int64, device=device))
+
+
+def _fp8_queries(q, kv_heads, scale, k_scale):
+    """q as the fp8 q @ K path means it (KernelOptions.decode_fp8_qk): each (sequence, KV head)'s
+    query rows times scale * k_scale, quantized to e4m3 with one scale (their largest |value| over
+    448), multiplied back and divided again: the queries whose products the kernel takes."""
+    n, heads, dim = q.shape
+    qs = q.float().view(n, kv_heads, heads // kv_heads, dim) * (scale * k_scale)
+    q_scale = qs.abs().amax(dim=(2, 3), keepdim=True).clamp_min(1e-30) / 448.0
+    back = quantize_fp8(qs, q_scale).float() * q_scale / (scale * k_scale)
+    return back.view(n, heads, dim)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,ctx", SHAPES)
+def test_fp8_decode_takes_q_and_k_in_fp8_on_request(device, heads, kv_heads, dim, block_size, ctx):
+    """kernels.decode_fp8_qk: q quantized to e4m3 and multiplied by K's tiles as stored; the
+    output of attending with those quantized queries over the dequantized cache, split or whole,
+    with the new token's own work (a batch-1 step) too."""
+    torch.manual_seed(3)
+    kv_scale = torch.tensor(KV_SCALE, device=device)
+    num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 2
+    cache = _fp8_cache(num_blocks, block_size, kv_heads, dim, kv_scale, device)
+    tables = _tables(ctx, block_size, num_blocks, device)
+    meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
+    q = torch.randn(len(ctx), heads, dim, dtype=DTYPE, device=device)
+    scale = dim**-0.5
+    q8 = _fp8_queries(q, kv_heads, scale, kv_scale[0])
+    deq = _dequantized(cache, kv_scale, torch.float32)
+    want = paged_attention_reference(q8, deq, meta, scale).to(DTYPE)
+    plain = paged_attention_reference(q.float(), deq, meta, scale).to(DTYPE)
+    # quantizing q moves the output past the CPU tolerance: there the oracle tells the paths apart
+    assert (want.float() - plain.float()).abs().max() > 5 * 2e-4
+    launches = [{}, {"num_splits": 1}, {"num_splits": 5, "block_n": 16, "min_split": 16}]
+    if tk.tma_applies(cache, 64):
+        launches.append({"tma": True, "block_n": 64, "min_split": 64})
+    for launch in launches:
+        plan = tk.plan_decode(len(ctx), cache, max(ctx), qk_fp8=True, **launch)
+        assert plan.qk_fp8
+        got = tk.paged_decode_triton(
+            q, cache, tables, meta.context_lens, scale, plan, kv_scale=kv_scale
+        )
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{launch}: {m}")
+    # a 16-bit cache keeps its own path
+    assert not tk.plan_decode(1, deq.to(DTYPE), 64, qk_fp8=True).qk_fp8
