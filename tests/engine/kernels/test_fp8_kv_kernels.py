@@ -30,6 +30,15 @@ def _fp8_cache(num_blocks, block_size, kv_heads, dim, kv_scale, device):
     return torch.cat([quantize_fp8(k, kv_scale[0]), quantize_fp8(v, kv_scale[1])], dim=1)
 
 
+def _case(kv_heads, dim, block_size, ctx, device):
+    """A decode step's fp8 cache (random, quantized), block tables and metadata for `ctx`."""
+    kv_scale = torch.tensor(KV_SCALE, device=device)
+    num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 2
+    cache = _fp8_cache(num_blocks, block_size, kv_heads, dim, kv_scale, device)
+    tables = _tables(ctx, block_size, num_blocks, device)
+    return kv_scale, cache, tables, _meta([1] * len(ctx), ctx, tables, block_size, device)
+
+
 def _dequantized(cache, kv_scale, dtype):
     """The oracle's cache: every value as the fp8 cache means it, in q's dtype."""
     scale = kv_scale.view(1, 2, 1, 1, 1)
@@ -79,11 +88,7 @@ def test_fp8_decode_matches_attention_over_the_dequantized_cache(
     device, heads, kv_heads, dim, block_size, ctx
 ):
     torch.manual_seed(1)
-    kv_scale = torch.tensor(KV_SCALE, device=device)
-    num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 2
-    cache = _fp8_cache(num_blocks, block_size, kv_heads, dim, kv_scale, device)
-    tables = _tables(ctx, block_size, num_blocks, device)
-    meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
+    kv_scale, cache, tables, meta = _case(kv_heads, dim, block_size, ctx, device)
     q = torch.randn(len(ctx), heads, dim, dtype=DTYPE, device=device)
     scale = dim**-0.5
     want = paged_attention_reference(q, _dequantized(cache, kv_scale, DTYPE), meta, scale)
@@ -105,9 +110,11 @@ def test_fp8_decode_matches_attention_over_the_dequantized_cache(
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{launch}: {m}")
 
 
-def test_fp8_decode_with_new_tokens_stores_and_attends_them_quantized(device):
+@pytest.mark.parametrize("qk_fp8", [False, True], ids=["fp16-dots", "fp8-qk"])
+def test_fp8_decode_with_new_tokens_stores_and_attends_them_quantized(device, qk_fp8):
     """The decode kernel's own q/k/v work (a batch-1 step) on an fp8 cache: it stores the new k/v
-    as the q/k/v kernel would and gives the output of storing first, then attending."""
+    as the q/k/v kernel would and gives the output of storing first, then attending (with q
+    quantized as kernels.decode_fp8_qk quantizes it, where it is on)."""
     from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
     from flashstack.engine.models.layers import RotaryEmbedding
 
@@ -132,8 +139,13 @@ def test_fp8_decode_with_new_tokens_stores_and_attends_them_quantized(device):
         q.clone(), k, v, cos, sin, want_cache, slots, kv_scale=kv_scale
     )
     scale = dim**-0.5
-    want = paged_attention_reference(q_rot, _dequantized(want_cache, kv_scale, DTYPE), meta, scale)
-    plan = tk.plan_decode(len(ctx), cache, max(ctx), num_splits=3, block_n=16, min_split=16)
+    if qk_fp8:
+        q_rot = _fp8_queries(q_rot, kv_heads, scale, kv_scale[0])
+    deq = _dequantized(want_cache, kv_scale, q_rot.dtype)
+    want = paged_attention_reference(q_rot, deq, meta, scale).to(DTYPE)
+    plan = tk.plan_decode(
+        len(ctx), cache, max(ctx), num_splits=3, block_n=16, min_split=16, qk_fp8=qk_fp8
+    )
     new = tk.NewTokens(k, v, cos, sin, slots)
     got = tk.paged_decode_triton(
         q, cache, tables, meta.context_lens, scale, plan, new=new, kv_scale=kv_scale
@@ -208,14 +220,10 @@ def _fp8_queries(q, kv_heads, scale, k_scale):
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size,ctx", SHAPES)
 def test_fp8_decode_takes_q_and_k_in_fp8_on_request(device, heads, kv_heads, dim, block_size, ctx):
     """kernels.decode_fp8_qk: q quantized to e4m3 and multiplied by K's tiles as stored; the
-    output of attending with those quantized queries over the dequantized cache, split or whole,
-    with the new token's own work (a batch-1 step) too."""
+    output of attending with those quantized queries over the dequantized cache, split or
+    whole."""
     torch.manual_seed(3)
-    kv_scale = torch.tensor(KV_SCALE, device=device)
-    num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 2
-    cache = _fp8_cache(num_blocks, block_size, kv_heads, dim, kv_scale, device)
-    tables = _tables(ctx, block_size, num_blocks, device)
-    meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
+    kv_scale, cache, tables, meta = _case(kv_heads, dim, block_size, ctx, device)
     q = torch.randn(len(ctx), heads, dim, dtype=DTYPE, device=device)
     scale = dim**-0.5
     q8 = _fp8_queries(q, kv_heads, scale, kv_scale[0])
