@@ -16,8 +16,12 @@ program per SM every program is resident at once (any kernel fits one block an S
 take items round-robin (item = program + k * programs); with more, from an atomic counter, which
 needs no program to be resident before another finishes.
 
-Activations written by other programs are read with `.cg` (from L2, past the SM's own L1, which
-is not coherent); an item's writes are fenced at the GPU's scope before its count is raised.
+An SM's L1 is not coherent with other SMs' writes, so every buffer a step writes is written
+once: each layer has its own slices of q/k/v, the partials and gate/up, and the residual stream a
+row for each of its states. No SM can hold a stale copy of a value, however a load is compiled
+(Triton's pipeliner turns loads of under 16 bytes into L1-allocating `cp.async.ca`); activations
+are read with `.cg` besides. An item's writes are fenced at the GPU's scope before its count is
+raised.
 Rounds where the batch-1 ops round (models/ops.py, Batch1Ops): the same hidden states to the
 accumulation order.
 """
@@ -213,6 +217,7 @@ def _down_rows(
     w_ptr,
     gu_ptr,
     x_ptr,
+    out_ptr,
     count_ptr,
     target,
     stall_ptr,
@@ -221,20 +226,20 @@ def _down_rows(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # x[rows] += W[rows] @ (silu(gate) * up): the down items
+    # out[rows] = x[rows] + W[rows] @ (silu(gate) * up): the down items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr)
     act = x_ptr.dtype.element_ty
     y = _stream(w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, BLOCK_K)
-    _add_into(x_ptr, rows, rmask, y)
+    _add_into(x_ptr, out_ptr, rows, rmask, y)
 
 
 @triton.jit
-def _add_into(x_ptr, rows, rmask, y):
-    # the projection rounded first, as `proj(x) + residual` rounds
+def _add_into(x_ptr, out_ptr, rows, rmask, y):
+    # out[rows] = x[rows] + y, the projection rounded first, as `proj(x) + residual` rounds
     act = x_ptr.dtype.element_ty
     old = tl.load(x_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(x_ptr + rows, (y.to(act).to(tl.float32) + old).to(act), mask=rmask)
+    tl.store(out_ptr + rows, (y.to(act).to(tl.float32) + old).to(act), mask=rmask)
 
 
 @triton.jit
@@ -266,6 +271,7 @@ def _o_rows(
     part_ptr,
     lse_ptr,
     x_ptr,
+    out_ptr,
     ctx,
     count_ptr,
     target,
@@ -277,7 +283,7 @@ def _o_rows(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # x[rows] += W[rows] @ attention: the o items, merging the splits as they read them
+    # out[rows] = x[rows] + W[rows] @ attention: the o items, merging the splits as they read them
     K: tl.constexpr = NQ * D
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr)
@@ -286,7 +292,7 @@ def _o_rows(
     y = _stream(
         w, w_rows, rmask, part_ptr, part_ptr, lse_ptr, K, 1.0, active, act, _MERGE, NQ, D, BLOCK_K
     )
-    _add_into(x_ptr, rows, rmask, y)
+    _add_into(x_ptr, out_ptr, rows, rmask, y)
 
 
 @triton.jit
@@ -454,6 +460,16 @@ def _decoder_kernel(
         r = item % PER_LAYER
         entry = table_ptr + layer * _TABLE_WIDTH
         counts = count_ptr + layer * _STAGES
+        # Every buffer a step writes is written once: each layer has its own slices, and the
+        # residual stream a row for each of its states (the layer's input, after o, after down).
+        # No SM can then hold a stale copy of one in its L1, whichever way a load is compiled.
+        x_in = x_ptr + (2 * layer) * H
+        x_mid = x_in + H
+        x_out = x_mid + H
+        qkv = qkv_ptr + layer * QKV_N
+        part = part_ptr + layer * (S * NQ * D)
+        lse = lse_ptr + layer * (S * NQ)
+        gu = gu_ptr + layer * (2 * INTER)
         if r < N_QKV:
             # the layer before's down rows, all of them (layer 0: none, its input is the embedding)
             before = count_ptr + tl.maximum(layer - 1, 0) * _STAGES + _DOWN
@@ -462,8 +478,8 @@ def _decoder_kernel(
                 _address(entry, _QKV_W, x_ptr),
                 _address(entry, _QKV_B, x_ptr),
                 _address(entry, _INPUT_NORM, x_ptr),
-                x_ptr,
-                qkv_ptr,
+                x_in,
+                qkv,
                 eps,
                 before,
                 tl.where(layer > 0, N_DOWN, 0),
@@ -478,12 +494,12 @@ def _decoder_kernel(
         elif r < N_QKV + N_ATT:
             _attention_split(
                 r - N_QKV,
-                qkv_ptr,
+                qkv,
                 _address(entry, _Q_NORM, x_ptr),
                 _address(entry, _K_NORM, x_ptr),
                 _address(entry, _KV, x_ptr),
-                part_ptr,
-                lse_ptr,
+                part,
+                lse,
                 cos_ptr,
                 sin_ptr,
                 slot_ptr,
@@ -512,9 +528,10 @@ def _decoder_kernel(
             _o_rows(
                 r - N_QKV - N_ATT,
                 _address(entry, _O_W, x_ptr),
-                part_ptr,
-                lse_ptr,
-                x_ptr,
+                part,
+                lse,
+                x_in,
+                x_mid,
                 ctx,
                 counts + _ATTENTION,
                 N_ATT,
@@ -533,8 +550,8 @@ def _decoder_kernel(
                 _address(entry, _GATE_UP_W, x_ptr),
                 x_ptr,
                 _address(entry, _POST_NORM, x_ptr),
-                x_ptr,
-                gu_ptr,
+                x_mid,
+                gu,
                 eps,
                 counts + _O,
                 N_O,
@@ -550,8 +567,9 @@ def _decoder_kernel(
             _down_rows(
                 r - N_QKV - N_ATT - N_O - N_GU,
                 _address(entry, _DOWN_W, x_ptr),
-                gu_ptr,
-                x_ptr,
+                gu,
+                x_mid,
+                x_out,
                 counts + _GATE_UP,
                 N_GU,
                 stalls_ptr,
@@ -667,8 +685,8 @@ def _layer_tensors(layer: nn.Module, cache: torch.Tensor) -> tuple[torch.Tensor 
 
 class PersistentDecoder:
     """The decoder layers of one model over its KV caches (`unsupported` says None), for batch-1
-    decode steps: `run` takes the embedding row (the residual stream, updated in place) and
-    returns it after the last layer, before the final norm."""
+    decode steps: `run` takes the embedding row and returns the residual stream after the last
+    layer, before the final norm."""
 
     def __init__(
         self,
@@ -690,12 +708,19 @@ class PersistentDecoder:
         self.block_size = kv_caches[0].shape[2]
         self.scale = layers[0].self_attn.scale
         dim, splits = a.head_dim, launch.splits
-        self.qkv = torch.empty(
-            (a.num_heads + 2 * a.num_kv_heads) * dim, dtype=self.dtype, device=device
+        # each layer's own slice of every buffer the kernel writes (see _decoder_kernel)
+        layers_n, f32 = self.num_layers, torch.float32
+        self.residual = torch.empty(
+            2 * layers_n + 1, a.hidden_size, dtype=self.dtype, device=device
         )
-        self.part = torch.empty(splits, a.num_heads, dim, dtype=torch.float32, device=device)
-        self.lse = torch.empty(splits, a.num_heads, dtype=torch.float32, device=device)
-        self.gate_up = torch.empty(2 * a.intermediate_size, dtype=self.dtype, device=device)
+        self.qkv = torch.empty(
+            layers_n, (a.num_heads + 2 * a.num_kv_heads) * dim, dtype=self.dtype, device=device
+        )
+        self.part = torch.empty(layers_n, splits, a.num_heads, dim, dtype=f32, device=device)
+        self.lse = torch.empty(layers_n, splits, a.num_heads, dtype=f32, device=device)
+        self.gate_up = torch.empty(
+            layers_n, 2 * a.intermediate_size, dtype=self.dtype, device=device
+        )
         # the layers' counts of finished items, the work queue's, the stalled waits' (_wait);
         # zeroed every step
         self.counts = torch.zeros(self.num_layers * 5 + 2, dtype=torch.int32, device=device)
@@ -725,15 +750,18 @@ class PersistentDecoder:
         context_lens: torch.Tensor,
         eps: float,
     ) -> torch.Tensor:
-        """Every decoder layer on one token: `residual` [1, hidden] (the embedding row) in place."""
+        """Every decoder layer on one token: the residual stream [1, hidden] after the last layer,
+        from `residual` (the embedding row). The result is the decoder's own memory, valid until
+        its next run."""
         a, launch = self.args, self.launch
         assert residual.shape == (1, a.hidden_size) and residual.dtype == self.dtype
-        assert residual.is_contiguous() and block_table.stride(-1) == 1
+        assert block_table.stride(-1) == 1
         self.counts.zero_()
+        self.residual[0].copy_(residual[0])
         rows, chunks = launch.rows, launch.chunks
         kernel = _decoder_kernel[(launch.programs,)](
             self.table,
-            residual,
+            self.residual,
             self.qkv,
             self.part,
             self.lse,
@@ -775,7 +803,7 @@ class PersistentDecoder:
         )
         if not self.round_robin and self._fence:
             self.round_robin = self._all_resident(kernel, residual.device)
-        return residual
+        return self.residual[-1:]
 
     def stalls(self) -> int:
         """Waits of the last run that gave up (0 unless the decoder has a bug: its output is then

@@ -303,8 +303,7 @@ class Batch1Ops(TritonOps):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor | None:
-        """Every layer in one persistent kernel (KernelOptions.persistent_decoder), the residual
-        stream `h` updated in place."""
+        """Every layer in one persistent kernel (KernelOptions.persistent_decoder)."""
         if not self.kernels.persistent_decoder:
             return None
         key = (id(model), kv_caches[0].data_ptr())
