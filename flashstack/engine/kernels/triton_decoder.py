@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 # A layer's stages, in the order of the work list, each with a count of finished items per layer.
 _QKV, _ATTENTION, _O, _GATE_UP, _DOWN = (tl.constexpr(i) for i in range(5))
-_STAGES = tl.constexpr(5)
+_LAYER_STAGES = tl.constexpr(5)
 # A layer's tensors in the table (int64 addresses), in this order: its weights, then its KV cache.
 FIELDS = (
     "input_norm",
@@ -63,13 +63,14 @@ _INPUT_NORM, _QKV_W, _QKV_B, _Q_NORM, _K_NORM, _O_W, _POST_NORM, _GATE_UP_W, _DO
     tl.constexpr(i) for i in range(len(FIELDS))
 )
 _TABLE_WIDTH = tl.constexpr(len(FIELDS))
-ACC_ELEMENTS = 4096  # weight elements a program multiplies per chunk (rows * chunk): 32 a thread
+# Weight elements a program multiplies per chunk (rows * chunk; 32 a thread at 4 warps), and how
+# many stages deep its chunks after the first stream through shared memory (stages - 1 chunks in
+# flight beside the one being multiplied): at batch 1 a program needs ~32 KB in flight for its
+# share of the bandwidth. Defaults of `plan_launch`, not yet measured.
+ACC_ELEMENTS = 4096
+PIPELINE_STAGES = 4
 MAX_SPLITS = 8  # the o rows merge every split of every head: at most this many
 SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
-# Each projection item's weight chunks after its first: this many stages deep through shared
-# memory (STAGES - 1 chunks in flight beside the one being multiplied). At batch 1 a program
-# needs ~32 KB in flight for its share of the bandwidth; one chunk is ACC_ELEMENTS weights.
-_STAGES_AHEAD = tl.constexpr(4)
 # polls of a count before a wait gives up (~seconds; a wait's usual few polls take ~1 µs each)
 _MAX_SPINS = tl.constexpr(1 << 22)
 # an item's input prologue
@@ -157,6 +158,7 @@ def _stream(
     NQ: tl.constexpr,
     D: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # sum over K of W[rows] * input: the first chunk `w` (loaded before the wait), then the rest
     # through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner), as kernels/
@@ -164,7 +166,7 @@ def _stream(
     cols = tl.arange(0, BLOCK_K)
     x = _input(x_ptr, g_ptr, lse_ptr, cols, K, rstd, active, act, PROLOGUE, NQ, D)
     acc = w.to(tl.float32) * x[None, :]
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=_STAGES_AHEAD):
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         kcols = k + cols
         w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & (kcols < K)[None, :], other=0.0)
         x = _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE, NQ, D)
@@ -199,13 +201,16 @@ def _norm_rows(
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # y[rows] = W[rows] @ RMSNorm(x) (+ b): the q/k/v and gate/up items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr)
     rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     act = x_ptr.dtype.element_ty
-    y = _stream(w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K)
+    y = _stream(
+        w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K, STAGES
+    )
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(act), mask=rmask)
@@ -225,12 +230,15 @@ def _down_rows(
     K: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # out[rows] = x[rows] + W[rows] @ (silu(gate) * up): the down items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr)
     act = x_ptr.dtype.element_ty
-    y = _stream(w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, BLOCK_K)
+    y = _stream(
+        w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, BLOCK_K, STAGES
+    )
     _add_into(x_ptr, out_ptr, rows, rmask, y)
 
 
@@ -282,6 +290,7 @@ def _o_rows(
     D: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # out[rows] = x[rows] + W[rows] @ attention: the o items, merging the splits as they read them
     K: tl.constexpr = NQ * D
@@ -290,7 +299,21 @@ def _o_rows(
     _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
     act = x_ptr.dtype.element_ty
     y = _stream(
-        w, w_rows, rmask, part_ptr, part_ptr, lse_ptr, K, 1.0, active, act, _MERGE, NQ, D, BLOCK_K
+        w,
+        w_rows,
+        rmask,
+        part_ptr,
+        part_ptr,
+        lse_ptr,
+        K,
+        1.0,
+        active,
+        act,
+        _MERGE,
+        NQ,
+        D,
+        BLOCK_K,
+        STAGES,
     )
     _add_into(x_ptr, out_ptr, rows, rmask, y)
 
@@ -439,6 +462,7 @@ def _decoder_kernel(
     K_GU: tl.constexpr,
     ROWS_DOWN: tl.constexpr,
     K_DOWN: tl.constexpr,
+    STAGES: tl.constexpr,
     FENCE: tl.constexpr,
 ):
     QKV_N: tl.constexpr = (NQ + 2 * NKV) * D
@@ -459,7 +483,7 @@ def _decoder_kernel(
         layer = item // PER_LAYER
         r = item % PER_LAYER
         entry = table_ptr + layer * _TABLE_WIDTH
-        counts = count_ptr + layer * _STAGES
+        counts = count_ptr + layer * _LAYER_STAGES
         # Every buffer a step writes is written once: each layer has its own slices, and the
         # residual stream a row for each of its states (the layer's input, after o, after down).
         # No SM can then hold a stale copy of one in its L1, whichever way a load is compiled.
@@ -472,7 +496,7 @@ def _decoder_kernel(
         gu = gu_ptr + layer * (2 * INTER)
         if r < N_QKV:
             # the layer before's down rows, all of them (layer 0: none, its input is the embedding)
-            before = count_ptr + tl.maximum(layer - 1, 0) * _STAGES + _DOWN
+            before = count_ptr + tl.maximum(layer - 1, 0) * _LAYER_STAGES + _DOWN
             _norm_rows(
                 r,
                 _address(entry, _QKV_W, x_ptr),
@@ -489,6 +513,7 @@ def _decoder_kernel(
                 HAS_BIAS,
                 ROWS_QKV,
                 K_QKV,
+                STAGES,
             )
             _finish(counts + _QKV, FENCE)
         elif r < N_QKV + N_ATT:
@@ -542,6 +567,7 @@ def _decoder_kernel(
                 D,
                 ROWS_O,
                 K_O,
+                STAGES,
             )
             _finish(counts + _O, FENCE)
         elif r < N_QKV + N_ATT + N_O + N_GU:
@@ -561,6 +587,7 @@ def _decoder_kernel(
                 False,
                 ROWS_GU,
                 K_GU,
+                STAGES,
             )
             _finish(counts + _GATE_UP, FENCE)
         else:
@@ -577,6 +604,7 @@ def _decoder_kernel(
                 INTER,
                 ROWS_DOWN,
                 K_DOWN,
+                STAGES,
             )
             _finish(counts + _DOWN, FENCE)
         if dynamic:
@@ -596,16 +624,17 @@ class DecoderLaunch:
     rows: tuple[int, int, int, int]  # q/k/v, o, gate/up, down
     chunks: tuple[int, int, int, int]
     num_warps: int = 4
+    stages: int = PIPELINE_STAGES
 
 
-def _rows_and_chunk(n: int, k: int, programs: int) -> tuple[int, int]:
-    # About one item per program, ACC_ELEMENTS weights multiplied per chunk; a row of up to twice
-    # that in one chunk (SmolLM2's 576-wide rows: one 1,024-wide chunk, not a second one of 64).
+def _rows_and_chunk(n: int, k: int, programs: int, acc: int) -> tuple[int, int]:
+    # About one item per program, `acc` weights multiplied per chunk; a row of up to twice that in
+    # one chunk (SmolLM2's 576-wide rows: one 1,024-wide chunk, not a second one of 64).
     rows = min(64, max(2, triton.next_power_of_2(triton.cdiv(n, programs))))
     whole = triton.next_power_of_2(k)
-    if rows * whole <= 2 * ACC_ELEMENTS:
+    if rows * whole <= 2 * acc:
         return rows, whole
-    return rows, max(64, ACC_ELEMENTS // rows)
+    return rows, max(64, acc // rows)
 
 
 def plan_launch(
@@ -617,9 +646,11 @@ def plan_launch(
     sm_count: int,
     programs_per_sm: int = 1,
     num_warps: int = 4,
+    stages: int = PIPELINE_STAGES,
+    acc_elements: int = ACC_ELEMENTS,
 ) -> DecoderLaunch:
     """The launch of `programs_per_sm` programs on each of `sm_count` SMs for a model of these
-    sizes."""
+    sizes (`stages`, `acc_elements`: see PIPELINE_STAGES and ACC_ELEMENTS)."""
     programs = sm_count * programs_per_sm
     shapes = (
         ((heads + 2 * kv_heads) * head_dim, hidden),
@@ -627,7 +658,7 @@ def plan_launch(
         (2 * intermediate, hidden),
         (hidden, intermediate),
     )
-    picks = [_rows_and_chunk(n, k, programs) for n, k in shapes]
+    picks = [_rows_and_chunk(n, k, programs, acc_elements) for n, k in shapes]
     # as many splits as the merge allows: a short context fills only some (SPLIT_TOKENS each)
     splits = MAX_SPLITS
     return DecoderLaunch(
@@ -637,6 +668,7 @@ def plan_launch(
         tuple(r for r, _ in picks),  # type: ignore[arg-type]
         tuple(c for _, c in picks),  # type: ignore[arg-type]
         num_warps,
+        stages,
     )
 
 
@@ -798,6 +830,7 @@ class PersistentDecoder:
             K_GU=chunks[2],
             ROWS_DOWN=rows[3],
             K_DOWN=chunks[3],
+            STAGES=launch.stages,
             FENCE=self._fence,
             **self._options,
         )

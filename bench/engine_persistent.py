@@ -1,0 +1,186 @@
+"""The persistent decoder against the layer-by-layer batch-1 ops, alone: docs/benchmarks.md,
+"Engine small-model profile" ("Persistent decoder").
+
+Each model's shape with random bf16 weights (bench/_shapes.py), one sequence at `--context`
+tokens: its decoder stack (embedding to final norm, no head) captured in a CUDA graph and
+replayed back to back, through the batch-1 ops (six kernels a layer) and through the persistent
+decoder in each launch of `--launches`. Floor: the layers' weights and the KV cache read once
+over the copy bandwidth. Each launch's output is checked against the ops' and its stalled waits
+(`PersistentDecoder.stalls`) reported: a launch that disagrees is a bug, not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._shapes import LLAMA3_2_1B, LLAMA3_8B, QWEN3_0_6B, SMOLLM2_135M  # noqa: E402
+from bench.engine_decode import COPY_BW  # noqa: E402
+
+SHAPES = {
+    "smollm2-135m": SMOLLM2_135M,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "llama3.2-1b": LLAMA3_2_1B,
+    "llama3-8b": LLAMA3_8B,
+}
+BLOCK = 256
+# LABEL=programs per SM/warps/pipeline stages/weights per chunk
+DEFAULT_LAUNCHES = "1/4/4/4096,1/8/4/8192,2/4/4/4096,3/4/4/4096,1/4/2/4096,1/4/6/4096,2/4/3/8192"
+
+
+def build(shape: dict, context: int):
+    """The model, its KV caches (random, bf16) and one decode step's metadata at `context`."""
+    from flashstack.engine.kernels.attention import AttentionMetadata
+    from flashstack.engine.models import model_class
+
+    cls = model_class(shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = cls(cls.args_from_hf(shape)).to(torch.bfloat16).eval()
+        for p in model.parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.02)
+    a = model.args
+    blocks = -(-context // BLOCK)
+    caches = [
+        torch.randn(blocks, 2, BLOCK, a.num_kv_heads, a.head_dim, device="cuda").to(torch.bfloat16)
+        for _ in range(a.num_layers)
+    ]
+    last = context - 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([last], device="cuda"),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device="cuda")[None],
+        context_lens=torch.tensor([context], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        block_size=BLOCK,
+        max_query_len=1,
+        max_context_len=context,
+        query_lens_host=[1],
+        context_lens_host=[context],
+    )
+    return model, caches, meta
+
+
+def replay_us(fn, iters: int) -> tuple[float, torch.Tensor]:
+    """fn captured in a CUDA graph (after a warm-up run), replayed back to back: µs per replay,
+    and the graph's output."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters, out
+
+
+@torch.inference_mode()
+def measure(name: str, context: int, launches: list[tuple[int, int, int, int]], iters: int):
+    from flashstack.cuda.torch_interop import device_for
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.kernels.attention import get_attention_backend
+    from flashstack.engine.kernels.triton_decoder import PersistentDecoder, plan_launch
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+    from flashstack.engine.models.ops import TritonOps
+
+    model, caches, meta = build(SHAPES[name], context)
+    a, body = model.args, model.model
+    layer_bytes = sum(
+        p.numel() * p.element_size() for n, p in body.named_parameters() if "layers." in n
+    )
+    kv = context * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
+    floor_us = (layer_bytes + kv) / COPY_BW * 1e6
+    ids = torch.tensor([11], device="cuda")
+    pos = torch.tensor([context - 1], device="cuda")
+    device = torch.device("cuda")
+    kernels = KernelOptions().resolved(device)  # as the engine runs them on this GPU
+    ops = TritonOps(get_attention_backend("triton", device, kernels)).for_tokens(1)
+    ops_us, want = replay_us(lambda: body(ids, pos, meta, caches, ops), iters)
+    row = {
+        "context": context,
+        "floor_us": round(floor_us, 1),
+        "ops_us": round(ops_us, 1),
+        "ops_fraction": round(floor_us / ops_us, 3),
+    }
+    sms = device_for(device).sm_count
+    for per_sm, warps, stages, acc in launches:
+        label = f"{per_sm}/{warps}/{stages}/{acc}"
+        launch = plan_launch(
+            a.hidden_size,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.intermediate_size,
+            sm_count=sms,
+            programs_per_sm=per_sm,
+            num_warps=warps,
+            stages=stages,
+            acc_elements=acc,
+        )
+        decoder = PersistentDecoder(a, body.layers, caches, launch)
+
+        def step(decoder=decoder):
+            h, (cos, sin) = body.embed(ids, pos)
+            x = decoder.run(
+                h,
+                cos,
+                sin,
+                meta.slot_mapping,
+                meta.block_tables[0],
+                meta.context_lens,
+                a.rms_norm_eps,
+            )
+            return rmsnorm_triton(x, body.norm.weight, body.norm.eps)[0]
+
+        try:
+            us, got = replay_us(step, iters)
+            row[label] = {
+                "us": round(us, 1),
+                "fraction": round(floor_us / us, 3),
+                "vs_ops": round(ops_us / us, 3),
+                "round_robin": decoder.round_robin,
+                "stalls": decoder.stalls(),
+                "max_abs_diff_vs_ops": round(float((got.float() - want.float()).abs().max()), 4),
+            }
+        except Exception as exc:  # one launch that does not compile or fit: say so, go on
+            row[label] = {"error": repr(exc)[-500:]}
+        print(name, label, row[label], flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", default="smollm2-135m,qwen3-0.6b,llama3.2-1b")
+    ap.add_argument("--context", type=int, default=640, help="prompt 512 + 128 new tokens")
+    ap.add_argument(
+        "--launches",
+        default=DEFAULT_LAUNCHES,
+        help="comma-separated programs-per-SM/warps/pipeline-stages/weights-per-chunk",
+    )
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    launches = [tuple(int(v) for v in item.split("/")) for item in args.launches.split(",")]
+    result = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": COPY_BW / 1e12}
+    for name in args.models.split(","):
+        result[name] = measure(name, args.context, launches, args.iters)
+        text = json.dumps(result, indent=1)
+        if args.json:
+            args.json.write_text(text)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
