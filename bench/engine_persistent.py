@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._shapes import LLAMA3_2_1B, LLAMA3_8B, QWEN3_0_6B, SMOLLM2_135M  # noqa: E402
 from bench.engine_decode import COPY_BW  # noqa: E402
+from bench.engine_gemv import graph_us  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": SMOLLM2_135M,
@@ -70,20 +71,12 @@ def build(shape: dict, context: int):
 def replay_us(fn, iters: int) -> tuple[float, torch.Tensor]:
     """fn captured in a CUDA graph (after a warm-up run), replayed back to back: µs per replay,
     and the graph's output."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters, out
+    out = {}
+
+    def once(_: int) -> None:
+        out["y"] = fn()
+
+    return graph_us(once, iters=1, reps=iters), out["y"]
 
 
 @torch.inference_mode()
@@ -118,12 +111,8 @@ def measure(name: str, context: int, launches: list[tuple[int, int, int, int]], 
     for per_sm, warps, stages, acc in launches:
         label = f"{per_sm}/{warps}/{stages}/{acc}"
         launch = plan_launch(
-            a.hidden_size,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
-            a.intermediate_size,
-            sm_count=sms,
+            a,
+            sms,
             programs_per_sm=per_sm,
             num_warps=warps,
             stages=stages,

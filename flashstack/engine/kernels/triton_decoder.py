@@ -638,11 +638,7 @@ def _rows_and_chunk(n: int, k: int, programs: int, acc: int) -> tuple[int, int]:
 
 
 def plan_launch(
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
+    args: ModelArgs,
     sm_count: int,
     programs_per_sm: int = 1,
     num_warps: int = 4,
@@ -652,6 +648,8 @@ def plan_launch(
     """The launch of `programs_per_sm` programs on each of `sm_count` SMs for a model of these
     sizes (`stages`, `acc_elements`: see PIPELINE_STAGES and ACC_ELEMENTS)."""
     programs = sm_count * programs_per_sm
+    hidden, heads, kv_heads = args.hidden_size, args.num_heads, args.num_kv_heads
+    head_dim, intermediate = args.head_dim, args.intermediate_size
     shapes = (
         ((heads + 2 * kv_heads) * head_dim, hidden),
         (hidden, heads * head_dim),

@@ -339,12 +339,8 @@ class Batch1Ops(TritonOps):
             return None
         sms = device_for(kv_caches[0].device).sm_count if kv_caches[0].is_cuda else 1
         launch = plan_launch(
-            a.hidden_size,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
-            a.intermediate_size,
-            sm_count=sms,
+            a,
+            sms,
             programs_per_sm=k.persistent_decoder_programs_per_sm,
             num_warps=k.persistent_decoder_warps,
         )
