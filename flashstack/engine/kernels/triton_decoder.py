@@ -422,6 +422,7 @@ def _attention_split(
 @triton.jit
 def _decoder_kernel(
     table_ptr,
+    h_ptr,
     x_ptr,
     qkv_ptr,
     part_ptr,
@@ -485,11 +486,12 @@ def _decoder_kernel(
         entry = table_ptr + layer * _TABLE_WIDTH
         counts = count_ptr + layer * _LAYER_STAGES
         # Every buffer a step writes is written once: each layer has its own slices, and the
-        # residual stream a row for each of its states (the layer's input, after o, after down).
-        # No SM can then hold a stale copy of one in its L1, whichever way a load is compiled.
-        x_in = x_ptr + (2 * layer) * H
-        x_mid = x_in + H
+        # residual stream a row for each of its states after o and after down (the first layer's
+        # input: the embedding row, read only). No SM can then hold a stale copy of one in its
+        # L1, whichever way a load is compiled.
+        x_mid = x_ptr + (2 * layer) * H
         x_out = x_mid + H
+        x_in = tl.where(layer == 0, h_ptr, x_mid - H)
         qkv = qkv_ptr + layer * QKV_N
         part = part_ptr + layer * (S * NQ * D)
         lse = lse_ptr + layer * (S * NQ)
@@ -740,9 +742,7 @@ class PersistentDecoder:
         dim, splits = a.head_dim, launch.splits
         # each layer's own slice of every buffer the kernel writes (see _decoder_kernel)
         layers_n, f32 = self.num_layers, torch.float32
-        self.residual = torch.empty(
-            2 * layers_n + 1, a.hidden_size, dtype=self.dtype, device=device
-        )
+        self.residual = torch.empty(2 * layers_n, a.hidden_size, dtype=self.dtype, device=device)
         self.qkv = torch.empty(
             layers_n, (a.num_heads + 2 * a.num_kv_heads) * dim, dtype=self.dtype, device=device
         )
@@ -785,12 +785,12 @@ class PersistentDecoder:
         its next run."""
         a, launch = self.args, self.launch
         assert residual.shape == (1, a.hidden_size) and residual.dtype == self.dtype
-        assert block_table.stride(-1) == 1
+        assert residual.is_contiguous() and block_table.stride(-1) == 1
         self.counts.zero_()
-        self.residual[0].copy_(residual[0])
         rows, chunks = launch.rows, launch.chunks
         kernel = _decoder_kernel[(launch.programs,)](
             self.table,
+            residual,
             self.residual,
             self.qkv,
             self.part,
