@@ -22,8 +22,10 @@ row for each of its states. No SM can hold a stale copy of a value, however a lo
 (Triton's pipeliner turns loads of under 16 bytes into L1-allocating `cp.async.ca`); activations
 are read with `.cg` besides. An item's writes are fenced at the GPU's scope before its count is
 raised.
+
 Rounds where the batch-1 ops round (models/ops.py, Batch1Ops): the same hidden states to the
-accumulation order.
+accumulation order. Batch1Ops checks each decoder's first run against the layers one by one and
+drops one that stalls or disagrees (`disagreement`).
 """
 
 from __future__ import annotations
@@ -757,6 +759,7 @@ class PersistentDecoder:
         # Round-robin needs every program resident at once: one an SM always is; more only once
         # the compiled kernel's registers and shared memory are known to fit (`run`).
         self.round_robin = launch.programs_per_sm == 1
+        self.checked = False  # its first run compared with the layers one by one (Batch1Ops)
         compiled = device.type == "cuda" and not triton.knobs.runtime.interpret
         self._fence = compiled
         self._options = {"num_warps": launch.num_warps}
@@ -835,6 +838,19 @@ class PersistentDecoder:
         if not self.round_robin and self._fence:
             self.round_robin = self._all_resident(kernel, residual.device)
         return self.residual[-1:]
+
+    def disagreement(self, out: torch.Tensor, want: torch.Tensor) -> str | None:
+        """What is wrong with a run's `out` against the layer-by-layer ops' `want` (None: they
+        agree to their different summation orders): stalled waits, or a difference past 5 % of
+        the largest value. Reads the device."""
+        stalls = self.stalls()
+        if stalls:
+            return f"gave up {stalls} wait(s)"
+        err = float((out.float() - want.float()).abs().max())
+        scale = float(want.float().abs().max())
+        if not err <= 0.05 * scale + 1e-3:  # a NaN fails too
+            return f"differs from the layer-by-layer ops by {err:.3g} (largest value {scale:.3g})"
+        return None
 
     def stalls(self) -> int:
         """Waits of the last run that gave up (0 unless the decoder has a bug: its output is then

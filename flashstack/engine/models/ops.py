@@ -313,7 +313,7 @@ class Batch1Ops(TritonOps):
         if decoder is None:
             return None
         cos, sin = rope
-        return decoder.run(
+        out = decoder.run(
             h,
             cos,
             sin,
@@ -322,6 +322,21 @@ class Batch1Ops(TritonOps):
             meta.context_lens,
             model.args.rms_norm_eps,
         )
+        if decoder.checked:
+            return out
+        # Its first run (a graph's warm-up, before any capture) against the layers one by one:
+        # a decoder that stalls or disagrees is dropped, loudly, rather than trusted.
+        decoder.checked = True
+        residual = None
+        for layer, kv_cache in zip(model.layers, kv_caches):  # the same KV rows again
+            h, residual = layer(h, residual, rope, meta, kv_cache, self)
+        assert residual is not None
+        problem = decoder.disagreement(out, residual)
+        if problem is None:
+            return out
+        log.error("persistent decoder %s: its layers run one by one from now on", problem)
+        self._decoders[key] = None
+        return residual
 
     def _persistent_decoder(
         self, model: DecoderModel, kv_caches: list[torch.Tensor]

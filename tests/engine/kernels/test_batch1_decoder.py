@@ -264,3 +264,35 @@ def test_persistent_decoder_over_scattered_blocks(device, heads, kv_heads, head_
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for m, c in zip(mine, caches):
         torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_persistent_decoder_that_disagrees_is_dropped(device, monkeypatch, caplog):
+    """The decoder's first run is checked against the layers one by one: a wrong one (here, one
+    whose output is made wrong) is logged and dropped, and the step gets the layers' answer."""
+    import dataclasses
+    import logging
+
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.kernels import triton_decoder
+
+    run = triton_decoder.PersistentDecoder.run
+    monkeypatch.setattr(
+        triton_decoder.PersistentDecoder, "run", lambda *a, **kw: run(*a, **kw) + 1.0
+    )
+    kernels = dataclasses.replace(KernelOptions(), persistent_decoder=True)
+    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+    model = _model(False, device)
+    args, context = model.args, 7
+    caches = [
+        torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
+    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
+    reference = TorchOps(get_attention_backend("reference", device))
+    want = model(ids, pos, _meta(context, device), [c.clone() for c in caches], reference)
+    with caplog.at_level(logging.ERROR):
+        got = model(ids, pos, _meta(context, device), caches, ops)
+    assert list(ops._decoders.values()) == [None]
+    assert "differs from the layer-by-layer ops" in caplog.text
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
