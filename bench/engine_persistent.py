@@ -7,6 +7,11 @@ replayed back to back, through the batch-1 ops (six kernels a layer) and through
 decoder in each launch of `--launches`. Floor: the layers' weights and the KV cache read once
 over the copy bandwidth. Each launch's output is checked against the ops' and its stalled waits
 (`PersistentDecoder.stalls`) reported: a launch that disagrees is a bug, not a figure.
+
+`--trace`: one more run of each launch with every work item's start and end on the GPU's clock,
+summed up by stage: how long each stage holds up a layer (from the end of the stage before to its
+own last item's end), and an item's mean time, from its start (first weight chunk, then its wait)
+and from the moment the stage before had finished.
 """
 
 from __future__ import annotations
@@ -80,12 +85,17 @@ def replay_us(fn, iters: int) -> tuple[float, torch.Tensor]:
 
 
 @torch.inference_mode()
-def measure(name: str, context: int, launches: list[tuple[int, int, int, int]], iters: int):
+def measure(
+    name: str,
+    context: int,
+    launches: list[tuple[int, int, int, int]],
+    iters: int,
+    trace: bool = False,
+):
     from flashstack.cuda.torch_interop import device_for
     from flashstack.engine.config import KernelOptions
     from flashstack.engine.kernels.attention import get_attention_backend
     from flashstack.engine.kernels.triton_decoder import PersistentDecoder, plan_launch
-    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
     from flashstack.engine.models.ops import TritonOps
 
     model, caches, meta = build(SHAPES[name], context)
@@ -121,17 +131,7 @@ def measure(name: str, context: int, launches: list[tuple[int, int, int, int]], 
         decoder = PersistentDecoder(a, body.layers, caches, launch)
 
         def step(decoder=decoder):
-            h, (cos, sin) = body.embed(ids, pos)
-            x = decoder.run(
-                h,
-                cos,
-                sin,
-                meta.slot_mapping,
-                meta.block_tables[0],
-                meta.context_lens,
-                a.rms_norm_eps,
-            )
-            return rmsnorm_triton(x, body.norm.weight, body.norm.eps)[0]
+            return run_decoder(decoder, body, ids, pos, meta)
 
         try:
             us, got = replay_us(step, iters)
@@ -143,10 +143,73 @@ def measure(name: str, context: int, launches: list[tuple[int, int, int, int]], 
                 "stalls": decoder.stalls(),
                 "max_abs_diff_vs_ops": round(float((got.float() - want.float()).abs().max()), 4),
             }
+            if trace:
+                row[label]["trace"] = timeline(decoder, body, ids, pos, meta)
         except Exception as exc:  # one launch that does not compile or fit: say so, go on
             row[label] = {"error": repr(exc)[-500:]}
         print(name, label, row[label], flush=True)
     return row
+
+
+STAGE_NAMES = ("qkv", "attention", "o", "gate_up", "down")
+
+
+def run_decoder(decoder, body, ids, pos, meta, trace=None) -> torch.Tensor:
+    """One step of the decoder stack through `decoder`: embedding, its run, the final norm."""
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+    h, (cos, sin) = body.embed(ids, pos)
+    x = decoder.run(
+        h,
+        cos,
+        sin,
+        meta.slot_mapping,
+        meta.block_tables[0],
+        meta.context_lens,
+        decoder.args.rms_norm_eps,
+        trace=trace,
+    )
+    return rmsnorm_triton(x, body.norm.weight, body.norm.eps)[0]
+
+
+def timeline(decoder, body, ids, pos, meta) -> dict:
+    """One traced run of `decoder` (eager, after its graph's runs), summed up by stage."""
+    trace = torch.zeros(decoder.trace_items(), 3, dtype=torch.int64, device="cuda")
+    run_decoder(decoder, body, ids, pos, meta, trace)
+    torch.cuda.synchronize()
+    return by_stage(trace.cpu(), decoder.stage_items(), decoder.num_layers)
+
+
+def by_stage(trace: torch.Tensor, counts: tuple[int, ...], layers: int) -> dict:
+    """Items' [start, end, program] rows (ns, in work-list order) by stage: µs a stage holds up a
+    layer (its last item's end after the stage before's), an item's mean µs from its start, and
+    from when its stage could start."""
+    begin = int(trace[:, 0].min())
+    per_layer = sum(counts)
+    held: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
+    item_us: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
+    ready_us: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
+    ready = begin
+    for layer in range(layers):
+        first = layer * per_layer
+        for stage, n in zip(STAGE_NAMES, counts):
+            items = trace[first : first + n]
+            end = int(items[:, 1].max())
+            held[stage].append((end - ready) / 1e3)
+            item_us[stage] += ((items[:, 1] - items[:, 0]) / 1e3).tolist()
+            ready_us[stage] += ((items[:, 1] - items[:, 0].clamp_min(ready)) / 1e3).tolist()
+            ready, first = end, first + n
+
+    def mean(xs: list[float]) -> float:
+        return round(sum(xs) / len(xs), 2)
+
+    return {
+        "span_us": round((int(trace[:, 1].max()) - begin) / 1e3, 1),
+        "items_per_layer": dict(zip(STAGE_NAMES, counts)),
+        "held_us_per_layer": {s: mean(v) for s, v in held.items()},
+        "item_us": {s: mean(v) for s, v in item_us.items()},
+        "item_us_from_ready": {s: mean(v) for s, v in ready_us.items()},
+    }
 
 
 def main() -> None:
@@ -159,12 +222,13 @@ def main() -> None:
         help="comma-separated programs-per-SM/warps/pipeline-stages/weights-per-chunk",
     )
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--trace", action="store_true", help="each launch's timeline by stage")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     launches = [tuple(int(v) for v in item.split("/")) for item in args.launches.split(",")]
     result = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": COPY_BW / 1e12}
     for name in args.models.split(","):
-        result[name] = measure(name, args.context, launches, args.iters)
+        result[name] = measure(name, args.context, launches, args.iters, args.trace)
         text = json.dumps(result, indent=1)
         if args.json:
             args.json.write_text(text)

@@ -91,6 +91,14 @@ def _fence(FENCE: tl.constexpr):
 
 
 @triton.jit
+def _now():
+    # the GPU's global nanosecond clock (the same on every SM)
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _finish(count_ptr, FENCE: tl.constexpr):
     # The item's writes first, then its count: a reader that sees the count sees the writes.
     _fence(FENCE)
@@ -433,6 +441,7 @@ def _decoder_kernel(
     count_ptr,
     queue_ptr,
     stalls_ptr,
+    trace_ptr,
     cos_ptr,
     sin_ptr,
     slot_ptr,
@@ -467,6 +476,7 @@ def _decoder_kernel(
     K_DOWN: tl.constexpr,
     STAGES: tl.constexpr,
     FENCE: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     QKV_N: tl.constexpr = (NQ + 2 * NKV) * D
     N_QKV: tl.constexpr = (QKV_N + ROWS_QKV - 1) // ROWS_QKV
@@ -483,6 +493,8 @@ def _decoder_kernel(
     else:
         item = tl.program_id(0)
     while item < total:
+        if TRACE:  # when the item starts: before its first weight chunk and its wait
+            started = _now()
         layer = item // PER_LAYER
         r = item % PER_LAYER
         entry = table_ptr + layer * _TABLE_WIDTH
@@ -611,6 +623,10 @@ def _decoder_kernel(
                 STAGES,
             )
             _finish(counts + _DOWN, FENCE)
+        if TRACE:  # the item's start, end and program (PersistentDecoder.run's `trace`)
+            tl.store(trace_ptr + item * 3, started)
+            tl.store(trace_ptr + item * 3 + 1, _now())
+            tl.store(trace_ptr + item * 3 + 2, tl.program_id(0).to(tl.int64))
         if dynamic:
             item = tl.atomic_add(queue_ptr, 1)
         else:
@@ -782,10 +798,15 @@ class PersistentDecoder:
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
         eps: float,
+        trace: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every decoder layer on one token: the residual stream [1, hidden] after the last layer,
         from `residual` (the embedding row). The result is the decoder's own memory, valid until
-        its next run."""
+        its next run. `trace` (int64 [items, 3], `trace_items`; compiled GPUs only): each item's
+        start and end on the GPU's nanosecond clock and its program, for bench/
+        engine_persistent.py's timeline."""
+        traced = trace is not None
+        assert not traced or (trace.shape == (self.trace_items(), 3) and self._fence)
         a, launch = self.args, self.launch
         assert residual.shape == (1, a.hidden_size) and residual.dtype == self.dtype
         assert residual.is_contiguous() and block_table.stride(-1) == 1
@@ -802,6 +823,7 @@ class PersistentDecoder:
             self.counts,
             self.counts[-2:-1],
             self.counts[-1:],
+            trace if traced else self.counts,
             cos,
             sin,
             slot_mapping,
@@ -833,11 +855,29 @@ class PersistentDecoder:
             K_DOWN=chunks[3],
             STAGES=launch.stages,
             FENCE=self._fence,
+            TRACE=traced,
             **self._options,
         )
         if not self.round_robin and self._fence:
             self.round_robin = self._all_resident(kernel, residual.device)
         return self.residual[-1:]
+
+    def stage_items(self) -> tuple[int, int, int, int, int]:
+        """Items of each stage of a layer, in the work list's order: q/k/v, attention, o,
+        gate/up, down."""
+        a, launch = self.args, self.launch
+        rows = launch.rows
+        return (
+            -(-(a.num_heads + 2 * a.num_kv_heads) * a.head_dim // rows[0]),
+            a.num_kv_heads * launch.splits,
+            -(-a.hidden_size // rows[1]),
+            -(-2 * a.intermediate_size // rows[2]),
+            -(-a.hidden_size // rows[3]),
+        )
+
+    def trace_items(self) -> int:
+        """Items of one run (all layers)."""
+        return self.num_layers * sum(self.stage_items())
 
     def disagreement(self, out: torch.Tensor, want: torch.Tensor) -> str | None:
         """What is wrong with a run's `out` against the layer-by-layer ops' `want` (None: they
