@@ -20,8 +20,8 @@ An SM's L1 is not coherent with other SMs' writes, so every buffer a step writes
 once: each layer has its own slices of q/k/v, the partials and gate/up, and the residual stream a
 row for each of its states. No SM can hold a stale copy of a value, however a load is compiled
 (Triton's pipeliner turns loads of under 16 bytes into L1-allocating `cp.async.ca`); activations
-are read with `.cg` besides. An item's writes are fenced at the GPU's scope before its count is
-raised.
+are read with `.cg` besides. An item's count is raised with release semantics after a barrier of
+its block, and read with acquire semantics.
 
 Rounds where the batch-1 ops round (models/ops.py, Batch1Ops): the same hidden states to the
 accumulation order. Batch1Ops checks each decoder's first run against the layers one by one and
@@ -81,16 +81,6 @@ _SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
 
 
 @triton.jit
-def _fence(FENCE: tl.constexpr):
-    # Every thread's writes visible at the GPU's scope (compiled only: the interpreter runs the
-    # programs one after another).
-    if FENCE:
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-
-@triton.jit
 def _now():
     # the GPU's global nanosecond clock (the same on every SM)
     return tl.inline_asm_elementwise(
@@ -99,9 +89,10 @@ def _now():
 
 
 @triton.jit
-def _finish(count_ptr, FENCE: tl.constexpr):
-    # The item's writes first, then its count: a reader that sees the count sees the writes.
-    _fence(FENCE)
+def _finish(count_ptr):
+    # The item's writes first, then its count: every thread's stores ordered before the count by
+    # the block's barrier, and released to the GPU with it (one thread's release after a barrier,
+    # as CUTLASS's semaphores do); a reader that acquires the count sees the writes.
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release")
 
@@ -215,12 +206,24 @@ def _norm_rows(
 ):
     # y[rows] = W[rows] @ RMSNorm(x) (+ b): the q/k/v and gate/up items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
-    _wait(count_ptr, target, stall_ptr)
-    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     act = x_ptr.dtype.element_ty
-    y = _stream(
-        w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K, STAGES
-    )
+    if K <= BLOCK_K:
+        # One chunk: x read once for its mean square and the product (one L2 round trip, not
+        # two), the norm's weight before the wait. Rounds as _input_chunk does.
+        cols = tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        g = tl.load(g_ptr + cols, mask=cmask, other=0.0)
+        _wait(count_ptr, target, stall_ptr)
+        xf = tl.load(x_ptr + cols, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+        x = (g * (xf * rstd).to(act)).to(act).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    else:
+        _wait(count_ptr, target, stall_ptr)
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        y = _stream(
+            w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K, STAGES
+        )
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(act), mask=rmask)
@@ -475,7 +478,6 @@ def _decoder_kernel(
     ROWS_DOWN: tl.constexpr,
     K_DOWN: tl.constexpr,
     STAGES: tl.constexpr,
-    FENCE: tl.constexpr,
     TRACE: tl.constexpr,
 ):
     QKV_N: tl.constexpr = (NQ + 2 * NKV) * D
@@ -531,7 +533,7 @@ def _decoder_kernel(
                 K_QKV,
                 STAGES,
             )
-            _finish(counts + _QKV, FENCE)
+            _finish(counts + _QKV)
         elif r < N_QKV + N_ATT:
             _attention_split(
                 r - N_QKV,
@@ -564,7 +566,7 @@ def _decoder_kernel(
                 QK_NORM,
                 PREC,
             )
-            _finish(counts + _ATTENTION, FENCE)
+            _finish(counts + _ATTENTION)
         elif r < N_QKV + N_ATT + N_O:
             _o_rows(
                 r - N_QKV - N_ATT,
@@ -585,7 +587,7 @@ def _decoder_kernel(
                 K_O,
                 STAGES,
             )
-            _finish(counts + _O, FENCE)
+            _finish(counts + _O)
         elif r < N_QKV + N_ATT + N_O + N_GU:
             _norm_rows(
                 r - N_QKV - N_ATT - N_O,
@@ -605,7 +607,7 @@ def _decoder_kernel(
                 K_GU,
                 STAGES,
             )
-            _finish(counts + _GATE_UP, FENCE)
+            _finish(counts + _GATE_UP)
         else:
             _down_rows(
                 r - N_QKV - N_ATT - N_O - N_GU,
@@ -622,7 +624,7 @@ def _decoder_kernel(
                 K_DOWN,
                 STAGES,
             )
-            _finish(counts + _DOWN, FENCE)
+            _finish(counts + _DOWN)
         if TRACE:  # the item's start, end and program (PersistentDecoder.run's `trace`)
             tl.store(trace_ptr + item * 3, started)
             tl.store(trace_ptr + item * 3 + 1, _now())
@@ -777,7 +779,7 @@ class PersistentDecoder:
         self.round_robin = launch.programs_per_sm == 1
         self.checked = False  # its first run compared with the layers one by one (Batch1Ops)
         compiled = device.type == "cuda" and not triton.knobs.runtime.interpret
-        self._fence = compiled
+        self._compiled = compiled
         self._options = {"num_warps": launch.num_warps}
         if compiled and launch.programs_per_sm > 1:  # registers for that many programs an SM
             self._options["maxnreg"] = _register_cap(launch.programs_per_sm, launch.num_warps)
@@ -806,7 +808,7 @@ class PersistentDecoder:
         start and end on the GPU's nanosecond clock and its program, for bench/
         engine_persistent.py's timeline."""
         traced = trace is not None
-        assert not traced or (trace.shape == (self.trace_items(), 3) and self._fence)
+        assert not traced or (trace.shape == (self.trace_items(), 3) and self._compiled)
         a, launch = self.args, self.launch
         assert residual.shape == (1, a.hidden_size) and residual.dtype == self.dtype
         assert residual.is_contiguous() and block_table.stride(-1) == 1
@@ -854,11 +856,10 @@ class PersistentDecoder:
             ROWS_DOWN=rows[3],
             K_DOWN=chunks[3],
             STAGES=launch.stages,
-            FENCE=self._fence,
             TRACE=traced,
             **self._options,
         )
-        if not self.round_robin and self._fence:
+        if not self.round_robin and self._compiled:
             self.round_robin = self._all_resident(kernel, residual.device)
         return self.residual[-1:]
 

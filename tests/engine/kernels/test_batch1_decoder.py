@@ -296,3 +296,47 @@ def test_a_persistent_decoder_that_disagrees_is_dropped(device, monkeypatch, cap
     assert list(ops._decoders.values()) == [None]
     assert "differs from the layer-by-layer ops" in caplog.text
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_persistent_decoder_streams_rows_of_several_chunks(device, monkeypatch):
+    """Rows longer than a chunk (64 weights a chunk here): the norm's mean square over several
+    chunks, the SiLU and merge prologues chunk by chunk, through the pipelined loop."""
+    import dataclasses
+    import functools
+
+    from flashstack.engine.config import KernelOptions
+    from flashstack.engine.kernels import triton_decoder
+
+    monkeypatch.setattr(
+        triton_decoder,
+        "plan_launch",
+        functools.partial(triton_decoder.plan_launch, acc_elements=64),
+    )
+    args = dataclasses.replace(
+        _args(True), hidden_size=128, intermediate_size=192, num_heads=4, head_dim=32
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(args).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    context = 150
+    caches = [
+        torch.randn(40, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
+    mine = [c.clone() for c in caches]
+    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
+    reference = TorchOps(get_attention_backend("reference", device))
+    want = model(ids, pos, _meta(context, device), caches, reference)
+    kernels = dataclasses.replace(
+        KernelOptions(), persistent_decoder=True, persistent_decoder_programs_per_sm=3
+    )
+    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+    got = model(ids, pos, _meta(context, device), mine, ops)
+    (decoder,) = ops._decoders.values()
+    assert decoder is not None and max(decoder.launch.chunks) == 64
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for m, c in zip(mine, caches):
+        torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
