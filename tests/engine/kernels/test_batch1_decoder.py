@@ -47,6 +47,16 @@ def _model(qk_norm: bool, device) -> LlamaForCausalLM:
     return model.eval()
 
 
+def _random_model(args: ModelArgs, device) -> LlamaForCausalLM:
+    """A model of `args` whose weights are random and norms near 1."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(args).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return model.eval()
+
+
 def _meta(context: int, device) -> AttentionMetadata:
     """One sequence, one new token at position context - 1, blocks 0, 1, ... in order."""
     blocks = -(-context // BLOCK)
@@ -228,11 +238,7 @@ def test_persistent_decoder_over_scattered_blocks(device, heads, kv_heads, head_
     args = dataclasses.replace(
         _args(True), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(args).to(device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model = _random_model(args, device)
     block, blocks = 16, 40
     caches = [
         torch.randn(blocks, 2, block, kv_heads, head_dim, device=device)
@@ -316,11 +322,7 @@ def test_persistent_decoder_streams_rows_of_several_chunks(device, monkeypatch):
     args = dataclasses.replace(
         _args(True), hidden_size=128, intermediate_size=192, num_heads=4, head_dim=32
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(args).to(device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model = _random_model(args, device)
     context = 150
     caches = [
         torch.randn(40, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
