@@ -332,6 +332,44 @@ def _o_rows(
 
 
 @triton.jit
+def _kv_tile(
+    cache_ptr,
+    blocks_ptr,
+    start,
+    hi,
+    hkv,
+    d,
+    block_size,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+):
+    # K and V of tokens start .. start + SPLIT_TOKENS (those before hi) of one KV head, through
+    # the sequence's block table, and which tokens they are
+    n = start + tl.arange(0, _SPLIT_TOKENS)
+    nmask = n < hi
+    blk = tl.load(blocks_ptr + n // block_size, mask=nmask, other=0)
+    row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
+    k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+    v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+    return k, v, nmask
+
+
+@triton.jit
+def _attend_tile(q, k, v, nmask, m, row_sum, acc, PREC: tl.constexpr):
+    # one tile's online-softmax update of the running maximum, sum and output
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    qk = tl.where(nmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, row_sum, acc
+
+
+@triton.jit
 def _attention_split(
     unit,
     qkv_ptr,
@@ -380,6 +418,21 @@ def _attention_split(
     last = tl.maximum(ctx, 1) - 1
     hi = tl.minimum(tl.minimum(lo + tokens_per_split, ctx), last)
     owner = split == last // tokens_per_split
+    # The first tile of cached K and V depends on nothing this step computes: loaded before the
+    # wait, as the projections' first weight chunks are.
+    k0, v0, mask0 = _kv_tile(
+        cache_ptr,
+        blocks_ptr,
+        lo,
+        hi,
+        hkv,
+        d,
+        block_size,
+        stride_cb,
+        stride_ckv,
+        stride_cs,
+        stride_ch,
+    )
     _wait(count_ptr, target, stall_ptr)
     act = qkv_ptr.dtype.element_ty
     q = rotated_heads(
@@ -398,23 +451,23 @@ def _attention_split(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for start in range(lo, hi, _SPLIT_TOKENS):
-        n = start + tl.arange(0, _SPLIT_TOKENS)
-        nmask = n < hi
-        blk = tl.load(blocks_ptr + n // block_size, mask=nmask, other=0)
-        row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
-        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(
-            cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0
+    if lo < hi:  # a split past the context reads nothing
+        m, row_sum, acc = _attend_tile(q, k0, v0, mask0, m, row_sum, acc, PREC)
+    for start in range(lo + _SPLIT_TOKENS, hi, _SPLIT_TOKENS):
+        k, v, nmask = _kv_tile(
+            cache_ptr,
+            blocks_ptr,
+            start,
+            hi,
+            hkv,
+            d,
+            block_size,
+            stride_cb,
+            stride_ckv,
+            stride_cs,
+            stride_ch,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
+        m, row_sum, acc = _attend_tile(q, k, v, nmask, m, row_sum, acc, PREC)
     if owner:  # the new token: a rank-one online-softmax update
         s = tl.sum(q.to(tl.float32) * k_new.to(kv).to(tl.float32), 1)
         m_new = tl.maximum(m, s)
