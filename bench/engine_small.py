@@ -267,6 +267,9 @@ def measure(
     out["fraction_of_floor"] = round(floor / min(steps), 3)
     graphs = llm.engine.runner.graphs
     out["replay_us"] = round(min(replay_us(graphs, context) for _ in range(3)), 1)
+    decoders = getattr(llm.engine.runner.ops.for_tokens(1), "_decoders", {})
+    if kernels.get("persistent_decoder"):  # dropped after a failed first-run check: say so
+        out["persistent_decoder_ran"] = any(d is not None for d in decoders.values())
     if args.profile:
         out["graph"] = graph_profile(graphs, context, shape["num_hidden_layers"])
         out["step_gpu"] = step_gpu(llm, prompt, args.new_tokens, out["graph"]["kernels_per_replay"])
