@@ -189,6 +189,9 @@ def main() -> None:
     result["batch1_step_ms"] = round(step, 4)
     result["batch1_floor_ms"] = round(floor, 4)
     result["batch1_fraction_of_floor"] = round(floor / step, 4)
+    if kernels.get("persistent_decoder"):  # dropped after a failed first-run check: say so
+        decoders = getattr(llm.engine.runner.ops.for_tokens(1), "_decoders", {})
+        result["persistent_decoder_ran"] = any(d is not None for d in decoders.values())
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
