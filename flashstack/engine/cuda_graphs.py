@@ -100,7 +100,7 @@ class DecodeGraphs:
         # the replay but their copy to the host. None where the graph has no logits (a TP rank
         # other than 0).
         self.sample_in_graph = ops.kernels.sample_in_graph
-        self.argmax_in_graph = ops.kernels.argmax_in_graph or self.sample_in_graph
+        self.tokens_in_graph = ops.kernels.argmax_in_graph or self.sample_in_graph
         self.tokens: dict[int, torch.Tensor | None] = {}
         self.pool = None
         # rank 0 of a tensor-parallel group announces the step
@@ -157,7 +157,7 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden, self.ops)
 
     def _tokens(self, bs: int, logits: torch.Tensor | None) -> torch.Tensor | None:
-        if logits is None or not self.argmax_in_graph:
+        if logits is None or not self.tokens_in_graph:
             return None
         from flashstack.engine.kernels.triton_sampling import argmax_triton, sample_triton
 

@@ -51,23 +51,29 @@ def test_cuda_graphs_and_eager_agree_with_transformers(enforce_eager: bool, hf_c
     assert run_checked(llm, prompts, greedy(12)) == refs
 
 
-def test_cuda_graph_argmax_serves_greedy_steps(hf_checkpoints, monkeypatch) -> None:
-    """With the argmax in the decode graphs, all-greedy decode steps launch no sampling of their
-    own and still give transformers' tokens; a sampled row beside greedy ones is sampled from the
-    same graph's logits, the greedy rows unchanged."""
+@pytest.fixture
+def calls(monkeypatch) -> dict[str, int]:
+    """calls["n"]: how many times the sampler after a replay ran (model_runner.sample_on_device)."""
     from flashstack.engine import model_runner
 
-    path, model = hf_checkpoints["llama"]
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53))]
-    refs = [hf_greedy(model, p, 12) for p in prompts]
-    calls = {"n": 0}
+    counts = {"n": 0}
     sample = model_runner.sample_on_device
 
     def counted(*a, **kw):
-        calls["n"] += 1
+        counts["n"] += 1
         return sample(*a, **kw)
 
     monkeypatch.setattr(model_runner, "sample_on_device", counted)
+    return counts
+
+
+def test_cuda_graph_argmax_serves_greedy_steps(hf_checkpoints, calls) -> None:
+    """With the argmax in the decode graphs, all-greedy decode steps launch no sampling of their
+    own and still give transformers' tokens; a sampled row beside greedy ones is sampled from the
+    same graph's logits, the greedy rows unchanged."""
+    path, model = hf_checkpoints["llama"]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53))]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
     launches = {}
     kw = dict(block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=8)
     for in_graph in (False, True):  # the last one serves the mixed batch below
@@ -81,24 +87,14 @@ def test_cuda_graph_argmax_serves_greedy_steps(hf_checkpoints, monkeypatch) -> N
     assert out[0].token_ids == refs[0] and len(out[1].token_ids) == 12
 
 
-def test_cuda_graph_sampler_draws_temperature_steps_itself(hf_checkpoints, monkeypatch) -> None:
+def test_cuda_graph_sampler_draws_temperature_steps_itself(hf_checkpoints, calls) -> None:
     """With the sampler in the decode graphs (kernels.sample_in_graph), steps of greedy rows and
     rows at a temperature alone launch no sampling of their own: the greedy rows keep
     transformers' tokens, the draws follow torch's global seed, and a row with a seed of its own
     sends its steps back to the sampler after the replay."""
-    from flashstack.engine import model_runner
-
     path, model = hf_checkpoints["llama"]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53))]
     refs = [hf_greedy(model, p, 12) for p in prompts]
-    calls = {"n": 0}
-    sample = model_runner.sample_on_device
-
-    def counted(*a, **kw):
-        calls["n"] += 1
-        return sample(*a, **kw)
-
-    monkeypatch.setattr(model_runner, "sample_on_device", counted)
     kw = dict(block_size=16, device="cuda", dtype="float32", show_progress=False, max_num_seqs=8)
     llm = LLM(path, kernels={"sample_in_graph": True}, **kw)
     hot = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)

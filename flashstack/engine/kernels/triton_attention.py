@@ -156,18 +156,14 @@ class NewTokens:
 
 
 @triton.jit
-def rotated_heads(
-    ptr, mask, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.constexpr, CG: tl.constexpr
-):
+def rotated_heads(ptr, mask, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.constexpr):
     """Heads [rows, D] at ptr (+ d): optional per-head RMSNorm, then the rotary embedding, in
     fp32. Full-width, each element beside its rotation partner, so no dot ever runs over a half
-    head. Rounds where rmsnorm_triton and rope_triton round. CG: read the heads from L2, past
-    this SM's L1 (another SM of the same kernel wrote them: kernels/triton_decoder.py)."""
+    head. Rounds where rmsnorm_triton and rope_triton round."""
     HALF: tl.constexpr = D // 2
-    cache: tl.constexpr = ".cg" if CG else ""
     partner = tl.where(d < HALF, d + HALF, d - HALF)
-    x = tl.load(ptr + d[None, :], mask=mask, other=0.0, cache_modifier=cache)
-    xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0, cache_modifier=cache)
+    x = tl.load(ptr + d[None, :], mask=mask, other=0.0)
+    xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0)
     if QK_NORM:
         dtype = x.dtype
         xf = x.to(tl.float32)
@@ -179,15 +175,11 @@ def rotated_heads(
 
 
 @triton.jit
-def rotated_key(
-    ptr, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.constexpr, CG: tl.constexpr
-):
+def rotated_key(ptr, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.constexpr):
     """A new token's key head [1, D] at ptr, rotated (rotated_heads) and rounded to ptr's dtype, as
     the q/k/v kernel stores it."""
     one = tl.arange(0, 1)
-    k = rotated_heads(
-        ptr + one[:, None] * 0, one[:, None] < 1, d, cos, sin, w_ptr, eps, D, QK_NORM, CG
-    )
+    k = rotated_heads(ptr + one[:, None] * 0, one[:, None] < 1, d, cos, sin, w_ptr, eps, D, QK_NORM)
     return k.to(ptr.dtype.element_ty)
 
 
@@ -298,11 +290,11 @@ def _decode_kernel(
         # (after the loop), and the split that owns its position stores them in the cache.
         cos = tl.load(cos_ptr + b * stride_rb + d % (D // 2)).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_rb + d % (D // 2)).to(tl.float32)
-        q = rotated_heads(q_rows, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM, False).to(
+        q = rotated_heads(q_rows, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM).to(
             q_ptr.dtype.element_ty
         )
         k_ptr += b * stride_kb + hkv * stride_kh
-        k_new = rotated_key(k_ptr, d, cos, sin, kw_ptr, eps, D, QK_NORM, False)
+        k_new = rotated_key(k_ptr, d, cos, sin, kw_ptr, eps, D, QK_NORM)
         v_new = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + d[None, :])
         if FP8:
             k_new = fp8_e4m3(tl.math.div_rn(k_new.to(tl.float32), k_scale))

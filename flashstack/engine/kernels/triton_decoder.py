@@ -17,11 +17,11 @@ take items round-robin (item = program + k * programs); with more, from an atomi
 needs no program to be resident before another finishes.
 
 An SM's L1 is not coherent with other SMs' writes, so every buffer a step writes is written
-once: each layer has its own slices of q/k/v, the partials and gate/up, and the residual stream a
-row for each of its states. No SM can hold a stale copy of a value, however a load is compiled
-(Triton's pipeliner turns loads of under 16 bytes into L1-allocating `cp.async.ca`); activations
-are read with `.cg` besides. An item's count is raised with release semantics after a barrier of
-its block, and read with acquire semantics.
+once, in whole 128-byte lines: each layer has its own line-padded slices of q/k/v, the partials and
+gate/up, and the residual stream a row for each of its states. No SM can hold a stale copy of a
+value, however a load is compiled (Triton's pipeliner turns loads of under 16 bytes into
+L1-allocating `cp.async.ca`), and no line holds values of two layers. An item's count is raised
+with release semantics after a barrier of its block, and read with acquire semantics.
 
 Rounds where the batch-1 ops round (models/ops.py, Batch1Ops): the same hidden states to the
 accumulation order. Batch1Ops checks each decoder's first run against the layers one by one and
@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import nn
 
 from flashstack.engine.kernels.triton_attention import rotated_heads, rotated_key, splits_of
-from flashstack.engine.kernels.triton_gemv import _input_chunk
+from flashstack.engine.kernels.triton_gemv import input_chunk, row_rstd
 from flashstack.engine.models.parallel import RowParallelLinear
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ _MAX_SPINS = tl.constexpr(1 << 22)
 # an item's input prologue
 _NORM, _SILU, _MERGE = (tl.constexpr(i) for i in range(3))
 _SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
+_LINE_BYTES = 128  # an L1 line: the unit the decoder's buffers are padded to
 
 
 @triton.jit
@@ -139,7 +140,7 @@ def _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE: tl.cons
     else:
         norm: tl.constexpr = PROLOGUE == _NORM
         silu: tl.constexpr = PROLOGUE == _SILU
-        x = _input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act, norm, silu, True)
+        x = input_chunk(x_ptr, g_ptr, kcols, cmask, K, rstd, act, norm, silu)
     return x
 
 
@@ -176,16 +177,6 @@ def _stream(
 
 
 @triton.jit
-def _rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-    cols = tl.arange(0, BLOCK_K)
-    sq = tl.zeros([BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0, cache_modifier=".cg")
-        sq += xs.to(tl.float32) * xs.to(tl.float32)
-    return tl.rsqrt(tl.sum(sq, 0) / K + eps)
-
-
-@triton.jit
 def _norm_rows(
     unit,
     w_ptr,
@@ -209,18 +200,18 @@ def _norm_rows(
     act = x_ptr.dtype.element_ty
     if K <= BLOCK_K:
         # One chunk: x read once for its mean square and the product (one L2 round trip, not
-        # two), the norm's weight before the wait. Rounds as _input_chunk does.
+        # two), the norm's weight before the wait. Rounds as input_chunk does.
         cols = tl.arange(0, BLOCK_K)
         cmask = cols < K
         g = tl.load(g_ptr + cols, mask=cmask, other=0.0)
         _wait(count_ptr, target, stall_ptr)
-        xf = tl.load(x_ptr + cols, mask=cmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        xf = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
         x = (g * (xf * rstd).to(act)).to(act).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * x[None, :], 1)
     else:
         _wait(count_ptr, target, stall_ptr)
-        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
         y = _stream(
             w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K, STAGES
         )
@@ -259,7 +250,7 @@ def _down_rows(
 def _add_into(x_ptr, out_ptr, rows, rmask, y):
     # out[rows] = x[rows] + y, the projection rounded first, as `proj(x) + residual` rounds
     act = x_ptr.dtype.element_ty
-    old = tl.load(x_ptr + rows, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    old = tl.load(x_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, (y.to(act).to(tl.float32) + old).to(act), mask=rmask)
 
 
@@ -271,15 +262,15 @@ def _merged(part_ptr, lse_ptr, kcols, cmask, active, NQ: tl.constexpr, D: tl.con
     h = kcols // D
     top = tl.full(kcols.shape, float("-inf"), tl.float32)
     for s in range(0, active):
-        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0, cache_modifier=".cg")
+        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0)
         top = tl.maximum(top, lse)
     num = tl.zeros(kcols.shape, tl.float32)
     den = tl.zeros(kcols.shape, tl.float32)
     for s in range(0, active):
-        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0, cache_modifier=".cg")
+        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0)
         w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
         at = part_ptr + s * (NQ * D) + kcols
-        part = tl.load(at, mask=cmask, other=0.0, cache_modifier=".cg")
+        part = tl.load(at, mask=cmask, other=0.0)
         num += part * w
         den += w
     return (num / tl.where(den > 0, den, 1.0)).to(act).to(tl.float32)
@@ -436,10 +427,10 @@ def _attention_split(
     _wait(count_ptr, target, stall_ptr)
     act = qkv_ptr.dtype.element_ty
     q = rotated_heads(
-        qkv_ptr + heads[:, None] * D, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM, True
+        qkv_ptr + heads[:, None] * D, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM
     ).to(act)
-    k_new = rotated_key(qkv_ptr + (NQ + hkv) * D, d, cos, sin, kw_ptr, eps, D, QK_NORM, True)
-    v_new = tl.load(qkv_ptr + (NQ + NKV + hkv) * D + d[None, :], cache_modifier=".cg")
+    k_new = rotated_key(qkv_ptr + (NQ + hkv) * D, d, cos, sin, kw_ptr, eps, D, QK_NORM)
+    v_new = tl.load(qkv_ptr + (NQ + NKV + hkv) * D + d[None, :])
     kv = cache_ptr.dtype.element_ty
     slot = tl.load(slot_ptr)
     if owner & (slot >= 0):
@@ -505,6 +496,11 @@ def _decoder_kernel(
     ctx_ptr,
     num_layers,
     dynamic,
+    stride_x,
+    stride_qkv,
+    stride_part,
+    stride_lse,
+    stride_gu,
     eps,
     scale,
     block_size,
@@ -554,17 +550,17 @@ def _decoder_kernel(
         r = item % PER_LAYER
         entry = table_ptr + layer * _TABLE_WIDTH
         counts = count_ptr + layer * _LAYER_STAGES
-        # Every buffer a step writes is written once: each layer has its own slices, and the
-        # residual stream a row for each of its states after o and after down (the first layer's
-        # input: the embedding row, read only). No SM can then hold a stale copy of one in its
-        # L1, whichever way a load is compiled.
-        x_mid = x_ptr + (2 * layer) * H
-        x_out = x_mid + H
-        x_in = tl.where(layer == 0, h_ptr, x_mid - H)
-        qkv = qkv_ptr + layer * QKV_N
-        part = part_ptr + layer * (S * NQ * D)
-        lse = lse_ptr + layer * (S * NQ)
-        gu = gu_ptr + layer * (2 * INTER)
+        # Every buffer a step writes is written once, in whole lines: each layer has its own
+        # slices, and the residual stream a row for each of its states after o and after down
+        # (the first layer's input: the embedding row, read only), each padded to 128 bytes. No
+        # SM can then hold a stale copy of a value in its L1, whichever way a load is compiled.
+        x_mid = x_ptr + (2 * layer) * stride_x
+        x_out = x_mid + stride_x
+        x_in = tl.where(layer == 0, h_ptr, x_mid - stride_x)
+        qkv = qkv_ptr + layer * stride_qkv
+        part = part_ptr + layer * stride_part
+        lse = lse_ptr + layer * stride_lse
+        gu = gu_ptr + layer * stride_gu
         if r < N_QKV:
             # the layer before's down rows, all of them (layer 0: none, its input is the embedding)
             before = count_ptr + tl.maximum(layer - 1, 0) * _LAYER_STAGES + _DOWN
@@ -813,17 +809,19 @@ class PersistentDecoder:
         self.block_size = kv_caches[0].shape[2]
         self.scale = layers[0].self_attn.scale
         dim, splits = a.head_dim, launch.splits
-        # each layer's own slice of every buffer the kernel writes (see _decoder_kernel)
+        # each layer's own slice of every buffer the kernel writes, in whole lines (see
+        # _decoder_kernel)
         layers_n, f32 = self.num_layers, torch.float32
-        self.residual = torch.empty(2 * layers_n, a.hidden_size, dtype=self.dtype, device=device)
-        self.qkv = torch.empty(
-            layers_n, (a.num_heads + 2 * a.num_kv_heads) * dim, dtype=self.dtype, device=device
-        )
-        self.part = torch.empty(layers_n, splits, a.num_heads, dim, dtype=f32, device=device)
-        self.lse = torch.empty(layers_n, splits, a.num_heads, dtype=f32, device=device)
-        self.gate_up = torch.empty(
-            layers_n, 2 * a.intermediate_size, dtype=self.dtype, device=device
-        )
+
+        def lines(rows: int, values: int, dtype: torch.dtype) -> torch.Tensor:
+            per_line = _LINE_BYTES // dtype.itemsize
+            return torch.empty(rows, -(-values // per_line) * per_line, dtype=dtype, device=device)
+
+        self.residual = lines(2 * layers_n, a.hidden_size, self.dtype)
+        self.qkv = lines(layers_n, (a.num_heads + 2 * a.num_kv_heads) * dim, self.dtype)
+        self.part = lines(layers_n, splits * a.num_heads * dim, f32)
+        self.lse = lines(layers_n, splits * a.num_heads, f32)
+        self.gate_up = lines(layers_n, 2 * a.intermediate_size, self.dtype)
         # the layers' counts of finished items, the work queue's, the stalled waits' (_wait);
         # zeroed every step
         self.counts = torch.zeros(self.num_layers * 5 + 2, dtype=torch.int32, device=device)
@@ -886,6 +884,7 @@ class PersistentDecoder:
             context_lens,
             self.num_layers,
             0 if self.round_robin else 1,
+            *(t.stride(0) for t in (self.residual, self.qkv, self.part, self.lse, self.gate_up)),
             eps,
             self.scale,
             self.block_size,
@@ -914,7 +913,7 @@ class PersistentDecoder:
         )
         if not self.round_robin and self._compiled:
             self.round_robin = self._all_resident(kernel, residual.device)
-        return self.residual[-1:]
+        return self.residual[-1:, : a.hidden_size]
 
     def stage_items(self) -> tuple[int, int, int, int, int]:
         """Items of each stage of a layer, in the work list's order: q/k/v, attention, o,

@@ -67,7 +67,7 @@ _HALF_INPUT_SCALE = tl.constexpr(HALF_INPUT_SCALE)
 
 
 @triton.jit
-def _input_chunk(
+def input_chunk(
     x_ptr,
     g_ptr,
     kcols,
@@ -77,23 +77,33 @@ def _input_chunk(
     act_dtype,
     NORM_IN: tl.constexpr,
     SILU_IN: tl.constexpr,
-    CG: tl.constexpr = False,
 ):
-    # The activations that multiply one weight chunk, with the input prologue applied. CG: read
-    # them from L2, past this SM's L1 (another SM of the same kernel wrote them: the persistent
-    # decoder, kernels/triton_decoder.py).
-    cache: tl.constexpr = ".cg" if CG else ""
+    """The activations that multiply one weight chunk (columns `kcols`), with the input prologue
+    applied: RMSNorm (NORM_IN: times the norm's weight g, at `rstd`) or silu(gate) * up (SILU_IN:
+    x holds gate then up), rounded as the unfused kernels round, in float32."""
     if SILU_IN:
-        gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0, cache_modifier=cache).to(tl.float32)
-        up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0, cache_modifier=cache)
+        gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0)
         x = (gate / (1.0 + tl.exp(-gate))).to(act_dtype) * up
     else:
-        x = tl.load(x_ptr + kcols, mask=cmask, other=0.0, cache_modifier=cache)
+        x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
         if NORM_IN:
             x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(
                 act_dtype
             )
     return x.to(act_dtype).to(tl.float32)
+
+
+@triton.jit
+def row_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the row x [K], summed in BLOCK_K-wide chunks (RMSNorm's
+    scale, as the norm prologues take it)."""
+    cols = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_K], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+        sq += xs * xs
+    return tl.rsqrt(tl.sum(sq, 0) / K + eps)
 
 
 @triton.jit
@@ -170,8 +180,8 @@ def _chunk(
     cols = k + tl.arange(0, BLOCK_K)
     if Q4:  # byte b holds input (b // 32) * 64 + b % 32 and, in its high nibble, 32 further on
         x_cols = cols // 32 * 64 + cols % 32
-        x_lo = _input_chunk(x_ptr, g_ptr, x_cols, x_cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
-        x_hi = _input_chunk(
+        x_lo = input_chunk(x_ptr, g_ptr, x_cols, x_cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+        x_hi = input_chunk(
             x_ptr, g_ptr, x_cols + 32, x_cols + 32 < K, K, rstd, act_dtype, NORM_IN, SILU_IN
         )
         p = _q4k_product(w, x_lo, x_hi, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
@@ -179,7 +189,7 @@ def _chunk(
         if PRESCALED:  # float16, already times 2^-8 (_product): as stored
             p = _product(w, tl.load(x_ptr + cols, mask=cols < K, other=0.0), HALF, PRESCALED)
         else:
-            x = _input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+            x = input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
             if Q8:
                 p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
             else:
@@ -228,11 +238,7 @@ def _gemv_kernel(
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
     rstd = 1.0
     if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
-        sq = tl.zeros([BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
     if STAGES > 1:
         # The rest streams through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner,
         # asynchronous copies): more bytes in flight per program without holding them in registers.

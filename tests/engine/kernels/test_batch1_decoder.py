@@ -3,11 +3,14 @@ plain torch ops and the reference attention: same hidden states, same KV written
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from flashstack.engine.config import KernelOptions  # noqa: E402
 from flashstack.engine.kernels.attention import (  # noqa: E402
     AttentionBackend,
     AttentionMetadata,
@@ -85,6 +88,31 @@ def _triton_backend() -> AttentionBackend:
     )
 
 
+def _persistent_ops(**options) -> Batch1Ops:
+    """The batch-1 ops with the persistent decoder on (and these other kernel options)."""
+    kernels = dataclasses.replace(KernelOptions(), persistent_decoder=True, **options)
+    return Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+
+
+def _step_matches_torch_ops(model, ops, device, context, blocks, block=BLOCK, meta=None) -> None:
+    """One decode step (the token at context - 1) through `ops` and through the plain torch ops,
+    each over its copy of one random cache: the same hidden state and the same KV written.
+    `meta()` makes the step's metadata (default: blocks 0, 1, ... in order)."""
+    args = model.args
+    caches = [
+        torch.randn(blocks, 2, block, args.num_kv_heads, args.head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
+    mine = [c.clone() for c in caches]
+    meta = meta or (lambda: _meta(context, device))
+    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
+    want = model(ids, pos, meta(), caches, TorchOps(get_attention_backend("reference", device)))
+    got = model(ids, pos, meta(), mine, ops)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for m, c in zip(mine, caches):
+        torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])  # Llama; Qwen3 (q/k-norm, and a q/k/v bias)
 @torch.inference_mode()
 def test_batch1_step_matches_torch_ops(device, qk_norm):
@@ -93,26 +121,7 @@ def test_batch1_step_matches_torch_ops(device, qk_norm):
     assert isinstance(ops, Batch1Ops), (
         "a one-token step on the Triton backend takes the batch-1 ops"
     )
-    args, context = model.args, 7
-    caches = [
-        torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
-        for _ in range(args.num_layers)
-    ]
-    batch1_caches = [c.clone() for c in caches]
-    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
-
-    want = model(
-        ids,
-        pos,
-        _meta(context, device),
-        caches,
-        TorchOps(get_attention_backend("reference", device)),
-    )
-    got = model(ids, pos, _meta(context, device), batch1_caches, ops)
-
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for mine, theirs in zip(batch1_caches, caches):
-        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    _step_matches_torch_ops(model, ops, device, context=7, blocks=3)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -122,17 +131,9 @@ def test_persistent_decoder_matches_torch_ops(device, qk_norm, programs_per_sm, 
     """Every layer in one persistent kernel (kernels.persistent_decoder): the hidden state and
     the KV written as the plain ops give them, over a context long enough for several splits,
     whether programs take items round-robin or from the atomic queue."""
-    import dataclasses
-
-    from flashstack.engine.config import KernelOptions
     from flashstack.engine.kernels import triton_decoder
 
-    kernels = dataclasses.replace(
-        KernelOptions(),
-        persistent_decoder=True,
-        persistent_decoder_programs_per_sm=programs_per_sm,
-    )
-    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+    ops = _persistent_ops(persistent_decoder_programs_per_sm=programs_per_sm)
     runs, run = [], triton_decoder.PersistentDecoder.run
 
     def spy(decoder, *a, **kw):
@@ -142,28 +143,10 @@ def test_persistent_decoder_matches_torch_ops(device, qk_norm, programs_per_sm, 
         return out
 
     monkeypatch.setattr(triton_decoder.PersistentDecoder, "run", spy)
-    model = _model(qk_norm, device)
-    args, context = model.args, 300
-    caches = [
-        torch.randn(80, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
-        for _ in range(args.num_layers)
-    ]
-    mine = [c.clone() for c in caches]
-    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
-    want = model(
-        ids,
-        pos,
-        _meta(context, device),
-        caches,
-        TorchOps(get_attention_backend("reference", device)),
-    )
-    got = model(ids, pos, _meta(context, device), mine, ops)
+    _step_matches_torch_ops(_model(qk_norm, device), ops, device, context=300, blocks=80)
     ((launch, round_robin),) = runs
     # several programs an SM start from the atomic queue (the interpreter never leaves it)
     assert round_robin == (programs_per_sm == 1) and launch.splits > 1
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for m, c in zip(mine, caches):
-        torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()
@@ -205,8 +188,6 @@ def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device)
 
 def test_persistent_decoder_says_what_it_cannot_run(device):
     """Models the persistent decoder leaves to the layer-by-layer ops, each with its reason."""
-    import dataclasses
-
     from flashstack.engine.kernels.triton_decoder import unsupported
 
     model = _model(False, device)
@@ -231,87 +212,59 @@ def test_persistent_decoder_says_what_it_cannot_run(device):
 def test_persistent_decoder_over_scattered_blocks(device, heads, kv_heads, head_dim, context):
     """Other head layouts, a first token (nothing cached yet) and a context longer than its
     splits hold at the fewest tokens each, over blocks in random order."""
-    import dataclasses
-
-    from flashstack.engine.config import KernelOptions
-
     args = dataclasses.replace(
         _args(True), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim
     )
-    model = _random_model(args, device)
     block, blocks = 16, 40
-    caches = [
-        torch.randn(blocks, 2, block, kv_heads, head_dim, device=device)
-        for _ in range(args.num_layers)
-    ]
-    mine = [c.clone() for c in caches]
     order = torch.randperm(blocks)[: -(-context // block)].to(torch.int32).to(device)
     last = context - 1
     slot = int(order[last // block]) * block + last % block
-    meta = dict(
-        slot_mapping=torch.tensor([slot], device=device),
-        block_tables=order[None],
-        context_lens=torch.tensor([context], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        block_size=block,
-        max_query_len=1,
-        max_context_len=context,
-        query_lens_host=[1],
-        context_lens_host=[context],
-    )
-    ids, pos = torch.tensor([11], device=device), torch.tensor([last], device=device)
-    reference = TorchOps(get_attention_backend("reference", device))
-    want = model(ids, pos, AttentionMetadata(**meta), caches, reference)
-    kernels = dataclasses.replace(KernelOptions(), persistent_decoder=True)
-    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
-    got = model(ids, pos, AttentionMetadata(**meta), mine, ops)
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([slot], device=device),
+            block_tables=order[None],
+            context_lens=torch.tensor([context], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+            block_size=block,
+            max_query_len=1,
+            max_context_len=context,
+            query_lens_host=[1],
+            context_lens_host=[context],
+        )
+
+    ops = _persistent_ops()
+    model = _random_model(args, device)
+    _step_matches_torch_ops(model, ops, device, context, blocks, block, meta)
     (decoder,) = ops._decoders.values()
     assert decoder is not None and decoder.stalls() == 0
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for m, c in zip(mine, caches):
-        torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()
 def test_a_persistent_decoder_that_disagrees_is_dropped(device, monkeypatch, caplog):
     """The decoder's first run is checked against the layers one by one: a wrong one (here, one
     whose output is made wrong) is logged and dropped, and the step gets the layers' answer."""
-    import dataclasses
     import logging
 
-    from flashstack.engine.config import KernelOptions
     from flashstack.engine.kernels import triton_decoder
 
     run = triton_decoder.PersistentDecoder.run
     monkeypatch.setattr(
         triton_decoder.PersistentDecoder, "run", lambda *a, **kw: run(*a, **kw) + 1.0
     )
-    kernels = dataclasses.replace(KernelOptions(), persistent_decoder=True)
-    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
-    model = _model(False, device)
-    args, context = model.args, 7
-    caches = [
-        torch.randn(3, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
-        for _ in range(args.num_layers)
-    ]
-    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
-    reference = TorchOps(get_attention_backend("reference", device))
-    want = model(ids, pos, _meta(context, device), [c.clone() for c in caches], reference)
+    ops = _persistent_ops()
     with caplog.at_level(logging.ERROR):
-        got = model(ids, pos, _meta(context, device), caches, ops)
+        _step_matches_torch_ops(_model(False, device), ops, device, context=7, blocks=3)
     assert list(ops._decoders.values()) == [None]
     assert "differs from the layer-by-layer ops" in caplog.text
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @torch.inference_mode()
 def test_persistent_decoder_streams_rows_of_several_chunks(device, monkeypatch):
     """Rows longer than a chunk (64 weights a chunk here): the norm's mean square over several
     chunks, the SiLU and merge prologues chunk by chunk, through the pipelined loop."""
-    import dataclasses
     import functools
 
-    from flashstack.engine.config import KernelOptions
     from flashstack.engine.kernels import triton_decoder
 
     monkeypatch.setattr(
@@ -322,23 +275,7 @@ def test_persistent_decoder_streams_rows_of_several_chunks(device, monkeypatch):
     args = dataclasses.replace(
         _args(True), hidden_size=128, intermediate_size=192, num_heads=4, head_dim=32
     )
-    model = _random_model(args, device)
-    context = 150
-    caches = [
-        torch.randn(40, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
-        for _ in range(args.num_layers)
-    ]
-    mine = [c.clone() for c in caches]
-    ids, pos = torch.tensor([11], device=device), torch.tensor([context - 1], device=device)
-    reference = TorchOps(get_attention_backend("reference", device))
-    want = model(ids, pos, _meta(context, device), caches, reference)
-    kernels = dataclasses.replace(
-        KernelOptions(), persistent_decoder=True, persistent_decoder_programs_per_sm=3
-    )
-    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
-    got = model(ids, pos, _meta(context, device), mine, ops)
+    ops = _persistent_ops(persistent_decoder_programs_per_sm=3)
+    _step_matches_torch_ops(_random_model(args, device), ops, device, context=150, blocks=40)
     (decoder,) = ops._decoders.values()
     assert decoder is not None and max(decoder.launch.chunks) == 64
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for m, c in zip(mine, caches):
-        torch.testing.assert_close(m, c, atol=1e-5, rtol=1e-5)
