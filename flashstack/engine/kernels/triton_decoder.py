@@ -77,6 +77,10 @@ SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
 _MAX_SPINS = tl.constexpr(1 << 22)
 # an item's input prologue
 _NORM, _SILU, _MERGE = (tl.constexpr(i) for i in range(3))
+# Pipeline stages of the o rows: their input is every split's partial and log-sum-exp, 8 bytes a
+# column a split (64 at eight splits) against a weight row's 2, so chunks further ahead fill shared
+# memory (three stages took Llama-3.2-1B's to 120 KB a program)
+_MERGE_STAGES = tl.constexpr(2)
 _SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
 _LINE_BYTES = 128  # an L1 line: the unit the decoder's buffers are padded to
 
@@ -131,12 +135,12 @@ def _rows_of(unit, N, K, w_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE: tl.constexpr, NQ, D):
+def _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE: tl.constexpr, NQ, D, S):
     # the activations one weight chunk multiplies: RMSNorm(x), silu(gate) * up, or the merged
     # attention output (x_ptr then holds the splits' partials)
     cmask = kcols < K
     if PROLOGUE == _MERGE:
-        x = _merged(x_ptr, lse_ptr, kcols, cmask, active, NQ, D, act)
+        x = _merged(x_ptr, lse_ptr, kcols, cmask, active, NQ, D, S, act)
     else:
         norm: tl.constexpr = PROLOGUE == _NORM
         silu: tl.constexpr = PROLOGUE == _SILU
@@ -159,6 +163,7 @@ def _stream(
     PROLOGUE: tl.constexpr,
     NQ: tl.constexpr,
     D: tl.constexpr,
+    S: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -166,12 +171,12 @@ def _stream(
     # through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner), as kernels/
     # triton_gemv.py streams long rows
     cols = tl.arange(0, BLOCK_K)
-    x = _input(x_ptr, g_ptr, lse_ptr, cols, K, rstd, active, act, PROLOGUE, NQ, D)
+    x = _input(x_ptr, g_ptr, lse_ptr, cols, K, rstd, active, act, PROLOGUE, NQ, D, S)
     acc = w.to(tl.float32) * x[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         kcols = k + cols
         w = tl.load(w_rows + kcols[None, :], mask=rmask[:, None] & (kcols < K)[None, :], other=0.0)
-        x = _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE, NQ, D)
+        x = _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE, NQ, D, S)
         acc += w.to(tl.float32) * x[None, :]
     return tl.sum(acc, 1)
 
@@ -213,7 +218,7 @@ def _norm_rows(
         _wait(count_ptr, target, stall_ptr)
         rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
         y = _stream(
-            w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, BLOCK_K, STAGES
+            w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, 1, BLOCK_K, STAGES
         )
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -241,7 +246,7 @@ def _down_rows(
     _wait(count_ptr, target, stall_ptr)
     act = x_ptr.dtype.element_ty
     y = _stream(
-        w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, BLOCK_K, STAGES
+        w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, 1, BLOCK_K, STAGES
     )
     _add_into(x_ptr, out_ptr, rows, rmask, y)
 
@@ -255,24 +260,30 @@ def _add_into(x_ptr, out_ptr, rows, rmask, y):
 
 
 @triton.jit
-def _merged(part_ptr, lse_ptr, kcols, cmask, active, NQ: tl.constexpr, D: tl.constexpr, act):
+def _merged(
+    part_ptr, lse_ptr, kcols, cmask, active, NQ: tl.constexpr, D: tl.constexpr, S: tl.constexpr, act
+):
     # The attention output at these columns (head * D + d): the splits' partials weighted by their
-    # log-sum-exp, as the merge kernel weighs them (kernels/triton_attention.py). Split-major
-    # partials [S, NQ * D]: each split's slice of the chunk is one contiguous load.
+    # log-sum-exp, as the merge kernel weighs them (kernels/triton_attention.py), in one pass with
+    # a running maximum over every split of the launch, those past `active` masked. Unrolled, no
+    # load waits for another: a loop to `active` made each split's loads wait for the one before
+    # (one L2 round trip a split, twice). Split-major partials [S, NQ * D]: each split's slice of
+    # the chunk is one contiguous load.
     h = kcols // D
-    top = tl.full(kcols.shape, float("-inf"), tl.float32)
-    for s in range(0, active):
-        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0)
-        top = tl.maximum(top, lse)
+    # below any log-sum-exp, yet finite: no -inf - -inf
+    top = tl.full(kcols.shape, -1e30, tl.float32)
     num = tl.zeros(kcols.shape, tl.float32)
     den = tl.zeros(kcols.shape, tl.float32)
-    for s in range(0, active):
-        lse = tl.load(lse_ptr + s * NQ + h, mask=cmask, other=0.0)
-        w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
-        at = part_ptr + s * (NQ * D) + kcols
-        part = tl.load(at, mask=cmask, other=0.0)
-        num += part * w
-        den += w
+    for s in tl.static_range(S):
+        smask = cmask & (s < active)
+        lse = tl.load(lse_ptr + s * NQ + h, mask=smask, other=float("-inf"))
+        part = tl.load(part_ptr + s * (NQ * D) + kcols, mask=smask, other=0.0)
+        new_top = tl.maximum(top, lse)
+        keep = tl.exp(top - new_top)
+        w = tl.exp(lse - new_top)  # 0 for a split with nothing (lse -inf)
+        num = num * keep + part * w
+        den = den * keep + w
+        top = new_top
     return (num / tl.where(den > 0, den, 1.0)).to(act).to(tl.float32)
 
 
@@ -316,16 +327,24 @@ def _o_rows(
         _MERGE,
         NQ,
         D,
+        S,
         BLOCK_K,
-        STAGES,
+        _MERGE_STAGES,
     )
     _add_into(x_ptr, out_ptr, rows, rmask, y)
 
 
 @triton.jit
+def _tile_blocks(blocks_ptr, start, hi, block_size):
+    # the block-table entries of tokens start .. start + SPLIT_TOKENS (those before hi)
+    n = start + tl.arange(0, _SPLIT_TOKENS)
+    return tl.load(blocks_ptr + n // block_size, mask=n < hi, other=0)
+
+
+@triton.jit
 def _kv_tile(
     cache_ptr,
-    blocks_ptr,
+    blk,
     start,
     hi,
     hkv,
@@ -336,11 +355,10 @@ def _kv_tile(
     stride_cs,
     stride_ch,
 ):
-    # K and V of tokens start .. start + SPLIT_TOKENS (those before hi) of one KV head, through
-    # the sequence's block table, and which tokens they are
+    # K and V of tokens start .. start + SPLIT_TOKENS (those before hi) of one KV head, in blocks
+    # `blk` (_tile_blocks), and which tokens they are
     n = start + tl.arange(0, _SPLIT_TOKENS)
     nmask = n < hi
-    blk = tl.load(blocks_ptr + n // block_size, mask=nmask, other=0)
     row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
     k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
     v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
@@ -410,10 +428,12 @@ def _attention_split(
     hi = tl.minimum(tl.minimum(lo + tokens_per_split, ctx), last)
     owner = split == last // tokens_per_split
     # The first tile of cached K and V depends on nothing this step computes: loaded before the
-    # wait, as the projections' first weight chunks are.
+    # wait, as the projections' first weight chunks are; so are the next tile's block-table
+    # entries, and each tile's loads the entries of the one after, so that a tile's K and V wait
+    # for one memory latency, not two.
     k0, v0, mask0 = _kv_tile(
         cache_ptr,
-        blocks_ptr,
+        _tile_blocks(blocks_ptr, lo, hi, block_size),
         lo,
         hi,
         hkv,
@@ -424,6 +444,7 @@ def _attention_split(
         stride_cs,
         stride_ch,
     )
+    blk = _tile_blocks(blocks_ptr, lo + _SPLIT_TOKENS, hi, block_size)
     _wait(count_ptr, target, stall_ptr)
     act = qkv_ptr.dtype.element_ty
     q = rotated_heads(
@@ -447,7 +468,7 @@ def _attention_split(
     for start in range(lo + _SPLIT_TOKENS, hi, _SPLIT_TOKENS):
         k, v, nmask = _kv_tile(
             cache_ptr,
-            blocks_ptr,
+            blk,
             start,
             hi,
             hkv,
@@ -458,6 +479,7 @@ def _attention_split(
             stride_cs,
             stride_ch,
         )
+        blk = _tile_blocks(blocks_ptr, start + _SPLIT_TOKENS, hi, block_size)
         m, row_sum, acc = _attend_tile(q, k, v, nmask, m, row_sum, acc, PREC)
     if owner:  # the new token: a rank-one online-softmax update
         s = tl.sum(q.to(tl.float32) * k_new.to(kv).to(tl.float32), 1)
