@@ -100,7 +100,9 @@ def row_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
     scale, as the norm prologues take it)."""
     cols = tl.arange(0, BLOCK_K)
     sq = tl.zeros([BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    # unrolled: with K a launch argument, a plain loop issued each chunk's load only after the
+    # previous one had arrived (one L2 round trip a chunk, between the wait and the first product)
+    for k in tl.range(0, K, BLOCK_K, loop_unroll_factor=4):
         xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
         sq += xs * xs
     return tl.rsqrt(tl.sum(sq, 0) / K + eps)
