@@ -8,10 +8,12 @@ decoder in each launch of `--launches`. Floor: the layers' weights and the KV ca
 over the copy bandwidth. Each launch's output is checked against the ops' and its stalled waits
 (`PersistentDecoder.stalls`) reported: a launch that disagrees is a bug, not a figure.
 
-`--trace`: one more run of each launch with every work item's start and end on the GPU's clock,
-summed up by stage: how long each stage holds up a layer (from the end of the stage before to its
-own last item's end), and an item's mean time, from its start (first weight chunk, then its wait)
-and from the moment the stage before had finished.
+`--trace`: one more run of each launch with every work item's start, the end of its wait and its
+end on the GPU's clock, summed up by stage: how long each stage holds up a layer (from the end of
+the stage before to its own last item's end); the hop, from the stage before's last item's end to
+the first wait that sees it (the count's release and acquire: what a kernel boundary was); an
+item's mean time in its wait and after it; and its mean time from its start (first weight chunk,
+then its wait) and from the moment the stage before had finished.
 """
 
 from __future__ import annotations
@@ -174,19 +176,24 @@ def run_decoder(decoder, body, ids, pos, meta, trace=None) -> torch.Tensor:
 
 def timeline(decoder, body, ids, pos, meta) -> dict:
     """One traced run of `decoder` (eager, after its graph's runs), summed up by stage."""
-    trace = torch.zeros(decoder.trace_items(), 3, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(decoder.trace_items(), 4, dtype=torch.int64, device="cuda")
     run_decoder(decoder, body, ids, pos, meta, trace)
     torch.cuda.synchronize()
     return by_stage(trace.cpu(), decoder.stage_items(), decoder.num_layers)
 
 
 def by_stage(trace: torch.Tensor, counts: tuple[int, ...], layers: int) -> dict:
-    """Items' [start, end, program] rows (ns, in work-list order) by stage: µs a stage holds up a
-    layer (its last item's end after the stage before's), an item's mean µs from its start, and
-    from when its stage could start."""
+    """Items' [start, wait's end, end, program] rows (ns, in work-list order) by stage: µs a stage
+    holds up a layer (its last item's end after the stage before's), the hop (the stage before's
+    last end to this stage's first wait's end; layer 0's q/k/v, which wait for nothing, left out),
+    an item's mean µs waiting and after its wait, from its start, and from when its stage could
+    start."""
     begin = int(trace[:, 0].min())
     per_layer = sum(counts)
     held: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
+    hop: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
+    wait_us: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
+    work_us: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
     item_us: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
     ready_us: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
     ready = begin
@@ -194,19 +201,27 @@ def by_stage(trace: torch.Tensor, counts: tuple[int, ...], layers: int) -> dict:
         first = layer * per_layer
         for stage, n in zip(STAGE_NAMES, counts):
             items = trace[first : first + n]
-            end = int(items[:, 1].max())
-            held[stage].append((end - ready) / 1e3)
-            item_us[stage] += ((items[:, 1] - items[:, 0]) / 1e3).tolist()
-            ready_us[stage] += ((items[:, 1] - items[:, 0].clamp_min(ready)) / 1e3).tolist()
-            ready, first = end, first + n
+            start, waited, end = items[:, 0], items[:, 1], items[:, 2]
+            last = int(end.max())
+            held[stage].append((last - ready) / 1e3)
+            if layer or stage != "qkv":
+                hop[stage].append((int(waited.min()) - ready) / 1e3)
+            wait_us[stage] += ((waited - start) / 1e3).tolist()
+            work_us[stage] += ((end - waited) / 1e3).tolist()
+            item_us[stage] += ((end - start) / 1e3).tolist()
+            ready_us[stage] += ((end - start.clamp_min(ready)) / 1e3).tolist()
+            ready, first = last, first + n
 
     def mean(xs: list[float]) -> float:
         return round(sum(xs) / len(xs), 2)
 
     return {
-        "span_us": round((int(trace[:, 1].max()) - begin) / 1e3, 1),
+        "span_us": round((int(trace[:, 2].max()) - begin) / 1e3, 1),
         "items_per_layer": dict(zip(STAGE_NAMES, counts)),
         "held_us_per_layer": {s: mean(v) for s, v in held.items()},
+        "hop_us": {s: mean(v) for s, v in hop.items()},
+        "item_wait_us": {s: mean(v) for s, v in wait_us.items()},
+        "item_after_wait_us": {s: mean(v) for s, v in work_us.items()},
         "item_us": {s: mean(v) for s, v in item_us.items()},
         "item_us_from_ready": {s: mean(v) for s, v in ready_us.items()},
     }

@@ -83,6 +83,7 @@ _NORM, _SILU, _MERGE = (tl.constexpr(i) for i in range(3))
 _MERGE_STAGES = tl.constexpr(2)
 _SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
 _LINE_BYTES = 128  # an L1 line: the unit the decoder's buffers are padded to
+_TRACE_WIDTH = tl.constexpr(4)  # a traced item: start, end of its wait, end, program
 
 
 @triton.jit
@@ -103,10 +104,10 @@ def _finish(count_ptr):
 
 
 @triton.jit
-def _wait(count_ptr, target, stall_ptr):
+def _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE: tl.constexpr):
     # Until `target` items have finished. Bounded: a wait that never ends (a bug) counts a stall
     # and goes on, so the kernel ends with wrong numbers and `PersistentDecoder.stalls` says so,
-    # rather than holding the GPU for good.
+    # rather than holding the GPU for good. TRACE: when it ended, at `waited_ptr`.
     done = tl.atomic_add(count_ptr, 0, sem="acquire")
     spins = 0
     while (done < target) & (spins < _MAX_SPINS):
@@ -114,6 +115,8 @@ def _wait(count_ptr, target, stall_ptr):
         spins += 1
     if done < target:
         tl.atomic_add(stall_ptr, 1)
+    if TRACE:
+        tl.store(waited_ptr, _now())
 
 
 @triton.jit
@@ -193,12 +196,14 @@ def _norm_rows(
     count_ptr,
     target,
     stall_ptr,
+    waited_ptr,
     N,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     # y[rows] = W[rows] @ RMSNorm(x) (+ b): the q/k/v and gate/up items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
@@ -209,13 +214,13 @@ def _norm_rows(
         cols = tl.arange(0, BLOCK_K)
         cmask = cols < K
         g = tl.load(g_ptr + cols, mask=cmask, other=0.0)
-        _wait(count_ptr, target, stall_ptr)
+        _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
         xf = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
         x = (g * (xf * rstd).to(act)).to(act).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * x[None, :], 1)
     else:
-        _wait(count_ptr, target, stall_ptr)
+        _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
         rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
         y = _stream(
             w, w_rows, rmask, x_ptr, g_ptr, x_ptr, K, rstd, 0, act, _NORM, 1, 1, 1, BLOCK_K, STAGES
@@ -235,15 +240,17 @@ def _down_rows(
     count_ptr,
     target,
     stall_ptr,
+    waited_ptr,
     N: tl.constexpr,
     K: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     # out[rows] = x[rows] + W[rows] @ (silu(gate) * up): the down items
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
-    _wait(count_ptr, target, stall_ptr)
+    _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
     act = x_ptr.dtype.element_ty
     y = _stream(
         w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, 1, BLOCK_K, STAGES
@@ -299,6 +306,7 @@ def _o_rows(
     count_ptr,
     target,
     stall_ptr,
+    waited_ptr,
     N: tl.constexpr,
     NQ: tl.constexpr,
     S: tl.constexpr,
@@ -306,11 +314,12 @@ def _o_rows(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     # out[rows] = x[rows] + W[rows] @ attention: the o items, merging the splits as they read them
     K: tl.constexpr = NQ * D
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
-    _wait(count_ptr, target, stall_ptr)
+    _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
     _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
     act = x_ptr.dtype.element_ty
     y = _stream(
@@ -402,6 +411,7 @@ def _attention_split(
     count_ptr,
     target,
     stall_ptr,
+    waited_ptr,
     NQ: tl.constexpr,
     NKV: tl.constexpr,
     D: tl.constexpr,
@@ -409,6 +419,7 @@ def _attention_split(
     G_PAD: tl.constexpr,
     QK_NORM: tl.constexpr,
     PREC: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     # One KV head's split of the context: its query heads' partial output and log-sum-exp, the new
     # token's k/v rotated and attended from registers, and stored by the split that owns its slot
@@ -445,7 +456,7 @@ def _attention_split(
         stride_ch,
     )
     blk = _tile_blocks(blocks_ptr, lo + _SPLIT_TOKENS, hi, block_size)
-    _wait(count_ptr, target, stall_ptr)
+    _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
     act = qkv_ptr.dtype.element_ty
     q = rotated_heads(
         qkv_ptr + heads[:, None] * D, gmask[:, None], d, cos, sin, qw_ptr, eps, D, QK_NORM
@@ -566,6 +577,8 @@ def _decoder_kernel(
     else:
         item = tl.program_id(0)
     while item < total:
+        # the trace's row of this item: start, end of its wait, end, program
+        waited = trace_ptr + item * _TRACE_WIDTH + 1
         if TRACE:  # when the item starts: before its first weight chunk and its wait
             started = _now()
         layer = item // PER_LAYER
@@ -597,12 +610,14 @@ def _decoder_kernel(
                 before,
                 tl.where(layer > 0, N_DOWN, 0),
                 stalls_ptr,
+                waited,
                 QKV_N,
                 H,
                 HAS_BIAS,
                 ROWS_QKV,
                 K_QKV,
                 STAGES,
+                TRACE,
             )
             _finish(counts + _QKV)
         elif r < N_QKV + N_ATT:
@@ -629,6 +644,7 @@ def _decoder_kernel(
                 counts + _QKV,
                 N_QKV,
                 stalls_ptr,
+                waited,
                 NQ,
                 NKV,
                 D,
@@ -636,6 +652,7 @@ def _decoder_kernel(
                 G_PAD,
                 QK_NORM,
                 PREC,
+                TRACE,
             )
             _finish(counts + _ATTENTION)
         elif r < N_QKV + N_ATT + N_O:
@@ -650,6 +667,7 @@ def _decoder_kernel(
                 counts + _ATTENTION,
                 N_ATT,
                 stalls_ptr,
+                waited,
                 H,
                 NQ,
                 S,
@@ -657,6 +675,7 @@ def _decoder_kernel(
                 ROWS_O,
                 K_O,
                 STAGES,
+                TRACE,
             )
             _finish(counts + _O)
         elif r < N_QKV + N_ATT + N_O + N_GU:
@@ -671,12 +690,14 @@ def _decoder_kernel(
                 counts + _O,
                 N_O,
                 stalls_ptr,
+                waited,
                 2 * INTER,
                 H,
                 False,
                 ROWS_GU,
                 K_GU,
                 STAGES,
+                TRACE,
             )
             _finish(counts + _GATE_UP)
         else:
@@ -689,17 +710,19 @@ def _decoder_kernel(
                 counts + _GATE_UP,
                 N_GU,
                 stalls_ptr,
+                waited,
                 H,
                 INTER,
                 ROWS_DOWN,
                 K_DOWN,
                 STAGES,
+                TRACE,
             )
             _finish(counts + _DOWN)
-        if TRACE:  # the item's start, end and program (PersistentDecoder.run's `trace`)
-            tl.store(trace_ptr + item * 3, started)
-            tl.store(trace_ptr + item * 3 + 1, _now())
-            tl.store(trace_ptr + item * 3 + 2, tl.program_id(0).to(tl.int64))
+        if TRACE:  # (PersistentDecoder.run's `trace`)
+            tl.store(waited - 1, started)
+            tl.store(waited + 1, _now())
+            tl.store(waited + 2, tl.program_id(0).to(tl.int64))
         if dynamic:
             item = tl.atomic_add(queue_ptr, 1)
         else:
@@ -877,11 +900,11 @@ class PersistentDecoder:
     ) -> torch.Tensor:
         """Every decoder layer on one token: the residual stream [1, hidden] after the last layer,
         from `residual` (the embedding row). The result is the decoder's own memory, valid until
-        its next run. `trace` (int64 [items, 3], `trace_items`; compiled GPUs only): each item's
-        start and end on the GPU's nanosecond clock and its program, for bench/
-        engine_persistent.py's timeline."""
+        its next run. `trace` (int64 [items, 4], `trace_items`; compiled GPUs only): each item's
+        start, the end of its wait and its end on the GPU's nanosecond clock, and its program,
+        for bench/engine_persistent.py's timeline."""
         traced = trace is not None
-        assert not traced or (trace.shape == (self.trace_items(), 3) and self._compiled)
+        assert not traced or (trace.shape == (self.trace_items(), 4) and self._compiled)
         a, launch = self.args, self.launch
         assert residual.shape == (1, a.hidden_size) and residual.dtype == self.dtype
         assert residual.is_contiguous() and block_table.stride(-1) == 1
