@@ -72,6 +72,7 @@ _TABLE_WIDTH = tl.constexpr(len(FIELDS))
 ACC_ELEMENTS = 4096
 PIPELINE_STAGES = 4
 MAX_SPLITS = 8  # the o rows merge every split of every head: at most this many
+MAX_ITEM_ROWS = 64  # a projection item's most rows
 SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
 # polls of a count before a wait gives up (~seconds; a wait's usual few polls take ~1 µs each)
 _MAX_SPINS = tl.constexpr(1 << 22)
@@ -126,11 +127,19 @@ def _address(entry, field: tl.constexpr, like):
     return tl.multiple_of(tl.load(entry + field).to(like.dtype, bitcast=True), 16)
 
 
+@triton.constexpr_function
+def _tile(rows):
+    # an item's rows, padded to the power of two its tile takes
+    return triton.next_power_of_2(rows)
+
+
 @triton.jit
 def _rows_of(unit, N, K, w_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    # A unit's rows of a weight [N, K], and its first chunk: loaded before any wait.
-    rows = unit * ROWS + tl.arange(0, ROWS)
-    rmask = rows < N
+    # A unit's ROWS rows of a weight [N, K], and its first chunk: loaded before any wait.
+    TILE: tl.constexpr = _tile(ROWS)
+    r = tl.arange(0, TILE)
+    rows = unit * ROWS + r
+    rmask = (r < ROWS) & (rows < N)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
@@ -737,20 +746,26 @@ class DecoderLaunch:
     programs: int
     programs_per_sm: int
     splits: int
-    rows: tuple[int, int, int, int]  # q/k/v, o, gate/up, down
+    rows: tuple[int, int, int, int]  # an item's rows: q/k/v, o, gate/up, down (any count)
     chunks: tuple[int, int, int, int]
     num_warps: int = 4
     stages: int = PIPELINE_STAGES
 
 
 def _rows_and_chunk(n: int, k: int, programs: int, acc: int) -> tuple[int, int]:
-    # About one item per program, `acc` weights multiplied per chunk; a row of up to twice that in
-    # one chunk (SmolLM2's 576-wide rows: one 1,024-wide chunk, not a second one of 64).
-    rows = min(64, max(2, triton.next_power_of_2(triton.cdiv(n, programs))))
+    # Rows an item: as few rounds of items over the programs as MAX_ITEM_ROWS allows, the rows
+    # spread evenly over them, so that every program has its share (rows in powers of two left up
+    # to half the SMs without an item: Qwen3-0.6B's gate/up in 96 items of 64 rows on 132); and
+    # about `acc` weights multiplied per chunk of the item's tile (its rows padded to a power of
+    # two), a row of up to twice that in one chunk (SmolLM2's 576-wide rows: one 1,024-wide chunk,
+    # not a second one of 64).
+    rounds = triton.cdiv(n, MAX_ITEM_ROWS * programs)
+    rows = max(2, triton.cdiv(n, rounds * programs))
+    tile = triton.next_power_of_2(rows)
     whole = triton.next_power_of_2(k)
-    if rows * whole <= 2 * acc:
+    if tile * whole <= 2 * acc:
         return rows, whole
-    return rows, max(64, acc // rows)
+    return rows, max(64, acc // tile)
 
 
 def plan_launch(

@@ -4,6 +4,7 @@ plain torch ops and the reference attention: same hidden states, same KV written
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -184,6 +185,37 @@ def test_row_parallel_projections_carry_the_residual_into_the_all_reduce(device)
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "intermediate", "heads", "kv_heads", "head_dim"),
+    [(576, 1536, 9, 3, 64), (1024, 3072, 16, 8, 128), (2048, 8192, 32, 8, 64)],
+    ids=["smollm2-135m", "qwen3-0.6b", "llama3.2-1b"],
+)
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 3])
+def test_persistent_decoder_spreads_rows_over_every_program(
+    hidden, intermediate, heads, kv_heads, head_dim, programs_per_sm
+):
+    """Each projection's rows go to the programs in as few rounds of items as MAX_ITEM_ROWS
+    allows, evenly: no program has more than its share plus a row a round (rows in powers of two
+    left Qwen3-0.6B's gate/up in 96 items of 64 rows on 132 programs)."""
+    from flashstack.engine.kernels.triton_decoder import MAX_ITEM_ROWS, plan_launch
+
+    args = dataclasses.replace(
+        _args(False),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
+    launch = plan_launch(args, 132, programs_per_sm)
+    programs = launch.programs
+    outputs = ((heads + 2 * kv_heads) * head_dim, hidden, 2 * intermediate, hidden)
+    for n, rows in zip(outputs, launch.rows):
+        rounds = math.ceil(n / (MAX_ITEM_ROWS * programs))
+        assert rows <= MAX_ITEM_ROWS and math.ceil(math.ceil(n / rows) / programs) == rounds
+        assert rounds * rows <= math.ceil(n / programs) + rounds, (n, rows)
 
 
 def test_persistent_decoder_says_what_it_cannot_run(device):
