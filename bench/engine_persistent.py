@@ -38,8 +38,11 @@ SHAPES = {
     "llama3-8b": LLAMA3_8B,
 }
 BLOCK = 256
-# LABEL=programs per SM/warps/pipeline stages/weights per chunk
-DEFAULT_LAUNCHES = "1/4/4/4096,1/8/4/8192,2/4/4/4096,3/4/4/4096,1/4/2/4096,1/4/6/4096,2/4/3/8192"
+# programs per SM/warps/pipeline stages/weights per chunk[/c: the residual stream after counts,
+# not in tagged words]
+DEFAULT_LAUNCHES = (
+    "1/4/4/4096,1/4/4/4096/c,1/8/4/8192,2/4/4/4096,3/4/4/4096,1/4/2/4096,1/4/6/4096,2/4/3/8192"
+)
 
 
 def build(shape: dict, context: int):
@@ -90,7 +93,7 @@ def replay_us(fn, iters: int) -> tuple[float, torch.Tensor]:
 def measure(
     name: str,
     context: int,
-    launches: list[tuple[int, int, int, int]],
+    launches: list[tuple[int, int, int, int, bool]],
     iters: int,
     trace: bool = False,
 ):
@@ -120,8 +123,8 @@ def measure(
         "ops_fraction": round(floor_us / ops_us, 3),
     }
     sms = device_for(device).sm_count
-    for per_sm, warps, stages, acc in launches:
-        label = f"{per_sm}/{warps}/{stages}/{acc}"
+    for per_sm, warps, stages, acc, tagged in launches:
+        label = f"{per_sm}/{warps}/{stages}/{acc}" + ("" if tagged else "/c")
         launch = plan_launch(
             a,
             sms,
@@ -129,6 +132,7 @@ def measure(
             num_warps=warps,
             stages=stages,
             acc_elements=acc,
+            tagged=tagged,
         )
         decoder = PersistentDecoder(a, body.layers, caches, launch)
 
@@ -227,6 +231,14 @@ def by_stage(trace: torch.Tensor, counts: tuple[int, ...], layers: int) -> dict:
     }
 
 
+def launch_of(label: str) -> tuple[int, int, int, int, bool]:
+    """ "per_sm/warps/stages/acc[/c]" as plan_launch's arguments (c: tagged=False)."""
+    *numbers, last = label.split("/")
+    counts = last == "c"
+    per_sm, warps, stages, acc = (int(v) for v in (numbers if counts else [*numbers, last]))
+    return per_sm, warps, stages, acc, not counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", default="smollm2-135m,qwen3-0.6b,llama3.2-1b")
@@ -234,13 +246,14 @@ def main() -> None:
     ap.add_argument(
         "--launches",
         default=DEFAULT_LAUNCHES,
-        help="comma-separated programs-per-SM/warps/pipeline-stages/weights-per-chunk",
+        help="comma-separated programs-per-SM/warps/pipeline-stages/weights-per-chunk, /c for "
+        "a residual stream after counts instead of in tagged words",
     )
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--trace", action="store_true", help="each launch's timeline by stage")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    launches = [tuple(int(v) for v in item.split("/")) for item in args.launches.split(",")]
+    launches = [launch_of(item) for item in args.launches.split(",")]
     result = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": COPY_BW / 1e12}
     for name in args.models.split(","):
         result[name] = measure(name, args.context, launches, args.iters, args.trace)

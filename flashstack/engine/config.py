@@ -83,6 +83,10 @@ class KernelOptions:
     # Its programs per SM (one: items taken round-robin; more: from an atomic counter) and warps.
     persistent_decoder_programs_per_sm: int = 1
     persistent_decoder_warps: int = 4
+    # Its residual stream in tagged words (each value with its step's flag, read once there, as
+    # NCCL's low-latency protocol): the q/k/v and gate/up items read it without waiting for a
+    # count, and the o and down items release none. Off: counts after every stage.
+    persistent_decoder_tagged: bool = True
     # A batch-1 step's fp8 down projection takes silu(gate) * up from a SiLU-and-mul kernel of its
     # own, in float16 pre-scaled, instead of computing and converting it in every GEMV program:
     # the fp8 GEMV is bound by conversions (kernels/triton_gemv.py). 8B batch-1 step on the H200:

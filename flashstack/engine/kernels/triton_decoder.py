@@ -23,6 +23,13 @@ value, however a load is compiled (Triton's pipeliner turns loads of under 16 by
 L1-allocating `cp.async.ca`), and no line holds values of two layers. An item's count is raised
 with release semantics after a barrier of its block, and read with acquire semantics.
 
+The residual stream (DecoderLaunch.tagged, the default) needs no counts: each value travels in a
+64-bit word beside the step's epoch, written by one store, and its readers (the q/k/v and gate/up
+items, a whole row; the o and down items, their rows) load the words until every one carries the
+epoch, as NCCL's low-latency protocol does. A reader then polls the data itself, and the o and down
+items release nothing. The last program out of a run zeroes the counts and the work queue for the
+next step and moves the epoch on.
+
 Rounds where the batch-1 ops round (models/ops.py, Batch1Ops): the same hidden states to the
 accumulation order. Batch1Ops checks each decoder's first run against the layers one by one and
 drops one that stalls or disagrees (`disagreement`).
@@ -48,6 +55,9 @@ if TYPE_CHECKING:
 # A layer's stages, in the order of the work list, each with a count of finished items per layer.
 _QKV, _ATTENTION, _O, _GATE_UP, _DOWN = (tl.constexpr(i) for i in range(5))
 _LAYER_STAGES = tl.constexpr(5)
+# after the layers' counts: the work queue's, the programs that have left, the step's epoch, and
+# the waits that gave up; _EXITS and _EPOCH are offsets from the queue's
+_EXITS, _EPOCH = tl.constexpr(1), tl.constexpr(2)
 # A layer's tensors in the table (int64 addresses), in this order: its weights, then its KV cache.
 FIELDS = (
     "input_norm",
@@ -77,7 +87,7 @@ SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
 # polls of a count before a wait gives up (~seconds; a wait's usual few polls take ~1 µs each)
 _MAX_SPINS = tl.constexpr(1 << 22)
 # an item's input prologue
-_NORM, _SILU, _MERGE = (tl.constexpr(i) for i in range(3))
+_NORM, _SILU, _MERGE, _NORM_TAGGED = (tl.constexpr(i) for i in range(4))
 # Pipeline stages of the o rows: their input is every split's partial and log-sum-exp, 8 bytes a
 # column a split (64 at eight splits) against a weight row's 2, so chunks further ahead fill shared
 # memory (three stages took Llama-3.2-1B's to 120 KB a program)
@@ -121,6 +131,45 @@ def _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE: tl.constexpr):
 
 
 @triton.jit
+def _tag(values, epoch):
+    # values as tagged words: their float32 bits below, the step's epoch above
+    bits = values.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return bits | (epoch.to(tl.int64) << 32)
+
+
+@triton.jit
+def _value(words):
+    # the float32 values of tagged words
+    return (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _late(words, mask, epoch):
+    # how many of the words (where `mask`) do not carry this step's epoch yet
+    return tl.sum((((words >> 32).to(tl.int32) != epoch) & mask).to(tl.int32), 0)
+
+
+@triton.jit
+def _tagged(ptrs, mask, epoch, stall_ptr, waited_ptr, TRACE: tl.constexpr):
+    # The values of the tagged words at `ptrs` once every one (where `mask`) carries this step's
+    # epoch. Each word holds its value and its flag, written by one store, so a reader polls the
+    # data itself (NCCL's low-latency protocol): no count released after a barrier by the writer,
+    # no second round trip to read what a count announced. Bounded as _wait is.
+    words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    late = _late(words, mask, epoch)
+    spins = 0
+    while (late > 0) & (spins < _MAX_SPINS):
+        words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        late = _late(words, mask, epoch)
+        spins += 1
+    if late > 0:
+        tl.atomic_add(stall_ptr, 1)
+    if TRACE:
+        tl.store(waited_ptr, _now())
+    return _value(words)
+
+
+@triton.jit
 def _address(entry, field: tl.constexpr, like):
     # A layer's tensor from the table, as a pointer of `like`'s type, 16-byte aligned (checked when
     # the table is made): without that no load from it is vectorized.
@@ -148,11 +197,16 @@ def _rows_of(unit, N, K, w_ptr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE: tl.constexpr, NQ, D, S):
-    # the activations one weight chunk multiplies: RMSNorm(x), silu(gate) * up, or the merged
-    # attention output (x_ptr then holds the splits' partials)
+    # the activations one weight chunk multiplies: RMSNorm(x) (of tagged words: _NORM_TAGGED, the
+    # row already seen whole), silu(gate) * up, or the merged attention output (x_ptr then holds
+    # the splits' partials)
     cmask = kcols < K
     if PROLOGUE == _MERGE:
         x = _merged(x_ptr, lse_ptr, kcols, cmask, active, NQ, D, S, act)
+    elif PROLOGUE == _NORM_TAGGED:  # rounds as input_chunk's RMSNorm does
+        xf = _value(tl.load(x_ptr + kcols, mask=cmask, other=0))
+        g = tl.load(g_ptr + kcols, mask=cmask, other=0.0)
+        x = (g * (xf * rstd).to(act)).to(act).to(tl.float32)
     else:
         norm: tl.constexpr = PROLOGUE == _NORM
         silu: tl.constexpr = PROLOGUE == _SILU
@@ -206,6 +260,7 @@ def _norm_rows(
     target,
     stall_ptr,
     waited_ptr,
+    epoch,
     N,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -213,21 +268,49 @@ def _norm_rows(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     TRACE: tl.constexpr,
+    TAGGED: tl.constexpr,
 ):
-    # y[rows] = W[rows] @ RMSNorm(x) (+ b): the q/k/v and gate/up items
+    # y[rows] = W[rows] @ RMSNorm(x) (+ b): the q/k/v and gate/up items. TAGGED: x is a tagged row
+    # of the residual stream, read once all of it is there (no count to wait for).
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
-    act = x_ptr.dtype.element_ty
+    act = y_ptr.dtype.element_ty
     if K <= BLOCK_K:
         # One chunk: x read once for its mean square and the product (one L2 round trip, not
         # two), the norm's weight before the wait. Rounds as input_chunk does.
         cols = tl.arange(0, BLOCK_K)
         cmask = cols < K
         g = tl.load(g_ptr + cols, mask=cmask, other=0.0)
-        _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
-        xf = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        if TAGGED:
+            xf = _tagged(x_ptr + cols, cmask, epoch, stall_ptr, waited_ptr, TRACE)
+        else:
+            _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
+            xf = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
         x = (g * (xf * rstd).to(act)).to(act).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    elif TAGGED:
+        # the whole row seen at once for its mean square, then streamed again chunk by chunk
+        full = tl.arange(0, _tile(K))
+        xf = _tagged(x_ptr + full, full < K, epoch, stall_ptr, waited_ptr, TRACE)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+        y = _stream(
+            w,
+            w_rows,
+            rmask,
+            x_ptr,
+            g_ptr,
+            x_ptr,
+            K,
+            rstd,
+            0,
+            act,
+            _NORM_TAGGED,
+            1,
+            1,
+            1,
+            BLOCK_K,
+            STAGES,
+        )
     else:
         _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
         rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
@@ -250,29 +333,44 @@ def _down_rows(
     target,
     stall_ptr,
     waited_ptr,
+    epoch,
+    final_ptr,
+    last,
     N: tl.constexpr,
     K: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     TRACE: tl.constexpr,
+    TAGGED: tl.constexpr,
 ):
-    # out[rows] = x[rows] + W[rows] @ (silu(gate) * up): the down items
+    # out[rows] = x[rows] + W[rows] @ (silu(gate) * up): the down items (`last` layer's: also
+    # into final_ptr, plain, when TAGGED)
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
-    act = x_ptr.dtype.element_ty
+    act = gu_ptr.dtype.element_ty
     y = _stream(
         w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, 1, BLOCK_K, STAGES
     )
-    _add_into(x_ptr, out_ptr, rows, rmask, y)
+    new = _add_into(x_ptr, out_ptr, rows, rmask, y, act, epoch, stall_ptr, TAGGED)
+    if TAGGED:
+        tl.store(final_ptr + rows, new, mask=rmask & last)
 
 
 @triton.jit
-def _add_into(x_ptr, out_ptr, rows, rmask, y):
-    # out[rows] = x[rows] + y, the projection rounded first, as `proj(x) + residual` rounds
-    act = x_ptr.dtype.element_ty
-    old = tl.load(x_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, (y.to(act).to(tl.float32) + old).to(act), mask=rmask)
+def _add_into(x_ptr, out_ptr, rows, rmask, y, act, epoch, stall_ptr, TAGGED: tl.constexpr):
+    # out[rows] = x[rows] + y, the projection rounded first, as `proj(x) + residual` rounds; in
+    # tagged words when TAGGED (x's read once they are there)
+    if TAGGED:
+        old = _tagged(x_ptr + rows, rmask, epoch, stall_ptr, stall_ptr, False)
+    else:
+        old = tl.load(x_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    new = (y.to(act).to(tl.float32) + old).to(act)
+    if TAGGED:
+        tl.store(out_ptr + rows, _tag(new, epoch), mask=rmask)
+    else:
+        tl.store(out_ptr + rows, new, mask=rmask)
+    return new
 
 
 @triton.jit
@@ -316,6 +414,7 @@ def _o_rows(
     target,
     stall_ptr,
     waited_ptr,
+    epoch,
     N: tl.constexpr,
     NQ: tl.constexpr,
     S: tl.constexpr,
@@ -324,13 +423,14 @@ def _o_rows(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     TRACE: tl.constexpr,
+    TAGGED: tl.constexpr,
 ):
     # out[rows] = x[rows] + W[rows] @ attention: the o items, merging the splits as they read them
     K: tl.constexpr = NQ * D
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
     _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
-    act = x_ptr.dtype.element_ty
+    act = w_ptr.dtype.element_ty
     y = _stream(
         w,
         w_rows,
@@ -349,7 +449,7 @@ def _o_rows(
         BLOCK_K,
         _MERGE_STAGES,
     )
-    _add_into(x_ptr, out_ptr, rows, rmask, y)
+    _add_into(x_ptr, out_ptr, rows, rmask, y, act, epoch, stall_ptr, TAGGED)
 
 
 @triton.jit
@@ -523,6 +623,7 @@ def _decoder_kernel(
     table_ptr,
     h_ptr,
     x_ptr,
+    final_ptr,
     qkv_ptr,
     part_ptr,
     lse_ptr,
@@ -570,6 +671,7 @@ def _decoder_kernel(
     K_DOWN: tl.constexpr,
     STAGES: tl.constexpr,
     TRACE: tl.constexpr,
+    TAGGED: tl.constexpr,
 ):
     QKV_N: tl.constexpr = (NQ + 2 * NKV) * D
     N_QKV: tl.constexpr = (QKV_N + ROWS_QKV - 1) // ROWS_QKV
@@ -580,6 +682,9 @@ def _decoder_kernel(
     PER_LAYER: tl.constexpr = N_QKV + N_ATT + N_O + N_GU + N_DOWN
     total = num_layers * PER_LAYER
     ctx = tl.load(ctx_ptr)  # a step input, written before the kernel
+    # this step's tag for the residual stream's words (TAGGED): one more than the last step's,
+    # which the last program out of that step's kernel wrote
+    epoch = tl.load(queue_ptr + _EPOCH) + 1
     # `dynamic` (the same binary either way, so that its occupancy is known before round-robin)
     if dynamic:
         item = tl.atomic_add(queue_ptr, 1)
@@ -598,9 +703,17 @@ def _decoder_kernel(
         # slices, and the residual stream a row for each of its states after o and after down
         # (the first layer's input: the embedding row, read only), each padded to 128 bytes. No
         # SM can then hold a stale copy of a value in its L1, whichever way a load is compiled.
-        x_mid = x_ptr + (2 * layer) * stride_x
+        if TAGGED:  # row 0: the embedding row, tagged by the program of item 0
+            x_in = x_ptr + (2 * layer) * stride_x
+            x_mid = x_in + stride_x
+            if item == 0:
+                hc = tl.arange(0, _tile(H))
+                e = tl.load(h_ptr + hc, mask=hc < H, other=0.0)
+                tl.store(x_in + hc, _tag(e, epoch), mask=hc < H)
+        else:
+            x_mid = x_ptr + (2 * layer) * stride_x
+            x_in = tl.where(layer == 0, h_ptr, x_mid - stride_x)
         x_out = x_mid + stride_x
-        x_in = tl.where(layer == 0, h_ptr, x_mid - stride_x)
         qkv = qkv_ptr + layer * stride_qkv
         part = part_ptr + layer * stride_part
         lse = lse_ptr + layer * stride_lse
@@ -610,9 +723,9 @@ def _decoder_kernel(
             before = count_ptr + tl.maximum(layer - 1, 0) * _LAYER_STAGES + _DOWN
             _norm_rows(
                 r,
-                _address(entry, _QKV_W, x_ptr),
-                _address(entry, _QKV_B, x_ptr),
-                _address(entry, _INPUT_NORM, x_ptr),
+                _address(entry, _QKV_W, qkv_ptr),
+                _address(entry, _QKV_B, qkv_ptr),
+                _address(entry, _INPUT_NORM, qkv_ptr),
                 x_in,
                 qkv,
                 eps,
@@ -620,6 +733,7 @@ def _decoder_kernel(
                 tl.where(layer > 0, N_DOWN, 0),
                 stalls_ptr,
                 waited,
+                epoch,
                 QKV_N,
                 H,
                 HAS_BIAS,
@@ -627,15 +741,16 @@ def _decoder_kernel(
                 K_QKV,
                 STAGES,
                 TRACE,
+                TAGGED,
             )
             _finish(counts + _QKV)
         elif r < N_QKV + N_ATT:
             _attention_split(
                 r - N_QKV,
                 qkv,
-                _address(entry, _Q_NORM, x_ptr),
-                _address(entry, _K_NORM, x_ptr),
-                _address(entry, _KV, x_ptr),
+                _address(entry, _Q_NORM, qkv_ptr),
+                _address(entry, _K_NORM, qkv_ptr),
+                _address(entry, _KV, qkv_ptr),
                 part,
                 lse,
                 cos_ptr,
@@ -667,7 +782,7 @@ def _decoder_kernel(
         elif r < N_QKV + N_ATT + N_O:
             _o_rows(
                 r - N_QKV - N_ATT,
-                _address(entry, _O_W, x_ptr),
+                _address(entry, _O_W, qkv_ptr),
                 part,
                 lse,
                 x_in,
@@ -677,6 +792,7 @@ def _decoder_kernel(
                 N_ATT,
                 stalls_ptr,
                 waited,
+                epoch,
                 H,
                 NQ,
                 S,
@@ -685,14 +801,16 @@ def _decoder_kernel(
                 K_O,
                 STAGES,
                 TRACE,
+                TAGGED,
             )
-            _finish(counts + _O)
+            if not TAGGED:  # tagged, the rows are what gate/up and down wait for
+                _finish(counts + _O)
         elif r < N_QKV + N_ATT + N_O + N_GU:
             _norm_rows(
                 r - N_QKV - N_ATT - N_O,
-                _address(entry, _GATE_UP_W, x_ptr),
-                x_ptr,
-                _address(entry, _POST_NORM, x_ptr),
+                _address(entry, _GATE_UP_W, qkv_ptr),
+                qkv_ptr,
+                _address(entry, _POST_NORM, qkv_ptr),
                 x_mid,
                 gu,
                 eps,
@@ -700,6 +818,7 @@ def _decoder_kernel(
                 N_O,
                 stalls_ptr,
                 waited,
+                epoch,
                 2 * INTER,
                 H,
                 False,
@@ -707,12 +826,13 @@ def _decoder_kernel(
                 K_GU,
                 STAGES,
                 TRACE,
+                TAGGED,
             )
             _finish(counts + _GATE_UP)
         else:
             _down_rows(
                 r - N_QKV - N_ATT - N_O - N_GU,
-                _address(entry, _DOWN_W, x_ptr),
+                _address(entry, _DOWN_W, qkv_ptr),
                 gu,
                 x_mid,
                 x_out,
@@ -720,14 +840,19 @@ def _decoder_kernel(
                 N_GU,
                 stalls_ptr,
                 waited,
+                epoch,
+                final_ptr,
+                layer == num_layers - 1,
                 H,
                 INTER,
                 ROWS_DOWN,
                 K_DOWN,
                 STAGES,
                 TRACE,
+                TAGGED,
             )
-            _finish(counts + _DOWN)
+            if not TAGGED:
+                _finish(counts + _DOWN)
         if TRACE:  # (PersistentDecoder.run's `trace`)
             tl.store(waited - 1, started)
             tl.store(waited + 1, _now())
@@ -736,6 +861,17 @@ def _decoder_kernel(
             item = tl.atomic_add(queue_ptr, 1)
         else:
             item += tl.num_programs(0)
+    # The last program out readies the counts for the next step (no memset before each launch)
+    # and hands on the epoch: every other program has left, none reads them any more.
+    gone = tl.atomic_add(queue_ptr + _EXITS, 1, sem="acq_rel")
+    if gone == tl.num_programs(0) - 1:
+        stages = num_layers * _LAYER_STAGES
+        for start in range(0, stages, 256):
+            c = start + tl.arange(0, 256)
+            tl.store(count_ptr + c, tl.zeros([256], tl.int32), mask=c < stages)
+        tl.store(queue_ptr, 0)
+        tl.store(queue_ptr + _EXITS, 0)
+        tl.store(queue_ptr + _EPOCH, epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -750,6 +886,9 @@ class DecoderLaunch:
     chunks: tuple[int, int, int, int]
     num_warps: int = 4
     stages: int = PIPELINE_STAGES
+    # the residual stream in tagged words, read once they are there (_tagged), instead of after
+    # the counts of o's and down's items
+    tagged: bool = True
 
 
 def _rows_and_chunk(n: int, k: int, programs: int, acc: int) -> tuple[int, int]:
@@ -775,9 +914,11 @@ def plan_launch(
     num_warps: int = 4,
     stages: int = PIPELINE_STAGES,
     acc_elements: int = ACC_ELEMENTS,
+    tagged: bool = True,
 ) -> DecoderLaunch:
     """The launch of `programs_per_sm` programs on each of `sm_count` SMs for a model of these
-    sizes (`stages`, `acc_elements`: see PIPELINE_STAGES and ACC_ELEMENTS)."""
+    sizes (`stages`, `acc_elements`: see PIPELINE_STAGES and ACC_ELEMENTS; `tagged`: see
+    DecoderLaunch)."""
     programs = sm_count * programs_per_sm
     hidden, heads, kv_heads = args.hidden_size, args.num_heads, args.num_kv_heads
     head_dim, intermediate = args.head_dim, args.intermediate_size
@@ -798,6 +939,7 @@ def plan_launch(
         tuple(c for _, c in picks),  # type: ignore[arg-type]
         num_warps,
         stages,
+        tagged,
     )
 
 
@@ -875,16 +1017,21 @@ class PersistentDecoder:
 
         def lines(rows: int, values: int, dtype: torch.dtype) -> torch.Tensor:
             per_line = _LINE_BYTES // dtype.itemsize
-            return torch.empty(rows, -(-values // per_line) * per_line, dtype=dtype, device=device)
+            return torch.zeros(rows, -(-values // per_line) * per_line, dtype=dtype, device=device)
 
-        self.residual = lines(2 * layers_n, a.hidden_size, self.dtype)
+        if launch.tagged:  # the embedding row tagged, then each layer's two states, as words
+            self.residual = lines(2 * layers_n + 1, a.hidden_size, torch.int64)
+        else:
+            self.residual = lines(2 * layers_n, a.hidden_size, self.dtype)
+        self.final = lines(1, a.hidden_size, self.dtype)  # the last layer's state, tagged runs
         self.qkv = lines(layers_n, (a.num_heads + 2 * a.num_kv_heads) * dim, self.dtype)
         self.part = lines(layers_n, splits * a.num_heads * dim, f32)
         self.lse = lines(layers_n, splits * a.num_heads, f32)
         self.gate_up = lines(layers_n, 2 * a.intermediate_size, self.dtype)
-        # the layers' counts of finished items, the work queue's, the stalled waits' (_wait);
-        # zeroed every step
-        self.counts = torch.zeros(self.num_layers * 5 + 2, dtype=torch.int32, device=device)
+        # the layers' counts of finished items, the work queue's, the programs that have left, the
+        # step's epoch (_tagged) and the waits that gave up (_wait): the kernel's last program out
+        # readies them for the next step, all but the last, which adds up
+        self.counts = torch.zeros(self.num_layers * 5 + 4, dtype=torch.int32, device=device)
         # Round-robin needs every program resident at once: one an SM always is; more only once
         # the compiled kernel's registers and shared memory are known to fit (`run`).
         self.round_robin = launch.programs_per_sm == 1
@@ -923,18 +1070,18 @@ class PersistentDecoder:
         a, launch = self.args, self.launch
         assert residual.shape == (1, a.hidden_size) and residual.dtype == self.dtype
         assert residual.is_contiguous() and block_table.stride(-1) == 1
-        self.counts.zero_()
         rows, chunks = launch.rows, launch.chunks
         kernel = _decoder_kernel[(launch.programs,)](
             self.table,
             residual,
             self.residual,
+            self.final,
             self.qkv,
             self.part,
             self.lse,
             self.gate_up,
             self.counts,
-            self.counts[-2:-1],
+            self.counts[-4:-3],
             self.counts[-1:],
             trace if traced else self.counts,
             cos,
@@ -969,11 +1116,13 @@ class PersistentDecoder:
             K_DOWN=chunks[3],
             STAGES=launch.stages,
             TRACE=traced,
+            TAGGED=launch.tagged,
             **self._options,
         )
         if not self.round_robin and self._compiled:
             self.round_robin = self._all_resident(kernel, residual.device)
-        return self.residual[-1:, : a.hidden_size]
+        last = self.final if launch.tagged else self.residual[-1:]
+        return last[:, : a.hidden_size]
 
     def stage_items(self) -> tuple[int, int, int, int, int]:
         """Items of each stage of a layer, in the work list's order: q/k/v, attention, o,
@@ -1006,8 +1155,8 @@ class PersistentDecoder:
         return None
 
     def stalls(self) -> int:
-        """Waits of the last run that gave up (0 unless the decoder has a bug: its output is then
-        wrong). Reads the device: it waits for the run to finish."""
+        """Waits that gave up since the decoder was made (0 unless it has a bug: its output is
+        then wrong). Reads the device: it waits for the last run to finish."""
         return int(self.counts[-1].item())
 
     def _all_resident(self, kernel: triton.compiler.CompiledKernel, device: torch.device) -> bool:

@@ -358,6 +358,7 @@ class Batch1Ops(TritonOps):
             sms,
             programs_per_sm=k.persistent_decoder_programs_per_sm,
             num_warps=k.persistent_decoder_warps,
+            tagged=k.persistent_decoder_tagged,
         )
         return PersistentDecoder(a, model.layers, kv_caches, launch)
 

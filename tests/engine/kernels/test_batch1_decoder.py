@@ -127,14 +127,20 @@ def test_batch1_step_matches_torch_ops(device, qk_norm):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("programs_per_sm", [1, 3], ids=["round-robin", "atomic-queue"])
+@pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "counts"])
 @torch.inference_mode()
-def test_persistent_decoder_matches_torch_ops(device, qk_norm, programs_per_sm, monkeypatch):
+def test_persistent_decoder_matches_torch_ops(
+    device, qk_norm, programs_per_sm, tagged, monkeypatch
+):
     """Every layer in one persistent kernel (kernels.persistent_decoder): the hidden state and
     the KV written as the plain ops give them, over a context long enough for several splits,
-    whether programs take items round-robin or from the atomic queue."""
+    whether programs take items round-robin or from the atomic queue, and the residual stream
+    is read in tagged words or after the counts."""
     from flashstack.engine.kernels import triton_decoder
 
-    ops = _persistent_ops(persistent_decoder_programs_per_sm=programs_per_sm)
+    ops = _persistent_ops(
+        persistent_decoder_programs_per_sm=programs_per_sm, persistent_decoder_tagged=tagged
+    )
     runs, run = [], triton_decoder.PersistentDecoder.run
 
     def spy(decoder, *a, **kw):
@@ -148,6 +154,33 @@ def test_persistent_decoder_matches_torch_ops(device, qk_norm, programs_per_sm, 
     ((launch, round_robin),) = runs
     # several programs an SM start from the atomic queue (the interpreter never leaves it)
     assert round_robin == (programs_per_sm == 1) and launch.splits > 1
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "counts"])
+@torch.inference_mode()
+def test_persistent_decoder_readies_itself_for_the_next_step(device, tagged):
+    """Step after step through one decoder: the last program out of each run zeroes the counts
+    and the work queue for the next (no memset before each launch) and moves the epoch the
+    residual stream's words are tagged with on by one, and every step matches the plain ops."""
+    model = _model(True, device)
+    args = model.args
+    ops = _persistent_ops(persistent_decoder_programs_per_sm=3, persistent_decoder_tagged=tagged)
+    plain = TorchOps(get_attention_backend("reference", device))
+    caches = [
+        torch.randn(80, 2, BLOCK, args.num_kv_heads, args.head_dim, device=device)
+        for _ in range(args.num_layers)
+    ]
+    mine = [c.clone() for c in caches]
+    for step, context in enumerate((200, 201, 202), start=1):
+        ids = torch.tensor([7 + step], device=device)
+        pos = torch.tensor([context - 1], device=device)
+        want = model(ids, pos, _meta(context, device), caches, plain)
+        got = model(ids, pos, _meta(context, device), mine, ops)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        (decoder,) = ops._decoders.values()
+        *stages, queue, exits, epoch, stalls = decoder.counts.tolist()
+        assert stages == [0] * (5 * args.num_layers) and (queue, exits) == (0, 0)
+        assert (epoch, stalls) == (step, 0)
 
 
 @torch.inference_mode()
