@@ -48,6 +48,7 @@ class KernelSwitches(BaseModel):
     persistent_decoder: bool | None = None
     persistent_decoder_programs_per_sm: int | None = Field(None, ge=1)
     persistent_decoder_warps: Literal[1, 2, 4, 8, 16] | None = None
+    persistent_decoder_tagged: bool | None = None
     fp8_silu_kernel: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None
     tp_all_reduce_block: int | None = Field(None, ge=64)
