@@ -273,6 +273,7 @@ def measure(
     if args.profile:
         out["graph"] = graph_profile(graphs, context, shape["num_hidden_layers"])
         out["step_gpu"] = step_gpu(llm, prompt, args.new_tokens, out["graph"]["kernels_per_replay"])
+    if args.profile or args.host:
         out["host_us"] = host_parts(llm, prompt, args.new_tokens)
     del llm
     gc.collect()
@@ -299,6 +300,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
+    )
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="with --no-profile: still the host's time per step by part (once the GPU's step "
+        "is short, whether the host keeps up)",
     )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
