@@ -216,8 +216,8 @@ def by_stage(trace: torch.Tensor, counts: tuple[int, ...], layers: int) -> dict:
             ready_us[stage] += ((end - start.clamp_min(ready)) / 1e3).tolist()
             ready, first = last, first + n
 
-    def mean(xs: list[float]) -> float:
-        return round(sum(xs) / len(xs), 2)
+    def mean(xs: list[float]) -> float | None:  # None: no such figure (one layer's q/k/v hop)
+        return round(sum(xs) / len(xs), 2) if xs else None
 
     return {
         "span_us": round((int(trace[:, 2].max()) - begin) / 1e3, 1),
