@@ -348,23 +348,29 @@ def _down_rows(
     # into final_ptr, plain, when TAGGED)
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
+    old = _residual_rows(x_ptr, rows, rmask, epoch, stall_ptr, TAGGED)
     act = gu_ptr.dtype.element_ty
     y = _stream(
         w, w_rows, rmask, gu_ptr, gu_ptr, gu_ptr, K, 1.0, 0, act, _SILU, 1, 1, 1, BLOCK_K, STAGES
     )
-    new = _add_into(x_ptr, out_ptr, rows, rmask, y, act, epoch, stall_ptr, TAGGED)
+    new = _add_into(out_ptr, rows, rmask, y, old, act, epoch, TAGGED)
     if TAGGED:
         tl.store(final_ptr + rows, new, mask=rmask & last)
 
 
 @triton.jit
-def _add_into(x_ptr, out_ptr, rows, rmask, y, act, epoch, stall_ptr, TAGGED: tl.constexpr):
-    # out[rows] = x[rows] + y, the projection rounded first, as `proj(x) + residual` rounds; in
-    # tagged words when TAGGED (x's read once they are there)
+def _residual_rows(x_ptr, rows, rmask, epoch, stall_ptr, TAGGED: tl.constexpr):
+    # x[rows] of the residual stream (tagged words when TAGGED), read right after the item's wait:
+    # in flight with its first chunk's input rather than after its last product
     if TAGGED:
-        old = _tagged(x_ptr + rows, rmask, epoch, stall_ptr, stall_ptr, False)
-    else:
-        old = tl.load(x_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        return _tagged(x_ptr + rows, rmask, epoch, stall_ptr, stall_ptr, False)
+    return tl.load(x_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_into(out_ptr, rows, rmask, y, old, act, epoch, TAGGED: tl.constexpr):
+    # out[rows] = old + y (_residual_rows), the projection rounded first, as `proj(x) + residual`
+    # rounds; in tagged words when TAGGED
     new = (y.to(act).to(tl.float32) + old).to(act)
     if TAGGED:
         tl.store(out_ptr + rows, _tag(new, epoch), mask=rmask)
@@ -429,6 +435,7 @@ def _o_rows(
     K: tl.constexpr = NQ * D
     rows, rmask, w_rows, w = _rows_of(unit, N, K, w_ptr, ROWS, BLOCK_K)
     _wait(count_ptr, target, stall_ptr, waited_ptr, TRACE)
+    old = _residual_rows(x_ptr, rows, rmask, epoch, stall_ptr, TAGGED)
     _, active = splits_of(ctx, _SPLIT_TOKENS, S, _SPLIT_TOKENS)
     act = w_ptr.dtype.element_ty
     y = _stream(
@@ -449,7 +456,7 @@ def _o_rows(
         BLOCK_K,
         _MERGE_STAGES,
     )
-    _add_into(x_ptr, out_ptr, rows, rmask, y, act, epoch, stall_ptr, TAGGED)
+    _add_into(out_ptr, rows, rmask, y, old, act, epoch, TAGGED)
 
 
 @triton.jit
