@@ -237,7 +237,16 @@ def _gemv_kernel(
     # launch it is in flight while the previous kernel finishes.
     cols = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & (cols < KW)[None, :], other=0.0)
+    # So are the rows' scales and bias; the residual rows are read right after the wait: each
+    # load at the end would add a memory latency to the program's tail, which on a small model
+    # (a program or two an SM) is the kernel's
+    if HAS_SCALE:
+        row_scale = tl.load(s_ptr + rows, mask=rmask, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
+    if ADD_OUT:
+        old = tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     rstd = 1.0
     if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
         rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
@@ -320,13 +329,11 @@ def _gemv_kernel(
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < KW)[None, :], other=0.0)
     y = tl.sum(acc.to(tl.float32), 1)
     if HAS_SCALE:  # fp8 weights: each row's scale (and the input's 2^-8 back, HALF)
-        y *= tl.load(s_ptr + rows, mask=rmask, other=0.0) * (256.0 if HALF else 1.0)
+        y *= row_scale * (256.0 if HALF else 1.0)
     if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        y += bias
     if ADD_OUT:  # r_ptr is the residual: round the projection first, as `proj(x) + residual` would
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
-            r_ptr + rows, mask=rmask, other=0.0
-        ).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + old
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
