@@ -269,7 +269,6 @@ def _decode_kernel(
         b = tl.program_id(0)
         # a step input, written before the forward pass: safe before the wait
         ctx = tl.load(ctx_ptr + b)
-        wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
     # This sequence's own share per split (whole tiles, at least `min_split` tokens), not the
     # grid's: a graph's grid is sized for max_model_len, and a short context should still be read by
     # all its splits, not by the first few. Splits past the context have nothing to read.
@@ -279,6 +278,29 @@ def _decode_kernel(
     hi = tl.minimum(lo + tokens_per_split, ctx)
     if window > 0:
         lo = tl.maximum(lo, ctx - window)
+    if NEW:  # the new token is not read from the cache: the split that owns it attends it last
+        last = tl.maximum(ctx, 1) - 1
+        owner = split == last // tokens_per_split
+        hi = tl.minimum(hi, last)
+    if TMA:
+        # Whole tiles inside one block, each fetched by the tensor-memory accelerator into shared
+        # memory. The split's block-table entries are read once, before the loop: with no load
+        # feeding a tile's coordinates inside the loop, Triton's pipeliner keeps NUM_STAGES - 1
+        # tiles in flight (one when the entry is loaded per tile). A step input: before the wait
+        # (where the sequence is known before it), so the first tile's fetch waits for one memory
+        # latency after it, not two.
+        first = (lo // BLOCK_N) * BLOCK_N
+        first_blk = first // block_size
+        span = tl.arange(0, TABLE_SPAN)
+        blks = tl.load(
+            tables_ptr + b * stride_tb + first_blk + span,
+            mask=(first_blk + span) * block_size < hi,
+            other=0,
+        )
+    else:
+        first = lo
+    if not ORDERED:
+        wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     gmask = g < G
@@ -302,9 +324,6 @@ def _decode_kernel(
         else:
             k_new = k_new.to(cache_ptr.dtype.element_ty)
             v_new = v_new.to(cache_ptr.dtype.element_ty)
-        last = tl.maximum(ctx, 1) - 1
-        owner = split == last // tokens_per_split
-        hi = tl.minimum(hi, last)
         slot = tl.load(slot_ptr + b)
         if owner & (slot >= 0):
             row = (
@@ -333,21 +352,6 @@ def _decode_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    if TMA:
-        # Whole tiles inside one block, each fetched by the tensor-memory accelerator into shared
-        # memory. The split's block-table entries are read once, before the loop: with no load
-        # feeding a tile's coordinates inside the loop, Triton's pipeliner keeps NUM_STAGES - 1
-        # tiles in flight (one when the entry is loaded per tile).
-        first = (lo // BLOCK_N) * BLOCK_N
-        first_blk = first // block_size
-        span = tl.arange(0, TABLE_SPAN)
-        blks = tl.load(
-            tables_ptr + b * stride_tb + first_blk + span,
-            mask=(first_blk + span) * block_size < hi,
-            other=0,
-        )
-    else:
-        first = lo
     for start in range(first, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if TMA:
