@@ -163,7 +163,6 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)  # x is the previous kernel's output
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,6 +171,15 @@ def _skinny_kernel(
     # stays unmasked; their results are never stored.
     w_rows = tl.minimum(cols, N - 1)
     x_rows = tl.minimum(rows, M - 1)
+    # The epilogue's weights (fp8 row scales, bias) load before the wait and the activations'
+    # scales right after it: at the end, each would add a memory latency to the program's tail.
+    if FP8 or FP8_IN:
+        w_scale = tl.load(s_ptr + w_rows)[:, None]
+    if HAS_BIAS and not PARTIAL:
+        bias = tl.load(b_ptr + w_rows).to(tl.float32)[:, None]
+    wait_for_previous_kernel(USE_PDL)  # x is the previous kernel's output
+    if FP8_IN:
+        x_scale = tl.load(xs_ptr + x_rows)[None, :]
     k0 = pid_k * k_slice
     k_end = tl.minimum(k0 + k_slice, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -221,15 +229,15 @@ def _skinny_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     if FP8_IN:  # e4m3 x e4m3 on the tensor cores; each slice's share times both scales
-        acc *= tl.load(s_ptr + w_rows)[:, None] * tl.load(xs_ptr + x_rows)[None, :]
+        acc *= w_scale * x_scale
     elif FP8:
-        acc *= tl.load(s_ptr + w_rows)[:, None]
+        acc *= w_scale
     out = (tl.arange(0, BLOCK_M) < M)[None, :] & (cols < N)[:, None]
     if PARTIAL:  # y_ptr is the float32 [SPLIT_K, M, N] workspace
         tl.store(y_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=out)
     else:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + w_rows).to(tl.float32)[:, None]
+            acc += bias
         tl.store(
             y_ptr + rows[None, :] * N + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=out
         )
