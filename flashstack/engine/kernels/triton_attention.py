@@ -252,17 +252,23 @@ def _decode_kernel(
     KV_DOT: tl.constexpr,
     ORDERED: tl.constexpr,
     QK_FP8: tl.constexpr = False,
+    ORDER_READY: tl.constexpr = False,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     if FP8:  # the layer's scales: fixed for the engine's life, safe before the wait
         k_scale = tl.load(kvs_ptr)
         v_scale = tl.load(kvs_ptr + 1)
+    # Where the sequence is known before the wait (its context length and block table are step
+    # inputs), they load before it, and so does its split's table entries below.
+    EARLY: tl.constexpr = ORDER_READY or not ORDERED
     if ORDERED:
         # Programs start in grid order: the longest contexts first, so the shortest fill the
         # launch's last wave instead of a long one running on alone (longest processing time
-        # first). The order is computed in the step, maybe just before: read after the wait.
-        wait_for_previous_kernel(USE_PDL)
+        # first). The order is computed in the step: just before the first layer's launch (read
+        # after the wait), by the time of the others' long done (ORDER_READY: before it).
+        if not ORDER_READY:
+            wait_for_previous_kernel(USE_PDL)
         b = tl.load(order_ptr + tl.program_id(0))
         ctx = tl.load(ctx_ptr + b)
     else:
@@ -287,8 +293,7 @@ def _decode_kernel(
         # memory. The split's block-table entries are read once, before the loop: with no load
         # feeding a tile's coordinates inside the loop, Triton's pipeliner keeps NUM_STAGES - 1
         # tiles in flight (one when the entry is loaded per tile). A step input: before the wait
-        # (where the sequence is known before it), so the first tile's fetch waits for one memory
-        # latency after it, not two.
+        # (EARLY), so the first tile's fetch waits for one memory latency after it, not two.
         first = (lo // BLOCK_N) * BLOCK_N
         first_blk = first // block_size
         span = tl.arange(0, TABLE_SPAN)
@@ -299,7 +304,7 @@ def _decode_kernel(
         )
     else:
         first = lo
-    if not ORDERED:
+    if EARLY:
         wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -769,11 +774,14 @@ def paged_decode_triton(
     kv_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    order_ready: bool = False,
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
     says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given).
     `order`: a permutation of the sequences (int32 [batch], longest context first: decode_order),
-    the order their programs start in when `plan.longest_first`.
+    the order their programs start in when `plan.longest_first`; `order_ready`: it was made before
+    the kernel just before this launch (an earlier layer's), so programs may read it before their
+    PDL wait.
     With `new`, q is the unrotated q straight from the q/k/v projection and the new k/v are not in
     the cache yet: the kernel rotates them, stores them and attends with them (see NewTokens).
     `kv_scale`: an fp8 cache's [k_scale, v_scale].
@@ -786,7 +794,7 @@ def paged_decode_triton(
     if not plan.longest_first:
         order = None
     elif order is None:
-        order = decode_order(context_lens)
+        order, order_ready = decode_order(context_lens), False
     num_splits, block_n, min_split, tma = plan.num_splits, plan.block_n, plan.min_split, plan.tma
     num_stages, num_warps, table_span = plan.num_stages, plan.num_warps, plan.table_span
     if out is None:
@@ -875,6 +883,7 @@ def paged_decode_triton(
         KV_DOT=_kv_dot(q),
         ORDERED=order is not None,
         QK_FP8=plan.qk_fp8,
+        ORDER_READY=order is not None and order_ready,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1108,13 +1117,15 @@ def plan_step_decode(
 
 def _step_order(
     meta: AttentionMetadata, lens: torch.Tensor, plan: DecodePlan
-) -> torch.Tensor | None:
-    # One sort a step, shared by its layers (meta.scratch lives for one step, or one graph).
+) -> tuple[torch.Tensor | None, bool]:
+    # One sort a step, shared by its layers (meta.scratch lives for one step, or one graph), and
+    # whether an earlier layer made it (paged_decode_triton's `order_ready`)
     if not plan.longest_first:
-        return None
+        return None, False
     if "decode_order" not in meta.scratch:
         meta.scratch["decode_order"] = decode_order(lens)
-    return meta.scratch["decode_order"]
+        return meta.scratch["decode_order"], False
+    return meta.scratch["decode_order"], True
 
 
 def _mixed_in_graph(
@@ -1145,6 +1156,7 @@ def _mixed_in_graph(
             deep=kernels.decode_deep_tma,
             wave=kernels.decode_wave_tma,
         )
+        order, ready = _step_order(meta, lens, plan)
         paged_decode_triton(
             q[:rows],
             kv_cache,
@@ -1155,7 +1167,8 @@ def _mixed_in_graph(
             sliding_window,
             kv_scale=kv_scale,
             out=out[:rows],
-            order=_step_order(meta, lens, plan),
+            order=order,
+            order_ready=ready,
         )
     return paged_prefill_triton(
         q, kv_cache, meta, scale, sliding_window, kv_scale=kv_scale, out=out
@@ -1180,6 +1193,7 @@ def paged_attention_triton(
         return paged_prefill_sdpa(q, kv_cache, meta, scale, kv_scale)
     if meta.is_decode_only:
         plan = plan_step_decode(meta, kv_cache, kernels)
+        order, ready = _step_order(meta, meta.context_lens, plan)
         return paged_decode_triton(
             q,
             kv_cache,
@@ -1189,6 +1203,7 @@ def paged_attention_triton(
             plan,
             sliding_window,
             kv_scale=kv_scale,
-            order=_step_order(meta, meta.context_lens, plan),
+            order=order,
+            order_ready=ready,
         )
     return paged_prefill_triton(q, kv_cache, meta, scale, sliding_window, kv_scale=kv_scale)

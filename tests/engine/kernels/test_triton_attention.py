@@ -413,13 +413,21 @@ def test_decode_longest_first_matches_reference(device, num_splits, monkeypatch)
     assert tk.decode_order(meta.context_lens).tolist() == [3, 1, 2, 0, 4]
     got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
     torch.testing.assert_close(got, want, **_tol(dtype))
-    # The engine's path: the option on, one order in the step's scratch for every layer.
+    # The engine's path: the option on, one order in the step's scratch for every layer, made by
+    # the first layer's launch and read before the PDL wait by the later ones' (order_ready).
     kernels = dataclasses.replace(KernelOptions(), decode_longest_first=True)
+    ready, decode = [], tk.paged_decode_triton
+    monkeypatch.setattr(
+        tk,
+        "paged_decode_triton",
+        lambda *a, **kw: ready.append(kw["order_ready"]) or decode(*a, **kw),
+    )
     got = tk.paged_attention_triton(q, cache, meta, 0.125, kernels=kernels)
     torch.testing.assert_close(got, want, **_tol(dtype))
     order = meta.scratch["decode_order"]
-    tk.paged_attention_triton(q, cache, meta, 0.125, kernels=kernels)
-    assert meta.scratch["decode_order"] is order
+    got = tk.paged_attention_triton(q, cache, meta, 0.125, kernels=kernels)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    assert meta.scratch["decode_order"] is order and ready == [False, True]
     # One sequence, or one wave of programs, keeps the grid's own order.
     assert not tk.plan_decode(1, cache, 64, num_splits=8, longest_first=True).longest_first
     assert not tk.plan_decode(2, cache, 64, num_splits=1, longest_first=True).longest_first
