@@ -120,17 +120,23 @@ def test_cuda_graph_sampler_draws_temperature_steps_itself(hf_checkpoints, calls
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("programs_per_sm", [1, 3], ids=["one-an-sm", "three-an-sm"])
+@pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "counts"])
 def test_persistent_decoder_matches_transformers(
-    family: str, programs_per_sm: int, hf_checkpoints
+    family: str, programs_per_sm: int, tagged: bool, hf_checkpoints
 ) -> None:
     """Batch-1 decode steps with every layer in one persistent kernel (kernels.
     persistent_decoder), replayed in CUDA graphs and run eagerly: transformers' greedy tokens.
     Three programs an SM start from the atomic queue, then take turns once the compiled kernel
-    is known to fit them all (its registers capped for three)."""
+    is known to fit them all (its registers capped for three); the residual stream in tagged
+    words (the default) or after counts."""
     path, model = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 53))]
     refs = [hf_greedy(model, p, 24) for p in prompts]
-    kernels = {"persistent_decoder": True, "persistent_decoder_programs_per_sm": programs_per_sm}
+    kernels = {
+        "persistent_decoder": True,
+        "persistent_decoder_programs_per_sm": programs_per_sm,
+        "persistent_decoder_tagged": tagged,
+    }
     for eager in (False, True):
         llm = LLM(
             path,
