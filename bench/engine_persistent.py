@@ -39,9 +39,10 @@ SHAPES = {
 }
 BLOCK = 256
 # programs per SM/warps/pipeline stages/weights per chunk[/c: the residual stream after counts,
-# not in tagged words]
+# not in tagged words][/sN: N splits of each KV head's context]
 DEFAULT_LAUNCHES = (
-    "1/4/4/4096,1/4/4/4096/c,1/8/4/8192,2/4/4/4096,3/4/4/4096,1/4/2/4096,1/4/6/4096,2/4/3/8192"
+    "1/4/4/4096,1/4/4/4096/c,1/4/4/4096/s4,1/4/4/4096/s16,1/8/4/8192,2/4/4/4096,3/4/4/4096,"
+    "1/4/2/4096,1/4/6/4096,2/4/3/8192"
 )
 
 
@@ -93,7 +94,7 @@ def replay_us(fn, iters: int) -> tuple[float, torch.Tensor]:
 def measure(
     name: str,
     context: int,
-    launches: list[tuple[int, int, int, int, bool]],
+    launches: list[str],
     iters: int,
     trace: bool = False,
 ):
@@ -123,17 +124,8 @@ def measure(
         "ops_fraction": round(floor_us / ops_us, 3),
     }
     sms = device_for(device).sm_count
-    for per_sm, warps, stages, acc, tagged in launches:
-        label = f"{per_sm}/{warps}/{stages}/{acc}" + ("" if tagged else "/c")
-        launch = plan_launch(
-            a,
-            sms,
-            programs_per_sm=per_sm,
-            num_warps=warps,
-            stages=stages,
-            acc_elements=acc,
-            tagged=tagged,
-        )
+    for label in launches:
+        launch = plan_launch(a, sms, **launch_of(label))
         decoder = PersistentDecoder(a, body.layers, caches, launch)
 
         def step(decoder=decoder):
@@ -231,12 +223,24 @@ def by_stage(trace: torch.Tensor, counts: tuple[int, ...], layers: int) -> dict:
     }
 
 
-def launch_of(label: str) -> tuple[int, int, int, int, bool]:
-    """ "per_sm/warps/stages/acc[/c]" as plan_launch's arguments (c: tagged=False)."""
-    *numbers, last = label.split("/")
-    counts = last == "c"
-    per_sm, warps, stages, acc = (int(v) for v in (numbers if counts else [*numbers, last]))
-    return per_sm, warps, stages, acc, not counts
+def launch_of(label: str) -> dict[str, int | bool]:
+    """A launch's label, per_sm/warps/stages/acc[/c][/sN], as plan_launch's keyword arguments (c:
+    tagged off; sN: N splits)."""
+    per_sm, warps, stages, acc, *flags = label.split("/")
+    out: dict[str, int | bool] = {
+        "programs_per_sm": int(per_sm),
+        "num_warps": int(warps),
+        "stages": int(stages),
+        "acc_elements": int(acc),
+    }
+    for flag in flags:
+        if flag == "c":
+            out["tagged"] = False
+        elif flag.startswith("s") and flag[1:].isdigit():
+            out["splits"] = int(flag[1:])
+        else:
+            raise ValueError(f"launch {label!r}: unknown part {flag!r} (c, or s and a number)")
+    return out
 
 
 def main() -> None:
@@ -247,13 +251,15 @@ def main() -> None:
         "--launches",
         default=DEFAULT_LAUNCHES,
         help="comma-separated programs-per-SM/warps/pipeline-stages/weights-per-chunk, /c for "
-        "a residual stream after counts instead of in tagged words",
+        "a residual stream after counts instead of in tagged words, /sN for N splits",
     )
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--trace", action="store_true", help="each launch's timeline by stage")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    launches = [launch_of(item) for item in args.launches.split(",")]
+    launches = args.launches.split(",")
+    for label in launches:  # a typo fails here, not after the first model's runs
+        launch_of(label)
     result = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": COPY_BW / 1e12}
     for name in args.models.split(","):
         result[name] = measure(name, args.context, launches, args.iters, args.trace)

@@ -10,11 +10,41 @@ from bench.engine_persistent import DEFAULT_LAUNCHES, by_stage, launch_of
 
 
 def test_launch_labels_read_as_plan_launch_arguments() -> None:
-    assert launch_of("2/4/3/8192") == (2, 4, 3, 8192, True)
-    assert launch_of("1/4/4/4096/c") == (1, 4, 4, 4096, False)
-    assert all(len(launch_of(label)) == 5 for label in DEFAULT_LAUNCHES.split(","))
-    with pytest.raises(ValueError):
-        launch_of("1/4/4")
+    from flashstack.engine.kernels.triton_decoder import plan_launch
+    from flashstack.engine.models import ModelArgs
+
+    assert launch_of("2/4/3/8192") == {
+        "programs_per_sm": 2,
+        "num_warps": 4,
+        "stages": 3,
+        "acc_elements": 8192,
+    }
+    assert launch_of("1/4/4/4096/c/s16") == {
+        "programs_per_sm": 1,
+        "num_warps": 4,
+        "stages": 4,
+        "acc_elements": 4096,
+        "tagged": False,
+        "splits": 16,
+    }
+    args = ModelArgs(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope={"rope_theta": 1e4, "rope_type": "default"},
+    )
+    for label in DEFAULT_LAUNCHES.split(","):
+        launch = plan_launch(args, 132, **launch_of(label))
+        assert launch.programs == 132 * launch.programs_per_sm
+    assert plan_launch(args, 132, **launch_of("1/4/4/4096/s4")).splits == 4
+    for bad in ("1/4/4", "1/4/4/4096/x", "1/4/4/4096/s"):
+        with pytest.raises(ValueError):
+            launch_of(bad)
 
 
 def test_a_timeline_by_stage() -> None:

@@ -81,7 +81,9 @@ _TABLE_WIDTH = tl.constexpr(len(FIELDS))
 # share of the bandwidth. Defaults of `plan_launch`, not yet measured.
 ACC_ELEMENTS = 4096
 PIPELINE_STAGES = 4
-MAX_SPLITS = 8  # the o rows merge every split of every head: at most this many
+# Splits of each KV head's context (a short context fills only some, SPLIT_TOKENS each): the o
+# rows merge every split of every head, so at most this many by default
+MAX_SPLITS = 8
 MAX_ITEM_ROWS = 64  # a projection item's most rows
 SPLIT_TOKENS = 64  # attention tile, and the fewest tokens a split reads
 # polls of a count before a wait gives up (~seconds; a wait's usual few polls take ~1 µs each)
@@ -922,10 +924,11 @@ def plan_launch(
     stages: int = PIPELINE_STAGES,
     acc_elements: int = ACC_ELEMENTS,
     tagged: bool = True,
+    splits: int = MAX_SPLITS,
 ) -> DecoderLaunch:
     """The launch of `programs_per_sm` programs on each of `sm_count` SMs for a model of these
-    sizes (`stages`, `acc_elements`: see PIPELINE_STAGES and ACC_ELEMENTS; `tagged`: see
-    DecoderLaunch)."""
+    sizes (`stages`, `acc_elements`, `splits`: see PIPELINE_STAGES, ACC_ELEMENTS and MAX_SPLITS;
+    `tagged`: see DecoderLaunch)."""
     programs = sm_count * programs_per_sm
     hidden, heads, kv_heads = args.hidden_size, args.num_heads, args.num_kv_heads
     head_dim, intermediate = args.head_dim, args.intermediate_size
@@ -936,8 +939,6 @@ def plan_launch(
         (hidden, intermediate),
     )
     picks = [_rows_and_chunk(n, k, programs, acc_elements) for n, k in shapes]
-    # as many splits as the merge allows: a short context fills only some (SPLIT_TOKENS each)
-    splits = MAX_SPLITS
     return DecoderLaunch(
         programs,
         programs_per_sm,

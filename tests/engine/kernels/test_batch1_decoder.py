@@ -324,6 +324,24 @@ def test_a_persistent_decoder_that_disagrees_is_dropped(device, monkeypatch, cap
     assert "differs from the layer-by-layer ops" in caplog.text
 
 
+@pytest.mark.parametrize("splits", [2, 16])
+@torch.inference_mode()
+def test_persistent_decoder_with_other_split_counts(device, splits, monkeypatch):
+    """Fewer or more splits of each KV head's context than MAX_SPLITS (bench/engine_persistent.py
+    sweeps them): the o rows merge every one the launch has."""
+    import functools
+
+    from flashstack.engine.kernels import triton_decoder
+
+    monkeypatch.setattr(
+        triton_decoder, "plan_launch", functools.partial(triton_decoder.plan_launch, splits=splits)
+    )
+    ops = _persistent_ops()
+    _step_matches_torch_ops(_model(True, device), ops, device, context=300, blocks=80)
+    (decoder,) = ops._decoders.values()
+    assert decoder is not None and decoder.launch.splits == splits
+
+
 @torch.inference_mode()
 def test_persistent_decoder_streams_rows_of_several_chunks(device, monkeypatch):
     """Rows longer than a chunk (64 weights a chunk here): the norm's mean square over several
