@@ -269,7 +269,9 @@ def measure(
     out["replay_us"] = round(min(replay_us(graphs, context) for _ in range(3)), 1)
     decoders = getattr(llm.engine.runner.ops.for_tokens(1), "_decoders", {})
     if kernels.get("persistent_decoder"):  # dropped after a failed first-run check: say so
-        out["persistent_decoder_ran"] = any(d is not None for d in decoders.values())
+        kept = [d for d in decoders.values() if d is not None]
+        out["persistent_decoder_ran"] = bool(kept)
+        out["persistent_decoder_stalls"] = sum(d.stalls() for d in kept)  # 0 unless a bug
     if args.profile:
         out["graph"] = graph_profile(graphs, context, shape["num_hidden_layers"])
         out["step_gpu"] = step_gpu(llm, prompt, args.new_tokens, out["graph"]["kernels_per_replay"])
