@@ -184,6 +184,20 @@ def rotated_key(ptr, d, cos, sin, w_ptr, eps, D: tl.constexpr, QK_NORM: tl.const
 
 
 @triton.jit
+def attend_new_token(q, k_new, v_new, m, row_sum, acc, q_scale, pv_dtype: tl.constexpr):
+    """The step's own token, its k/v [1, D] in the cache's dtype, from registers: a rank-one
+    online-softmax update of the running maximum, sum and output (scores times `q_scale`), p
+    rounded to `pv_dtype` as the tiles' P @ V rounds it."""
+    s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * q_scale
+    m_new = tl.maximum(m, s)
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m - m_new)
+    row_sum = row_sum * alpha + p
+    acc = acc * alpha[:, None] + p.to(pv_dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+    return m_new, row_sum, acc
+
+
+@triton.jit
 def splits_of(ctx, min_split, num_splits, BLOCK_N: tl.constexpr):
     """(tokens per split, splits holding part of the context) for one sequence: the split kernel
     and the merge must agree on both."""
@@ -397,17 +411,8 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     if NEW:
-        if owner:  # the new token: a rank-one online-softmax update
-            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * q_scale
-            m_new = tl.maximum(m, s)
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m - m_new)
-            row_sum = row_sum * alpha + p
-            # p rounded as the tiles' dot rounds it
-            acc = acc * alpha[:, None] + p.to(pv_dtype).to(tl.float32)[:, None] * v_new.to(
-                tl.float32
-            )
-            m = m_new
+        if owner:
+            m, row_sum, acc = attend_new_token(q, k_new, v_new, m, row_sum, acc, q_scale, pv_dtype)
     has = row_sum > 0
     out = acc / tl.where(has, row_sum, 1.0)[:, None]
     if FP8:

@@ -45,7 +45,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from flashstack.engine.kernels.triton_attention import rotated_heads, rotated_key, splits_of
+from flashstack.engine.kernels.triton_attention import (
+    attend_new_token,
+    rotated_heads,
+    rotated_key,
+    splits_of,
+)
 from flashstack.engine.kernels.triton_gemv import input_chunk, row_rstd
 from flashstack.engine.models.parallel import RowParallelLinear
 
@@ -610,14 +615,8 @@ def _attention_split(
         )
         blk = _tile_blocks(blocks_ptr, start + _SPLIT_TOKENS, hi, block_size)
         m, row_sum, acc = _attend_tile(q, k, v, nmask, m, row_sum, acc, PREC)
-    if owner:  # the new token: a rank-one online-softmax update
-        s = tl.sum(q.to(tl.float32) * k_new.to(kv).to(tl.float32), 1)
-        m_new = tl.maximum(m, s)
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m - m_new)
-        row_sum = row_sum * alpha + p
-        acc = acc * alpha[:, None] + p.to(kv).to(tl.float32)[:, None] * v_new.to(kv).to(tl.float32)
-        m = m_new
+    if owner:
+        m, row_sum, acc = attend_new_token(q, k_new.to(kv), v_new.to(kv), m, row_sum, acc, 1.0, kv)
     if split < active:
         has = row_sum > 0
         out = acc / tl.where(has, row_sum, 1.0)[:, None]
