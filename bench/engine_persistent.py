@@ -50,6 +50,7 @@ def build(shape: dict, context: int):
     """The model, its KV caches (random, bf16) and one decode step's metadata at `context`."""
     from flashstack.engine.kernels.attention import AttentionMetadata
     from flashstack.engine.models import model_class
+    from flashstack.engine.models.layers import RotaryEmbedding, rope_inv_freq
 
     cls = model_class(shape)
     torch.manual_seed(0)
@@ -58,6 +59,9 @@ def build(shape: dict, context: int):
         for p in model.parameters():
             if p.dim() > 1:
                 torch.nn.init.normal_(p, std=0.02)
+    for m in model.modules():  # built on the CPU and rounded above; the loader's fp32 on the GPU
+        if isinstance(m, RotaryEmbedding):
+            m.inv_freq = rope_inv_freq(model.args.head_dim, model.args.rope).to("cuda")
     a = model.args
     blocks = -(-context // BLOCK)
     caches = [
