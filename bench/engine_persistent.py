@@ -38,10 +38,10 @@ SHAPES = {
     "llama3-8b": LLAMA3_8B,
 }
 BLOCK = 256
-# programs per SM/warps/pipeline stages/weights per chunk[/c: the residual stream after counts,
-# not in tagged words][/sN: N splits of each KV head's context]
+# programs per SM/warps/pipeline stages/weights per chunk[/t: the residual stream in tagged words,
+# not after counts][/sN: N splits of each KV head's context]
 DEFAULT_LAUNCHES = (
-    "1/4/4/4096,1/4/4/4096/c,1/4/4/4096/s4,1/4/4/4096/s16,1/8/4/8192,2/4/4/4096,3/4/4/4096,"
+    "1/4/4/4096,1/4/4/4096/t,1/4/4/4096/s4,1/4/4/4096/s16,1/8/4/8192,2/4/4/4096,3/4/4/4096,"
     "1/4/2/4096,1/4/6/4096,2/4/3/8192"
 )
 
@@ -228,8 +228,8 @@ def by_stage(trace: torch.Tensor, counts: tuple[int, ...], layers: int) -> dict:
 
 
 def launch_of(label: str) -> dict[str, int | bool]:
-    """A launch's label, per_sm/warps/stages/acc[/c][/sN], as plan_launch's keyword arguments (c:
-    tagged off; sN: N splits)."""
+    """A launch's label, per_sm/warps/stages/acc[/c|/t][/sN], as plan_launch's keyword arguments
+    (c: the residual stream after counts, the default; t: in tagged words; sN: N splits)."""
     per_sm, warps, stages, acc, *flags = label.split("/")
     out: dict[str, int | bool] = {
         "programs_per_sm": int(per_sm),
@@ -238,12 +238,12 @@ def launch_of(label: str) -> dict[str, int | bool]:
         "acc_elements": int(acc),
     }
     for flag in flags:
-        if flag == "c":
-            out["tagged"] = False
+        if flag in ("c", "t"):
+            out["tagged"] = flag == "t"
         elif flag.startswith("s") and flag[1:].isdigit():
             out["splits"] = int(flag[1:])
         else:
-            raise ValueError(f"launch {label!r}: unknown part {flag!r} (c, or s and a number)")
+            raise ValueError(f"launch {label!r}: unknown part {flag!r} (c, t, or s and a number)")
     return out
 
 
@@ -254,8 +254,9 @@ def main() -> None:
     ap.add_argument(
         "--launches",
         default=DEFAULT_LAUNCHES,
-        help="comma-separated programs-per-SM/warps/pipeline-stages/weights-per-chunk, /c for "
-        "a residual stream after counts instead of in tagged words, /sN for N splits",
+        help="comma-separated programs-per-SM/warps/pipeline-stages/weights-per-chunk, /t for "
+        "a residual stream in tagged words instead of after counts (/c, the default), /sN for N "
+        "splits",
     )
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--trace", action="store_true", help="each launch's timeline by stage")

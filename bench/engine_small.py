@@ -298,7 +298,7 @@ def main() -> None:
         "(kernels.attention_pdl), noargmax (kernels.argmax_in_graph=False), persistent "
         "(kernels.persistent_decoder: one program an SM, 4 warps), persistent8w (8 warps), "
         "persistent2 / persistent3 (two / three programs an SM, registers capped to fit), "
-        "persistentcounts (its residual stream after counts, not in tagged words)",
+        "persistenttagged (its residual stream in tagged words, not after counts)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -322,7 +322,7 @@ def main() -> None:
         "persistent8w": {"persistent_decoder": True, "persistent_decoder_warps": 8},
         "persistent2": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 2},
         "persistent3": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 3},
-        "persistentcounts": {"persistent_decoder": True, "persistent_decoder_tagged": False},
+        "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

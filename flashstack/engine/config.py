@@ -85,8 +85,10 @@ class KernelOptions:
     persistent_decoder_warps: int = 4
     # Its residual stream in tagged words (each value with its step's flag, read once there, as
     # NCCL's low-latency protocol): the q/k/v and gate/up items read it without waiting for a
-    # count, and the o and down items release none. Off: counts after every stage.
-    persistent_decoder_tagged: bool = True
+    # count, and the o and down items release none. Off: counts after every stage, the way the
+    # GPU gave transformers' tokens; tagged words gave wrong ones there before the re-read that
+    # _tagged now does, which no GPU has run yet (docs/benchmarks.md).
+    persistent_decoder_tagged: bool = False
     # A batch-1 step's fp8 down projection takes silu(gate) * up from a SiLU-and-mul kernel of its
     # own, in float16 pre-scaled, instead of computing and converting it in every GEMV program:
     # the fp8 GEMV is bound by conversions (kernels/triton_gemv.py). 8B batch-1 step on the H200:

@@ -27,6 +27,7 @@ def test_launch_labels_read_as_plan_launch_arguments() -> None:
         "tagged": False,
         "splits": 16,
     }
+    assert launch_of("1/4/4/4096/t")["tagged"] is True
     args = ModelArgs(
         vocab_size=64,
         hidden_size=64,

@@ -23,7 +23,7 @@ value, however a load is compiled (Triton's pipeliner turns loads of under 16 by
 L1-allocating `cp.async.ca`), and no line holds values of two layers. An item's count is raised
 with release semantics after a barrier of its block, and read with acquire semantics.
 
-The residual stream (DecoderLaunch.tagged, the default) needs no counts: each value travels in a
+The residual stream in tagged words (DecoderLaunch.tagged) needs no counts: each value travels in a
 64-bit word beside the step's epoch, written by one store, and its readers (the q/k/v and gate/up
 items, a whole row; the o and down items, their rows) load the words until every one carries the
 epoch, as NCCL's low-latency protocol does. A reader then polls the data itself, and the o and down
@@ -171,6 +171,10 @@ def _tagged(ptrs, mask, epoch, stall_ptr, waited_ptr, TRACE: tl.constexpr):
         spins += 1
     if late > 0:
         tl.atomic_add(stall_ptr, 1)
+    # Read once more, now that they are all there: a word a tensor holds in several threads (its
+    # layout replicated) was checked in one of them only, and another copy may still be an older
+    # step's (the GPU gave wrong tokens without this; Triton's interpreter cannot show it).
+    words = tl.load(ptrs, mask=mask, other=0, volatile=True)
     if TRACE:
         tl.store(waited_ptr, _now())
     return _value(words)
@@ -895,8 +899,8 @@ class DecoderLaunch:
     num_warps: int = 4
     stages: int = PIPELINE_STAGES
     # the residual stream in tagged words, read once they are there (_tagged), instead of after
-    # the counts of o's and down's items
-    tagged: bool = True
+    # the counts of o's and down's items (KernelOptions.persistent_decoder_tagged)
+    tagged: bool = False
 
 
 def _rows_and_chunk(n: int, k: int, programs: int, acc: int) -> tuple[int, int]:
@@ -922,7 +926,7 @@ def plan_launch(
     num_warps: int = 4,
     stages: int = PIPELINE_STAGES,
     acc_elements: int = ACC_ELEMENTS,
-    tagged: bool = True,
+    tagged: bool = False,
     splits: int = MAX_SPLITS,
 ) -> DecoderLaunch:
     """The launch of `programs_per_sm` programs on each of `sm_count` SMs for a model of these
