@@ -26,9 +26,9 @@ with release semantics after a barrier of its block, and read with acquire seman
 The residual stream in tagged words (DecoderLaunch.tagged) needs no counts: each value travels in a
 64-bit word beside the step's epoch, written by one store, and its readers (the q/k/v and gate/up
 items, a whole row; the o and down items, their rows) load the words until every one carries the
-epoch, as NCCL's low-latency protocol does. A reader then polls the data itself, and the o and down
-items release nothing. The last program out of a run zeroes the counts and the work queue for the
-next step and moves the epoch on.
+epoch, as NCCL's low-latency protocol does, then read them once more (a word held in two threads
+is checked in one). The o and down items release nothing. The last program out of a run zeroes
+the counts and the work queue for the next step and moves the epoch on.
 
 Rounds where the batch-1 ops round (models/ops.py, Batch1Ops): the same hidden states to the
 accumulation order. Batch1Ops checks each decoder's first run against the layers one by one and
@@ -160,8 +160,8 @@ def _late(words, mask, epoch):
 def _tagged(ptrs, mask, epoch, stall_ptr, waited_ptr, TRACE: tl.constexpr):
     # The values of the tagged words at `ptrs` once every one (where `mask`) carries this step's
     # epoch. Each word holds its value and its flag, written by one store, so a reader polls the
-    # data itself (NCCL's low-latency protocol): no count released after a barrier by the writer,
-    # no second round trip to read what a count announced. Bounded as _wait is.
+    # data itself (NCCL's low-latency protocol): no count released after a barrier by the writer.
+    # Bounded as _wait is.
     words = tl.load(ptrs, mask=mask, other=0, volatile=True)
     late = _late(words, mask, epoch)
     spins = 0
