@@ -287,7 +287,8 @@ def main() -> None:
         "kernels.decode_deep_tma=False), nowave (decode attention of up to one (sequence, KV "
         "head) pair per SM two stages deep, two programs per SM: kernels.decode_wave_tma=False), "
         "persistent (a batch-1 step's layers in one persistent kernel: "
-        "kernels.persistent_decoder)",
+        "kernels.persistent_decoder), qkv8 / qkv32 / qkv128 (decode attention also rotates q/k "
+        "and stores the new k/v for steps of up to 8 / 32 / 128 rows: kernels.decode_qkv_rows)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -378,6 +379,7 @@ def main() -> None:
         "nodeep": {"decode_deep_tma": False},
         "nowave": {"decode_wave_tma": False},
         "persistent": {"persistent_decoder": True},
+        **{f"qkv{n}": {"decode_qkv_rows": n} for n in (8, 32, 128)},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -298,7 +298,9 @@ def main() -> None:
         "(kernels.attention_pdl), noargmax (kernels.argmax_in_graph=False), persistent "
         "(kernels.persistent_decoder: one program an SM, 4 warps), persistent8w (8 warps), "
         "persistent2 / persistent3 (two / three programs an SM, registers capped to fit), "
-        "persistenttagged (its residual stream in tagged words, not after counts)",
+        "persistenttagged (its residual stream in tagged words, not after counts), splits1 / "
+        "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
+        "decode_splits; one needs no merge kernel)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -323,6 +325,7 @@ def main() -> None:
         "persistent2": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 2},
         "persistent3": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 3},
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
+        **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

@@ -34,6 +34,10 @@ class KernelOptions:
     fp8_activations: bool = True
     pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
     decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v
+    # ... and so does a decode step of up to this many rows (decode_qkv on): the rotary/KV-store
+    # kernel's launch off each layer. 8B on the H200: ~1 % slower at batch 32 and 128 (2026-11-30),
+    # batch 8 not measured then (bench/engine_decode.py --gemv triton,qkv8).
+    decode_qkv_rows: int = 1
     # decode attention reads tiles through the TMA where it applies (Hopper+)
     decode_tma: bool = True
     # Decode attention and its merge launched with PDL too (kernels/pdl.py): each starts while the
@@ -59,6 +63,11 @@ class KernelOptions:
     # (kernels/triton_attention.tma_launch): the 8B's batch 8 at context 544, one layer on the
     # H200, 12.3 -> 8.8 µs; its decode step 4.577 -> 4.448 ms.
     decode_wave_tma: bool = True
+    # Splits of each sequence's context in a decode launch; 0: as many as fill the GPU
+    # (triton_attention.plan_decode). One split needs no merge kernel: for the small models'
+    # batch-1 steps, whose attention reads a few hundred KB in ten 64-token splits and then merges
+    # them (bench/engine_small.py --variants default,splits1,splits2).
+    decode_splits: int = 0
     # Decode graphs take the logits' argmax inside the graph: a step whose rows are all greedy
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.
@@ -116,6 +125,15 @@ class KernelOptions:
             raise ValueError(
                 "kernels.tp_all_reduce_warps must be 1, 2, 4, 8 or 16, got "
                 f"{self.tp_all_reduce_warps}"
+            )
+        if self.decode_splits < 0:
+            raise ValueError(
+                f"kernels.decode_splits must be 0 (as many as fill the GPU) or more, got "
+                f"{self.decode_splits}"
+            )
+        if self.decode_qkv_rows < 1:
+            raise ValueError(
+                f"kernels.decode_qkv_rows must be at least 1, got {self.decode_qkv_rows}"
             )
         if self.persistent_decoder_programs_per_sm < 1:
             raise ValueError(

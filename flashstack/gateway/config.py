@@ -36,12 +36,14 @@ class KernelSwitches(BaseModel):
     fp8_activations: bool | None = None
     pdl: bool | None = None
     decode_qkv: bool | None = None
+    decode_qkv_rows: int | None = Field(None, ge=1)
     decode_tma: bool | None = None
     attention_pdl: bool | None = None
     elementwise_pdl: bool | None = None
     decode_longest_first: bool | None = None
     decode_deep_tma: bool | None = None
     decode_wave_tma: bool | None = None
+    decode_splits: int | None = Field(None, ge=0)
     argmax_in_graph: bool | None = None
     decode_fp8_qk: bool | None = None
     sample_in_graph: bool | None = None

@@ -128,7 +128,7 @@ def test_persistent_decoder_matches_transformers(
     persistent_decoder), replayed in CUDA graphs and run eagerly: transformers' greedy tokens.
     Three programs an SM start from the atomic queue, then take turns once the compiled kernel
     is known to fit them all (its registers capped for three); the residual stream in tagged
-    words (the default) or after counts."""
+    words or after counts (the default)."""
     path, model = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 53))]
     refs = [hf_greedy(model, p, 24) for p in prompts]
@@ -153,6 +153,26 @@ def test_persistent_decoder_matches_transformers(
         decoders = [d for d in ops._decoders.values() if d is not None]
         assert decoders, "the decoder never ran"
         assert all(d.round_robin and d.stalls() == 0 for d in decoders)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) -> None:
+    """Decode steps of several rows whose attention kernel also rotates q/k (Qwen3: after its
+    q/k norms) and stores the new k/v (kernels.decode_qkv_rows), in CUDA graphs: transformers'
+    greedy tokens, contexts of different lengths in one step."""
+    path, model = hf_checkpoints[family]
+    prompts = [list(range(10 + i, 17 + 7 * i)) for i in range(5)]
+    refs = [hf_greedy(model, p, 16) for p in prompts]
+    llm = LLM(
+        path,
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        max_num_seqs=8,
+        kernels={"decode_qkv_rows": 8},
+    )
+    assert run_checked(llm, prompts, greedy(16)) == refs
 
 
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:

@@ -36,6 +36,10 @@ def test_kernel_options_are_typed_and_checked() -> None:
         KernelOptions(tp_all_reduce="pull")  # measured slower than the push and removed
     with pytest.raises(ValueError, match="power of two"):
         KernelOptions(tp_all_reduce_block=1000)
+    with pytest.raises(ValueError, match="decode_qkv_rows must be at least 1"):
+        KernelOptions(decode_qkv_rows=0)
+    with pytest.raises(ValueError, match="decode_splits must be 0"):
+        KernelOptions(decode_splits=-1)
 
 
 def test_kernel_options_resolve_for_the_device() -> None:

@@ -43,6 +43,7 @@ def test_only_the_options_set_reach_the_engine(tmp_path):
         ("{quantization: fp8, tensor_parallel_size: 2}", "quantization='fp8' runs on one device"),
         ("{kv_cache_dtype: fp8, tensor_parallel_size: 2}", "kv_cache_dtype='fp8' runs on one"),
         ("{kernels: {tp_all_reduce_block: 96}}", "kernels.tp_all_reduce_block must be a power"),
+        ("{kernels: {decode_qkv_rows: 0}}", "engine.kernels.decode_qkv_rows"),
     ],
 )
 def test_a_bad_option_is_a_config_error_naming_it(tmp_path, engine, named):

@@ -1117,14 +1117,16 @@ def plan_step_decode(
         deep=kernels.decode_deep_tma,
         wave=kernels.decode_wave_tma,
         qk_fp8=kernels.decode_fp8_qk,
+        num_splits=kernels.decode_splits or None,
     )
 
 
-def _step_order(
+def step_order(
     meta: AttentionMetadata, lens: torch.Tensor, plan: DecodePlan
 ) -> tuple[torch.Tensor | None, bool]:
-    # One sort a step, shared by its layers (meta.scratch lives for one step, or one graph), and
-    # whether an earlier layer made it (paged_decode_triton's `order_ready`)
+    """The step's decode start order (decode_order), one sort a step shared by its layers
+    (meta.scratch lives for one step, or one graph), and whether an earlier layer made it
+    (paged_decode_triton's `order_ready`)."""
     if not plan.longest_first:
         return None, False
     if "decode_order" not in meta.scratch:
@@ -1160,8 +1162,9 @@ def _mixed_in_graph(
             longest_first=kernels.decode_longest_first,
             deep=kernels.decode_deep_tma,
             wave=kernels.decode_wave_tma,
+            num_splits=kernels.decode_splits or None,
         )
-        order, ready = _step_order(meta, lens, plan)
+        order, ready = step_order(meta, lens, plan)
         paged_decode_triton(
             q[:rows],
             kv_cache,
@@ -1198,7 +1201,7 @@ def paged_attention_triton(
         return paged_prefill_sdpa(q, kv_cache, meta, scale, kv_scale)
     if meta.is_decode_only:
         plan = plan_step_decode(meta, kv_cache, kernels)
-        order, ready = _step_order(meta, meta.context_lens, plan)
+        order, ready = step_order(meta, meta.context_lens, plan)
         return paged_decode_triton(
             q,
             kv_cache,

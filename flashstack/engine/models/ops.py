@@ -208,17 +208,19 @@ class TritonOps(TorchOps):
         q, k, v = attn.split_qkv(qkv)
         cos, sin = rope
         norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
-        if self.triton_attention and meta.is_decode_only and n == 1 and self.kernels.decode_qkv:
+        if self._decode_qkv(meta, n):
             # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all.
-            # Only at batch 1, where it measured faster (8B step 4.30 -> 4.24 ms on the H200); at
-            # batch 32 and 128 it measured ~1 % slower than the separate kernel.
+            # At batch 1 it measured faster (8B step 4.30 -> 4.24 ms on the H200); at batch 32
+            # and 128 ~1 % slower than the separate kernel (KernelOptions.decode_qkv_rows).
             from flashstack.engine.kernels.triton_attention import (
                 NewTokens,
                 paged_decode_triton,
                 plan_step_decode,
+                step_order,
             )
 
             plan = plan_step_decode(meta, kv_cache, self.kernels)
+            order, ready = step_order(meta, meta.context_lens, plan)
             out = paged_decode_triton(
                 q,
                 kv_cache,
@@ -229,6 +231,8 @@ class TritonOps(TorchOps):
                 attn.sliding_window,
                 new=NewTokens(k, v, cos, sin, meta.slot_mapping, *norms),
                 kv_scale=attn.kv_scale,
+                order=order,
+                order_ready=ready,
             )
             return out.reshape(n, -1)
         if self.triton_attention:  # one launch for q/k-norm, rotary and the KV store
@@ -255,6 +259,11 @@ class TritonOps(TorchOps):
         return self.backend.attend(
             q, kv_cache, meta, attn.scale, attn.sliding_window, attn.kv_scale
         ).reshape(n, -1)
+
+    def _decode_qkv(self, meta: AttentionMetadata, rows: int) -> bool:
+        # whether this step's decode kernel takes the q/k/v kernel's work (KernelOptions.decode_qkv)
+        fused = self.kernels.decode_qkv and rows <= self.kernels.decode_qkv_rows
+        return self.triton_attention and meta.is_decode_only and fused
 
     def project_add(
         self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False

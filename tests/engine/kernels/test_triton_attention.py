@@ -151,6 +151,24 @@ def test_decode_with_the_engines_kernel_options_matches_reference(device, attent
     torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_with_fixed_splits_matches_reference(device, splits):
+    """KernelOptions.decode_splits fixes the launch's splits per sequence (one: no merge kernel),
+    whatever the heuristic would take."""
+    from flashstack.engine.config import KernelOptions
+
+    torch.manual_seed(5)
+    dtype, bs, heads, kv_heads, dim, ctx = DTYPES[0], 16, 8, 2, 64, [300, 41]
+    cache = _cache(sum(math.ceil(c / bs) for c in ctx) + 2, bs, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, bs, cache.shape[0], device)
+    meta = _meta([1, 1], ctx, tables, bs, device)
+    plan = tk.plan_step_decode(meta, cache, KernelOptions(decode_splits=splits).resolved(device))
+    assert plan.num_splits == splits
+    q = torch.randn(2, heads, dim, dtype=dtype, device=device)
+    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
+    torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
+
+
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("new_tokens", [False, True])
 @pytest.mark.parametrize("block_size,block_n,splits", [(32, 16, 3), (16, 16, 1), (64, 32, None)])
