@@ -300,7 +300,8 @@ def main() -> None:
         "persistent2 / persistent3 (two / three programs an SM, registers capped to fit), "
         "persistenttagged (its residual stream in tagged words, not after counts), splits1 / "
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
-        "decode_splits; one needs no merge kernel)",
+        "decode_splits; one needs no merge kernel), mergeino (the o GEMV merges the splits: "
+        "kernels.decode_merge_in_o)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -326,6 +327,7 @@ def main() -> None:
         "persistent3": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 3},
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
+        "mergeino": {"decode_merge_in_o": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

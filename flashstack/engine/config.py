@@ -68,6 +68,12 @@ class KernelOptions:
     # batch-1 steps, whose attention reads a few hundred KB in ten 64-token splits and then merges
     # them (bench/engine_small.py --variants default,splits1,splits2).
     decode_splits: int = 0
+    # A batch-1 step's o GEMV merges the decode attention's splits as it reads its input (every
+    # program reads each split's partials of the whole row, from L2) instead of a merge kernel
+    # before it: one kernel a layer fewer for the small models (whose merge took 1.7-2.2 µs a
+    # layer on the H200). 16-bit o weights on one GPU, with decode_qkv; off until measured
+    # (bench/engine_small.py --variants default,mergeino).
+    decode_merge_in_o: bool = False
     # Decode graphs take the logits' argmax inside the graph: a step whose rows are all greedy
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.
@@ -177,6 +183,7 @@ class KernelOptions:
                 decode_longest_first=False,
                 decode_deep_tma=False,
                 decode_wave_tma=False,
+                decode_merge_in_o=False,
                 persistent_decoder=False,
             )
         from flashstack.cuda.torch_interop import device_for

@@ -175,6 +175,29 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
     assert run_checked(llm, prompts, greedy(16)) == refs
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_o_gemv_merging_the_splits_matches_transformers(
+    family: str, enforce_eager: bool, hf_checkpoints
+) -> None:
+    """Batch-1 decode steps whose o GEMV merges the attention's splits itself (kernels.
+    decode_merge_in_o), a short and a longer prompt: transformers' greedy tokens."""
+    path, model = hf_checkpoints[family]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153))]
+    refs = [hf_greedy(model, p, 24) for p in prompts]
+    llm = LLM(
+        path,
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        max_num_seqs=1,
+        enforce_eager=enforce_eager,
+        kernels={"decode_merge_in_o": True},
+    )
+    assert [run_checked(llm, [p], greedy(24))[0] for p in prompts] == refs
+
+
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]

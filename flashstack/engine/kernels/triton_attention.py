@@ -207,6 +207,46 @@ def splits_of(ctx, min_split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def merged_splits(
+    part_ptr,
+    lse_ptr,
+    cols,
+    cmask,
+    active,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    PART_S: tl.constexpr,
+    PART_H: tl.constexpr,
+    LSE_S: tl.constexpr,
+    LSE_H: tl.constexpr,
+    act,
+):
+    """One sequence's attention output at these columns (head * D + d), rounded to `act`, in
+    float32: the splits' partials (split s of head h at part_ptr + s * PART_S + h * PART_H + d)
+    weighted by their log-sum-exps (at lse_ptr + s * LSE_S + h * LSE_H), as the merge kernel weighs
+    them, in one pass with a running maximum over every split of the launch, those past `active`
+    masked. Unrolled, no load waits for another: a loop to `active` made each split's loads wait
+    for the one before (one L2 round trip a split, twice)."""
+    h = cols // D
+    d = cols % D
+    # below any log-sum-exp, yet finite: no -inf - -inf
+    top = tl.full(cols.shape, -1e30, tl.float32)
+    num = tl.zeros(cols.shape, tl.float32)
+    den = tl.zeros(cols.shape, tl.float32)
+    for s in tl.static_range(S):
+        smask = cmask & (s < active)
+        lse = tl.load(lse_ptr + s * LSE_S + h * LSE_H, mask=smask, other=float("-inf"))
+        part = tl.load(part_ptr + s * PART_S + h * PART_H + d, mask=smask, other=0.0)
+        new_top = tl.maximum(top, lse)
+        keep = tl.exp(top - new_top)
+        w = tl.exp(lse - new_top)  # 0 for a split with nothing (lse -inf)
+        num = num * keep + part * w
+        den = den * keep + w
+        top = new_top
+    return (num / tl.where(den > 0, den, 1.0)).to(act).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -767,6 +807,46 @@ def decode_order(context_lens: torch.Tensor) -> torch.Tensor:
     return order
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSplits:
+    """A decode launch before its merge: `out` [batch, heads, head_dim] holds the attention of each
+    sequence whose context fit one split; `part` [batch, heads, splits, head_dim] (float32) and
+    `lse` [batch, heads, splits] the others' per-split outputs and log-sum-exps (None when the
+    launch has one split: `out` is final)."""
+
+    out: torch.Tensor
+    part: torch.Tensor | None
+    lse: torch.Tensor | None
+    context_lens: torch.Tensor
+    plan: DecodePlan
+
+    def merged(self) -> torch.Tensor:
+        """`out`, with the splits' merge kernel run where there are splits."""
+        if self.part is None or self.lse is None:
+            return self.out
+        plan, out, part, lse = self.plan, self.out, self.part, self.lse
+        dim = out.shape[2]
+        _merge_splits_kernel[(out.shape[0], out.shape[1])](
+            part,
+            lse,
+            out,
+            self.context_lens,
+            *part.stride()[:3],
+            *lse.stride()[:2],
+            out.stride(0),
+            out.stride(1),
+            plan.min_split,
+            plan.num_splits,
+            S_PAD=max(2, triton.next_power_of_2(plan.num_splits)),
+            D=dim,
+            D_PAD=triton.next_power_of_2(dim),
+            BLOCK_N=plan.block_n,
+            USE_PDL=plan.pdl,
+            launch_pdl=plan.pdl,
+        )
+        return out
+
+
 def paged_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -782,7 +862,40 @@ def paged_decode_triton(
     order_ready: bool = False,
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
-    says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given).
+    says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given): the
+    split kernel, then the merge kernel where the plan has splits (decode_splits_triton, merged)."""
+    return decode_splits_triton(
+        q,
+        kv_cache,
+        block_tables,
+        context_lens,
+        scale,
+        plan,
+        sliding_window,
+        new,
+        kv_scale,
+        out,
+        order,
+        order_ready,
+    ).merged()
+
+
+def decode_splits_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: DecodePlan,
+    sliding_window: int | None = None,
+    new: NewTokens | None = None,
+    kv_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
+    order_ready: bool = False,
+) -> DecodeSplits:
+    """The split kernel of paged_decode_triton alone, its splits left for the caller to merge (the
+    merge kernel, DecodeSplits.merged, or the batch-1 o GEMV: KernelOptions.decode_merge_in_o).
     `order`: a permutation of the sequences (int32 [batch], longest context first: decode_order),
     the order their programs start in when `plan.longest_first`; `order_ready`: it was made before
     the kernel just before this launch (an earlier layer's), so programs may read it before their
@@ -895,25 +1008,8 @@ def paged_decode_triton(
         },
     )
     if num_splits > 1:
-        _merge_splits_kernel[(batch, heads)](
-            part,
-            lse,
-            out,
-            context_lens,
-            *part_strides,
-            *lse_strides,
-            out.stride(0),
-            out.stride(1),
-            min_split,
-            num_splits,
-            S_PAD=max(2, triton.next_power_of_2(num_splits)),
-            D=dim,
-            D_PAD=d_pad,
-            BLOCK_N=block_n,
-            USE_PDL=plan.pdl,
-            launch_pdl=plan.pdl,
-        )
-    return out
+        return DecodeSplits(out, part, lse, context_lens, plan)
+    return DecodeSplits(out, None, None, context_lens, plan)
 
 
 @triton.jit

@@ -47,6 +47,7 @@ from torch import nn
 
 from flashstack.engine.kernels.triton_attention import (
     attend_new_token,
+    merged_splits,
     rotated_heads,
     rotated_key,
     splits_of,
@@ -213,7 +214,8 @@ def _input(x_ptr, g_ptr, lse_ptr, kcols, K, rstd, active, act, PROLOGUE: tl.cons
     # the splits' partials)
     cmask = kcols < K
     if PROLOGUE == _MERGE:
-        x = _merged(x_ptr, lse_ptr, kcols, cmask, active, NQ, D, S, act)
+        # split-major partials [S, NQ * D]: each split's slice of the chunk is one contiguous load
+        x = merged_splits(x_ptr, lse_ptr, kcols, cmask, active, S, D, NQ * D, D, NQ, 1, act)
     elif PROLOGUE == _NORM_TAGGED:  # rounds as input_chunk's RMSNorm does
         xf = _value(tl.load(x_ptr + kcols, mask=cmask, other=0))
         g = tl.load(g_ptr + kcols, mask=cmask, other=0.0)
@@ -388,34 +390,6 @@ def _add_into(out_ptr, rows, rmask, y, old, act, epoch, TAGGED: tl.constexpr):
     else:
         tl.store(out_ptr + rows, new, mask=rmask)
     return new
-
-
-@triton.jit
-def _merged(
-    part_ptr, lse_ptr, kcols, cmask, active, NQ: tl.constexpr, D: tl.constexpr, S: tl.constexpr, act
-):
-    # The attention output at these columns (head * D + d): the splits' partials weighted by their
-    # log-sum-exp, as the merge kernel weighs them (kernels/triton_attention.py), in one pass with
-    # a running maximum over every split of the launch, those past `active` masked. Unrolled, no
-    # load waits for another: a loop to `active` made each split's loads wait for the one before
-    # (one L2 round trip a split, twice). Split-major partials [S, NQ * D]: each split's slice of
-    # the chunk is one contiguous load.
-    h = kcols // D
-    # below any log-sum-exp, yet finite: no -inf - -inf
-    top = tl.full(kcols.shape, -1e30, tl.float32)
-    num = tl.zeros(kcols.shape, tl.float32)
-    den = tl.zeros(kcols.shape, tl.float32)
-    for s in tl.static_range(S):
-        smask = cmask & (s < active)
-        lse = tl.load(lse_ptr + s * NQ + h, mask=smask, other=float("-inf"))
-        part = tl.load(part_ptr + s * (NQ * D) + kcols, mask=smask, other=0.0)
-        new_top = tl.maximum(top, lse)
-        keep = tl.exp(top - new_top)
-        w = tl.exp(lse - new_top)  # 0 for a split with nothing (lse -inf)
-        num = num * keep + part * w
-        den = den * keep + w
-        top = new_top
-    return (num / tl.where(den > 0, den, 1.0)).to(act).to(tl.float32)
 
 
 @triton.jit
@@ -625,7 +599,7 @@ def _attention_split(
         has = row_sum > 0
         out = acc / tl.where(has, row_sum, 1.0)[:, None]
         lse = tl.where(has, m + tl.log(tl.where(has, row_sum, 1.0)), float("-inf"))
-        at = split * NQ + heads  # split-major (_merged)
+        at = split * NQ + heads  # split-major (merged_splits)
         tl.store(part_ptr + at[:, None] * D + d[None, :], out, mask=gmask[:, None])
         tl.store(lse_ptr + at, lse, mask=gmask)
 

@@ -169,6 +169,32 @@ def test_decode_with_fixed_splits_matches_reference(device, splits):
     torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
 
 
+@pytest.mark.parametrize("ctx", [300, 12], ids=["three-splits", "one-split-active"])
+def test_o_gemv_merging_the_splits_matches_the_merge_kernel(device, ctx):
+    """KernelOptions.decode_merge_in_o: the batch-1 o GEMV reads the split kernel's partials and
+    merges them itself (or, where the context fit one split, the output the split kernel wrote):
+    the residual plus o of what the merge kernel gives."""
+    from flashstack.engine.kernels.triton_gemv import gemv_triton
+
+    torch.manual_seed(7)
+    dtype, bs, heads, kv_heads, dim = DTYPES[0], 16, 4, 2, 64
+    cache = _cache(math.ceil(ctx / bs) + 2, bs, kv_heads, dim, dtype, device)
+    tables = _tables([ctx], bs, cache.shape[0], device)
+    meta = _meta([1], [ctx], tables, bs, device)
+    plan = tk.plan_decode(1, cache, 320, num_splits=3, block_n=16, min_split=16)
+    q = torch.randn(1, heads, dim, dtype=dtype, device=device)
+    splits = tk.decode_splits_triton(q, cache, tables, meta.context_lens, 0.125, plan)
+    assert splits.part is not None  # a launch of three splits, whatever this context needs
+    weight = torch.randn(48, heads * dim, dtype=dtype, device=device) / 16
+    residual = torch.randn(1, 48, dtype=dtype, device=device)
+    got = gemv_triton(
+        weight, splits.out.reshape(1, -1), residual=residual.clone(), pdl=False, merge=splits
+    )
+    heads_out = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
+    want = gemv_triton(weight, heads_out.reshape(1, -1), residual=residual.clone(), pdl=False)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("new_tokens", [False, True])
 @pytest.mark.parametrize("block_size,block_n,splits", [(32, 16, 3), (16, 16, 1), (64, 32, None)])
