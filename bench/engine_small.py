@@ -301,7 +301,7 @@ def main() -> None:
         "persistenttagged (its residual stream in tagged words, not after counts), splits1 / "
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
         "decode_splits; one needs no merge kernel), mergeino (the o GEMV merges the splits: "
-        "kernels.decode_merge_in_o)",
+        "kernels.decode_merge_in_o; mergeino4 with four splits, fewer partials to read)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -328,6 +328,7 @@ def main() -> None:
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
         "mergeino": {"decode_merge_in_o": True},
+        "mergeino4": {"decode_merge_in_o": True, "decode_splits": 4},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {
