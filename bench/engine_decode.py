@@ -288,7 +288,8 @@ def main() -> None:
         "head) pair per SM two stages deep, two programs per SM: kernels.decode_wave_tma=False), "
         "persistent (a batch-1 step's layers in one persistent kernel: "
         "kernels.persistent_decoder), qkv8 / qkv32 / qkv128 (decode attention also rotates q/k "
-        "and stores the new k/v for steps of up to 8 / 32 / 128 rows: kernels.decode_qkv_rows)",
+        "and stores the new k/v for steps of up to 8 / 32 / 128 rows: kernels.decode_qkv_rows), "
+        "slicesinnorm (down's two K slices added by the next RMSNorm: kernels.split_k_in_norm)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -380,6 +381,7 @@ def main() -> None:
         "nowave": {"decode_wave_tma": False},
         "persistent": {"persistent_decoder": True},
         **{f"qkv{n}": {"decode_qkv_rows": n} for n in (8, 32, 128)},
+        "slicesinnorm": {"split_k_in_norm": True},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs
@@ -450,7 +452,7 @@ def main() -> None:
                     )
                 dump()
             result[key] = entry
-            del llm
+            del llm, graphs  # the graphs hold the KV cache: the next load needs its memory
             gc.collect()
             torch.cuda.empty_cache()
         except Exception:

@@ -35,9 +35,10 @@ class KernelOptions:
     pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper+): kernels/pdl.py
     decode_qkv: bool = True  # batch-1 decode attention also rotates q/k and stores the new k/v
     # ... and so does a decode step of up to this many rows (decode_qkv on): the rotary/KV-store
-    # kernel's launch off each layer. 8B on the H200: ~1 % slower at batch 32 and 128 (2026-11-30),
-    # batch 8 not measured then (bench/engine_decode.py --gemv triton,qkv8).
-    decode_qkv_rows: int = 1
+    # kernel's launch off each layer. 8B decode step on the H100 (2026-12-06, three loads): batch
+    # 8 / 32 0.6-1.0 % faster at 32 rows; at 128 rows batch 128 3 % slower, and nano-vllm's
+    # workload (~200 rows a step) 2.5 % slower, level at 32.
+    decode_qkv_rows: int = 32
     # decode attention reads tiles through the TMA where it applies (Hopper+)
     decode_tma: bool = True
     # Decode attention and its merge launched with PDL too (kernels/pdl.py): each starts while the
@@ -74,6 +75,11 @@ class KernelOptions:
     # layer on the H200). 16-bit o weights on one GPU, with decode_qkv; off until measured
     # (bench/engine_small.py --variants default,mergeino).
     decode_merge_in_o: bool = False
+    # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
+    # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
+    # them as the reducing kernel would (kernels/triton_skinny.SplitK): one kernel a layer fewer.
+    # Off until measured (bench/engine_decode.py --gemv triton,slicesinnorm).
+    split_k_in_norm: bool = False
     # Decode graphs take the logits' argmax inside the graph: a step whose rows are all greedy
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.

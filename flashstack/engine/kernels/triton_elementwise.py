@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.kernels.triton_skinny import SplitK
 
 
 @triton.jit
@@ -26,11 +27,13 @@ def _rmsnorm_kernel(
     stride_r,
     stride_o,
     stride_ro,
+    stride_slice,
     n_cols,
     eps,
     HAS_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLICES: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -38,6 +41,10 @@ def _rmsnorm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: safe before the wait
     wait_for_previous_kernel(USE_PDL)  # x and the residual are the previous kernel's output
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SLICES > 1:  # x is a split product's float32 slices: their sum, rounded as the product's
+        for s in tl.static_range(1, SLICES):
+            x += tl.load(x_ptr + s * stride_slice + row * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RES:
         x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         # The sum is rounded to the activation dtype, as the unfused `x + residual` would be.
@@ -50,21 +57,28 @@ def _rmsnorm_kernel(
 
 
 def rmsnorm_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitK,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual. `pdl`:
-    programmatic dependent launch where the device has it (KernelOptions.elementwise_pdl)."""
-    pdl = pdl_applies(x.device, pdl)
-    x2 = x.reshape(-1, x.shape[-1])
-    out = torch.empty_like(x2)
-    res_out = torch.empty_like(x2) if residual is not None else out
-    r2 = residual.reshape(-1, x.shape[-1]) if residual is not None else x2
+    """RMSNorm(x + residual) and, when a residual is given, the new residual x + residual. `x` may
+    be a split product's slices (`SplitK`), added here first. `pdl`: programmatic dependent
+    launch where the device has it (KernelOptions.elementwise_pdl)."""
+    if isinstance(x, SplitK):
+        slices = x.slices
+        x2 = slices[0]
+        out = torch.empty(x.shape, dtype=x.dtype, device=slices.device)
+    else:
+        slices = None
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.empty_like(x2)
+    pdl = pdl_applies(out.device, pdl)
+    res_out = torch.empty_like(out) if residual is not None else out
+    r2 = residual.reshape(-1, out.shape[-1]) if residual is not None else x2
     _rmsnorm_kernel[(x2.shape[0],)](
-        x2,
+        slices if slices is not None else x2,
         r2,
         weight,
         out,
@@ -73,14 +87,17 @@ def rmsnorm_triton(
         r2.stride(0),
         out.stride(0),
         res_out.stride(0),
+        slices.stride(0) if slices is not None else 0,
         x2.shape[1],
         eps,
         HAS_RES=residual is not None,
         USE_PDL=pdl,
         BLOCK=triton.next_power_of_2(x2.shape[1]),
+        SLICES=slices.shape[0] if slices is not None else 1,
         launch_pdl=pdl,
     )
-    return out.view_as(x), (res_out.view_as(x) if residual is not None else None)
+    shape = x.shape
+    return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
 def rmsnorm_reference(

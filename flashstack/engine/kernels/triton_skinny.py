@@ -13,7 +13,9 @@ to 16).
 Where N / BLOCK_N programs are few and their rows long (down: 64 programs over K = 14336), the K
 range is split in two: each slice writes its float32 partial sums and a second kernel adds the
 slices in order, so the result does not depend on which finishes first. For q/k/v and o
-(K = 4096) the split and its second kernel measured slower than one pass.
+(K = 4096) the split and its second kernel measured slower than one pass. A product whose output
+only feeds an RMSNorm (down, into the next layer's norm) can leave the slices to that norm
+(`SplitK`, kernels/triton_elementwise.py), which adds them in the same order: no second kernel.
 
 Against cuBLAS on the H200 (docs/benchmarks.md, "Skinny GEMM"), at 8 to 32 rows: 0.91-0.95x its
 time on o and lm_head, 0.94-1.01x on q/k/v, 0.98-0.99x on down, 1.01-1.02x on gate/up; at 64 rows
@@ -43,6 +45,8 @@ where the device has it (kernels/pdl.py): the launch overlaps the previous kerne
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -418,14 +422,16 @@ def skinny_linear(
     pdl: bool = True,
     scale: torch.Tensor | None = None,
     fp8_activations: bool = True,
-) -> torch.Tensor:
+    keep_slices: bool = False,
+) -> torch.Tensor | SplitK:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
     fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
     where the device has it (EngineConfig.kernels.pdl). `scale` [N, K / 32] float16: the weight
     is Q8_0's int8; [N, K / 64 + K / 256] int32: the weight is Q4_K's values [N, K / 2] and
     `scale` their scales' words; [N] float32: the weight is fp8 with those row scales, and x is
     quantized to fp8 first (W8A8: quantization.fp8_activations_linear), or with
-    `fp8_activations` False each weight chunk is widened to x's dtype (W8A16)."""
+    `fp8_activations` False each weight chunk is widened to x's dtype (W8A16). `keep_slices`: a
+    product split along K (no bias) returns its slices unsummed (`SplitK`), for a norm to add."""
     m, k = x.shape
     n = weight.shape[0]
     q4, fp8 = weight.dtype == torch.uint8, weight.dtype == FP8
@@ -469,21 +475,50 @@ def skinny_linear(
         **meta,
         launch_pdl=pdl,
     )
-    if partial is not None:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](
-            partial,
-            bias if bias is not None else y,
-            y,
-            n,
-            m * n,
-            HAS_BIAS=bias is not None,
-            USE_PDL=pdl,
-            SPLIT_K=split,
-            BLOCK=block,
-            launch_pdl=pdl,
-        )
+    if partial is None:
+        return y
+    if keep_slices and bias is None:
+        return SplitK(partial, y.dtype)
+    return _split_sum(partial, bias, y, pdl)
+
+
+def _split_sum(
+    partial: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, pdl: bool
+) -> torch.Tensor:
+    # y = the K slices' partial sums [S, M, N] added in order (+ bias), rounded once
+    split, m, n = partial.shape
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(m * n, block),)](
+        partial,
+        bias if bias is not None else y,
+        y,
+        n,
+        m * n,
+        HAS_BIAS=bias is not None,
+        USE_PDL=pdl,
+        SPLIT_K=split,
+        BLOCK=block,
+        launch_pdl=pdl,
+    )
     return y
+
+
+@dataclass(frozen=True, slots=True)
+class SplitK:
+    """A product's float32 partial sums, one [M, N] slice per K slice, not yet added: the sum
+    rounded to `dtype` is the product (`skinny_linear(keep_slices=True)`)."""
+
+    slices: torch.Tensor  # [S, M, N] float32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.slices.shape[1:]
+
+    def summed(self) -> torch.Tensor:
+        """The product, the slices added in order as the reducing kernel adds them."""
+        y = torch.empty(self.shape, dtype=self.dtype, device=self.slices.device)
+        return _split_sum(self.slices, None, y, pdl=False)
 
 
 def quantize_activations_triton(

@@ -37,6 +37,7 @@ from flashstack.engine.quantization import (
 if TYPE_CHECKING:
     from flashstack.engine.kernels.triton_attention import DecodeSplits
     from flashstack.engine.kernels.triton_decoder import PersistentDecoder
+    from flashstack.engine.kernels.triton_skinny import SplitK
     from flashstack.engine.models.layers import RMSNorm
     from flashstack.engine.models.linear import Linear
     from flashstack.engine.models.llama import Attention, DecoderModel
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Rope = tuple[torch.Tensor, torch.Tensor]
-Stream = tuple[torch.Tensor | None, torch.Tensor]
+# (h, residual); h may be a split product's unsummed slices, which the next norm adds (TritonOps)
+Stream = tuple["torch.Tensor | SplitK | None", torch.Tensor]
 
 
 class TorchOps:
@@ -149,6 +151,15 @@ class TritonOps(TorchOps):
         return self.batch1 if num_tokens == 1 and self.batch1 is not None else self
 
     def _linear(self, proj: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(proj, x)
+        assert isinstance(y, torch.Tensor)
+        return y
+
+    def _product(
+        self, proj: Linear, x: torch.Tensor, into_norm: bool = False
+    ) -> torch.Tensor | SplitK:
+        # into_norm: the output only feeds an RMSNorm, which can add a split product's slices
+        # itself (KernelOptions.split_k_in_norm)
         if proj.tp is not None:
             return proj(x)  # a row-parallel layer reduces across ranks in its forward
         from flashstack.engine.kernels.triton_skinny import (
@@ -174,6 +185,7 @@ class TritonOps(TorchOps):
                     pdl=self.kernels.pdl,
                     scale=proj.weight_scale if blocks else None,
                     fp8_activations=act8,
+                    keep_slices=into_norm and self.kernels.split_k_in_norm,
                 )
         if act8:  # the skinny GEMM is off: the same numbers in plain torch
             return super()._linear(proj, x)
@@ -185,7 +197,11 @@ class TritonOps(TorchOps):
         return linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl, scale=proj.weight_scale)
 
     def norm_project(
-        self, norm: RMSNorm, proj: Linear, h: torch.Tensor | None, residual: torch.Tensor | None
+        self,
+        norm: RMSNorm,
+        proj: Linear,
+        h: torch.Tensor | SplitK | None,
+        residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 
@@ -213,8 +229,8 @@ class TritonOps(TorchOps):
         norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.qk_norm else ()
         if self._decode_qkv(meta, n):
             # The decode kernel rotates q/k and stores the new k/v itself: one launch for it all.
-            # At batch 1 it measured faster (8B step 4.30 -> 4.24 ms on the H200); at batch 32
-            # and 128 ~1 % slower than the separate kernel (KernelOptions.decode_qkv_rows).
+            # 8B step: batch 1 4.30 -> 4.24 ms on the H200, batch 8 / 32 0.6-1 % faster on the
+            # H100; past 32 rows slower (KernelOptions.decode_qkv_rows).
             from flashstack.engine.kernels.triton_attention import (
                 NewTokens,
                 decode_splits_triton,
@@ -281,10 +297,10 @@ class TritonOps(TorchOps):
             from flashstack.engine.kernels.triton_elementwise import silu_and_mul_triton
 
             x = silu_and_mul_triton(x, pdl=self.kernels.elementwise_pdl)
-        return self._linear(proj, x), residual
+        return self._product(proj, x, into_norm=True), residual
 
     def final_norm(
-        self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
+        self, norm: RMSNorm, h: torch.Tensor | SplitK | None, residual: torch.Tensor
     ) -> torch.Tensor:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
 

@@ -13,7 +13,9 @@ pytest.importorskip("triton")
 from flashstack.engine.config import KernelOptions  # noqa: E402
 from flashstack.engine.kernels import triton_skinny  # noqa: E402
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton  # noqa: E402
 from flashstack.engine.kernels.triton_skinny import (  # noqa: E402
+    SplitK,
     skinny_applies,
     skinny_config,
     skinny_linear,
@@ -127,10 +129,27 @@ def _decode_meta(contexts: list[int], block: int, device) -> AttentionMetadata:
     )
 
 
+def _greedy(model, cache, block: int, device, kernels: KernelOptions):
+    """Three sequences decoding greedily for four steps through the Triton ops: (tokens, the last
+    step's logits)."""
+    args = model.args
+    ops = TritonOps(get_attention_backend("reference", device, kernels))
+    caches = [cache.clone() for _ in range(args.num_layers)]
+    ids, contexts, tokens = torch.tensor([3, 17, 41], device=device), [5, 9, 2], []
+    for _ in range(4):
+        pos = torch.tensor([c - 1 for c in contexts], device=device)
+        hidden = model(ids, pos, _decode_meta(contexts, block, device), caches, ops)
+        logits = model.compute_logits(hidden, ops)
+        ids = logits.argmax(-1)
+        tokens.append(ids.tolist())
+        contexts = [c + 1 for c in contexts]
+    return tokens, logits
+
+
 @torch.inference_mode()
 def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypatch):
-    """Three sequences decoding greedily for four steps through the Triton ops: the skinny GEMM
-    (q/k/v, o, gate/up, down and lm_head) picks the same tokens as the path without it."""
+    """The skinny GEMM (q/k/v, o, gate/up, down and lm_head) picks the same tokens as the path
+    without it."""
     # The tiny model's weights are far below the sizes the GEMM is measured for and taken at.
     monkeypatch.setattr(triton_skinny, "MIN_WEIGHT", 0)
     monkeypatch.setattr(triton_skinny, "MIN_PROGRAMS", 1)
@@ -145,17 +164,7 @@ def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypat
 
     def decode(skinny: bool) -> tuple[list[list[int]], torch.Tensor]:
         kernels = dataclasses.replace(KernelOptions(), skinny_gemm=skinny)
-        ops = TritonOps(get_attention_backend("reference", device, kernels))
-        caches = [cache.clone() for _ in range(args.num_layers)]
-        ids, contexts, tokens = torch.tensor([3, 17, 41], device=device), [5, 9, 2], []
-        for _ in range(4):
-            pos = torch.tensor([c - 1 for c in contexts], device=device)
-            hidden = model(ids, pos, _decode_meta(contexts, block, device), caches, ops)
-            logits = model.compute_logits(hidden, ops)
-            ids = logits.argmax(-1)
-            tokens.append(ids.tolist())
-            contexts = [c + 1 for c in contexts]
-        return tokens, logits
+        return _greedy(model, cache, block, device, kernels)
 
     on, on_logits = decode(True)
     taken = len(calls)
@@ -163,3 +172,67 @@ def test_decode_steps_give_the_same_tokens_with_and_without_it(device, monkeypat
     assert taken > 0 and len(calls) == taken  # it ran with the option on, and only then
     assert on == off
     torch.testing.assert_close(on_logits, off_logits, atol=1e-3, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_down_slices_added_by_the_next_norm_change_no_bit(device, monkeypatch):
+    """KernelOptions.split_k_in_norm: every product split in two K slices; o's and down's slices,
+    left to the next RMSNorm (the final norm after the last down), give exactly the logits of the
+    reducing kernel."""
+    monkeypatch.setattr(triton_skinny, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(triton_skinny, "MIN_PROGRAMS", 1)
+    monkeypatch.setattr(triton_skinny, "skinny_config", lambda m, n, k: (16, 32, 2, 4, 2))
+    kept = []
+    skinny = triton_skinny.skinny_linear
+
+    def spy(*a, **k):
+        y = skinny(*a, **k)
+        kept.append(isinstance(y, SplitK))
+        return y
+
+    monkeypatch.setattr(triton_skinny, "skinny_linear", spy)
+    model, block = _model(device), 4
+    args = model.args
+    cache = torch.randn(3 * 8, 2, block, args.num_kv_heads, args.head_dim, device=device)
+    runs = {
+        on: _greedy(model, cache, block, device, KernelOptions(split_k_in_norm=on))
+        for on in (True, False)
+    }
+    # o and down, once a layer a step each, and nothing else: their outputs go to a norm alone
+    assert kept.count(True) == 2 * 4 * args.num_layers
+    assert runs[True][0] == runs[False][0]
+    assert torch.equal(runs[True][1], runs[False][1])
+
+
+# the interpreter's elementwise kernels take float32 only (tests/engine/kernels/
+# test_triton_elementwise.py)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rmsnorm_adds_the_slices_as_the_reducing_kernel_does(device, dtype, with_residual):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 200, generator=g).to(device, dtype)
+    w = torch.randn(72, 200, generator=g).to(device, dtype)
+    gain = torch.randn(72, generator=g).to(device, dtype)
+    residual = torch.randn(5, 72, generator=g).to(device, dtype) if with_residual else None
+    split = skinny_linear(x, w, None, (16, 32, 3, 4, 2), keep_slices=True)
+    assert isinstance(split, SplitK) and split.slices.shape == (3, 5, 72)
+    summed = skinny_linear(x, w, None, (16, 32, 3, 4, 2))
+    assert torch.equal(split.summed(), summed)
+    got = rmsnorm_triton(split, gain, 1e-5, residual)
+    want = rmsnorm_triton(summed, gain, 1e-5, residual)
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_slices_are_kept_only_where_there_are_several_and_no_bias(device):
+    x, w, b = torch.ones(2, 64, device=device), torch.ones(32, 64, device=device), None
+    assert isinstance(skinny_linear(x, w, b, (16, 32, 2, 4, 2), keep_slices=True), SplitK)
+    one_pass = skinny_linear(x, w, b, (16, 32, 1, 4, 2), keep_slices=True)
+    assert isinstance(one_pass, torch.Tensor)
+    with_bias = skinny_linear(
+        x, w, torch.ones(32, device=device), (16, 32, 2, 4, 2), keep_slices=True
+    )
+    assert isinstance(with_bias, torch.Tensor)  # the reducing kernel adds the bias: summed
+    assert torch.equal(with_bias, torch.full((2, 32), 65.0, device=device))
