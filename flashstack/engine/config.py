@@ -65,15 +65,16 @@ class KernelOptions:
     # H200, 12.3 -> 8.8 µs; its decode step 4.577 -> 4.448 ms.
     decode_wave_tma: bool = True
     # Splits of each sequence's context in a decode launch; 0: as many as fill the GPU
-    # (triton_attention.plan_decode). One split needs no merge kernel: for the small models'
-    # batch-1 steps, whose attention reads a few hundred KB in ten 64-token splits and then merges
-    # them (bench/engine_small.py --variants default,splits1,splits2).
+    # (triton_attention.plan_decode). One split needs no merge kernel, yet its few programs walk
+    # the whole context: the small models' batch-1 step on the H100, SmolLM2-135M 495 -> 852 µs
+    # at one split, 649 µs at two (bench/engine_small.py --variants default,splits1,splits2).
     decode_splits: int = 0
     # A batch-1 step's o GEMV merges the decode attention's splits as it reads its input (every
     # program reads each split's partials of the whole row, from L2) instead of a merge kernel
     # before it: one kernel a layer fewer for the small models (whose merge took 1.7-2.2 µs a
-    # layer on the H200). 16-bit o weights on one GPU, with decode_qkv; off until measured
-    # (bench/engine_small.py --variants default,mergeino).
+    # layer on the H200). 16-bit o weights on one GPU, with decode_qkv. Slower: the partials' L2
+    # reads cost more than the merge, SmolLM2-135M's step on the H100 495 -> 608 µs, 559 µs with
+    # four splits (bench/engine_small.py --variants default,mergeino,mergeino4).
     decode_merge_in_o: bool = False
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
@@ -87,19 +88,20 @@ class KernelOptions:
     # Decode attention over an fp8 cache multiplies q by K's tiles as stored, on the fp8 tensor
     # cores (q quantized to e4m3, one scale a program; its 64 rows padded for them), where today
     # every tile is converted to fp16 first, which bounds the kernel (docs/benchmarks.md, "fp8 KV
-    # cache"). Off until measured on the GPU (speed, and agreement on the trained model).
+    # cache"). Slower on the H100: the 8B's layer at 32K 32.9 -> 60.6 µs at batch 1 (the padded
+    # 64-row product); agreement on the trained model not measured.
     decode_fp8_qk: bool = False
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
     # triton_sampling.py) reads the temperatures and the seed from the step's staged inputs, in
-    # place of the argmax, so a sampled step too launches nothing between replays. Off until
-    # measured on the GPU (bench/engine_throughput.py --variants): on nano-vllm's workload it
-    # would take the argmax's ~32 µs a step, and the sampler's launch after the replay.
+    # place of the argmax, so a sampled step too launches nothing between replays. Level on
+    # nano-vllm's workload on the H100 (7.31 -> 7.28 s, within two runs' spread), so off.
     sample_in_graph: bool = False
     # A batch-1 step's decoder layers as one persistent kernel (kernels/triton_decoder.py): no
     # kernel boundary inside the stack, each stage's weights streaming while the stage before
-    # finishes. For the small models, whose layers cost six kernels' fixed latency each; off
-    # until measured on the GPU (bench/engine_small.py --variants default,persistent).
+    # finishes. For the small models, whose layers cost six kernels' fixed latency each; slower
+    # on the GPU so far (SmolLM2-135M on the H100 495 -> 672 µs a step: each stage waits one
+    # item's latency; bench/engine_small.py --variants default,persistent), so off.
     persistent_decoder: bool = False
     # Its programs per SM (one: items taken round-robin; more: from an atomic counter) and warps.
     persistent_decoder_programs_per_sm: int = 1
