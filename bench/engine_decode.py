@@ -275,7 +275,8 @@ def main() -> None:
     ap.add_argument(
         "--gemv",
         default="triton",
-        help="batch-1 projections, comma-separated runs: triton (the default: fused Triton GEMVs "
+        help="kernel variants, comma-separated runs (a name again: another load, interleaved, "
+        "against the spread between loads): triton (the default: fused Triton GEMVs "
         "with programmatic dependent launch), nopdl (kernels.pdl=False), cublas "
         "(kernels.triton_gemv=False), sepqkv (the separate q/k/v kernel before "
         "decode attention: kernels.decode_qkv=False), plainkv (decode attention "
@@ -394,6 +395,10 @@ def main() -> None:
             + ("_eager" if eager else "")
             + ("" if gemv == "triton" else f"_{gemv}")
         )
+        # a variant named again is a second load, interleaved with the others: its own entry
+        loads = 1 + sum(k == key or k.startswith(f"{key}_load") for k in result)
+        if loads > 1:
+            key += f"_load{loads}"
         try:
             t = time.perf_counter()
             llm = LLM(
