@@ -293,7 +293,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="default",
-        help="comma-separated kernel options to run: default, nopdl (kernels.pdl=False), "
+        help="comma-separated kernel options to run (a name again: another load, interleaved): "
+        "default, nopdl (kernels.pdl=False), "
         "sepqkv (kernels.decode_qkv=False), attnpdl / noattnpdl "
         "(kernels.attention_pdl), noargmax (kernels.argmax_in_graph=False), persistent "
         "(kernels.persistent_decoder: one program an SM, 4 warps), persistent8w (8 warps), "
@@ -301,7 +302,9 @@ def main() -> None:
         "persistenttagged (its residual stream in tagged words, not after counts), splits1 / "
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
         "decode_splits; one needs no merge kernel), mergeino (the o GEMV merges the splits: "
-        "kernels.decode_merge_in_o; mergeino4 with four splits, fewer partials to read)",
+        "kernels.decode_merge_in_o; mergeino4 with four splits, fewer partials to read), "
+        "mergelast (each sequence's last split to finish merges: "
+        "kernels.decode_last_split_merges)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -329,6 +332,7 @@ def main() -> None:
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
         "mergeino": {"decode_merge_in_o": True},
         "mergeino4": {"decode_merge_in_o": True, "decode_splits": 4},
+        "mergelast": {"decode_last_split_merges": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {
@@ -341,6 +345,10 @@ def main() -> None:
         path, wbytes = checkpoint(name, SHAPES[name], root)
         for variant in args.variants.split(","):
             key = name if variant == "default" else f"{name}_{variant}"
+            # a variant named again is another load, interleaved: its own entry
+            loads = 1 + sum(k == key or k.startswith(f"{key}_load") for k in result)
+            if loads > 1:
+                key += f"_load{loads}"
             result[key] = measure(path, wbytes, SHAPES[name], args, variants[variant])
             text = json.dumps(result, indent=1)
             if args.json:

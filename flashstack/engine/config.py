@@ -76,6 +76,12 @@ class KernelOptions:
     # reads cost more than the merge, SmolLM2-135M's step on the H100 495 -> 608 µs, 559 µs with
     # four splits (bench/engine_small.py --variants default,mergeino,mergeino4).
     decode_merge_in_o: bool = False
+    # Each sequence's last decode split to finish (a count per sequence and KV head, raised by
+    # every split) merges the splits' partials itself, in place of the merge kernel after the
+    # launch: one kernel a layer fewer, for one atomic and the partials' L2 reads in the last
+    # program. Not with decode_merge_in_o. Off until measured (bench/engine_small.py --variants
+    # default,mergelast).
+    decode_last_split_merges: bool = False
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
     # them as the reducing kernel would (kernels/triton_skinny.SplitK): one kernel a layer fewer.
@@ -144,6 +150,11 @@ class KernelOptions:
             raise ValueError(
                 f"kernels.decode_splits must be 0 (as many as fill the GPU) or more, got "
                 f"{self.decode_splits}"
+            )
+        if self.decode_last_split_merges and self.decode_merge_in_o:
+            raise ValueError(
+                "kernels.decode_last_split_merges and kernels.decode_merge_in_o both merge the "
+                "decode splits: turn one of them off"
             )
         if self.decode_qkv_rows < 1:
             raise ValueError(

@@ -177,13 +177,16 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_o_gemv_merging_the_splits_matches_transformers(
-    family: str, enforce_eager: bool, hf_checkpoints
+@pytest.mark.parametrize("merge", ["decode_merge_in_o", "decode_last_split_merges"])
+def test_merging_the_splits_in_place_matches_transformers(
+    family: str, enforce_eager: bool, merge: str, hf_checkpoints
 ) -> None:
-    """Batch-1 decode steps whose o GEMV merges the attention's splits itself (kernels.
-    decode_merge_in_o), a short and a longer prompt: transformers' greedy tokens."""
+    """Decode steps whose attention splits are merged without the merge kernel: by the batch-1 o
+    GEMV as it reads them (kernels.decode_merge_in_o), or by each sequence's last split to
+    finish (kernels.decode_last_split_merges, at batch 1 and 3), short and longer prompts:
+    transformers' greedy tokens."""
     path, model = hf_checkpoints[family]
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153))]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
     refs = [hf_greedy(model, p, 24) for p in prompts]
     llm = LLM(
         path,
@@ -191,11 +194,13 @@ def test_o_gemv_merging_the_splits_matches_transformers(
         device="cuda",
         dtype="float32",
         show_progress=False,
-        max_num_seqs=1,
+        max_num_seqs=3,
         enforce_eager=enforce_eager,
-        kernels={"decode_merge_in_o": True},
+        kernels={merge: True},
     )
-    assert [run_checked(llm, [p], greedy(24))[0] for p in prompts] == refs
+    assert [run_checked(llm, [p], greedy(24))[0] for p in prompts[:2]] == refs[:2]
+    if merge == "decode_last_split_merges":
+        assert run_checked(llm, prompts, greedy(24)) == refs
 
 
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
