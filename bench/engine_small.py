@@ -301,8 +301,7 @@ def main() -> None:
         "persistent2 / persistent3 (two / three programs an SM, registers capped to fit), "
         "persistenttagged (its residual stream in tagged words, not after counts), splits1 / "
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
-        "decode_splits; one needs no merge kernel), mergeino (the o GEMV merges the splits: "
-        "kernels.decode_merge_in_o; mergeino4 with four splits, fewer partials to read), "
+        "decode_splits; one needs no merge kernel), "
         "mergelast (each sequence's last split to finish merges: "
         "kernels.decode_last_split_merges)",
     )
@@ -330,8 +329,6 @@ def main() -> None:
         "persistent3": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 3},
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
-        "mergeino": {"decode_merge_in_o": True},
-        "mergeino4": {"decode_merge_in_o": True, "decode_splits": 4},
         "mergelast": {"decode_last_split_merges": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))

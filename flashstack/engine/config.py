@@ -69,18 +69,12 @@ class KernelOptions:
     # the whole context: the small models' batch-1 step on the H100, SmolLM2-135M 495 -> 852 µs
     # at one split, 649 µs at two (bench/engine_small.py --variants default,splits1,splits2).
     decode_splits: int = 0
-    # A batch-1 step's o GEMV merges the decode attention's splits as it reads its input (every
-    # program reads each split's partials of the whole row, from L2) instead of a merge kernel
-    # before it: one kernel a layer fewer for the small models (whose merge took 1.7-2.2 µs a
-    # layer on the H200). 16-bit o weights on one GPU, with decode_qkv. Slower: the partials' L2
-    # reads cost more than the merge, SmolLM2-135M's step on the H100 495 -> 608 µs, 559 µs with
-    # four splits (bench/engine_small.py --variants default,mergeino,mergeino4).
-    decode_merge_in_o: bool = False
     # Each sequence's last decode split to finish (a count per sequence and KV head, raised by
     # every split) merges the splits' partials itself, in place of the merge kernel after the
     # launch: one kernel a layer fewer, for one atomic and the partials' L2 reads in the last
-    # program. Not with decode_merge_in_o. Off until measured (bench/engine_small.py --variants
-    # default,mergelast).
+    # program. (Merging in the o GEMV instead, every program reading each split's partials, was
+    # slower: SmolLM2-135M on the H100 495 -> 608 µs; removed, docs/benchmarks.md.) Off until
+    # measured (bench/engine_small.py --variants default,mergelast).
     decode_last_split_merges: bool = False
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
@@ -151,11 +145,6 @@ class KernelOptions:
                 f"kernels.decode_splits must be 0 (as many as fill the GPU) or more, got "
                 f"{self.decode_splits}"
             )
-        if self.decode_last_split_merges and self.decode_merge_in_o:
-            raise ValueError(
-                "kernels.decode_last_split_merges and kernels.decode_merge_in_o both merge the "
-                "decode splits: turn one of them off"
-            )
         if self.decode_qkv_rows < 1:
             raise ValueError(
                 f"kernels.decode_qkv_rows must be at least 1, got {self.decode_qkv_rows}"
@@ -202,7 +191,6 @@ class KernelOptions:
                 decode_longest_first=False,
                 decode_deep_tma=False,
                 decode_wave_tma=False,
-                decode_merge_in_o=False,
                 persistent_decoder=False,
             )
         from flashstack.cuda.torch_interop import device_for

@@ -177,14 +177,12 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("merge", ["decode_merge_in_o", "decode_last_split_merges"])
-def test_merging_the_splits_in_place_matches_transformers(
-    family: str, enforce_eager: bool, merge: str, hf_checkpoints
+def test_last_split_merging_matches_transformers(
+    family: str, enforce_eager: bool, hf_checkpoints
 ) -> None:
-    """Decode steps whose attention splits are merged without the merge kernel: by the batch-1 o
-    GEMV as it reads them (kernels.decode_merge_in_o), or by each sequence's last split to
-    finish (kernels.decode_last_split_merges, at batch 1 and 3), short and longer prompts:
-    transformers' greedy tokens."""
+    """Decode steps whose attention splits are merged by each sequence's last split to finish
+    (kernels.decode_last_split_merges), no merge kernel, at batch 1 and 3, short and longer
+    prompts: transformers' greedy tokens."""
     path, model = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
     refs = [hf_greedy(model, p, 24) for p in prompts]
@@ -196,11 +194,10 @@ def test_merging_the_splits_in_place_matches_transformers(
         show_progress=False,
         max_num_seqs=3,
         enforce_eager=enforce_eager,
-        kernels={merge: True},
+        kernels={"decode_last_split_merges": True},
     )
     assert [run_checked(llm, [p], greedy(24))[0] for p in prompts[:2]] == refs[:2]
-    if merge == "decode_last_split_merges":
-        assert run_checked(llm, prompts, greedy(24)) == refs
+    assert run_checked(llm, prompts, greedy(24)) == refs
 
 
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:

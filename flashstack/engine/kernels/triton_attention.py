@@ -888,46 +888,6 @@ def decode_order(context_lens: torch.Tensor) -> torch.Tensor:
     return order
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeSplits:
-    """A decode launch before its merge: `out` [batch, heads, head_dim] holds the attention of each
-    sequence whose context fit one split; `part` [batch, heads, splits, head_dim] (float32) and
-    `lse` [batch, heads, splits] the others' per-split outputs and log-sum-exps (None when the
-    launch has one split: `out` is final)."""
-
-    out: torch.Tensor
-    part: torch.Tensor | None
-    lse: torch.Tensor | None
-    context_lens: torch.Tensor
-    plan: DecodePlan
-
-    def merged(self) -> torch.Tensor:
-        """`out`, with the splits' merge kernel run where there are splits."""
-        if self.part is None or self.lse is None:
-            return self.out
-        plan, out, part, lse = self.plan, self.out, self.part, self.lse
-        dim = out.shape[2]
-        _merge_splits_kernel[(out.shape[0], out.shape[1])](
-            part,
-            lse,
-            out,
-            self.context_lens,
-            *part.stride()[:3],
-            *lse.stride()[:2],
-            out.stride(0),
-            out.stride(1),
-            plan.min_split,
-            plan.num_splits,
-            S_PAD=max(2, triton.next_power_of_2(plan.num_splits)),
-            D=dim,
-            D_PAD=triton.next_power_of_2(dim),
-            BLOCK_N=plan.block_n,
-            USE_PDL=plan.pdl,
-            launch_pdl=plan.pdl,
-        )
-        return out
-
-
 def paged_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -944,39 +904,8 @@ def paged_decode_triton(
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
     says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given): the
-    split kernel, then the merge kernel where the plan has splits (decode_splits_triton, merged)."""
-    return decode_splits_triton(
-        q,
-        kv_cache,
-        block_tables,
-        context_lens,
-        scale,
-        plan,
-        sliding_window,
-        new,
-        kv_scale,
-        out,
-        order,
-        order_ready,
-    ).merged()
-
-
-def decode_splits_triton(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    plan: DecodePlan,
-    sliding_window: int | None = None,
-    new: NewTokens | None = None,
-    kv_scale: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    order: torch.Tensor | None = None,
-    order_ready: bool = False,
-) -> DecodeSplits:
-    """The split kernel of paged_decode_triton alone, its splits left for the caller to merge (the
-    merge kernel, DecodeSplits.merged, or the batch-1 o GEMV: KernelOptions.decode_merge_in_o).
+    split kernel, then the merge kernel where the plan has splits and its last split does not
+    merge them (`plan.merge_last`).
     `order`: a permutation of the sequences (int32 [batch], longest context first: decode_order),
     the order their programs start in when `plan.longest_first`; `order_ready`: it was made before
     the kernel just before this launch (an earlier layer's), so programs may read it before their
@@ -1096,8 +1025,25 @@ def decode_splits_triton(
         },
     )
     if num_splits > 1 and not merge_last:
-        return DecodeSplits(out, part, lse, context_lens, plan)
-    return DecodeSplits(out, None, None, context_lens, plan)
+        _merge_splits_kernel[(batch, heads)](
+            part,
+            lse,
+            out,
+            context_lens,
+            *part_strides,
+            *lse_strides,
+            out.stride(0),
+            out.stride(1),
+            min_split,
+            num_splits,
+            S_PAD=max(2, triton.next_power_of_2(num_splits)),
+            D=dim,
+            D_PAD=d_pad,
+            BLOCK_N=block_n,
+            USE_PDL=plan.pdl,
+            launch_pdl=plan.pdl,
+        )
+    return out
 
 
 # The merging split holds [splits, group, head_dim] partials in registers: up to 16 x 4 x 128
@@ -1109,7 +1055,7 @@ _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def split_arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """At least `n` int32 counts of splits done, zero between launches (decode_splits_triton with
+    """At least `n` int32 counts of splits done, zero between launches (paged_decode_triton with
     `plan.merge_last`): allocated outside a graph's capture, by the warm-up that precedes it."""
     held = _ARRIVALS.setdefault(device, [])
     if not held or held[-1].numel() < n:

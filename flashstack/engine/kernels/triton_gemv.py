@@ -12,9 +12,6 @@ kernels that sit between the projections of a decoder layer fold in at little co
   each program first computes the row's mean square (one extra pass over the input).
 - `silu`: the input is a fused gate/up output [1, 2K] and the product is taken with
   silu(gate) * up, computed chunk by chunk as the weight streams.
-- `merge`: the input is a batch-1 decode attention's output still in splits (DecodeSplits): each
-  program merges every split's partials of the row as it reads them, in place of a merge kernel
-  (KernelOptions.decode_merge_in_o).
 - `residual`: the output is added into the residual stream in place (each program owns its rows),
   or written elsewhere with the residual added (`out`: a tensor-parallel rank's partial sum,
   staged where the all-reduce reads it).
@@ -61,7 +58,6 @@ import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
-from flashstack.engine.kernels.triton_attention import DecodeSplits, merged_splits, splits_of
 from flashstack.engine.kernels.triton_q4k import group_scales
 from flashstack.engine.quantization import FP8, dequantized_linear
 
@@ -161,19 +157,6 @@ def _q4k_product(
 
 
 @triton.jit
-def _merged_input(
-    x_ptr, part_ptr, lse_ptr, cols, cmask, active, act_dtype, S: tl.constexpr, D: tl.constexpr
-):
-    # The attention output at these columns: merged from its S splits' partials here when the
-    # context took more than one split, else as the split kernel wrote it at x_ptr.
-    if active > 1:  # head-major partials [heads, S, D] (triton_attention.DecodeSplits)
-        x = merged_splits(part_ptr, lse_ptr, cols, cmask, active, S, D, D, S * D, 1, S, act_dtype)
-    else:
-        x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _chunk(
     w,
     x_ptr,
@@ -193,12 +176,6 @@ def _chunk(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRESCALED: tl.constexpr,
-    part_ptr,
-    lse_ptr,
-    active,
-    MERGE_IN: tl.constexpr,
-    SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
 ):
     # What one weight chunk (storage columns k .. k + BLOCK_K) adds to the accumulator: products,
     # Q8_0's scaled block sums or Q4_K's, with the activations it multiplies.
@@ -214,12 +191,7 @@ def _chunk(
         if PRESCALED:  # float16, already times 2^-8 (_product): as stored
             p = _product(w, tl.load(x_ptr + cols, mask=cols < K, other=0.0), HALF, PRESCALED)
         else:
-            if MERGE_IN:
-                x = _merged_input(
-                    x_ptr, part_ptr, lse_ptr, cols, cols < K, active, act_dtype, SPLITS, HEAD_DIM
-                )
-            else:
-                x = input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+            x = input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
             if Q8:
                 p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
             else:
@@ -254,19 +226,8 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PRESCALED: tl.constexpr,
-    part_ptr,
-    lse_ptr,
-    ctx_ptr,
-    min_split,
-    MERGE_IN: tl.constexpr,
-    SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLIT_TILE: tl.constexpr,
 ):
-    # K: the input's length; KW: a weight row's, in stored elements (K / 2 bytes for Q4_K).
-    # MERGE_IN: x is a batch-1 decode launch's output, its SPLITS splits merged here (part_ptr,
-    # lse_ptr: their partials; ctx_ptr, min_split and SPLIT_TILE say how many hold part of the
-    # context, as the split kernel counts them).
+    # K: the input's length; KW: a weight row's, in stored elements (K / 2 bytes for Q4_K)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -283,9 +244,6 @@ def _gemv_kernel(
         row_scale = tl.load(s_ptr + rows, mask=rmask, other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-    active = 1
-    if MERGE_IN:  # the context length is a step input, written before the forward pass
-        active = splits_of(tl.load(ctx_ptr), min_split, SPLITS, SPLIT_TILE)[1]
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
     if ADD_OUT:
         old = tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -314,12 +272,6 @@ def _gemv_kernel(
             BLOCK_N,
             BLOCK_K,
             PRESCALED,
-            part_ptr,
-            lse_ptr,
-            active,
-            MERGE_IN,
-            SPLITS,
-            HEAD_DIM,
         )
         for k in tl.range(BLOCK_K, KW, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
@@ -345,12 +297,6 @@ def _gemv_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 PRESCALED,
-                part_ptr,
-                lse_ptr,
-                active,
-                MERGE_IN,
-                SPLITS,
-                HEAD_DIM,
             )
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
@@ -378,12 +324,6 @@ def _gemv_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 PRESCALED,
-                part_ptr,
-                lse_ptr,
-                active,
-                MERGE_IN,
-                SPLITS,
-                HEAD_DIM,
             )
             nxt = k + cols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < KW)[None, :], other=0.0)
@@ -495,7 +435,6 @@ def gemv_triton(
     scale: torch.Tensor | None = None,
     half_products: bool | None = None,
     prescaled: bool = False,
-    merge: DecodeSplits | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
@@ -510,9 +449,7 @@ def gemv_triton(
     of `config` is then in bytes). `half_products`: fp8 products in float16 (default: for 16-bit
     activations) or in float32. `prescaled`: fp8 weights and x float16 already times 2^-8, as the
     float16 products take it (silu_and_mul_triton's `out_scale`), so that no program converts it;
-    the result is then in `residual`'s or `out`'s dtype. `merge`: x is this batch-1 decode launch's
-    output, `merge.out` as a row [1, heads * head_dim], whose splits the GEMV merges as it reads
-    them (no merge kernel; 16-bit or fp8 weights, no other prologue)."""
+    the result is then in `residual`'s or `out`'s dtype."""
     n, kw = weight.shape
     q8, q4 = weight.dtype == torch.int8, weight.dtype == torch.uint8
     k = 2 * kw if q4 else kw
@@ -557,14 +494,6 @@ def gemv_triton(
     if half_products is None:
         half_products = x.dtype != torch.float32
     half = scale is not None and half_products and not (q8 or q4)
-    part, lse, ctx, min_split, splits, head_dim, tile = y, y, y, 0, 1, 1, 1
-    if merge is not None:
-        assert not (norm or silu or prescaled or q8 or q4), "the merge is the input's prologue"
-        assert merge.out.shape[0] == 1 and x.data_ptr() == merge.out.data_ptr()
-        head_dim, plan, ctx = merge.out.shape[2], merge.plan, merge.context_lens
-        if merge.part is not None and merge.lse is not None:
-            part, lse, splits = merge.part, merge.lse, plan.num_splits
-            min_split, tile = plan.min_split, plan.block_n
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight,
         x,
@@ -591,14 +520,6 @@ def gemv_triton(
         BLOCK_K=block_k,
         STAGES=stages[0] if stages else 0,
         PRESCALED=prescaled,
-        part_ptr=part,
-        lse_ptr=lse,
-        ctx_ptr=ctx,
-        min_split=min_split,
-        MERGE_IN=splits > 1,
-        SPLITS=splits,
-        HEAD_DIM=head_dim,
-        SPLIT_TILE=tile,
         num_warps=warps,
         launch_pdl=pdl,
     )

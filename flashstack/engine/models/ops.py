@@ -35,7 +35,6 @@ from flashstack.engine.quantization import (
 )
 
 if TYPE_CHECKING:
-    from flashstack.engine.kernels.triton_attention import DecodeSplits
     from flashstack.engine.kernels.triton_decoder import PersistentDecoder
     from flashstack.engine.kernels.triton_skinny import SplitK
     from flashstack.engine.models.layers import RMSNorm
@@ -218,9 +217,7 @@ class TritonOps(TorchOps):
         rope: Rope,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor | DecodeSplits:
-        """The heads' outputs [tokens, heads * head_dim]; or, where the o projection merges the
-        decode splits itself (`_merge_in_o`), the split kernel's DecodeSplits."""
+    ) -> torch.Tensor:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton, rope_triton
 
         n = qkv.shape[0]
@@ -233,14 +230,14 @@ class TritonOps(TorchOps):
             # H100; past 32 rows slower (KernelOptions.decode_qkv_rows).
             from flashstack.engine.kernels.triton_attention import (
                 NewTokens,
-                decode_splits_triton,
+                paged_decode_triton,
                 plan_step_decode,
                 step_order,
             )
 
             plan = plan_step_decode(meta, kv_cache, self.kernels)
             order, ready = step_order(meta, meta.context_lens, plan)
-            splits = decode_splits_triton(
+            out = paged_decode_triton(
                 q,
                 kv_cache,
                 meta.block_tables,
@@ -253,9 +250,7 @@ class TritonOps(TorchOps):
                 order=order,
                 order_ready=ready,
             )
-            if n == 1 and self._merge_in_o(attn):
-                return splits
-            return splits.merged().reshape(n, -1)
+            return out.reshape(n, -1)
         if self.triton_attention:  # one launch for q/k-norm, rotary and the KV store
             from flashstack.engine.kernels.triton_qkv import rope_and_store_kv_triton
 
@@ -280,10 +275,6 @@ class TritonOps(TorchOps):
         return self.backend.attend(
             q, kv_cache, meta, attn.scale, attn.sliding_window, attn.kv_scale
         ).reshape(n, -1)
-
-    def _merge_in_o(self, attn: Attention) -> bool:
-        # whether the o projection of a one-row decode step merges its splits itself (Batch1Ops)
-        return False
 
     def _decode_qkv(self, meta: AttentionMetadata, rows: int) -> bool:
         # whether this step's decode kernel takes the q/k/v kernel's work (KernelOptions.decode_qkv)
@@ -328,11 +319,6 @@ class Batch1Ops(TritonOps):
 
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self
-
-    def _merge_in_o(self, attn: Attention) -> bool:
-        # KernelOptions.decode_merge_in_o: one GPU, 16-bit weights (the GEMV's plain prologue)
-        o = attn.o_proj
-        return self.kernels.decode_merge_in_o and o.tp is None and o.weight_scale is None
 
     def all_layers(
         self,
@@ -420,29 +406,18 @@ class Batch1Ops(TritonOps):
         return out, residual
 
     def project_add(
-        self,
-        proj: Linear,
-        x: torch.Tensor | DecodeSplits,
-        residual: torch.Tensor,
-        silu: bool = False,
+        self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False
     ) -> Stream:
-        """residual + proj(x) for the o and down projections; h is None after it. x may be the
-        decode attention's unmerged splits (`_merge_in_o`), which the o GEMV merges.
+        """residual + proj(x) for the o and down projections; h is None after it.
 
         On one GPU the GEMV adds into the residual in place. A row-parallel projection (tensor
         parallelism) holds a slice of the input features, so each rank's GEMV gives a partial sum:
         the driver's also carries the residual (and the bias), so the all-reduce of the partials is
         the new residual, with no separate add. The partials go straight into the buffer the
         all-reduce pushes from."""
-        from flashstack.engine.kernels.triton_attention import DecodeSplits
         from flashstack.engine.kernels.triton_gemv import HALF_INPUT_SCALE, gemv_triton
 
         pdl, tp = self.kernels.pdl, proj.tp
-        if isinstance(x, DecodeSplits):  # o, merging the attention's splits (_merge_in_o)
-            row = x.out.reshape(1, -1)
-            return None, gemv_triton(
-                proj.weight, row, proj.bias, residual=residual, pdl=pdl, merge=x
-            )
         prescaled = (  # one GPU: quantized weights refuse tensor parallelism (EngineConfig)
             silu
             and tp is None
