@@ -159,6 +159,36 @@ def fp8_main(json_path: Path | None) -> None:
     print(json.dumps(result, indent=1))
 
 
+def unmasked_v_main(json_path: Path | None, rounds: int = 2) -> None:
+    """kernels.decode_unmasked_v off and on, interleaved `rounds` times: every WORKLOADS launch
+    (bf16) and every FP8_WORKLOADS one (fp8), each at plan_decode's default launch."""
+    cases = {
+        name: dict(batch=b, context=c, heads=h, kv_heads=kv, grid_context=g)
+        for name, (b, c, h, kv, g) in WORKLOADS.items()
+    }
+    cases.update(
+        {
+            f"fp8 {name}": dict(batch=b, context=c, heads=h, kv_heads=kv, kv_dtype="fp8")
+            for name, (b, c, h, kv) in FP8_WORKLOADS.items()
+        }
+    )
+    result: dict = {}
+    for name, case in cases.items():
+        runs: dict = {"masked": [], "unmasked": []}
+        for _ in range(rounds):
+            for label, on in (("masked", False), ("unmasked", True)):
+                c = dict(case)
+                row = decode_kernel_bandwidth(
+                    c.pop("batch"), c.pop("context"), 256, unmasked_v=on, pdl=True, **c
+                )
+                runs[label].append(row)
+        best = {k: min(r["us"] for r in v) for k, v in runs.items()}
+        result[name] = {"best_us": best, "runs": runs}
+        print(name, json.dumps(best), flush=True)
+        if json_path:
+            json_path.write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -178,6 +208,11 @@ def main() -> None:
         default=True,
         help="--wave: launch with programmatic dependent launch, as a decode step does",
     )
+    ap.add_argument(
+        "--unmasked-v",
+        action="store_true",
+        help="kernels.decode_unmasked_v off and on, interleaved (WORKLOADS and FP8_WORKLOADS)",
+    )
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3")
@@ -193,6 +228,9 @@ def main() -> None:
         return
     if args.wave:
         wave_main(args.json, args.pdl)
+        return
+    if args.unmasked_v:
+        unmasked_v_main(args.json)
         return
     configs = list(
         itertools.product(

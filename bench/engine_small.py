@@ -303,7 +303,8 @@ def main() -> None:
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
         "decode_splits; one needs no merge kernel), "
         "mergelast (each sequence's last split to finish merges: "
-        "kernels.decode_last_split_merges)",
+        "kernels.decode_last_split_merges), unmaskedv (V's tiles unzeroed past the context: "
+        "kernels.decode_unmasked_v)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -330,6 +331,7 @@ def main() -> None:
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
         "mergelast": {"decode_last_split_merges": True},
+        "unmaskedv": {"decode_unmasked_v": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

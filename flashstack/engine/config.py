@@ -76,6 +76,15 @@ class KernelOptions:
     # slower: SmolLM2-135M on the H100 495 -> 608 µs; removed, docs/benchmarks.md.) Off until
     # measured (bench/engine_small.py --variants default,mergelast).
     decode_last_split_merges: bool = False
+    # Decode attention's V tiles (TMA) go to P @ V as fetched: rows past the context are not
+    # zeroed (their weights are exactly 0; the engine's cache is zeroed at allocation and every
+    # store is finite, so no NaN is there to meet them). Zeroing them takes each tile through
+    # registers (a select a pair of values) and back to shared memory: compiled for sm_90, the
+    # bf16 tile loop drops from 842 to 470 instructions (128-token tiles; 172 -> 139 KB of shared
+    # memory) and from 592 to 338 (the deep launch's 64-token tiles; 88 -> 72 KB); fp8's only
+    # from 1,042 to 986 (its V then read a byte at a time). Off until measured
+    # (bench/engine_attention.py --unmasked-v, bench/engine_small.py --variants unmaskedv).
+    decode_unmasked_v: bool = False
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
     # them as the reducing kernel would (kernels/triton_skinny.SplitK): one kernel a layer fewer.

@@ -200,6 +200,31 @@ def test_last_split_merging_matches_transformers(
     assert run_checked(llm, prompts, greedy(24)) == refs
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_unmasked_v_tiles_change_no_token(family: str, hf_checkpoints) -> None:
+    """kernels.decode_unmasked_v: V's TMA tiles feed P @ V with their rows past the context as
+    fetched (the engine's zeroed cache holds only finite values there, each weighing exactly 0):
+    in bf16, graphs on, the same greedy tokens as the default decode at batch 1 and 3."""
+    path, _ = hf_checkpoints[family]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
+    runs = []
+    for unmasked in (False, True):
+        llm = LLM(
+            path,
+            block_size=256,  # TMA tiles lie inside a block
+            device="cuda",
+            dtype="bfloat16",
+            show_progress=False,
+            max_num_seqs=3,
+            kernels={"decode_unmasked_v": unmasked},
+        )
+        runs.append(
+            [run_checked(llm, [prompts[0]], greedy(24))[0], *run_checked(llm, prompts, greedy(24))]
+        )
+        del llm
+    assert runs[0] == runs[1]
+
+
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]

@@ -365,6 +365,7 @@ def _decode_kernel(
     MERGE_LAST: tl.constexpr = False,
     S_PAD: tl.constexpr = 1,
     G_MERGE: tl.constexpr = 1,
+    MASK_V: tl.constexpr = True,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -498,10 +499,14 @@ def _decode_kernel(
         if TMA:
             # A tile's rows past the context hold other tokens' values or never-written memory:
             # their scores are masked above, and V is zeroed so a stale NaN cannot reach the sum.
+            # Without MASK_V the rows go to P @ V as fetched (a cache holding only finite values
+            # there, as the engine's zeroed one does: their weights are exactly 0): zeroing them
+            # took V through registers and back to shared memory before its dot operands.
             v = cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, D_PAD)
             if FP8:
                 v = v.to(pv_dtype)
-            v = tl.where(nmask[:, None], v, 0.0)
+            if MASK_V:
+                v = tl.where(nmask[:, None], v, 0.0)
         else:
             v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if FP8:
@@ -777,6 +782,9 @@ class DecodePlan:
     # each sequence's last split to finish merges the splits (KernelOptions.
     # decode_last_split_merges), where they fit one program's registers: no merge kernel
     merge_last: bool = False
+    # TMA tiles of V feed P @ V as fetched, rows past the context not zeroed: the cache must hold
+    # finite values there (KernelOptions.decode_unmasked_v)
+    unmasked_v: bool = False
 
 
 def plan_decode(
@@ -796,6 +804,7 @@ def plan_decode(
     wave: bool = True,
     qk_fp8: bool = False,
     merge_last: bool = False,
+    unmasked_v: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
@@ -804,7 +813,9 @@ def plan_decode(
     unless given), False never, True always. `deep`: deep_tma_launch where it applies
     (KernelOptions.decode_deep_tma). `wave`: tma_launch's (KernelOptions.decode_wave_tma).
     `qk_fp8`: over an fp8 cache, q @ K on the fp8 tensor cores (KernelOptions.decode_fp8_qk).
-    `merge_last`: the last split merges (KernelOptions.decode_last_split_merges). The other
+    `merge_last`: the last split merges (KernelOptions.decode_last_split_merges). `unmasked_v`:
+    V's TMA tiles unzeroed past the context, for a cache that holds only finite values
+    (KernelOptions.decode_unmasked_v). The other
     arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
@@ -852,6 +863,7 @@ def plan_decode(
         longest_first,
         qk_fp8 and fp8,
         merge_last and num_splits > 1,
+        unmasked_v and tma,
     )
 
 
@@ -1019,6 +1031,7 @@ def paged_decode_triton(
         MERGE_LAST=merge_last,
         S_PAD=s_pad,
         G_MERGE=g_merge,
+        MASK_V=not plan.unmasked_v,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1271,6 +1284,7 @@ def plan_step_decode(
         qk_fp8=kernels.decode_fp8_qk,
         num_splits=kernels.decode_splits or None,
         merge_last=kernels.decode_last_split_merges,
+        unmasked_v=kernels.decode_unmasked_v,
     )
 
 
@@ -1317,6 +1331,7 @@ def _mixed_in_graph(
             wave=kernels.decode_wave_tma,
             num_splits=kernels.decode_splits or None,
             merge_last=kernels.decode_last_split_merges,
+            unmasked_v=kernels.decode_unmasked_v,
         )
         order, ready = step_order(meta, lens, plan)
         paged_decode_triton(

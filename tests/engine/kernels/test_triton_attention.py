@@ -224,18 +224,38 @@ def test_decode_through_tma_matches_reference(
     """The tensor-memory-accelerator path (whole tiles per block, the split's block-table entries
     read before the loop) gives the reference's answer. Slots past each context and a free block
     hold NaN, as never-written cache memory may: a tile reading them must not let them in."""
+    _check_tma_decode(device, window, new_tokens, block_size, block_n, splits, float("nan"))
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("new_tokens", [False, True])
+@pytest.mark.parametrize("block_size,block_n,splits", [(32, 16, 3), (64, 32, None)])
+def test_unmasked_v_tiles_match_reference_over_a_finite_cache(
+    device, window, new_tokens, block_size, block_n, splits
+):
+    """KernelOptions.decode_unmasked_v: V's tiles feed P @ V without their rows past the context
+    zeroed. Over a cache whose stale slots hold large finite values (the engine's is zeroed at
+    allocation and every store is finite), those rows weigh exactly 0: the reference's answer."""
+    _check_tma_decode(device, window, new_tokens, block_size, block_n, splits, 1.0e4, True)
+
+
+def _check_tma_decode(
+    device, window, new_tokens, block_size, block_n, splits, stale, unmasked_v=False
+):
     torch.manual_seed(5)
     dtype, heads, kv_heads, dim = DTYPES[0], 8, 2, 64
     ctx = [1, 45, 100, 33]
     num_blocks = sum(math.ceil(c / block_size) for c in ctx) + 1
     cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, device)
     tables = _tables(ctx, block_size, num_blocks - 1, device)
-    cache[num_blocks - 1] = float("nan")
+    cache[num_blocks - 1] = stale
     for row, c in zip(tables.tolist(), ctx):
-        cache[row[(c - 1) // block_size], :, (c - 1) % block_size + 1 :] = float("nan")
+        cache[row[(c - 1) // block_size], :, (c - 1) % block_size + 1 :] = stale
     meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
     scale = dim**-0.5
     launch = {"num_splits": splits, "block_n": block_n, "min_split": block_n, "tma": True}
+    launch["unmasked_v"] = unmasked_v
+    assert tk.plan_decode(len(ctx), cache, max(ctx), **launch).unmasked_v == unmasked_v
     if new_tokens:  # the new token comes from registers; its slot is stored by the kernel
         from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
 
@@ -262,9 +282,13 @@ def test_decode_through_tma_matches_reference(
     else:
         q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
         got = _decode(q, cache, tables, meta.context_lens, scale, max(ctx), window, **launch)
-    # The reference reads whole blocks, so it gets the same cache with the NaN slots zeroed.
-    want = paged_attention_reference(q, cache.nan_to_num(0.0), meta, scale, window)
-    assert not got.isnan().any()
+    # The reference reads whole blocks, so it gets the same cache with the stale slots zeroed.
+    clean = cache.clone()
+    clean[num_blocks - 1] = 0.0
+    for row, c in zip(tables.tolist(), ctx):
+        clean[row[(c - 1) // block_size], :, (c - 1) % block_size + 1 :] = 0.0
+    want = paged_attention_reference(q, clean, meta, scale, window)
+    assert got.isfinite().all()
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
