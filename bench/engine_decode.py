@@ -290,9 +290,8 @@ def main() -> None:
         "persistent (a batch-1 step's layers in one persistent kernel: "
         "kernels.persistent_decoder), qkv8 / qkv32 / qkv128 (decode attention also rotates q/k "
         "and stores the new k/v for steps of up to 8 / 32 / 128 rows: kernels.decode_qkv_rows), "
-        "slicesinnorm (down's two K slices added by the next RMSNorm: kernels.split_k_in_norm), "
-        "mergelast (each sequence's last decode split merges: kernels.decode_last_split_merges), "
-        "unmaskedv (V's tiles unzeroed past the context: kernels.decode_unmasked_v)",
+        "noslices (down's two K slices added by their own kernel: kernels.split_k_in_norm=False), "
+        "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -384,9 +383,8 @@ def main() -> None:
         "nowave": {"decode_wave_tma": False},
         "persistent": {"persistent_decoder": True},
         **{f"qkv{n}": {"decode_qkv_rows": n} for n in (8, 32, 128)},
-        "slicesinnorm": {"split_k_in_norm": True},
-        "mergelast": {"decode_last_split_merges": True},
-        "unmaskedv": {"decode_unmasked_v": True},
+        "noslices": {"split_k_in_norm": False},
+        "maskedv": {"decode_unmasked_v": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -302,9 +302,7 @@ def main() -> None:
         "persistenttagged (its residual stream in tagged words, not after counts), splits1 / "
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
         "decode_splits; one needs no merge kernel), "
-        "mergelast (each sequence's last split to finish merges: "
-        "kernels.decode_last_split_merges), unmaskedv (V's tiles unzeroed past the context: "
-        "kernels.decode_unmasked_v)",
+        "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -330,8 +328,7 @@ def main() -> None:
         "persistent3": {"persistent_decoder": True, "persistent_decoder_programs_per_sm": 3},
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
-        "mergelast": {"decode_last_split_merges": True},
-        "unmaskedv": {"decode_unmasked_v": True},
+        "maskedv": {"decode_unmasked_v": False},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

@@ -69,27 +69,22 @@ class KernelOptions:
     # the whole context: the small models' batch-1 step on the H100, SmolLM2-135M 495 -> 852 µs
     # at one split, 649 µs at two (bench/engine_small.py --variants default,splits1,splits2).
     decode_splits: int = 0
-    # Each sequence's last decode split to finish (a count per sequence and KV head, raised by
-    # every split) merges the splits' partials itself, in place of the merge kernel after the
-    # launch: one kernel a layer fewer, for one atomic and the partials' L2 reads in the last
-    # program. (Merging in the o GEMV instead, every program reading each split's partials, was
-    # slower: SmolLM2-135M on the H100 495 -> 608 µs; removed, docs/benchmarks.md.) Off until
-    # measured (bench/engine_small.py --variants default,mergelast).
-    decode_last_split_merges: bool = False
     # Decode attention's V tiles (TMA) go to P @ V as fetched: rows past the context are not
     # zeroed (their weights are exactly 0; the engine's cache is zeroed at allocation and every
-    # store is finite, so no NaN is there to meet them). Zeroing them takes each tile through
+    # store is finite, so no NaN is there to meet them). Zeroing them took each tile through
     # registers (a select a pair of values) and back to shared memory: compiled for sm_90, the
-    # bf16 tile loop drops from 842 to 470 instructions (128-token tiles; 172 -> 139 KB of shared
-    # memory) and from 592 to 338 (the deep launch's 64-token tiles; 88 -> 72 KB); fp8's only
-    # from 1,042 to 986 (its V then read a byte at a time). Off until measured
-    # (bench/engine_attention.py --unmasked-v, bench/engine_small.py --variants unmaskedv).
-    decode_unmasked_v: bool = False
+    # bf16 tile loop drops from 842 to 470 instructions. Taken for 16-bit tiles outside the deep
+    # launch (triton_attention.unmasked_v_applies). Batch-1 step on the H100: Qwen3-0.6B shape
+    # 926.5 -> 898.6 µs, SmolLM2-135M 494 -> 485 µs, the 8B 5.213 -> 5.149 ms (bench/
+    # engine_small.py --variants default,maskedv; docs/benchmarks.md). (Each sequence's last split
+    # merging the splits, in place of the merge kernel, was slower: SmolLM2 494 -> 524 µs; removed.)
+    decode_unmasked_v: bool = True
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
-    # them as the reducing kernel would (kernels/triton_skinny.SplitK): one kernel a layer fewer.
-    # Off until measured (bench/engine_decode.py --gemv triton,slicesinnorm).
-    split_k_in_norm: bool = False
+    # them as the reducing kernel would (kernels/triton_skinny.SplitK): one kernel a layer fewer,
+    # the same numbers bit for bit. The 8B's graph replay on the H100: batch 8 5.627 -> 5.589 ms,
+    # batch 32 6.104 -> 6.056 ms (bench/engine_decode.py --gemv triton,noslices).
+    split_k_in_norm: bool = True
     # Decode graphs take the logits' argmax inside the graph: a step whose rows are all greedy
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.

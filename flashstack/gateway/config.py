@@ -44,7 +44,6 @@ class KernelSwitches(BaseModel):
     decode_deep_tma: bool | None = None
     decode_wave_tma: bool | None = None
     decode_splits: int | None = Field(None, ge=0)
-    decode_last_split_merges: bool | None = None
     decode_unmasked_v: bool | None = None
     split_k_in_norm: bool | None = None
     argmax_in_graph: bool | None = None

@@ -176,31 +176,6 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_last_split_merging_matches_transformers(
-    family: str, enforce_eager: bool, hf_checkpoints
-) -> None:
-    """Decode steps whose attention splits are merged by each sequence's last split to finish
-    (kernels.decode_last_split_merges), no merge kernel, at batch 1 and 3, short and longer
-    prompts: transformers' greedy tokens."""
-    path, model = hf_checkpoints[family]
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
-    refs = [hf_greedy(model, p, 24) for p in prompts]
-    llm = LLM(
-        path,
-        block_size=16,
-        device="cuda",
-        dtype="float32",
-        show_progress=False,
-        max_num_seqs=3,
-        enforce_eager=enforce_eager,
-        kernels={"decode_last_split_merges": True},
-    )
-    assert [run_checked(llm, [p], greedy(24))[0] for p in prompts[:2]] == refs[:2]
-    assert run_checked(llm, prompts, greedy(24)) == refs
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_unmasked_v_tiles_change_no_token(family: str, hf_checkpoints) -> None:
     """kernels.decode_unmasked_v: V's TMA tiles feed P @ V with their rows past the context as
     fetched (the engine's zeroed cache holds only finite values there, each weighing exactly 0):

@@ -247,60 +247,6 @@ def merged_splits(
 
 
 @triton.jit
-def _merge_if_last(
-    arrival_ptr,
-    active,
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    head0,
-    G,
-    stride_ph,
-    stride_ps,
-    stride_lh,
-    stride_oh,
-    S_PAD: tl.constexpr,
-    G_MERGE: tl.constexpr,
-    D: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    # Counts this split in for its (sequence, KV head); the last of the `active` splits to arrive
-    # merges the group's partials as the merge kernel does and zeroes the count for the next
-    # launch. The barrier puts every thread's partial stores before the count's release; the
-    # count's acquire and the L2 loads (.cg) let the last split see the others'.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrival_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == active - 1:
-        s = tl.arange(0, S_PAD)
-        g = tl.arange(0, G_MERGE)
-        d = tl.arange(0, D_PAD)
-        heads = head0 + g
-        sg = (s < active)[:, None] & (g < G)[None, :]
-        lse = tl.load(
-            lse_ptr + heads[None, :] * stride_lh + s[:, None],
-            mask=sg,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        parts = tl.load(
-            part_ptr + heads[None, :, None] * stride_ph + s[:, None, None] * stride_ps + d,
-            mask=sg[:, :, None] & (d < D)[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        top = tl.maximum(tl.max(lse, 0), -1e30)  # finite for the padding's heads: no -inf - -inf
-        w = tl.where(lse > float("-inf"), tl.exp(lse - top[None, :]), 0.0)
-        den = tl.sum(w, 0)
-        out = tl.sum(parts * w[:, :, None], 0) / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(
-            out_ptr + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=(g < G)[:, None] & (d < D)[None, :],
-        )
-        tl.atomic_xchg(arrival_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -361,10 +307,6 @@ def _decode_kernel(
     ORDERED: tl.constexpr,
     QK_FP8: tl.constexpr = False,
     ORDER_READY: tl.constexpr = False,
-    arrivals_ptr=None,
-    MERGE_LAST: tl.constexpr = False,
-    S_PAD: tl.constexpr = 1,
-    G_MERGE: tl.constexpr = 1,
     MASK_V: tl.constexpr = True,
 ):
     hkv = tl.program_id(1)
@@ -538,24 +480,6 @@ def _decode_kernel(
                     mask=omask,
                 )
                 tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
-                if MERGE_LAST:  # the sequence's last split to finish merges them (no merge kernel)
-                    _merge_if_last(
-                        arrivals_ptr + b * tl.num_programs(1) + hkv,
-                        active,
-                        part_ptr + b * stride_pb,
-                        lse_ptr + b * stride_lb,
-                        out_ptr + b * stride_ob,
-                        hkv * G,
-                        G,
-                        stride_ph,
-                        stride_ps,
-                        stride_lh,
-                        stride_oh,
-                        S_PAD,
-                        G_MERGE,
-                        D,
-                        D_PAD,
-                    )
             # the whole context in one split: the output itself, and the merge kernel skips it
             else:
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
@@ -703,6 +627,15 @@ def deep_tma_launch(batch: int, kv_heads: int, short: bool, fp8: bool) -> bool:
     return not short and not fp8 and batch * kv_heads >= DEEP_TMA_PAIRS
 
 
+def unmasked_v_applies(fp8: bool, deep: bool) -> bool:
+    """Whether a TMA launch takes V's tiles as fetched (KernelOptions.decode_unmasked_v): 16-bit
+    tiles, not the deep launch's. Measured on the H100 (docs/benchmarks.md, "Decode attention
+    launch"), one layer off -> on: batch 1 at context 576 7.25 -> 6.43 µs, 32K 177.3 -> 175.1 µs
+    (batch 4); but the deep launch at batch 32 28.6 -> 30.7 µs (its tiles then fit three programs
+    an SM), and fp8 tiles, read a byte at a time unzeroed, at batch 32 and 4K 95.7 -> 111.1 µs."""
+    return not fp8 and not deep
+
+
 def tma_launch(
     batch: int,
     kv_heads: int,
@@ -779,9 +712,6 @@ class DecodePlan:
     longest_first: bool = False
     # an fp8 cache's q @ K on the fp8 tensor cores, q quantized (KernelOptions.decode_fp8_qk)
     qk_fp8: bool = False
-    # each sequence's last split to finish merges the splits (KernelOptions.
-    # decode_last_split_merges), where they fit one program's registers: no merge kernel
-    merge_last: bool = False
     # TMA tiles of V feed P @ V as fetched, rows past the context not zeroed: the cache must hold
     # finite values there (KernelOptions.decode_unmasked_v)
     unmasked_v: bool = False
@@ -803,7 +733,6 @@ def plan_decode(
     deep: bool = True,
     wave: bool = True,
     qk_fp8: bool = False,
-    merge_last: bool = False,
     unmasked_v: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
@@ -813,10 +742,9 @@ def plan_decode(
     unless given), False never, True always. `deep`: deep_tma_launch where it applies
     (KernelOptions.decode_deep_tma). `wave`: tma_launch's (KernelOptions.decode_wave_tma).
     `qk_fp8`: over an fp8 cache, q @ K on the fp8 tensor cores (KernelOptions.decode_fp8_qk).
-    `merge_last`: the last split merges (KernelOptions.decode_last_split_merges). `unmasked_v`:
-    V's TMA tiles unzeroed past the context, for a cache that holds only finite values
-    (KernelOptions.decode_unmasked_v). The other
-    arguments override the measured defaults (benchmarks and tests)."""
+    `unmasked_v`: V's TMA tiles unzeroed past the context, for a cache that holds only finite
+    values (KernelOptions.decode_unmasked_v), where unmasked_v_applies. The other arguments
+    override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
     fp8 = kv_cache.dtype == FP8
@@ -862,8 +790,7 @@ def plan_decode(
         pdl_applies(kv_cache.device, pdl),
         longest_first,
         qk_fp8 and fp8,
-        merge_last and num_splits > 1,
-        unmasked_v and tma,
+        unmasked_v and tma and unmasked_v_applies(fp8, deep),
     )
 
 
@@ -916,8 +843,7 @@ def paged_decode_triton(
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
     says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given): the
-    split kernel, then the merge kernel where the plan has splits and its last split does not
-    merge them (`plan.merge_last`).
+    split kernel, then the merge kernel where the plan has splits.
     `order`: a permutation of the sequences (int32 [batch], longest context first: decode_order),
     the order their programs start in when `plan.longest_first`; `order_ready`: it was made before
     the kernel just before this launch (an earlier layer's), so programs may read it before their
@@ -946,10 +872,7 @@ def paged_decode_triton(
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
     else:  # one split writes the output itself: no partials
         part, lse, part_strides, lse_strides = out, out, (0, 0, 0), (0, 0)
-    s_pad, g_merge = triton.next_power_of_2(num_splits), triton.next_power_of_2(group)
     d_pad = triton.next_power_of_2(dim)
-    merge_last = plan.merge_last and s_pad * g_merge * d_pad <= MERGE_LAST_MAX_VALUES
-    arrivals = split_arrivals(q.device, batch * kv_heads) if merge_last else None
     if new is not None:
         assert dim & (dim - 1) == 0, "the rotary halves must be a power of two"
         assert q.stride(-1) == 1 and new.k.stride(-1) == 1 and new.v.stride(-1) == 1
@@ -1027,17 +950,13 @@ def paged_decode_triton(
         ORDERED=order is not None,
         QK_FP8=plan.qk_fp8,
         ORDER_READY=order is not None and order_ready,
-        arrivals_ptr=arrivals,
-        MERGE_LAST=merge_last,
-        S_PAD=s_pad,
-        G_MERGE=g_merge,
         MASK_V=not plan.unmasked_v,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
         },
     )
-    if num_splits > 1 and not merge_last:
+    if num_splits > 1:
         _merge_splits_kernel[(batch, heads)](
             part,
             lse,
@@ -1057,28 +976,6 @@ def paged_decode_triton(
             launch_pdl=plan.pdl,
         )
     return out
-
-
-# The merging split holds [splits, group, head_dim] partials in registers: up to 16 x 4 x 128
-# (the 8B's group at 16 splits) over a program's 128 threads, 64 values each.
-MERGE_LAST_MAX_VALUES = 8192
-# Per device, every buffer of counts ever handed out: a CUDA graph keeps the address it captured,
-# so a buffer outgrown stays alive. Each launch leaves its counts at zero.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """At least `n` int32 counts of splits done, zero between launches (paged_decode_triton with
-    `plan.merge_last`): allocated outside a graph's capture, by the warm-up that precedes it."""
-    held = _ARRIVALS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "decode_last_split_merges: its counts must be allocated before a CUDA graph's "
-                "capture (run the launch once first, as the graph's warm-up does)"
-            )
-        held.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 @triton.jit
@@ -1283,7 +1180,6 @@ def plan_step_decode(
         wave=kernels.decode_wave_tma,
         qk_fp8=kernels.decode_fp8_qk,
         num_splits=kernels.decode_splits or None,
-        merge_last=kernels.decode_last_split_merges,
         unmasked_v=kernels.decode_unmasked_v,
     )
 
@@ -1330,7 +1226,6 @@ def _mixed_in_graph(
             deep=kernels.decode_deep_tma,
             wave=kernels.decode_wave_tma,
             num_splits=kernels.decode_splits or None,
-            merge_last=kernels.decode_last_split_merges,
             unmasked_v=kernels.decode_unmasked_v,
         )
         order, ready = step_order(meta, lens, plan)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -168,51 +167,6 @@ def test_decode_with_fixed_splits_matches_reference(device, splits):
     q = torch.randn(2, heads, dim, dtype=dtype, device=device)
     got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
     torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
-
-
-@pytest.mark.parametrize("window", [None, 50])
-def test_last_split_merging_matches_the_merge_kernel(device, window, monkeypatch):
-    """KernelOptions.decode_last_split_merges: each sequence's last split to finish merges the
-    group's partials (no merge kernel), as the merge kernel would, for sequences of three splits,
-    two and one (which writes its output itself); its counts are back at zero after each launch,
-    so a second launch merges again."""
-    from flashstack.engine.config import KernelOptions
-
-    torch.manual_seed(11)
-    dtype, bs, heads, kv_heads, dim, ctx = DTYPES[0], 16, 6, 2, 64, [300, 200, 12]
-    cache = _cache(sum(math.ceil(c / bs) for c in ctx) + 2, bs, kv_heads, dim, dtype, device)
-    tables = _tables(ctx, bs, cache.shape[0], device)
-    meta = _meta([1, 1, 1], ctx, tables, bs, device)
-    options = KernelOptions(decode_splits=3, decode_last_split_merges=True).resolved(device)
-    plan = tk.plan_step_decode(meta, cache, options)
-    assert plan.merge_last and plan.num_splits == 3
-    # each context's splits as splits_of takes them: whole tiles, at least min_split a split
-    share = [
-        max(plan.min_split, math.ceil(math.ceil(c / 3) / plan.block_n) * plan.block_n) for c in ctx
-    ]
-    assert [math.ceil(c / t) for c, t in zip(ctx, share, strict=True)] == [3, 2, 1], plan
-    q = torch.randn(3, heads, dim, dtype=dtype, device=device)
-    want = tk.paged_decode_triton(
-        q, cache, tables, meta.context_lens, 0.125, replace(plan, merge_last=False), window
-    )
-    launched = []  # merged in the launch: nothing left for the merge kernel
-    monkeypatch.setattr(tk, "_merge_splits_kernel", _Recorder(launched))
-    for _ in range(2):
-        got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan, window)
-        assert launched == []
-        torch.testing.assert_close(got, want, **_tol(dtype))
-        assert not tk.split_arrivals(device, 3 * kv_heads).any()
-
-
-class _Recorder:
-    """A stand-in for a Triton kernel: records each launch's grid, launches nothing."""
-
-    def __init__(self, launches: list) -> None:
-        self.launches = launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return lambda *args, **kwargs: None
 
 
 @pytest.mark.parametrize("window", [None, 7])
