@@ -70,14 +70,15 @@ class KernelOptions:
     # at one split, 649 µs at two (bench/engine_small.py --variants default,splits1,splits2).
     decode_splits: int = 0
     # Decode attention's V tiles (TMA) go to P @ V as fetched: rows past the context are not
-    # zeroed (their weights are exactly 0; the engine's cache is zeroed at allocation and every
-    # store is finite, so no NaN is there to meet them). Zeroing them took each tile through
-    # registers (a select a pair of values) and back to shared memory: compiled for sm_90, the
-    # bf16 tile loop drops from 842 to 470 instructions. Taken for 16-bit tiles outside the deep
-    # launch (triton_attention.unmasked_v_applies). Batch-1 step on the H100: Qwen3-0.6B shape
-    # 926.5 -> 898.6 µs, SmolLM2-135M 494 -> 485 µs, the 8B 5.213 -> 5.149 ms (bench/
-    # engine_small.py --variants default,maskedv; docs/benchmarks.md). (Each sequence's last split
-    # merging the splits, in place of the merge kernel, was slower: SmolLM2 494 -> 524 µs; removed.)
+    # zeroed (their weights are exactly 0; the engine's cache is zeroed at allocation and a
+    # bfloat16 store is finite, so no NaN is there to meet them). Zeroing them took each tile
+    # through registers (a select a pair of values) and back to shared memory: compiled for
+    # sm_90, the bf16 tile loop drops from 842 to 470 instructions. Taken for bfloat16 tiles
+    # outside the deep launch (triton_attention.unmasked_v_applies: a float16 cache can hold an
+    # inf). Batch-1 step on the H100: Qwen3-0.6B shape 926.5 -> 898.6 µs, SmolLM2-135M 494 ->
+    # 485 µs, the 8B 5.213 -> 5.149 ms (bench/engine_small.py --variants default,maskedv;
+    # docs/benchmarks.md). (Each sequence's last split merging the splits, in place of the merge
+    # kernel, was slower: SmolLM2 494 -> 524 µs; removed.)
     decode_unmasked_v: bool = True
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds

@@ -627,13 +627,15 @@ def deep_tma_launch(batch: int, kv_heads: int, short: bool, fp8: bool) -> bool:
     return not short and not fp8 and batch * kv_heads >= DEEP_TMA_PAIRS
 
 
-def unmasked_v_applies(fp8: bool, deep: bool) -> bool:
-    """Whether a TMA launch takes V's tiles as fetched (KernelOptions.decode_unmasked_v): 16-bit
-    tiles, not the deep launch's. Measured on the H100 (docs/benchmarks.md, "Decode attention
-    launch"), one layer off -> on: batch 1 at context 576 7.25 -> 6.43 µs, 32K 177.3 -> 175.1 µs
-    (batch 4); but the deep launch at batch 32 28.6 -> 30.7 µs (its tiles then fit three programs
-    an SM), and fp8 tiles, read a byte at a time unzeroed, at batch 32 and 4K 95.7 -> 111.1 µs."""
-    return not fp8 and not deep
+def unmasked_v_applies(dtype: torch.dtype, deep: bool) -> bool:
+    """Whether a TMA launch takes V's tiles as fetched (KernelOptions.decode_unmasked_v): caches
+    of float32's range (bfloat16; float32 in the interpreter), whose stores cannot overflow to an
+    inf that a freed block would carry into another sequence's tiles (a float16 cache can), not
+    the deep launch's tiles. Measured on the H100 (docs/benchmarks.md, "Decode attention launch"),
+    one layer off -> on: batch 1 at context 576 7.25 -> 6.43 µs, 32K 177.3 -> 175.1 µs (batch 4);
+    but the deep launch at batch 32 28.6 -> 30.7 µs (its tiles then fit three programs an SM),
+    and fp8 tiles, read a byte at a time unzeroed, at batch 32 and 4K 95.7 -> 111.1 µs."""
+    return dtype in (torch.bfloat16, torch.float32) and not deep
 
 
 def tma_launch(
@@ -790,7 +792,7 @@ def plan_decode(
         pdl_applies(kv_cache.device, pdl),
         longest_first,
         qk_fp8 and fp8,
-        unmasked_v and tma and unmasked_v_applies(fp8, deep),
+        unmasked_v and tma and unmasked_v_applies(kv_cache.dtype, deep),
     )
 
 

@@ -193,6 +193,20 @@ def test_unmasked_v_tiles_match_reference_over_a_finite_cache(
     _check_tma_decode(device, window, new_tokens, block_size, block_n, splits, 1.0e4, True)
 
 
+def test_unmasked_v_is_taken_only_for_caches_that_cannot_hold_an_inf():
+    """float16 stores can overflow to an inf that a freed block carries into another sequence's
+    tiles (0 * inf is NaN), and fp8 or the deep launch's tiles measured slower unzeroed: those
+    launches keep zeroing V's rows past the context."""
+    assert tk.unmasked_v_applies(torch.bfloat16, deep=False)
+    assert not tk.unmasked_v_applies(torch.float16, deep=False)
+    assert not tk.unmasked_v_applies(torch.float8_e4m3fn, deep=False)
+    assert not tk.unmasked_v_applies(torch.bfloat16, deep=True)
+    launch = {"tma": True, "block_n": 16, "min_split": 16, "unmasked_v": True}
+    for dtype, taken in ((torch.float16, False), (torch.bfloat16, True)):
+        cache = torch.zeros(4, 2, 16, 2, 64, dtype=dtype)
+        assert tk.plan_decode(1, cache, 64, **launch).unmasked_v == taken
+
+
 def _check_tma_decode(
     device, window, new_tokens, block_size, block_n, splits, stale, unmasked_v=False
 ):
