@@ -291,7 +291,9 @@ def main() -> None:
         "kernels.persistent_decoder), qkv8 / qkv32 / qkv128 (decode attention also rotates q/k "
         "and stores the new k/v for steps of up to 8 / 32 / 128 rows: kernels.decode_qkv_rows), "
         "noslices (down's two K slices added by their own kernel: kernels.split_k_in_norm=False), "
-        "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False)",
+        "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False), "
+        "idleexit (decode splits past the context return before the wait: "
+        "kernels.decode_idle_exit)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -385,6 +387,7 @@ def main() -> None:
         **{f"qkv{n}": {"decode_qkv_rows": n} for n in (8, 32, 128)},
         "noslices": {"split_k_in_norm": False},
         "maskedv": {"decode_unmasked_v": False},
+        "idleexit": {"decode_idle_exit": True},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

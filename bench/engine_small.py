@@ -302,7 +302,9 @@ def main() -> None:
         "persistenttagged (its residual stream in tagged words, not after counts), splits1 / "
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
         "decode_splits; one needs no merge kernel), "
-        "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False)",
+        "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False), "
+        "idleexit (decode splits past the context return before the wait: "
+        "kernels.decode_idle_exit)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -329,6 +331,7 @@ def main() -> None:
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
         "maskedv": {"decode_unmasked_v": False},
+        "idleexit": {"decode_idle_exit": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

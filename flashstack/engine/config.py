@@ -80,6 +80,13 @@ class KernelOptions:
     # docs/benchmarks.md). (Each sequence's last split merging the splits, in place of the merge
     # kernel, was slower: SmolLM2 494 -> 524 µs; removed.)
     decode_unmasked_v: bool = True
+    # A decode split past its sequence's context returns first thing, before the PDL wait,
+    # instead of waiting, rotating q and running an empty loop. A graph's grid holds the splits
+    # of the longest context its bound allows: at batch 1 and context 576, 7 of 16 splits a KV
+    # head idle, and that launch took 5.91 µs where one of 9 splits took 4.83 (H200, docs/
+    # benchmarks.md, "Decode attention launch"). Off until measured (bench/engine_small.py
+    # --variants default,idleexit).
+    decode_idle_exit: bool = False
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
     # them as the reducing kernel would (kernels/triton_skinny.SplitK): one kernel a layer fewer,

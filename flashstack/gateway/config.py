@@ -45,6 +45,7 @@ class KernelSwitches(BaseModel):
     decode_wave_tma: bool | None = None
     decode_splits: int | None = Field(None, ge=0)
     decode_unmasked_v: bool | None = None
+    decode_idle_exit: bool | None = None
     split_k_in_norm: bool | None = None
     argmax_in_graph: bool | None = None
     decode_fp8_qk: bool | None = None

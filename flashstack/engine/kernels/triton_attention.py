@@ -308,6 +308,7 @@ def _decode_kernel(
     QK_FP8: tl.constexpr = False,
     ORDER_READY: tl.constexpr = False,
     MASK_V: tl.constexpr = True,
+    IDLE_EXIT: tl.constexpr = False,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -334,6 +335,12 @@ def _decode_kernel(
     # grid's: a graph's grid is sized for max_model_len, and a short context should still be read by
     # all its splits, not by the first few. Splits past the context have nothing to read.
     tokens_per_split, active = splits_of(ctx, min_split, num_splits, BLOCK_N)
+    if IDLE_EXIT:
+        # A split past the context leaves at once, before the wait: it would otherwise hold its
+        # SM slot through the wait, q's rotation and an empty loop (a graph's grid is sized for
+        # the longest context its bound allows, so a short one leaves many splits idle).
+        if split >= active:
+            return
     # A split past the context (lo >= ctx) runs an empty loop and writes nothing.
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, ctx)
@@ -717,6 +724,8 @@ class DecodePlan:
     # TMA tiles of V feed P @ V as fetched, rows past the context not zeroed: the cache must hold
     # finite values there (KernelOptions.decode_unmasked_v)
     unmasked_v: bool = False
+    # splits past a sequence's context return before the wait (KernelOptions.decode_idle_exit)
+    idle_exit: bool = False
 
 
 def plan_decode(
@@ -736,6 +745,7 @@ def plan_decode(
     wave: bool = True,
     qk_fp8: bool = False,
     unmasked_v: bool = False,
+    idle_exit: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
@@ -745,7 +755,8 @@ def plan_decode(
     (KernelOptions.decode_deep_tma). `wave`: tma_launch's (KernelOptions.decode_wave_tma).
     `qk_fp8`: over an fp8 cache, q @ K on the fp8 tensor cores (KernelOptions.decode_fp8_qk).
     `unmasked_v`: V's TMA tiles unzeroed past the context, for a cache that holds only finite
-    values (KernelOptions.decode_unmasked_v), where unmasked_v_applies. The other arguments
+    values (KernelOptions.decode_unmasked_v), where unmasked_v_applies. `idle_exit`: splits past
+    a sequence's context return first thing (KernelOptions.decode_idle_exit). The other arguments
     override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
@@ -793,6 +804,7 @@ def plan_decode(
         longest_first,
         qk_fp8 and fp8,
         unmasked_v and tma and unmasked_v_applies(kv_cache.dtype, deep),
+        idle_exit and num_splits > 1,
     )
 
 
@@ -953,6 +965,7 @@ def paged_decode_triton(
         QK_FP8=plan.qk_fp8,
         ORDER_READY=order is not None and order_ready,
         MASK_V=not plan.unmasked_v,
+        IDLE_EXIT=plan.idle_exit,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1183,6 +1196,7 @@ def plan_step_decode(
         qk_fp8=kernels.decode_fp8_qk,
         num_splits=kernels.decode_splits or None,
         unmasked_v=kernels.decode_unmasked_v,
+        idle_exit=kernels.decode_idle_exit,
     )
 
 
@@ -1229,6 +1243,7 @@ def _mixed_in_graph(
             wave=kernels.decode_wave_tma,
             num_splits=kernels.decode_splits or None,
             unmasked_v=kernels.decode_unmasked_v,
+            idle_exit=kernels.decode_idle_exit,
         )
         order, ready = step_order(meta, lens, plan)
         paged_decode_triton(

@@ -207,8 +207,38 @@ def test_unmasked_v_is_taken_only_for_caches_that_cannot_hold_an_inf():
         assert tk.plan_decode(1, cache, 64, **launch).unmasked_v == taken
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("new_tokens", [False, True])
+def test_idle_splits_leaving_first_change_nothing(device, window, new_tokens):
+    """KernelOptions.decode_idle_exit: splits past a sequence's context (contexts of 1 to 100
+    tokens over 4 splits of 16-token tiles) return before the wait; the others attend, store the
+    new token and leave their partials as before: the reference's answer, through TMA tiles."""
+    _check_tma_decode(device, window, new_tokens, 32, 16, 4, float("nan"), idle_exit=True)
+
+
+def test_idle_splits_leaving_first_through_plain_loads(device):
+    torch.manual_seed(3)
+    dtype, bs, heads, kv_heads, dim, ctx = DTYPES[0], 16, 8, 2, 64, [3, 90, 20]
+    cache = _cache(sum(math.ceil(c / bs) for c in ctx) + 1, bs, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, bs, cache.shape[0], device)
+    meta = _meta([1] * len(ctx), ctx, tables, bs, device)
+    q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
+    launch = {"tma": False, "num_splits": 4, "block_n": 16, "min_split": 16, "idle_exit": True}
+    assert tk.plan_decode(len(ctx), cache, max(ctx), **launch).idle_exit
+    got = _decode(q, cache, tables, meta.context_lens, 0.125, max(ctx), **launch)
+    torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
+
+
 def _check_tma_decode(
-    device, window, new_tokens, block_size, block_n, splits, stale, unmasked_v=False
+    device,
+    window,
+    new_tokens,
+    block_size,
+    block_n,
+    splits,
+    stale,
+    unmasked_v=False,
+    idle_exit=False,
 ):
     torch.manual_seed(5)
     dtype, heads, kv_heads, dim = DTYPES[0], 8, 2, 64
@@ -222,8 +252,9 @@ def _check_tma_decode(
     meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
     scale = dim**-0.5
     launch = {"num_splits": splits, "block_n": block_n, "min_split": block_n, "tma": True}
-    launch["unmasked_v"] = unmasked_v
-    assert tk.plan_decode(len(ctx), cache, max(ctx), **launch).unmasked_v == unmasked_v
+    launch.update(unmasked_v=unmasked_v, idle_exit=idle_exit)
+    plan = tk.plan_decode(len(ctx), cache, max(ctx), **launch)
+    assert (plan.unmasked_v, plan.idle_exit) == (unmasked_v, idle_exit)
     if new_tokens:  # the new token comes from registers; its slot is stored by the kernel
         from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
 
