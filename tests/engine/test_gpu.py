@@ -176,14 +176,19 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_unmasked_v_tiles_change_no_token(family: str, hf_checkpoints) -> None:
-    """kernels.decode_unmasked_v: V's TMA tiles feed P @ V with their rows past the context as
-    fetched (the engine's zeroed cache holds only finite values there, each weighing exactly 0):
-    in bf16, graphs on, the same greedy tokens as the default decode at batch 1 and 3."""
+@pytest.mark.parametrize(
+    "option", ["decode_unmasked_v", "decode_idle_exit"], ids=["unmasked_v", "idle_exit"]
+)
+def test_attention_options_change_no_token(family: str, option: str, hf_checkpoints) -> None:
+    """Options that leave decode attention's numbers as they are, off against on, in bf16 with
+    graphs (block size 256: TMA tiles) at batch 1 and 3: kernels.decode_unmasked_v (V's tiles
+    feed P @ V with their rows past the context as fetched: the engine's zeroed cache holds only
+    finite values there, each weighing exactly 0) and kernels.decode_idle_exit (splits past the
+    context return before the wait)."""
     path, _ = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
     runs = []
-    for unmasked in (False, True):
+    for on in (False, True):
         llm = LLM(
             path,
             block_size=256,  # TMA tiles lie inside a block
@@ -191,7 +196,7 @@ def test_unmasked_v_tiles_change_no_token(family: str, hf_checkpoints) -> None:
             dtype="bfloat16",
             show_progress=False,
             max_num_seqs=3,
-            kernels={"decode_unmasked_v": unmasked},
+            kernels={option: on},
         )
         runs.append(
             [run_checked(llm, [prompts[0]], greedy(24))[0], *run_checked(llm, prompts, greedy(24))]
