@@ -292,8 +292,10 @@ def main() -> None:
         "and stores the new k/v for steps of up to 8 / 32 / 128 rows: kernels.decode_qkv_rows), "
         "noslices (down's two K slices added by their own kernel: kernels.split_k_in_norm=False), "
         "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False), "
-        "idleexit (decode splits past the context return before the wait: "
-        "kernels.decode_idle_exit)",
+        "noidleexit (decode splits past the context wait and run an empty loop: "
+        "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight before the "
+        "wait: kernels.gemv_l2_prefetch_bytes=0), l2pf16 / l2pf64 (batch-1 GEMVs of weights up "
+        "to 16 / 64 MiB ask the L2 for them before the wait: kernels.gemv_l2_prefetch_bytes)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -387,7 +389,10 @@ def main() -> None:
         **{f"qkv{n}": {"decode_qkv_rows": n} for n in (8, 32, 128)},
         "noslices": {"split_k_in_norm": False},
         "maskedv": {"decode_unmasked_v": False},
-        "idleexit": {"decode_idle_exit": True},
+        "noidleexit": {"decode_idle_exit": False},
+        "nol2pf": {"gemv_l2_prefetch_bytes": 0},
+        "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
+        "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -57,6 +57,7 @@ VARIANTS: dict[str, str | None] = {
     "fp8": "fp8",
     "fp8_w8a16": "fp8",
     "fp8_fusedsilu": "fp8",
+    "fp8_l2pf": "fp8",
     "q8_0": "q8_0",
     "q4_k": "q4_k",
 }
@@ -64,6 +65,8 @@ VARIANTS: dict[str, str | None] = {
 VARIANT_KERNELS: dict[str, dict[str, Any]] = {
     "fp8_w8a16": {"fp8_activations": False},
     "fp8_fusedsilu": {"fp8_silu_kernel": False},  # the down GEMV computes its SiLU input itself
+    # q/k/v and o (at most 32 MB of fp8) asked of the L2 before their GEMVs' PDL wait
+    "fp8_l2pf": {"gemv_l2_prefetch_bytes": 32 << 20},
 }
 
 # Perplexity text: the openings of two public-domain novels (Dickens, 1859; Austen, 1813).

@@ -303,8 +303,11 @@ def main() -> None:
         "splits2 / splits4 (decode attention in that many splits a sequence: kernels."
         "decode_splits; one needs no merge kernel), "
         "maskedv (V's tiles zeroed past the context: kernels.decode_unmasked_v=False), "
-        "idleexit (decode splits past the context return before the wait: "
-        "kernels.decode_idle_exit)",
+        "noidleexit (decode splits past the context wait and run an empty loop: "
+        "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight "
+        "before the wait: kernels.gemv_l2_prefetch_bytes=0), l2pf2 / l2pf4 / l2pf16 / l2pf64 "
+        "(batch-1 GEMVs of weights up to 2 / 4 / 16 / 64 MiB ask the L2 for them before the "
+        "wait: kernels.gemv_l2_prefetch_bytes)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -331,7 +334,12 @@ def main() -> None:
         "persistenttagged": {"persistent_decoder": True, "persistent_decoder_tagged": True},
         **{f"splits{n}": {"decode_splits": n} for n in (1, 2, 4)},
         "maskedv": {"decode_unmasked_v": False},
-        "idleexit": {"decode_idle_exit": True},
+        "noidleexit": {"decode_idle_exit": False},
+        "nol2pf": {"gemv_l2_prefetch_bytes": 0},
+        "l2pf2": {"gemv_l2_prefetch_bytes": 2 << 20},
+        "l2pf4": {"gemv_l2_prefetch_bytes": 4 << 20},
+        "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
+        "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

@@ -83,10 +83,10 @@ class KernelOptions:
     # A decode split past its sequence's context returns first thing, before the PDL wait,
     # instead of waiting, rotating q and running an empty loop. A graph's grid holds the splits
     # of the longest context its bound allows: at batch 1 and context 576, 7 of 16 splits a KV
-    # head idle, and that launch took 5.91 µs where one of 9 splits took 4.83 (H200, docs/
-    # benchmarks.md, "Decode attention launch"). Off until measured (bench/engine_small.py
-    # --variants default,idleexit).
-    decode_idle_exit: bool = False
+    # head idle. Batch-1 step on the H100: SmolLM2-135M 487 -> 478 µs, Qwen3-0.6B shape 901 ->
+    # 897 µs, the 8B level (bench/engine_small.py --variants default,noidleexit; docs/
+    # benchmarks.md).
+    decode_idle_exit: bool = True
     # A skinny product split along K whose output only feeds the next RMSNorm (the 8B's down
     # projection at 2 to 64 rows: two slices) leaves its float32 slices to that norm, which adds
     # them as the reducing kernel would (kernels/triton_skinny.SplitK): one kernel a layer fewer,
@@ -129,6 +129,13 @@ class KernelOptions:
     # the fp8 GEMV is bound by conversions (kernels/triton_gemv.py). 8B batch-1 step on the H200:
     # 2.715 -> 2.667 ms.
     fp8_silu_kernel: bool = True
+    # A batch-1 GEMV whose weight is at most this many bytes asks the L2 for all of it before its
+    # PDL wait, one bulk prefetch a program (kernels/triton_gemv.l2_prefetch_plan); 0: none.
+    # Batch-1 step on the H100: SmolLM2-135M (every weight 3.4 MiB or less) 481 -> 467 µs; the
+    # Qwen3-0.6B shape's 4 MiB o projection slower (895 -> 909 µs), as were larger weights
+    # (Llama-3.2-1B shape 1051 -> 1085 µs at 16 MiB, the 8B's fp8 q/k/v and o 3.25 -> 3.45 ms);
+    # bench/engine_small.py --variants default,nol2pf,l2pf4,l2pf16; docs/benchmarks.md.
+    gemv_l2_prefetch_bytes: int = 7 << 19  # 3.5 MiB
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"
@@ -156,6 +163,11 @@ class KernelOptions:
             raise ValueError(
                 f"kernels.decode_splits must be 0 (as many as fill the GPU) or more, got "
                 f"{self.decode_splits}"
+            )
+        if self.gemv_l2_prefetch_bytes < 0:
+            raise ValueError(
+                "kernels.gemv_l2_prefetch_bytes must be 0 (no prefetch) or more, got "
+                f"{self.gemv_l2_prefetch_bytes}"
             )
         if self.decode_qkv_rows < 1:
             raise ValueError(

@@ -48,6 +48,11 @@ more bytes in flight per program without spending registers on them. Same chunks
 bits either way. It pays where a program's share is long: the down projection (14336-wide rows)
 with three stages took the 8B batch-1 decode step from 4.14 to 4.06 ms on the H200.
 
+A small weight (KernelOptions.gemv_l2_prefetch_bytes) is asked of the L2 whole by the first
+programs before the PDL wait (`l2_prefetch_plan`), while the kernel before still runs:
+SmolLM2-135M's step 481 -> 467 us on the H100; larger weights measured slower
+(docs/benchmarks.md, "Engine small-model profile").
+
 Against cuBLAS on the H200: docs/benchmarks.md, "Batch-1 GEMV", "GEMV chain" and "Decode step".
 """
 
@@ -57,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
 from flashstack.engine.kernels.triton_q4k import group_scales
 from flashstack.engine.quantization import FP8, dequantized_linear
@@ -64,6 +70,27 @@ from flashstack.engine.quantization import FP8, dequantized_linear
 # What fp8 products in float16 multiply their input by first (_product): 448 * x stays in range.
 HALF_INPUT_SCALE = 2.0**-8
 _HALF_INPUT_SCALE = tl.constexpr(HALF_INPUT_SCALE)
+
+# The largest piece one L2 prefetch asks for (`prefetch_to_l2`): a program's span goes in pieces.
+_L2_PREFETCH_PIECE = tl.constexpr(1 << 16)
+
+
+@triton.jit
+def prefetch_to_l2(ptr, nbytes):
+    """Ask the L2 for `nbytes` (a multiple of 16) from `ptr` (16-byte aligned) without waiting for
+    them (`cp.async.bulk.prefetch.L2`, Hopper): one thread of the program asks, in 64 KB pieces."""
+    base = ptr.to(tl.int64, bitcast=True)
+    for off in range(0, nbytes, _L2_PREFETCH_PIECE):
+        size = tl.minimum(nbytes - off, _L2_PREFETCH_PIECE).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [base + off, size],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 @triton.jit
@@ -226,6 +253,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PRESCALED: tl.constexpr,
+    PREFETCH_L2: tl.constexpr = False,
+    pf_rows=0,
+    pf_row_bytes=0,
 ):
     # K: the input's length; KW: a weight row's, in stored elements (K / 2 bytes for Q4_K)
     pid = tl.program_id(0)
@@ -244,6 +274,13 @@ def _gemv_kernel(
         row_scale = tl.load(s_ptr + rows, mask=rmask, other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if PREFETCH_L2:
+        # The first programs ask the L2 for every row, pf_rows each, while the kernel before
+        # still runs: the later waves, and this wave's next chunks, read them from there.
+        first = pid * pf_rows
+        if first < N:
+            span = tl.minimum(N - first, pf_rows).to(tl.int64) * pf_row_bytes
+            prefetch_to_l2(w_ptr + first.to(tl.int64) * stride_w, span)
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
     if ADD_OUT:
         old = tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -435,6 +472,7 @@ def gemv_triton(
     scale: torch.Tensor | None = None,
     half_products: bool | None = None,
     prescaled: bool = False,
+    l2_prefetch_bytes: int = 0,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
@@ -449,7 +487,9 @@ def gemv_triton(
     of `config` is then in bytes). `half_products`: fp8 products in float16 (default: for 16-bit
     activations) or in float32. `prescaled`: fp8 weights and x float16 already times 2^-8, as the
     float16 products take it (silu_and_mul_triton's `out_scale`), so that no program converts it;
-    the result is then in `residual`'s or `out`'s dtype."""
+    the result is then in `residual`'s or `out`'s dtype. `l2_prefetch_bytes`: a weight of at most
+    this many bytes is asked of the L2 whole before the PDL wait
+    (KernelOptions.gemv_l2_prefetch_bytes; `l2_prefetch_plan`)."""
     n, kw = weight.shape
     q8, q4 = weight.dtype == torch.int8, weight.dtype == torch.uint8
     k = 2 * kw if q4 else kw
@@ -494,7 +534,13 @@ def gemv_triton(
     if half_products is None:
         half_products = x.dtype != torch.float32
     half = scale is not None and half_products and not (q8 or q4)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    grid = triton.cdiv(n, block_n)
+    pf_rows = 0
+    if pdl and l2_prefetch_bytes:  # pdl: compiled for Hopper or later, where the prefetch exists
+        pf_rows = l2_prefetch_plan(
+            weight, grid, l2_prefetch_bytes, device_for(weight.device).sm_count
+        )
+    _gemv_kernel[(grid,)](
         weight,
         x,
         bias if bias is not None else y,
@@ -520,7 +566,23 @@ def gemv_triton(
         BLOCK_K=block_k,
         STAGES=stages[0] if stages else 0,
         PRESCALED=prescaled,
+        PREFETCH_L2=pf_rows > 0,
+        pf_rows=pf_rows,
+        pf_row_bytes=weight.stride(0) * weight.element_size(),
         num_warps=warps,
         launch_pdl=pdl,
     )
     return y
+
+
+def l2_prefetch_plan(weight: torch.Tensor, programs: int, max_bytes: int, sm_count: int) -> int:
+    """Rows each of the first programs asks the L2 for before its PDL wait (0: none): a weight of
+    at most `max_bytes`, contiguous and 16-byte aligned in 16-byte rows (the bulk prefetch's
+    unit), spread over at most one program an SM, the ones resident while the kernel before
+    still runs."""
+    nbytes = weight.numel() * weight.element_size()
+    row_bytes = weight.stride(0) * weight.element_size()
+    aligned = weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+    if not 0 < nbytes <= max_bytes or not weight.is_contiguous() or not aligned:
+        return 0
+    return triton.cdiv(weight.shape[0], min(programs, sm_count))

@@ -402,6 +402,7 @@ class Batch1Ops(TritonOps):
             norm=(norm.weight, norm.eps),
             pdl=self.kernels.pdl,
             scale=proj.weight_scale,
+            l2_prefetch_bytes=self.kernels.gemv_l2_prefetch_bytes,
         )
         return out, residual
 
@@ -445,6 +446,7 @@ class Batch1Ops(TritonOps):
                 pdl=pdl,
                 scale=proj.weight_scale,
                 prescaled=prescaled,
+                l2_prefetch_bytes=self.kernels.gemv_l2_prefetch_bytes,
             )
         driver = tp.is_driver
         fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)

@@ -192,3 +192,44 @@ def test_programmatic_dependent_launch_only_where_it_can_run():
         assert pdl_applies(cuda) == (hopper and not triton.knobs.runtime.interpret)
         assert KernelOptions().resolved(cuda).pdl == hopper
         assert not KernelOptions(pdl=False).resolved(cuda).pdl
+
+
+def test_l2_prefetch_plan_spreads_small_contiguous_weights_over_one_program_an_sm():
+    w = torch.empty(1000, 576, dtype=torch.bfloat16)  # 1.1 MB, 1152-byte rows
+    nbytes = w.numel() * w.element_size()
+    assert tg.l2_prefetch_plan(w, programs=250, max_bytes=nbytes, sm_count=132) == 8  # 125 ask
+    assert tg.l2_prefetch_plan(w, programs=100, max_bytes=nbytes, sm_count=132) == 10  # all ask
+    assert tg.l2_prefetch_plan(w, programs=250, max_bytes=nbytes - 1, sm_count=132) == 0
+    assert tg.l2_prefetch_plan(w, programs=250, max_bytes=0, sm_count=132) == 0
+    assert tg.l2_prefetch_plan(w[:, :500], 250, nbytes, 132) == 0  # not contiguous
+    odd = torch.empty(64, 9, dtype=torch.bfloat16)  # 18-byte rows: not the bulk unit
+    assert tg.l2_prefetch_plan(odd, 16, 1 << 20, 132) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bulk prefetch runs on Hopper only")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_l2_prefetch_gives_the_same_bits(fp8):
+    """kernels.gemv_l2_prefetch_bytes asks the L2 for the weight before the PDL wait: a hint, the
+    products unchanged, in every prologue."""
+    torch.manual_seed(5)
+    n, k, dev = 3000, 2048, torch.device("cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) / k**0.5
+    scale = None
+    if fp8:
+        scale = torch.rand(n, dtype=torch.float32, device=dev) + 0.5
+        w = w.to(torch.float8_e4m3fn)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+    g = torch.rand(k, dtype=torch.bfloat16, device=dev) + 0.5
+    r = torch.randn(1, n, dtype=torch.bfloat16, device=dev)
+    for kwargs in [{}, {"norm": (g, 1e-5)}, {"residual": r}]:
+        runs = [
+            tg.gemv_triton(
+                w,
+                x,
+                scale=scale,
+                l2_prefetch_bytes=pf,
+                **{**kwargs, "residual": r.clone()} if "residual" in kwargs else kwargs,
+            )
+            for pf in (0, 64 << 20)
+        ]
+        torch.testing.assert_close(runs[0], runs[1], atol=0, rtol=0)
