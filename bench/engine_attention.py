@@ -31,9 +31,11 @@ FP8_WORKLOADS = {  # name: (batch, context, heads, kv_heads); the grid sized for
     "llama3-8b b4 ctx 32K": (4, 32768, 32, 8),
     "llama3-8b b32 ctx 4K": (32, 4096, 32, 8),
 }
-# fp8 launches tried beside plan_decode's default (tuned on bf16): TMA or not, stages, splits
+# fp8 launches tried beside the engine's: TMA or not, byte tiles or word pairs, stages, splits
 FP8_LAUNCHES = {
-    "default": {},
+    # the engine's: tiles as 16-bit words, V as fetched (kernels.decode_fp8_pairs)
+    "default": {"fp8_pairs": True, "unmasked_v": True},
+    "byte tiles": {},  # the launch before decode_fp8_pairs
     "plain": {"tma": False},
     "tma s3": {"num_stages": 3},
     "tma s4": {"num_stages": 4},
@@ -42,6 +44,10 @@ FP8_LAUNCHES = {
     "tma s3 w8": {"num_stages": 3, "num_warps": 8},
     "plain w8": {"tma": False, "num_warps": 8},
     # q @ K on the fp8 tensor cores, K's tiles as stored (kernels.decode_fp8_qk)
+    "pairs, V zeroed": {"fp8_pairs": True},
+    "pairs s3": {"fp8_pairs": True, "unmasked_v": True, "num_stages": 3},
+    "pairs s4": {"fp8_pairs": True, "unmasked_v": True, "num_stages": 4},
+    "pairs w8": {"fp8_pairs": True, "unmasked_v": True, "num_warps": 8},
     "qk fp8": {"qk_fp8": True},
     "qk fp8 s2": {"qk_fp8": True, "num_stages": 2},
     "qk fp8 w8": {"qk_fp8": True, "num_warps": 8},

@@ -126,19 +126,27 @@ def test_scales_matter_wrong_ones_breakfraction(smollm2):
         fp8.engine.block_manager.reset_prefix_cache()
 
 
+@pytest.mark.parametrize("block_size", [16, 256])  # 256: TMA tiles, read as word pairs
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_fp8_kernels_and_graphs_pick_what_the_torch_path_picks(family, hf_checkpoints):
+def test_cuda_fp8_kernels_and_graphs_pick_what_the_torch_path_picks(
+    family, block_size, hf_checkpoints
+):
     """On the GPU, the Triton kernels and decode graphs over an fp8 cache (batch 1: the decode
     kernel's own q/k/v work) give the greedy tokens of the plain-torch path over the same cache:
-    same scales, same bytes, fp32 arithmetic either way."""
+    same scales, same bytes, fp32 arithmetic either way; with 256-token blocks the decode tiles
+    come through the TMA as 16-bit words (kernels.decode_fp8_pairs)."""
     from tests.engine.helpers import greedy, run_checked
 
     path, _ = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 53)), [9] * 40]
     common = dict(
-        block_size=16, device="cuda", dtype="float32", kv_cache_dtype="fp8", show_progress=False
+        block_size=block_size,
+        device="cuda",
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        show_progress=False,
     )
     ref = LLM(path, attention_backend="reference", enforce_eager=True, **common)
     want = run_checked(ref, prompts, greedy(12))

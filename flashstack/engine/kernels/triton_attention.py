@@ -198,6 +198,30 @@ def attend_new_token(q, k_new, v_new, m, row_sum, acc, q_scale, pv_dtype: tl.con
 
 
 @triton.jit
+def fp8_pairs(t, dtype: tl.constexpr, ASM: tl.constexpr):
+    """An fp8 tile read as 16-bit words [N, D / 2], each two neighbouring values of a row (the
+    even column in the low byte): the even and the odd columns, each [N, D / 2] in `dtype`.
+    ASM (compiled, float16): two words a register, one byte permute for them and one conversion
+    for each two values of a column, where the compiler's own took a mask, a permute and a
+    multiply-add before each conversion."""
+    if ASM:
+        even, odd = tl.inline_asm_elementwise(
+            # bytes e0 o0 e1 o1 -> e0 e1 | o0 o1, each half two values to convert
+            "{ .reg .b32 w; .reg .b16 e, o; prmt.b32 w, $2, 0, 0x3120; mov.b32 {e, o}, w; "
+            "cvt.rn.f16x2.e4m3x2 $0, e; cvt.rn.f16x2.e4m3x2 $1, o; }",
+            "=r,=r,r",
+            [t],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        even = (t & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+        odd = ((t >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+    return even, odd
+
+
+@triton.jit
 def splits_of(ctx, min_split, num_splits, BLOCK_N: tl.constexpr):
     """(tokens per split, splits holding part of the context) for one sequence: the split kernel
     and the merge must agree on both."""
@@ -244,6 +268,71 @@ def merged_splits(
         den = den * keep + w
         top = new_top
     return (num / tl.where(den > 0, den, 1.0)).to(act).to(tl.float32)
+
+
+@triton.jit
+def softmax_step(qk, nmask, m, row_sum):
+    """One tile's scores [G, N] into the running maximum and sum (online softmax): the tile's
+    weights p (masked columns 0), the factor alpha the running output is rescaled by, and the
+    new maximum and sum."""
+    qk = tl.where(nmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    return p, alpha, m_new, row_sum * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _fp8_pair_tiles(
+    q,
+    cache_desc,
+    span,
+    blks,
+    first_blk,
+    first,
+    lo,
+    hi,
+    hkv,
+    block_size,
+    m,
+    row_sum,
+    G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_DOT: tl.constexpr,
+    MASK_V: tl.constexpr,
+    ASM: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # An fp8 cache's TMA tiles as 16-bit words (fp8_pairs): each word's two values go to the dot
+    # products' operands by register, where a byte-wide tile went through shared memory a byte at
+    # a time. q's even and odd columns meet K's (the sum over the head is the same sum), and
+    # P @ V gives the output's even and odd columns apart, interleaved once at the end.
+    HALF: tl.constexpr = D_PAD // 2
+    q_even, q_odd = tl.split(tl.reshape(q, (G_PAD, HALF, 2)))
+    acc_even = tl.zeros([G_PAD, HALF], tl.float32)
+    acc_odd = tl.zeros([G_PAD, HALF], tl.float32)
+    for start in range(first, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = (n >= lo) & (n < hi)
+        blk = tl.sum(tl.where(span == start // block_size - first_blk, blks, 0))
+        krow = blk * 2 * block_size + start % block_size
+        k_even, k_odd = fp8_pairs(
+            cache_desc.load([krow, hkv, 0]).reshape(BLOCK_N, HALF), KV_DOT, ASM
+        )
+        qk = tl.dot(q_even, tl.trans(k_even), input_precision=PREC)
+        qk = tl.dot(q_odd, tl.trans(k_odd), qk, input_precision=PREC)
+        p, alpha, m, row_sum = softmax_step(qk, nmask, m, row_sum)
+        v_even, v_odd = fp8_pairs(
+            cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, HALF), KV_DOT, ASM
+        )
+        if MASK_V:
+            v_even = tl.where(nmask[:, None], v_even, 0.0)
+            v_odd = tl.where(nmask[:, None], v_odd, 0.0)
+        p = p.to(KV_DOT)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PREC)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PREC)
+    return m, row_sum, tl.reshape(tl.join(acc_even, acc_odd), (G_PAD, D_PAD))
 
 
 @triton.jit
@@ -309,6 +398,8 @@ def _decode_kernel(
     ORDER_READY: tl.constexpr = False,
     MASK_V: tl.constexpr = True,
     IDLE_EXIT: tl.constexpr = False,
+    FP8_PAIRS: tl.constexpr = False,
+    FP8_ASM: tl.constexpr = False,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -419,49 +510,70 @@ def _decode_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for start in range(first, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        if TMA:
-            nmask = (n >= lo) & (n < hi)
-            # Rows of the cache viewed as [blocks * 2 * block_size, kv_heads, D]: K at the block's
-            # first half, V at its second.
-            blk = tl.sum(tl.where(span == start // block_size - first_blk, blks, 0))
-            krow = blk * 2 * block_size + start % block_size
-            k = cache_desc.load([krow, hkv, 0]).reshape(BLOCK_N, D_PAD)
-        else:
-            nmask = n < hi
-            blk = tl.load(tables_ptr + b * stride_tb + n // block_size, mask=nmask, other=0)
-            row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if QK_FP8:
-            qk = tl.dot(q, tl.trans(k)) * q_scale
-        else:
-            if FP8:
-                k = k.to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        if TMA:
-            # A tile's rows past the context hold other tokens' values or never-written memory:
-            # their scores are masked above, and V is zeroed so a stale NaN cannot reach the sum.
-            # Without MASK_V the rows go to P @ V as fetched (a cache holding only finite values
-            # there, as the engine's zeroed one does: their weights are exactly 0): zeroing them
-            # took V through registers and back to shared memory before its dot operands.
-            v = cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, D_PAD)
-            if FP8:
-                v = v.to(pv_dtype)
-            if MASK_V:
-                v = tl.where(nmask[:, None], v, 0.0)
-        else:
-            v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if FP8:
-                v = v.to(pv_dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
+    if FP8_PAIRS:
+        m, row_sum, acc = _fp8_pair_tiles(
+            q,
+            cache_desc,
+            span,
+            blks,
+            first_blk,
+            first,
+            lo,
+            hi,
+            hkv,
+            block_size,
+            m,
+            row_sum,
+            G_PAD,
+            D_PAD,
+            BLOCK_N,
+            KV_DOT,
+            MASK_V,
+            FP8_ASM,
+            PREC,
+        )
+    else:
+        for start in range(first, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            if TMA:
+                nmask = (n >= lo) & (n < hi)
+                # Rows of the cache viewed as [blocks * 2 * block_size, kv_heads, D]: K at the
+                # block's first half, V at its second.
+                blk = tl.sum(tl.where(span == start // block_size - first_blk, blks, 0))
+                krow = blk * 2 * block_size + start % block_size
+                k = cache_desc.load([krow, hkv, 0]).reshape(BLOCK_N, D_PAD)
+            else:
+                nmask = n < hi
+                blk = tl.load(tables_ptr + b * stride_tb + n // block_size, mask=nmask, other=0)
+                row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
+                kv_mask = nmask[:, None] & dmask[None, :]
+                k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if QK_FP8:
+                qk = tl.dot(q, tl.trans(k)) * q_scale
+            else:
+                if FP8:
+                    k = k.to(q.dtype)
+                qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+            p, alpha, m, row_sum = softmax_step(qk, nmask, m, row_sum)
+            if TMA:
+                # A tile's rows past the context hold other tokens' values or never-written
+                # memory: their scores are masked above, and V is zeroed so a stale NaN cannot
+                # reach the sum. Without MASK_V the rows go to P @ V as fetched (a cache holding
+                # only finite values there, as the engine's zeroed one does: their weights are
+                # exactly 0): zeroing them took V through registers and back to shared memory
+                # before its dot operands.
+                v = cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, D_PAD)
+                if FP8:
+                    v = v.to(pv_dtype)
+                if MASK_V:
+                    v = tl.where(nmask[:, None], v, 0.0)
+            else:
+                v = tl.load(
+                    cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0
+                )
+                if FP8:
+                    v = v.to(pv_dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     if NEW:
         if owner:
             m, row_sum, acc = attend_new_token(q, k_new, v_new, m, row_sum, acc, q_scale, pv_dtype)
@@ -634,15 +746,17 @@ def deep_tma_launch(batch: int, kv_heads: int, short: bool, fp8: bool) -> bool:
     return not short and not fp8 and batch * kv_heads >= DEEP_TMA_PAIRS
 
 
-def unmasked_v_applies(dtype: torch.dtype, deep: bool) -> bool:
+def unmasked_v_applies(dtype: torch.dtype, deep: bool, fp8_pairs: bool = False) -> bool:
     """Whether a TMA launch takes V's tiles as fetched (KernelOptions.decode_unmasked_v): caches
     of float32's range (bfloat16; float32 in the interpreter), whose stores cannot overflow to an
     inf that a freed block would carry into another sequence's tiles (a float16 cache can), not
     the deep launch's tiles. Measured on the H100 (docs/benchmarks.md, "Decode attention launch"),
     one layer off -> on: batch 1 at context 576 7.25 -> 6.43 µs, 32K 177.3 -> 175.1 µs (batch 4);
     but the deep launch at batch 32 28.6 -> 30.7 µs (its tiles then fit three programs an SM),
-    and fp8 tiles, read a byte at a time unzeroed, at batch 32 and 4K 95.7 -> 111.1 µs."""
-    return dtype in (torch.bfloat16, torch.float32) and not deep
+    and fp8 tiles, read a byte at a time unzeroed, at batch 32 and 4K 95.7 -> 111.1 µs. fp8
+    tiles read as 16-bit words (`fp8_pairs`) take them: e4m3fn has no inf and stores saturate, and
+    unzeroed, the pairs' tile loop compiles to 553 instructions against 884 zeroed."""
+    return (dtype in (torch.bfloat16, torch.float32) or (dtype == FP8 and fp8_pairs)) and not deep
 
 
 def tma_launch(
@@ -653,6 +767,7 @@ def tma_launch(
     fp8: bool = False,
     deep: bool = False,
     wave: bool = False,
+    fp8_pairs: bool = False,
 ) -> tuple[int, int]:
     """(pipeline stages, programs per SM) of a TMA decode launch. Measured on the H200 (8B heads,
     docs/benchmarks.md): with at most one (sequence, KV head) pair per 8 SMs, 3 stages (two
@@ -668,7 +783,13 @@ def tma_launch(
     as a step launches it (8B heads, ten launches a graph; the sweeps above ran without PDL):
     batch 8 at context 544 12.3 -> 8.8 µs (two splits of 128-token tiles instead of four), at
     4,096 40.1 -> 36.0 µs, at 8,192 70.0 -> 65.3 µs; batch 4 at 544 / 4,096 / 8,192 8.1 -> 7.3 /
-    23.0 -> 21.3 / 38.3 -> 36.2 µs; but at 16K and 32K contexts 11-13 % slower."""
+    23.0 -> 21.3 / 38.3 -> 36.2 µs; but at 16K and 32K contexts 11-13 % slower.
+    `fp8_pairs` (KernelOptions.decode_fp8_pairs): fp8 tiles read as 16-bit words, two stages and
+    two programs per SM. Measured on the H100 with V's tiles as fetched, 2 / 3 / 4 stages: batch
+    1 at 32K 29.3 / 29.2 / 29.0 µs, batch 4 at 32K 94.8 / 94.6 / 96.5 µs, batch 32 at 4K 91.3 /
+    101.6 / 92.2 µs, batch 32 at 576 15.0 / 18.2 / 13.9 µs (docs/benchmarks.md, "fp8 KV cache")."""
+    if fp8 and fp8_pairs and not short:
+        return 2, 2
     if (fp8 or deep) and not short:
         return 3, 2
     pairs = batch * kv_heads
@@ -726,6 +847,9 @@ class DecodePlan:
     unmasked_v: bool = False
     # splits past a sequence's context return before the wait (KernelOptions.decode_idle_exit)
     idle_exit: bool = False
+    # an fp8 cache's TMA tiles read as 16-bit words, two values a word, split into even and odd
+    # columns in registers (KernelOptions.decode_fp8_pairs)
+    fp8_pairs: bool = False
 
 
 def plan_decode(
@@ -746,6 +870,7 @@ def plan_decode(
     qk_fp8: bool = False,
     unmasked_v: bool = False,
     idle_exit: bool = False,
+    fp8_pairs: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
@@ -756,12 +881,15 @@ def plan_decode(
     `qk_fp8`: over an fp8 cache, q @ K on the fp8 tensor cores (KernelOptions.decode_fp8_qk).
     `unmasked_v`: V's TMA tiles unzeroed past the context, for a cache that holds only finite
     values (KernelOptions.decode_unmasked_v), where unmasked_v_applies. `idle_exit`: splits past
-    a sequence's context return first thing (KernelOptions.decode_idle_exit). The other arguments
-    override the measured defaults (benchmarks and tests)."""
+    a sequence's context return first thing (KernelOptions.decode_idle_exit). `fp8_pairs`: an fp8
+    cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`). The
+    other arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
     fp8 = kv_cache.dtype == FP8
     deep = deep and block_n is None and deep_tma_launch(batch, kv_heads, short, fp8)
+    # word pairs need half a head of at least 16 values: the dot products' smallest side
+    pairs = fp8_pairs and fp8 and not qk_fp8 and kv_cache.shape[-1] >= 32
     if short:
         block_n = 64 if block_n is None else block_n
         min_split = block_n if min_split is None else min_split
@@ -775,7 +903,7 @@ def plan_decode(
     if tma is None and tma_applies(kv_cache, tile):
         # A TMA launch keeps one wave: its shared memory leaves room for `per_sm` programs.
         wave = wave and max_context_len <= WAVE_TMA_MAX_CONTEXT
-        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short, fp8, deep, wave)
+        stages, per_sm = tma_launch(batch, kv_heads, sm_count, short, fp8, deep, wave, pairs)
         splits = num_splits or max(
             1, min(per_sm * sm_count // (batch * kv_heads), math.ceil(max_context_len / tile))
         )
@@ -803,8 +931,9 @@ def plan_decode(
         pdl_applies(kv_cache.device, pdl),
         longest_first,
         qk_fp8 and fp8,
-        unmasked_v and tma and unmasked_v_applies(kv_cache.dtype, deep),
+        unmasked_v and tma and unmasked_v_applies(kv_cache.dtype, deep, pairs),
         idle_exit and num_splits > 1,
+        pairs and tma,
     )
 
 
@@ -905,7 +1034,10 @@ def paged_decode_triton(
             "TMA tiles must lie inside one block"
         )
         rows = kv_cache.view(-1, kv_heads, dim)  # [blocks * 2 * block_size, kv_heads, head_dim]
-        desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, 1, dim])
+        if plan.fp8_pairs:  # two values a 16-bit word (fp8_pairs)
+            rows = rows.view(torch.int16)
+        width = rows.shape[-1]
+        desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, 1, width])
     _decode_kernel[(batch, kv_heads, num_splits)](
         q,
         k,
@@ -966,6 +1098,8 @@ def paged_decode_triton(
         ORDER_READY=order is not None and order_ready,
         MASK_V=not plan.unmasked_v,
         IDLE_EXIT=plan.idle_exit,
+        FP8_PAIRS=plan.fp8_pairs,
+        FP8_ASM=plan.fp8_pairs and not triton.knobs.runtime.interpret and _kv_dot(q) == tl.float16,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1197,6 +1331,7 @@ def plan_step_decode(
         num_splits=kernels.decode_splits or None,
         unmasked_v=kernels.decode_unmasked_v,
         idle_exit=kernels.decode_idle_exit,
+        fp8_pairs=kernels.decode_fp8_pairs,
     )
 
 
@@ -1244,6 +1379,7 @@ def _mixed_in_graph(
             num_splits=kernels.decode_splits or None,
             unmasked_v=kernels.decode_unmasked_v,
             idle_exit=kernels.decode_idle_exit,
+            fp8_pairs=kernels.decode_fp8_pairs,
         )
         order, ready = step_order(meta, lens, plan)
         paged_decode_triton(

@@ -244,3 +244,72 @@ def test_fp8_decode_takes_q_and_k_in_fp8_on_request(device, heads, kv_heads, dim
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{launch}: {m}")
     # a 16-bit cache keeps its own path
     assert not tk.plan_decode(1, deq.to(DTYPE), 64, qk_fp8=True).qk_fp8
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("new_tokens", [False, True])
+@pytest.mark.parametrize("unmasked_v", [False, True], ids=["v-zeroed", "v-as-fetched"])
+def test_fp8_tiles_as_word_pairs_match_attention_over_the_dequantized_cache(
+    device, window, new_tokens, unmasked_v
+):
+    """KernelOptions.decode_fp8_pairs: TMA tiles read as 16-bit words, each split into its even
+    and odd columns, against the reference over the dequantized cache. Stale slots past each
+    context and a free block hold NaN where V is zeroed, the largest finite e4m3 value where it
+    is not (the engine's cache is zeroed at allocation and its stores saturate)."""
+    from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(6)
+    heads, kv_heads, dim, bs, ctx = 8, 2, 64, 32, [1, 45, 100, 33]
+    kv_scale = torch.tensor(KV_SCALE, device=device)
+    num_blocks = sum(math.ceil(c / bs) for c in ctx) + 1
+    cache = _fp8_cache(num_blocks, bs, kv_heads, dim, kv_scale, device)
+    tables = _tables(ctx, bs, num_blocks - 1, device)
+    stale = torch.tensor(448.0 if unmasked_v else float("nan")).to(FP8)
+    clean = cache.clone()
+    cache[num_blocks - 1] = stale
+    clean[num_blocks - 1] = 0.0
+    for row, c in zip(tables.tolist(), ctx):
+        cache[row[(c - 1) // bs], :, (c - 1) % bs + 1 :] = stale
+        clean[row[(c - 1) // bs], :, (c - 1) % bs + 1 :] = 0.0
+    meta = _meta([1] * len(ctx), ctx, tables, bs, device)
+    scale = dim**-0.5
+    launch = dict(tma=True, num_splits=3, block_n=16, min_split=16, unmasked_v=unmasked_v)
+    plan = tk.plan_decode(len(ctx), cache, max(ctx), fp8_pairs=True, **launch)
+    assert plan.fp8_pairs and plan.unmasked_v == unmasked_v
+    q = torch.randn(len(ctx), heads, dim, dtype=DTYPE, device=device)
+    new = None
+    if new_tokens:  # rotated and stored by the kernel, then attended from registers
+        positions = torch.tensor([c - 1 for c in ctx], device=device)
+        slots = torch.stack(
+            [tables[i, (c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(ctx)]
+        ).long()
+        rope = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)
+        cos, sin = rope(positions, DTYPE)
+        k = torch.randn(len(ctx), kv_heads, dim, dtype=DTYPE, device=device) * 2
+        v = torch.randn(len(ctx), kv_heads, dim, dtype=DTYPE, device=device) * 0.5
+        new = tk.NewTokens(k, v, cos, sin, slots)
+    got = tk.paged_decode_triton(
+        q, cache, tables, meta.context_lens, scale, plan, window, new=new, kv_scale=kv_scale
+    )
+    if new is not None:  # the reference reads the new tokens where the kernel stored them
+        for slot in slots.tolist():
+            clean[slot // bs, :, slot % bs] = cache[slot // bs, :, slot % bs]
+        q = apply_rotary(q.float(), new.k.float(), cos.float(), sin.float())[0].to(DTYPE)
+    want = paged_attention_reference(q, _dequantized(clean, kv_scale, DTYPE), meta, scale, window)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_fp8_word_pairs_are_planned_for_fp8_tma_tiles_only():
+    launch = dict(tma=True, block_n=16, min_split=16, fp8_pairs=True)
+    fp8 = torch.zeros(4, 2, 16, 2, 64, dtype=FP8)
+    assert tk.plan_decode(1, fp8, 64, **launch).fp8_pairs
+    assert not tk.plan_decode(1, fp8, 64, **{**launch, "tma": False}).fp8_pairs
+    assert not tk.plan_decode(1, fp8, 64, qk_fp8=True, **launch).fp8_pairs
+    assert not tk.plan_decode(1, fp8.to(torch.bfloat16), 64, **launch).fp8_pairs
+    assert not tk.plan_decode(1, fp8[..., :16], 64, **launch).fp8_pairs  # a head of 16
+    # V's tiles as fetched: only where the pairs read them (byte-wide tiles measured slower)
+    assert tk.plan_decode(1, fp8, 64, unmasked_v=True, **launch).unmasked_v
+    assert not tk.plan_decode(
+        1, fp8, 64, unmasked_v=True, **{**launch, "fp8_pairs": False}
+    ).unmasked_v
