@@ -195,8 +195,9 @@ def test_unmasked_v_tiles_match_reference_over_a_finite_cache(
 
 def test_unmasked_v_is_taken_only_for_caches_that_cannot_hold_an_inf():
     """float16 stores can overflow to an inf that a freed block carries into another sequence's
-    tiles (0 * inf is NaN), and fp8 or the deep launch's tiles measured slower unzeroed: those
-    launches keep zeroing V's rows past the context."""
+    tiles (0 * inf is NaN), and byte-wide fp8 or the deep launch's tiles measured slower
+    unzeroed: those launches keep zeroing V's rows past the context (fp8 tiles read as word pairs
+    take it: test_fp8_word_pairs_are_planned_for_fp8_tma_tiles_only)."""
     assert tk.unmasked_v_applies(torch.bfloat16, deep=False)
     assert not tk.unmasked_v_applies(torch.float16, deep=False)
     assert not tk.unmasked_v_applies(torch.float8_e4m3fn, deep=False)
