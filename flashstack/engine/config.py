@@ -144,6 +144,10 @@ class KernelOptions:
     # (Llama-3.2-1B shape 1051 -> 1085 µs at 16 MiB, the 8B's fp8 q/k/v and o 3.25 -> 3.45 ms);
     # bench/engine_small.py --variants default,nol2pf,l2pf4,l2pf16; docs/benchmarks.md.
     gemv_l2_prefetch_bytes: int = 7 << 19  # 3.5 MiB
+    # A multi-row step's skinny GEMM programs ask the L2 for this many chunks of their weight rows
+    # before the PDL wait (kernels/triton_skinny.py), so that the pipeline's first loads after it
+    # come from there, not from memory; 0: none.
+    skinny_l2_prefetch_chunks: int = 0
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"
@@ -176,6 +180,11 @@ class KernelOptions:
             raise ValueError(
                 "kernels.gemv_l2_prefetch_bytes must be 0 (no prefetch) or more, got "
                 f"{self.gemv_l2_prefetch_bytes}"
+            )
+        if self.skinny_l2_prefetch_chunks < 0:
+            raise ValueError(
+                "kernels.skinny_l2_prefetch_chunks must be 0 (no prefetch) or more, got "
+                f"{self.skinny_l2_prefetch_chunks}"
             )
         if self.decode_qkv_rows < 1:
             raise ValueError(
