@@ -146,7 +146,9 @@ class KernelOptions:
     gemv_l2_prefetch_bytes: int = 7 << 19  # 3.5 MiB
     # A multi-row step's skinny GEMM programs ask the L2 for this many chunks of their weight rows
     # before the PDL wait (kernels/triton_skinny.py), so that the pipeline's first loads after it
-    # come from there, not from memory; 0: none.
+    # come from there; 0: none. Slower on the H200 the more chunks are asked for (the 8B step at
+    # batch 8: 4.347 ms without, 4.441 with 3 chunks, 5.564 with 16; one chunk level per product;
+    # docs/benchmarks.md, "Skinny GEMM"), so none.
     skinny_l2_prefetch_chunks: int = 0
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
