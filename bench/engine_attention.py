@@ -26,10 +26,14 @@ WORKLOADS = {  # name: (batch, context, heads, kv_heads, grid context)
 }
 
 
-FP8_WORKLOADS = {  # name: (batch, context, heads, kv_heads); the grid sized for the context
-    "llama3-8b b1 ctx 32K": (1, 32768, 32, 8),
-    "llama3-8b b4 ctx 32K": (4, 32768, 32, 8),
-    "llama3-8b b32 ctx 4K": (32, 4096, 32, 8),
+# name: (batch, context, heads, kv_heads, the context the grid is sized for: the engine's
+# max_model_len)
+FP8_WORKLOADS = {
+    "llama3-8b b1 ctx 32K": (1, 32768, 32, 8, 32768),
+    "llama3-8b b4 ctx 32K": (4, 32768, 32, 8, 32768),
+    "llama3-8b b32 ctx 4K": (32, 4096, 32, 8, 4096),
+    "llama3-8b b32 ctx 576 (grid 4K)": (32, 576, 32, 8, 4096),
+    "llama3-8b b128 ctx 576 (grid 4K)": (128, 576, 32, 8, 4096),
 }
 # fp8 launches tried beside the engine's: TMA or not, byte tiles or word pairs, stages, splits
 FP8_LAUNCHES = {
@@ -134,7 +138,7 @@ def mixed_main(json_path: Path | None) -> None:
 def fp8_main(json_path: Path | None) -> None:
     """bf16 and fp8 KV side by side: each workload's default launch and a few others."""
     result: dict = {}
-    for name, (batch, ctx, heads, kv_heads) in FP8_WORKLOADS.items():
+    for name, (batch, ctx, heads, kv_heads, grid) in FP8_WORKLOADS.items():
         row: dict = {}
         for kv_dtype in ("bf16", "fp8"):
             runs = {}
@@ -143,7 +147,14 @@ def fp8_main(json_path: Path | None) -> None:
             for label, launch in launches.items():
                 try:
                     runs[label] = decode_kernel_bandwidth(
-                        batch, ctx, 256, kv_heads, heads, kv_dtype=kv_dtype, **launch
+                        batch,
+                        ctx,
+                        256,
+                        kv_heads,
+                        heads,
+                        grid_context=grid,
+                        kv_dtype=kv_dtype,
+                        **launch,
                     )
                 except Exception:
                     runs[label] = {"error": traceback.format_exc()[-400:]}
@@ -174,8 +185,10 @@ def unmasked_v_main(json_path: Path | None, rounds: int = 2) -> None:
     }
     cases.update(
         {
-            f"fp8 {name}": dict(batch=b, context=c, heads=h, kv_heads=kv, kv_dtype="fp8")
-            for name, (b, c, h, kv) in FP8_WORKLOADS.items()
+            f"fp8 {name}": dict(
+                batch=b, context=c, heads=h, kv_heads=kv, grid_context=g, kv_dtype="fp8"
+            )
+            for name, (b, c, h, kv, g) in FP8_WORKLOADS.items()
         }
     )
     result: dict = {}
