@@ -106,10 +106,11 @@ class KernelOptions:
     # Decode attention over an fp8 cache reads its TMA tiles as 16-bit words, two values a word,
     # and splits them into the even and the odd columns in registers (one byte permute and one
     # conversion a pair of values; q's columns split the same way, the output's interleaved once),
-    # V's tiles as fetched, two stages: the byte-wide tiles went through shared memory a byte at
-    # a time (compiled for sm_90, the tile loop 1,054 -> 553 instructions). One layer of the 8B on
-    # the H100: batch 1 at 32K 31.5 -> 29.3 µs, batch 4 at 32K 101.3 -> 94.8 µs, batch 32 at 4K
-    # 94.6 -> 91.3 µs (bench/engine_attention.py --fp8; docs/benchmarks.md, "fp8 KV cache").
+    # V's tiles as fetched, two stages (three from a (sequence, KV head) pair per SM): the
+    # byte-wide tiles went through shared memory a byte at a time (compiled for sm_90, the tile
+    # loop 1,054 -> 553 instructions). One layer of the 8B on the H100: batch 1 at 32K 31.5 ->
+    # 29.3 µs, batch 4 at 32K 101.3 -> 94.8 µs, batch 32 at 4K 94.6 -> 91.3 µs
+    # (bench/engine_attention.py --fp8; docs/benchmarks.md, "fp8 KV cache").
     decode_fp8_pairs: bool = True
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/

@@ -784,12 +784,15 @@ def tma_launch(
     batch 8 at context 544 12.3 -> 8.8 µs (two splits of 128-token tiles instead of four), at
     4,096 40.1 -> 36.0 µs, at 8,192 70.0 -> 65.3 µs; batch 4 at 544 / 4,096 / 8,192 8.1 -> 7.3 /
     23.0 -> 21.3 / 38.3 -> 36.2 µs; but at 16K and 32K contexts 11-13 % slower.
-    `fp8_pairs` (KernelOptions.decode_fp8_pairs): fp8 tiles read as 16-bit words, two stages and
-    two programs per SM. Measured on the H100 with V's tiles as fetched, 2 / 3 / 4 stages: batch
-    1 at 32K 29.3 / 29.2 / 29.0 µs, batch 4 at 32K 94.8 / 94.6 / 96.5 µs, batch 32 at 4K 91.3 /
-    101.6 / 92.2 µs, batch 32 at 576 15.0 / 18.2 / 13.9 µs (docs/benchmarks.md, "fp8 KV cache")."""
+    `fp8_pairs` (KernelOptions.decode_fp8_pairs): fp8 tiles read as 16-bit words, two programs
+    per SM; two stages, three from one (sequence, KV head) pair per SM. Measured on the H100, the
+    grid sized as the engine's 4K or 32K graphs size it, 2 / 3 stages: batch 1 and 4 at 32K level
+    (30.2-30.8 / 30.1-30.7 µs, 95.7-96.0 / 95.8-96.0 µs), batch 32 at 4K 92.6-93.1 / 93.2-93.4
+    µs, at 576 14.9-15.2 / 13.0-13.4 µs, batch 128 at 576 58.1-58.2 / 57.7-58.0 µs; a batch-32
+    step of the Llama-3.2-1B shape with an fp8 cache 1.410 -> 1.384 ms (docs/benchmarks.md, "fp8
+    KV cache")."""
     if fp8 and fp8_pairs and not short:
-        return 2, 2
+        return (3 if batch * kv_heads >= sm_count else 2), 2
     if (fp8 or deep) and not short:
         return 3, 2
     pairs = batch * kv_heads

@@ -543,7 +543,9 @@ def test_deep_tma_launches_only_for_many_pairs_of_a_16_bit_cache():
     assert tk.tma_launch(32, 8, 132, short=False, deep=True) == (3, 2)
     assert tk.tma_launch(32, 8, 132, short=False) == (2, 2)
     assert tk.tma_launch(32, 8, 132, short=False, fp8=True) == (3, 2)
-    assert tk.tma_launch(32, 8, 132, short=False, fp8=True, fp8_pairs=True) == (2, 2)
+    # fp8 word pairs: two stages, three from one (sequence, KV head) pair per SM
+    assert tk.tma_launch(16, 8, 132, short=False, fp8=True, fp8_pairs=True) == (2, 2)
+    assert tk.tma_launch(32, 8, 132, short=False, fp8=True, fp8_pairs=True) == (3, 2)
     # decode_wave_tma: up to one (sequence, KV head) pair per SM, three stages, one program per SM
     assert tk.tma_launch(8, 8, 132, short=False, wave=True) == (3, 1)
     assert tk.tma_launch(8, 8, 132, short=False) == (2, 2)
