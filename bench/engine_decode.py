@@ -108,6 +108,52 @@ def our_step_ms(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
     return (time.perf_counter() - t) / steps * 1000
 
 
+def step_gaps(llm, batch: int, prompt_len: int, steps: int = 20) -> dict:
+    """What the device does between two decode graphs: `steps` engine steps of `batch` sequences
+    traced (torch.profiler, CUDA activity), the copies and kernels outside the graphs per step,
+    and the device's idle time per step with the gaps (≥ 1 µs) before each op that follows one."""
+    import statistics
+
+    from bench.engine_small import busy_us, traced_kernels
+    from flashstack.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    for p in prompts(batch, prompt_len, seed=2):
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(4):  # the lookahead pipeline in its steady state
+        engine.step()
+    ops = traced_kernels(engine.step, steps)
+    engine.abort_all()
+    while engine.has_unfinished_requests():
+        engine.step()
+    span = ops[-1]["ts"] + ops[-1]["dur"] - ops[0]["ts"]
+    copies: dict[str, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
+    end = ops[0]["ts"]
+    for op in ops:
+        gap = op["ts"] - end
+        if gap >= 1.0:
+            gaps.setdefault(op["name"][:60], []).append(gap)
+        if op["name"].startswith("Memcpy") or op["name"].startswith("Memset"):
+            copies.setdefault(op["name"][:60], []).append(op["dur"])
+        end = max(end, op["ts"] + op["dur"])
+    return {
+        "ops_per_step": round(len(ops) / steps, 1),
+        "device_idle_per_step_us": round((span - busy_us(ops)) / steps, 1),
+        "copies_per_step": {
+            k: {"count": round(len(v) / steps, 1), "us": round(statistics.median(v), 2)}
+            for k, v in copies.items()
+        },
+        "gaps_before": {
+            k: {"per_step": round(len(v) / steps, 1), "median_us": round(statistics.median(v), 1)}
+            for k, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:8]
+        },
+    }
+
+
 def teacher_forced(llm, base: list[list[int]], hf_tokens: list[list[int]]) -> list[int]:
     """Our greedy next token at every position of transformers' continuation, given its prefix.
     Compared per position, one near-tie does not turn every later position into a miss."""
@@ -304,6 +350,12 @@ def main() -> None:
         "--profile", action="store_true", help="kernel breakdown of a batch-1 graph replay"
     )
     ap.add_argument(
+        "--step-gaps",
+        action="store_true",
+        help="trace 20 engine steps at each batch: the ops between two decode graphs and the "
+        "device's idle time per step",
+    )
+    ap.add_argument(
         "--planted-head",
         action="store_true",
         help="agreement on a model with a clear-cut argmax (bench/_shapes.plant_head)",
@@ -468,6 +520,8 @@ def main() -> None:
                     entry["steps"][str(b)]["speedup_vs_transformers"] = round(
                         result["transformers"][str(b)] / ms, 1
                     )
+                if args.step_gaps and DEVICE == "cuda":
+                    entry["steps"][str(b)]["between_graphs"] = step_gaps(llm, b, args.prompt_len)
                 dump()
             result[key] = entry
             del llm, graphs  # the graphs hold the KV cache: the next load needs its memory
