@@ -343,7 +343,9 @@ def main() -> None:
         "wait: kernels.gemv_l2_prefetch_bytes=0), l2pf16 / l2pf64 (batch-1 GEMVs of weights up "
         "to 16 / 64 MiB ask the L2 for them before the wait: kernels.gemv_l2_prefetch_bytes), "
         "skl2_1 / skl2_3 / skl2_8 / skl2_16 (the skinny GEMM's programs ask the L2 for their "
-        "first 1 / 3 / 8 / 16 chunks before the wait: kernels.skinny_l2_prefetch_chunks)",
+        "first 1 / 3 / 8 / 16 chunks before the wait: kernels.skinny_l2_prefetch_chunks), "
+        "preload (decode attention's splits fetch their first K and V tiles before the wait: "
+        "kernels.decode_preload_tile)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -448,6 +450,7 @@ def main() -> None:
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
         **{f"skl2_{n}": {"skinny_l2_prefetch_chunks": n} for n in (1, 3, 8, 16)},
+        "preload": {"decode_preload_tile": True},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -112,6 +112,10 @@ class KernelOptions:
     # 29.3 µs, batch 4 at 32K 101.3 -> 94.8 µs, batch 32 at 4K 94.6 -> 91.3 µs
     # (bench/engine_attention.py --fp8; docs/benchmarks.md, "fp8 KV cache").
     decode_fp8_pairs: bool = True
+    # Decode attention over a 16-bit cache fetches each split's first K tile (TMA) before its PDL
+    # wait where the kernel takes the new token's k/v from registers (decode_qkv_rows): old
+    # tokens' rows, which nothing in the step writes, in flight while the kernel before drains.
+    decode_preload_tile: bool = False
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
     # triton_sampling.py) reads the temperatures and the seed from the step's staged inputs, in

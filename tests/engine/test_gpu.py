@@ -177,14 +177,17 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize(
-    "option", ["decode_unmasked_v", "decode_idle_exit"], ids=["unmasked_v", "idle_exit"]
+    "option",
+    ["decode_unmasked_v", "decode_idle_exit", "decode_preload_tile"],
+    ids=["unmasked_v", "idle_exit", "preload"],
 )
 def test_attention_options_change_no_token(family: str, option: str, hf_checkpoints) -> None:
     """Options that leave decode attention's numbers as they are, off against on, in bf16 with
     graphs (block size 256: TMA tiles) at batch 1 and 3: kernels.decode_unmasked_v (V's tiles
     feed P @ V with their rows past the context as fetched: the engine's zeroed cache holds only
-    finite values there, each weighing exactly 0) and kernels.decode_idle_exit (splits past the
-    context return before the wait)."""
+    finite values there, each weighing exactly 0), kernels.decode_idle_exit (splits past the
+    context return before the wait) and kernels.decode_preload_tile (each split's first K and V
+    tiles fetched before the wait)."""
     path, _ = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
     runs = []

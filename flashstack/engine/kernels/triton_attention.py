@@ -400,6 +400,7 @@ def _decode_kernel(
     IDLE_EXIT: tl.constexpr = False,
     FP8_PAIRS: tl.constexpr = False,
     FP8_ASM: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -455,6 +456,13 @@ def _decode_kernel(
             mask=(first_blk + span) * block_size < hi,
             other=0,
         )
+        if PRELOAD:
+            # The split's first K and V tiles: cache rows of earlier steps (the new token comes
+            # from registers, NEW), so nothing the kernel before writes. Fetched before the
+            # wait, they arrive while that kernel drains.
+            krow_first = tl.sum(tl.where(span == 0, blks, 0)) * 2 * block_size + first % block_size
+            k_first = cache_desc.load([krow_first, hkv, 0]).reshape(BLOCK_N, D_PAD)
+            v_first = cache_desc.load([krow_first + block_size, hkv, 0]).reshape(BLOCK_N, D_PAD)
     else:
         first = lo
     if EARLY:
@@ -533,7 +541,19 @@ def _decode_kernel(
             PREC,
         )
     else:
-        for start in range(first, hi, BLOCK_N):
+        loop_first = first
+        if PRELOAD:  # the fetched first tile, then the loop over the rest
+            loop_first = first + BLOCK_N
+            if first < hi:
+                n = first + tl.arange(0, BLOCK_N)
+                nmask = (n >= lo) & (n < hi)
+                qk = tl.dot(q, tl.trans(k_first), input_precision=PREC)
+                p, alpha, m, row_sum = softmax_step(qk, nmask, m, row_sum)
+                v = v_first
+                if MASK_V:
+                    v = tl.where(nmask[:, None], v, 0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        for start in range(loop_first, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             if TMA:
                 nmask = (n >= lo) & (n < hi)
@@ -853,6 +873,9 @@ class DecodePlan:
     # an fp8 cache's TMA tiles read as 16-bit words, two values a word, split into even and odd
     # columns in registers (KernelOptions.decode_fp8_pairs)
     fp8_pairs: bool = False
+    # a split's first K tile fetched before the PDL wait where the new token's k/v come from
+    # registers (KernelOptions.decode_preload_tile; a 16-bit cache's TMA tiles)
+    preload: bool = False
 
 
 def plan_decode(
@@ -874,6 +897,7 @@ def plan_decode(
     unmasked_v: bool = False,
     idle_exit: bool = False,
     fp8_pairs: bool = False,
+    preload: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
@@ -885,8 +909,10 @@ def plan_decode(
     `unmasked_v`: V's TMA tiles unzeroed past the context, for a cache that holds only finite
     values (KernelOptions.decode_unmasked_v), where unmasked_v_applies. `idle_exit`: splits past
     a sequence's context return first thing (KernelOptions.decode_idle_exit). `fp8_pairs`: an fp8
-    cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`). The
-    other arguments override the measured defaults (benchmarks and tests)."""
+    cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`).
+    `preload`: a 16-bit cache's TMA split fetches its first K tile before the PDL wait when the
+    kernel takes the new token from registers (KernelOptions.decode_preload_tile). The other
+    arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
     fp8 = kv_cache.dtype == FP8
@@ -937,6 +963,7 @@ def plan_decode(
         unmasked_v and tma and unmasked_v_applies(kv_cache.dtype, deep, pairs),
         idle_exit and num_splits > 1,
         pairs and tma,
+        preload and tma and not fp8,
     )
 
 
@@ -1103,6 +1130,8 @@ def paged_decode_triton(
         IDLE_EXIT=plan.idle_exit,
         FP8_PAIRS=plan.fp8_pairs,
         FP8_ASM=plan.fp8_pairs and not triton.knobs.runtime.interpret and _kv_dot(q) == tl.float16,
+        # the sequence known before the wait (no order, or one an earlier layer made)
+        PRELOAD=plan.preload and new is not None and (order is None or order_ready),
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1335,6 +1364,7 @@ def plan_step_decode(
         unmasked_v=kernels.decode_unmasked_v,
         idle_exit=kernels.decode_idle_exit,
         fp8_pairs=kernels.decode_fp8_pairs,
+        preload=kernels.decode_preload_tile,
     )
 
 
@@ -1383,6 +1413,7 @@ def _mixed_in_graph(
             unmasked_v=kernels.decode_unmasked_v,
             idle_exit=kernels.decode_idle_exit,
             fp8_pairs=kernels.decode_fp8_pairs,
+            preload=kernels.decode_preload_tile,
         )
         order, ready = step_order(meta, lens, plan)
         paged_decode_triton(

@@ -217,6 +217,21 @@ def test_idle_splits_leaving_first_change_nothing(device, window, new_tokens):
     _check_tma_decode(device, window, new_tokens, 32, 16, 4, float("nan"), idle_exit=True)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("new_tokens", [False, True])
+@pytest.mark.parametrize("block_size,block_n,splits", [(32, 16, 3), (16, 16, 1), (64, 32, None)])
+def test_first_tile_fetched_before_the_wait_changes_nothing(
+    device, window, new_tokens, block_size, block_n, splits
+):
+    """KernelOptions.decode_preload_tile: each split's first K tile fetched before the PDL wait
+    (taken where the new token comes from registers), then attended ahead of the loop; contexts
+    of 1 to 100 tokens, splits with nothing to read, NaN in the stale slots: the reference's
+    answer."""
+    _check_tma_decode(
+        device, window, new_tokens, block_size, block_n, splits, float("nan"), preload=True
+    )
+
+
 def test_idle_splits_leaving_first_through_plain_loads(device):
     torch.manual_seed(3)
     dtype, bs, heads, kv_heads, dim, ctx = DTYPES[0], 16, 8, 2, 64, [3, 90, 20]
@@ -240,6 +255,7 @@ def _check_tma_decode(
     stale,
     unmasked_v=False,
     idle_exit=False,
+    preload=False,
 ):
     torch.manual_seed(5)
     dtype, heads, kv_heads, dim = DTYPES[0], 8, 2, 64
@@ -253,9 +269,9 @@ def _check_tma_decode(
     meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
     scale = dim**-0.5
     launch = {"num_splits": splits, "block_n": block_n, "min_split": block_n, "tma": True}
-    launch.update(unmasked_v=unmasked_v, idle_exit=idle_exit)
+    launch.update(unmasked_v=unmasked_v, idle_exit=idle_exit, preload=preload)
     plan = tk.plan_decode(len(ctx), cache, max(ctx), **launch)
-    assert (plan.unmasked_v, plan.idle_exit) == (unmasked_v, idle_exit)
+    assert (plan.unmasked_v, plan.idle_exit, plan.preload) == (unmasked_v, idle_exit, preload)
     if new_tokens:  # the new token comes from registers; its slot is stored by the kernel
         from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
 
