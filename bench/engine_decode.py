@@ -344,8 +344,8 @@ def main() -> None:
         "to 16 / 64 MiB ask the L2 for them before the wait: kernels.gemv_l2_prefetch_bytes), "
         "skl2_1 / skl2_3 / skl2_8 / skl2_16 (the skinny GEMM's programs ask the L2 for their "
         "first 1 / 3 / 8 / 16 chunks before the wait: kernels.skinny_l2_prefetch_chunks), "
-        "preload (decode attention's splits fetch their first K and V tiles before the wait: "
-        "kernels.decode_preload_tile)",
+        "nopreload / preload8 / preload32 (decode attention of up to 0 / 8 / 32 sequences "
+        "fetches its splits' first K and V tiles before the wait: kernels.decode_preload_rows)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -450,7 +450,10 @@ def main() -> None:
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
         **{f"skl2_{n}": {"skinny_l2_prefetch_chunks": n} for n in (1, 3, 8, 16)},
-        "preload": {"decode_preload_tile": True},
+        **{
+            f"{'no' if n == 0 else ''}preload{n or ''}": {"decode_preload_rows": n}
+            for n in (0, 8, 32)
+        },
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

@@ -307,8 +307,8 @@ def main() -> None:
         "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight "
         "before the wait: kernels.gemv_l2_prefetch_bytes=0), l2pf2 / l2pf4 / l2pf16 / l2pf64 "
         "(batch-1 GEMVs of weights up to 2 / 4 / 16 / 64 MiB ask the L2 for them before the "
-        "wait: kernels.gemv_l2_prefetch_bytes), preload (decode attention's splits fetch their "
-        "first K and V tiles before the wait: kernels.decode_preload_tile)",
+        "wait: kernels.gemv_l2_prefetch_bytes), nopreload (decode attention's splits fetch their "
+        "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -341,7 +341,7 @@ def main() -> None:
         "l2pf4": {"gemv_l2_prefetch_bytes": 4 << 20},
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
-        "preload": {"decode_preload_tile": True},
+        "nopreload": {"decode_preload_rows": 0},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

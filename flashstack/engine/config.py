@@ -112,10 +112,13 @@ class KernelOptions:
     # 29.3 µs, batch 4 at 32K 101.3 -> 94.8 µs, batch 32 at 4K 94.6 -> 91.3 µs
     # (bench/engine_attention.py --fp8; docs/benchmarks.md, "fp8 KV cache").
     decode_fp8_pairs: bool = True
-    # Decode attention over a 16-bit cache fetches each split's first K tile (TMA) before its PDL
-    # wait where the kernel takes the new token's k/v from registers (decode_qkv_rows): old
-    # tokens' rows, which nothing in the step writes, in flight while the kernel before drains.
-    decode_preload_tile: bool = False
+    # Decode attention of up to this many sequences over a 16-bit cache fetches each split's first
+    # K and V tiles (TMA) before its PDL wait where the kernel takes the new token's k/v from
+    # registers (decode_qkv_rows): old tokens' rows, which nothing in the step writes, arrive
+    # while the kernel before drains; 0: none. Batch-1 step on the H100: Llama-3.2-1B shape
+    # 1,051 -> 1,034 µs, Qwen3-0.6B shape 893 -> 884 µs, SmolLM2-135M level (bench/
+    # engine_small.py --variants default,preload); launches of more sequences not measured.
+    decode_preload_rows: int = 1
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
     # triton_sampling.py) reads the temperatures and the seed from the step's staged inputs, in
@@ -192,6 +195,11 @@ class KernelOptions:
             raise ValueError(
                 "kernels.skinny_l2_prefetch_chunks must be 0 (no prefetch) or more, got "
                 f"{self.skinny_l2_prefetch_chunks}"
+            )
+        if self.decode_preload_rows < 0:
+            raise ValueError(
+                "kernels.decode_preload_rows must be 0 (no launch preloads) or more, got "
+                f"{self.decode_preload_rows}"
             )
         if self.decode_qkv_rows < 1:
             raise ValueError(

@@ -50,7 +50,7 @@ class KernelSwitches(BaseModel):
     argmax_in_graph: bool | None = None
     decode_fp8_qk: bool | None = None
     decode_fp8_pairs: bool | None = None
-    decode_preload_tile: bool | None = None
+    decode_preload_rows: int | None = Field(None, ge=0)
     sample_in_graph: bool | None = None
     persistent_decoder: bool | None = None
     persistent_decoder_programs_per_sm: int | None = Field(None, ge=1)

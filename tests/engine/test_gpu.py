@@ -177,21 +177,27 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize(
-    "option",
-    ["decode_unmasked_v", "decode_idle_exit", "decode_preload_tile"],
+    "option,values",
+    [
+        ("decode_unmasked_v", (False, True)),
+        ("decode_idle_exit", (False, True)),
+        ("decode_preload_rows", (0, 3)),
+    ],
     ids=["unmasked_v", "idle_exit", "preload"],
 )
-def test_attention_options_change_no_token(family: str, option: str, hf_checkpoints) -> None:
+def test_attention_options_change_no_token(
+    family: str, option: str, values: tuple, hf_checkpoints
+) -> None:
     """Options that leave decode attention's numbers as they are, off against on, in bf16 with
     graphs (block size 256: TMA tiles) at batch 1 and 3: kernels.decode_unmasked_v (V's tiles
     feed P @ V with their rows past the context as fetched: the engine's zeroed cache holds only
     finite values there, each weighing exactly 0), kernels.decode_idle_exit (splits past the
-    context return before the wait) and kernels.decode_preload_tile (each split's first K and V
+    context return before the wait) and kernels.decode_preload_rows (each split's first K and V
     tiles fetched before the wait)."""
     path, _ = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
     runs = []
-    for on in (False, True):
+    for value in values:
         llm = LLM(
             path,
             block_size=256,  # TMA tiles lie inside a block
@@ -199,7 +205,7 @@ def test_attention_options_change_no_token(family: str, option: str, hf_checkpoi
             dtype="bfloat16",
             show_progress=False,
             max_num_seqs=3,
-            kernels={option: on},
+            kernels={option: value},
         )
         runs.append(
             [run_checked(llm, [prompts[0]], greedy(24))[0], *run_checked(llm, prompts, greedy(24))]

@@ -873,8 +873,8 @@ class DecodePlan:
     # an fp8 cache's TMA tiles read as 16-bit words, two values a word, split into even and odd
     # columns in registers (KernelOptions.decode_fp8_pairs)
     fp8_pairs: bool = False
-    # a split's first K tile fetched before the PDL wait where the new token's k/v come from
-    # registers (KernelOptions.decode_preload_tile; a 16-bit cache's TMA tiles)
+    # a split's first K and V tiles fetched before the PDL wait where the new token's k/v come
+    # from registers (KernelOptions.decode_preload_rows; a 16-bit cache's TMA tiles)
     preload: bool = False
 
 
@@ -910,8 +910,9 @@ def plan_decode(
     values (KernelOptions.decode_unmasked_v), where unmasked_v_applies. `idle_exit`: splits past
     a sequence's context return first thing (KernelOptions.decode_idle_exit). `fp8_pairs`: an fp8
     cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`).
-    `preload`: a 16-bit cache's TMA split fetches its first K tile before the PDL wait when the
-    kernel takes the new token from registers (KernelOptions.decode_preload_tile). The other
+    `preload`: a 16-bit cache's TMA split fetches its first K and V tiles before the PDL wait
+    when the kernel takes the new token from registers (KernelOptions.decode_preload_rows). The
+    other
     arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
@@ -1364,7 +1365,7 @@ def plan_step_decode(
         unmasked_v=kernels.decode_unmasked_v,
         idle_exit=kernels.decode_idle_exit,
         fp8_pairs=kernels.decode_fp8_pairs,
-        preload=kernels.decode_preload_tile,
+        preload=meta.num_seqs <= kernels.decode_preload_rows,
     )
 
 
@@ -1413,7 +1414,7 @@ def _mixed_in_graph(
             unmasked_v=kernels.decode_unmasked_v,
             idle_exit=kernels.decode_idle_exit,
             fp8_pairs=kernels.decode_fp8_pairs,
-            preload=kernels.decode_preload_tile,
+            preload=rows <= kernels.decode_preload_rows,
         )
         order, ready = step_order(meta, lens, plan)
         paged_decode_triton(

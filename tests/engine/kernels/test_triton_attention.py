@@ -223,7 +223,7 @@ def test_idle_splits_leaving_first_change_nothing(device, window, new_tokens):
 def test_first_tile_fetched_before_the_wait_changes_nothing(
     device, window, new_tokens, block_size, block_n, splits
 ):
-    """KernelOptions.decode_preload_tile: each split's first K tile fetched before the PDL wait
+    """KernelOptions.decode_preload_rows: each split's first K and V tiles fetched before the wait
     (taken where the new token comes from registers), then attended ahead of the loop; contexts
     of 1 to 100 tokens, splits with nothing to read, NaN in the stale slots: the reference's
     answer."""
