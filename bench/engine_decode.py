@@ -110,8 +110,8 @@ def our_step_ms(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
 
 def step_gaps(llm, batch: int, prompt_len: int, steps: int = 20) -> dict:
     """What the device does between two decode graphs: `steps` engine steps of `batch` sequences
-    traced (torch.profiler, CUDA activity), the copies and kernels outside the graphs per step,
-    and the device's idle time per step with the gaps (≥ 1 µs) before each op that follows one."""
+    traced (torch.profiler, CUDA activity): the copies per step, the device's idle time per step
+    and the gaps (≥ 1 µs) before the ops that follow one."""
     import statistics
 
     from bench.engine_small import busy_us, traced_kernels
@@ -342,8 +342,6 @@ def main() -> None:
         "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight before the "
         "wait: kernels.gemv_l2_prefetch_bytes=0), l2pf16 / l2pf64 (batch-1 GEMVs of weights up "
         "to 16 / 64 MiB ask the L2 for them before the wait: kernels.gemv_l2_prefetch_bytes), "
-        "skl2_1 / skl2_3 / skl2_8 / skl2_16 (the skinny GEMM's programs ask the L2 for their "
-        "first 1 / 3 / 8 / 16 chunks before the wait: kernels.skinny_l2_prefetch_chunks), "
         "nopreload / preload8 / preload32 (decode attention of up to 0 / 8 / 32 sequences "
         "fetches its splits' first K and V tiles before the wait: kernels.decode_preload_rows)",
     )
@@ -449,11 +447,9 @@ def main() -> None:
         "nol2pf": {"gemv_l2_prefetch_bytes": 0},
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
-        **{f"skl2_{n}": {"skinny_l2_prefetch_chunks": n} for n in (1, 3, 8, 16)},
-        **{
-            f"{'no' if n == 0 else ''}preload{n or ''}": {"decode_preload_rows": n}
-            for n in (0, 8, 32)
-        },
+        "nopreload": {"decode_preload_rows": 0},
+        "preload8": {"decode_preload_rows": 8},
+        "preload32": {"decode_preload_rows": 32},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

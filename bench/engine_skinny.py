@@ -94,12 +94,9 @@ def precompile(shapes: dict, ms: list[int], workers: int) -> dict:
     return {"kernels": len(unique), "s": round(time.perf_counter() - t, 1), "failed": failed}
 
 
-def shape_rows(
-    name: str, n: int, k: int, ms: list[int], sweep: bool, l2_chunks: list[int] = ()
-) -> dict:
+def shape_rows(name: str, n: int, k: int, ms: list[int], sweep: bool) -> dict:
     """cuBLAS and the skinny GEMM (its default configuration and the sweep's best) on one weight
-    shape at each M; `l2_chunks`: the default configuration again, its programs asking the L2 for
-    that many chunks of their rows before the PDL wait (kernels.skinny_l2_prefetch_chunks)."""
+    shape at each M."""
     # Enough copies of the weight that a graph of 20 calls reads from memory, not from the 50 MB L2,
     # as a decode step does.
     ws = [
@@ -127,10 +124,6 @@ def shape_rows(
             "default": "n{}_k{}_s{}_w{}_st{}".format(*skinny_config(m, n, k)),
             "default_us": round(graph_us(lambda i: skinny_linear(x, ws[i % len(ws)])), 2),
         }
-        for chunks in l2_chunks:
-            row[f"l2_{chunks}_us"] = round(
-                graph_us(lambda i, c=chunks: skinny_linear(x, ws[i % len(ws)], l2_chunks=c)), 2
-            )
         if sweep:
             timed = []
             for c in candidates(m, n, k):
@@ -208,12 +201,6 @@ def main() -> None:
     ap.add_argument(
         "--sweep-budget-s", type=float, default=40.0, help="later shapes only time the defaults"
     )
-    ap.add_argument(
-        "--l2-chunks",
-        default="",
-        help="comma-separated chunk counts: the default configuration with its programs asking "
-        "the L2 for that many chunks before the PDL wait (kernels.skinny_l2_prefetch_chunks)",
-    )
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -227,8 +214,7 @@ def main() -> None:
     t = time.perf_counter()
     for name, (n, k) in shapes.items():
         sweep = not args.no_sweep and time.perf_counter() - t < args.sweep_budget_s
-        l2 = [int(c) for c in args.l2_chunks.split(",") if c]
-        result[name] = shape_rows(name, n, k, ms, sweep, l2)
+        result[name] = shape_rows(name, n, k, ms, sweep)
         torch.cuda.empty_cache()
         if args.fp8:
             result[f"{name}_fp8"] = fp8_shape_rows(name, n, k, ms, sweep)

@@ -117,7 +117,7 @@ class KernelOptions:
     # registers (decode_qkv_rows): old tokens' rows, which nothing in the step writes, arrive
     # while the kernel before drains; 0: none. Batch-1 step on the H100: Llama-3.2-1B shape
     # 1,051 -> 1,034 µs, Qwen3-0.6B shape 893 -> 884 µs, SmolLM2-135M level (bench/
-    # engine_small.py --variants default,preload); launches of more sequences not measured.
+    # engine_small.py --variants default,nopreload); launches of more sequences not measured.
     decode_preload_rows: int = 1
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
@@ -152,12 +152,6 @@ class KernelOptions:
     # (Llama-3.2-1B shape 1051 -> 1085 µs at 16 MiB, the 8B's fp8 q/k/v and o 3.25 -> 3.45 ms);
     # bench/engine_small.py --variants default,nol2pf,l2pf4,l2pf16; docs/benchmarks.md.
     gemv_l2_prefetch_bytes: int = 7 << 19  # 3.5 MiB
-    # A multi-row step's skinny GEMM programs ask the L2 for this many chunks of their weight rows
-    # before the PDL wait (kernels/triton_skinny.py), so that the pipeline's first loads after it
-    # come from there; 0: none. Slower on the H200 the more chunks are asked for (the 8B step at
-    # batch 8: 4.347 ms without, 4.441 with 3 chunks, 5.564 with 16; one chunk level per product;
-    # docs/benchmarks.md, "Skinny GEMM"), so none.
-    skinny_l2_prefetch_chunks: int = 0
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"
@@ -190,11 +184,6 @@ class KernelOptions:
             raise ValueError(
                 "kernels.gemv_l2_prefetch_bytes must be 0 (no prefetch) or more, got "
                 f"{self.gemv_l2_prefetch_bytes}"
-            )
-        if self.skinny_l2_prefetch_chunks < 0:
-            raise ValueError(
-                "kernels.skinny_l2_prefetch_chunks must be 0 (no prefetch) or more, got "
-                f"{self.skinny_l2_prefetch_chunks}"
             )
         if self.decode_preload_rows < 0:
             raise ValueError(

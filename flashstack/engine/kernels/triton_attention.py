@@ -912,8 +912,7 @@ def plan_decode(
     cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`).
     `preload`: a 16-bit cache's TMA split fetches its first K and V tiles before the PDL wait
     when the kernel takes the new token from registers (KernelOptions.decode_preload_rows). The
-    other
-    arguments override the measured defaults (benchmarks and tests)."""
+    other arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
     fp8 = kv_cache.dtype == FP8

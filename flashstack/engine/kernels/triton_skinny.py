@@ -62,21 +62,6 @@ E4M3_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
-def _prefetch_rows_to_l2(row_ptrs, nbytes):
-    """Ask the L2 for `nbytes` (a multiple of 16) from each of `row_ptrs` (16-byte aligned)
-    without waiting for them (`cp.async.bulk.prefetch.L2`, Hopper): each thread asks for the rows
-    it holds."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-        "=r,l,r",
-        [row_ptrs.to(tl.int64, bitcast=True), nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _dequantize_q8(w, s_ptr, w_rows, k, K, dtype, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One int8 weight chunk [BLOCK_N, BLOCK_K] times its blocks' float16 scales, in `dtype`.
     blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
@@ -177,7 +162,6 @@ def _skinny_kernel(
     FP8: tl.constexpr,
     FP8_IN: tl.constexpr,
     USE_PDL: tl.constexpr,
-    L2_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -197,17 +181,11 @@ def _skinny_kernel(
         w_scale = tl.load(s_ptr + w_rows)[:, None]
     if HAS_BIAS and not PARTIAL:
         bias = tl.load(b_ptr + w_rows).to(tl.float32)[:, None]
-    k0 = pid_k * k_slice
-    k_end = tl.minimum(k0 + k_slice, K)
-    if L2_CHUNKS > 0:
-        # The slice's first chunks of every weight row asked of the L2 while the kernel before
-        # still runs: the pipeline's first loads after the wait come from there.
-        ahead = tl.minimum(k_end - k0, L2_CHUNKS * BLOCK_K)
-        nbytes = (ahead * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)).to(tl.int32)
-        _prefetch_rows_to_l2(w_ptr + w_rows.to(tl.int64) * stride_w + k0, nbytes)
     wait_for_previous_kernel(USE_PDL)  # x is the previous kernel's output
     if FP8_IN:
         x_scale = tl.load(xs_ptr + x_rows)[None, :]
+    k0 = pid_k * k_slice
+    k_end = tl.minimum(k0 + k_slice, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if Q4:
         acc = _q4k_slice(
@@ -369,11 +347,8 @@ def _plan(
     pdl: bool = False,
     weight_dtype: torch.dtype | None = None,
     fp8_activations: bool = True,
-    l2_chunks: int = 0,
 ) -> tuple[tuple[int, int], int, dict]:
-    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product.
-    `l2_chunks`: each program's first chunks asked of the L2 before the PDL wait (PDL only: the
-    prefetch is Hopper's; not for Q4_K, whose rows hold half a byte a weight)."""
+    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
     fp8 = weight_dtype == FP8
     act8 = fp8 and fp8_activations
     # fp8 weights with 16-bit activations: tiles as small as bf16's, bf16's configurations
@@ -397,7 +372,6 @@ def _plan(
         FP8=fp8,
         FP8_IN=act8,
         USE_PDL=pdl,
-        L2_CHUNKS=l2_chunks if pdl and weight_dtype != torch.uint8 else 0,
         BLOCK_M=block_m(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -416,14 +390,11 @@ def compile_skinny(
     pdl: bool = True,
     weight_dtype: torch.dtype | None = None,
     fp8_activations: bool = True,
-    l2_chunks: int = 0,
 ) -> None:
     """Compile the kernel `skinny_linear` would launch for this product, without launching it (a
     benchmark compiles its sweep in parallel processes: Triton caches the result on disk).
     `weight_dtype`: fp8 weights (Q8_0 and Q4_K are not compiled here)."""
-    grid, k_slice, meta = _plan(
-        m, n, k, dtype, False, config, pdl, weight_dtype, fp8_activations, l2_chunks
-    )
+    grid, k_slice, meta = _plan(m, n, k, dtype, False, config, pdl, weight_dtype, fp8_activations)
     fp8 = weight_dtype == FP8
     _skinny_kernel.warmup(
         FP8 if meta["FP8_IN"] else dtype,
@@ -452,7 +423,6 @@ def skinny_linear(
     scale: torch.Tensor | None = None,
     fp8_activations: bool = True,
     keep_slices: bool = False,
-    l2_chunks: int = 0,
 ) -> torch.Tensor | SplitK:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
     fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
@@ -461,9 +431,7 @@ def skinny_linear(
     `scale` their scales' words; [N] float32: the weight is fp8 with those row scales, and x is
     quantized to fp8 first (W8A8: quantization.fp8_activations_linear), or with
     `fp8_activations` False each weight chunk is widened to x's dtype (W8A16). `keep_slices`: a
-    product split along K (no bias) returns its slices unsummed (`SplitK`), for a norm to add.
-    `l2_chunks`: under PDL each program first asks the L2 for that many chunks of its weight rows
-    (KernelOptions.skinny_l2_prefetch_chunks; rows and data 16-byte aligned, else none)."""
+    product split along K (no bias) returns its slices unsummed (`SplitK`), for a norm to add."""
     m, k = x.shape
     n = weight.shape[0]
     q4, fp8 = weight.dtype == torch.uint8, weight.dtype == FP8
@@ -481,18 +449,8 @@ def skinny_linear(
     assert scale is None or scale.is_contiguous()
     pdl = pdl_applies(x.device, pdl)
     blocks = weight.dtype if scale is not None else None
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
     grid, k_slice, meta = _plan(
-        m,
-        n,
-        k,
-        x.dtype,
-        bias is not None,
-        config,
-        pdl,
-        blocks,
-        fp8_activations,
-        l2_chunks if aligned and k * weight.element_size() % 16 == 0 else 0,
+        m, n, k, x.dtype, bias is not None, config, pdl, blocks, fp8_activations
     )
     # whole Q8_0 blocks per chunk; Q4_K: whole 64-weight groups
     assert blocks not in (torch.int8, torch.uint8) or meta["BLOCK_K"] % (64 if q4 else 32) == 0

@@ -185,7 +185,6 @@ class TritonOps(TorchOps):
                     scale=proj.weight_scale if blocks else None,
                     fp8_activations=act8,
                     keep_slices=into_norm and self.kernels.split_k_in_norm,
-                    l2_chunks=self.kernels.skinny_l2_prefetch_chunks,
                 )
         if act8:  # the skinny GEMM is off: the same numbers in plain torch
             return super()._linear(proj, x)

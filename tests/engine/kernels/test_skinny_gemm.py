@@ -22,7 +22,6 @@ from flashstack.engine.kernels.triton_skinny import (  # noqa: E402
 )
 from flashstack.engine.models import LlamaForCausalLM  # noqa: E402
 from flashstack.engine.models.ops import TritonOps  # noqa: E402
-from flashstack.engine.quantization import quantize_blocks, quantize_rows  # noqa: E402
 from tests.engine.kernels.test_batch1_decoder import _args  # noqa: E402
 
 # (M, N, K, config (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) or None for skinny_config)
@@ -98,37 +97,6 @@ def test_bf16_replays_in_a_cuda_graph(m):
     torch.testing.assert_close(
         y, (x.double() @ w.double().T).to(torch.bfloat16), atol=1e-2, rtol=0.016
     )
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("weights", ["bf16", "fp8", "q8_0"])
-def test_l2_prefetch_gives_the_same_bits(weights):
-    """kernels.skinny_l2_prefetch_chunks asks the L2 for each program's first chunks before the
-    PDL wait: a hint, the product unchanged, one pass or split along K, with a bias, in a graph."""
-    torch.manual_seed(3)
-    for m, n, k in [(8, 4096, 4096), (24, 4096, 14336), (5, 3000, 1024)]:
-        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-        b = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        scale = None
-        if weights == "fp8":
-            w, scale = quantize_rows(w)
-        elif weights == "q8_0":
-            w, scale = quantize_blocks(w)
-
-        def run(chunks: int) -> torch.Tensor:
-            return skinny_linear(x, w, b, scale=scale, l2_chunks=chunks)
-
-        expected = run(0)
-        for chunks in (1, 3, 64):
-            run(chunks)  # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y = run(chunks)
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y, expected, atol=0, rtol=0)
 
 
 def _model(device) -> LlamaForCausalLM:
