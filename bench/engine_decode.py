@@ -343,7 +343,9 @@ def main() -> None:
         "wait: kernels.gemv_l2_prefetch_bytes=0), l2pf16 / l2pf64 (batch-1 GEMVs of weights up "
         "to 16 / 64 MiB ask the L2 for them before the wait: kernels.gemv_l2_prefetch_bytes), "
         "nopreload / preload8 / preload32 (decode attention of up to 0 / 8 / 32 sequences "
-        "fetches its splits' first K and V tiles before the wait: kernels.decode_preload_rows)",
+        "fetches its splits' first K and V tiles before the wait: kernels.decode_preload_rows), "
+        "noswiglu (a SiLU-and-mul kernel after each skinny gate/up product: "
+        "kernels.gate_up_swiglu=False)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -450,6 +452,7 @@ def main() -> None:
         "nopreload": {"decode_preload_rows": 0},
         "preload8": {"decode_preload_rows": 8},
         "preload32": {"decode_preload_rows": 32},
+        "noswiglu": {"gate_up_swiglu": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

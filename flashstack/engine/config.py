@@ -93,6 +93,14 @@ class KernelOptions:
     # the same numbers bit for bit. The 8B's graph replay on the H100: batch 8 5.627 -> 5.589 ms,
     # batch 32 6.104 -> 6.056 ms (bench/engine_decode.py --gemv triton,noslices).
     split_k_in_norm: bool = True
+    # A skinny gate/up product (2 to 64 rows, one K slice) returns silu(gate) * up: each program
+    # streams the gate and the up rows of the same columns and takes the activation in its
+    # epilogue, rounded as the two kernels round it, so no SiLU-and-mul kernel runs before down.
+    # 8B decode step on the H100: batch 8 5.636 -> 5.587 ms, batch 32 6.330 -> 6.250 ms (bench/
+    # engine_decode.py --gemv triton,noswiglu). Taking it in down's prologue instead, chunk by
+    # chunk, was slower (5.639 -> 5.692 ms, 6.335 -> 6.488 ms): each chunk went from registers to
+    # shared memory inside the weight stream's loop.
+    gate_up_swiglu: bool = True
     # Decode graphs take the logits' argmax inside the graph: a step whose rows are all greedy
     # launches nothing between replays but the tokens' copy back. Batch-1 step on the H200:
     # SmolLM2-135M 544 -> 539 µs; level at the 8B's batch 8 / 32 and on sampled workloads.

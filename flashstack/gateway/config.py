@@ -47,6 +47,7 @@ class KernelSwitches(BaseModel):
     decode_unmasked_v: bool | None = None
     decode_idle_exit: bool | None = None
     split_k_in_norm: bool | None = None
+    gate_up_swiglu: bool | None = None
     argmax_in_graph: bool | None = None
     decode_fp8_qk: bool | None = None
     decode_fp8_pairs: bool | None = None

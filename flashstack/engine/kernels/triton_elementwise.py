@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.kernels.triton_activations import silu_mul
 from flashstack.engine.kernels.triton_skinny import SplitK
 
 
@@ -192,7 +193,7 @@ def _silu_mul_kernel(
     wait_for_previous_kernel(USE_PDL)  # x is the previous kernel's output
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+    act = silu_mul(gate, up)
     if OUT_SCALE != 1.0:  # rounded in x's dtype first, as the unscaled output is
         act = act.to(tl.float32) * OUT_SCALE
     tl.store(out_ptr + row * stride_o + cols, act.to(out_ptr.dtype.element_ty), mask=mask)

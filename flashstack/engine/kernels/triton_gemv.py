@@ -64,6 +64,7 @@ import triton.language as tl
 
 from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.kernels.triton_activations import silu_mul
 from flashstack.engine.kernels.triton_q4k import group_scales
 from flashstack.engine.quantization import FP8, dequantized_linear
 
@@ -111,7 +112,7 @@ def input_chunk(
     if SILU_IN:
         gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0)
-        x = (gate / (1.0 + tl.exp(-gate))).to(act_dtype) * up
+        x = silu_mul(gate, up)
     else:
         x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
         if NORM_IN:

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from flashstack.cuda.torch_interop import device_for
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
+from flashstack.engine.kernels.triton_activations import silu_mul
 from flashstack.engine.kernels.triton_attention import fp8_e4m3
 from flashstack.engine.kernels.triton_q4k import dequantize_chunk
 from flashstack.engine.quantization import FP8, FP8_ACT_MAX_ROWS, FP8_MAX
@@ -137,6 +138,18 @@ def _quantize_activations_kernel(
     tl.store(s_ptr + row, scale)
 
 
+@triton.jit
+def _store_gated(y_ptr, acc, pid_n, rows, M, n_out, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    # acc [2 * HALF, BLOCK_M]: gate's sums over its first half, up's over its second. Both rounded
+    # to y's dtype as the gate/up product stores them, then the SiLU-and-mul kernel's arithmetic.
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
+    dtype = y_ptr.dtype.element_ty
+    act = silu_mul(gate.to(dtype).to(tl.float32), up.to(dtype))
+    cols = pid_n * HALF + tl.arange(0, HALF)
+    mask = (rows < M)[None, :] & (cols < n_out)[:, None]
+    tl.store(y_ptr + rows[None, :] * n_out + cols[:, None], act.to(dtype), mask=mask)
+
+
 # M is not specialized: one compiled kernel serves every batch bucket of a row tile.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
@@ -161,6 +174,7 @@ def _skinny_kernel(
     Q4: tl.constexpr,
     FP8: tl.constexpr,
     FP8_IN: tl.constexpr,
+    GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -169,11 +183,16 @@ def _skinny_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     # Out-of-range columns and rows read the last valid one instead of masking: the weight stream
     # stays unmasked; their results are never stored.
-    w_rows = tl.minimum(cols, N - 1)
+    if GATED:  # the first half of the tile: gate's rows; the second: the same columns' up rows
+        tile = tl.arange(0, BLOCK_N)
+        cols = pid_n * (BLOCK_N // 2) + tile % (BLOCK_N // 2)
+        w_rows = tl.minimum(cols, N // 2 - 1) + tile // (BLOCK_N // 2) * (N // 2)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = tl.minimum(cols, N - 1)
     x_rows = tl.minimum(rows, M - 1)
     # The epilogue's weights (fp8 row scales, bias) load before the wait and the activations'
     # scales right after it: at the end, each would add a memory latency to the program's tail.
@@ -242,9 +261,14 @@ def _skinny_kernel(
     else:
         if HAS_BIAS:
             acc += bias
-        tl.store(
-            y_ptr + rows[None, :] * N + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=out
-        )
+        if GATED:  # y [M, N / 2] = silu(gate) * up, rounded as the unfused kernels round them
+            _store_gated(y_ptr, acc, pid_n, rows, M, N // 2, BLOCK_M, BLOCK_N // 2)
+        else:
+            tl.store(
+                y_ptr + rows[None, :] * N + cols[:, None],
+                acc.to(y_ptr.dtype.element_ty),
+                mask=out,
+            )
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -299,6 +323,15 @@ def skinny_applies(rows: int, n: int, k: int, blocks: bool = False) -> bool:
     return size >= MIN_WEIGHT and triton.cdiv(n, block_n) * split >= MIN_PROGRAMS
 
 
+def gated_applies(rows: int, n: int, k: int, blocks: bool = False, act8: bool = False) -> bool:
+    """Whether a gate/up product of `rows` rows with an [n, k] weight (gate's n / 2 rows, then
+    up's) can take silu(gate) * up in its epilogue (`skinny_linear(gated=True)`): it takes the
+    skinny GEMM, in one K slice. `act8`: its activations are quantized to fp8 (W8A8)."""
+    if n % 2 or not skinny_applies(rows, n, k, blocks):
+        return False
+    return (fp8_skinny_config if act8 else skinny_config)(rows, n, k)[2] == 1
+
+
 def fp8_tensor_cores(device: torch.device) -> bool:
     """Whether `device` converts and multiplies e4m3 in Triton, on its tensor cores (compute
     capability 8.9 and later; Triton's interpreter emulates them)."""
@@ -347,6 +380,7 @@ def _plan(
     pdl: bool = False,
     weight_dtype: torch.dtype | None = None,
     fp8_activations: bool = True,
+    gated: bool = False,
 ) -> tuple[tuple[int, int], int, dict]:
     """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
     fp8 = weight_dtype == FP8
@@ -361,6 +395,8 @@ def _plan(
         block_k, stages = block_k // 2, min(stages, 3)
     k_slice = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_slice)
+    # the nonlinearity needs whole sums: one K slice; a tile's halves pair gate with up
+    assert not gated or (split == 1 and n % 2 == 0 and block_n % 2 == 0)
     meta = dict(
         HAS_BIAS=has_bias,
         PARTIAL=split > 1,
@@ -371,6 +407,7 @@ def _plan(
         Q4=weight_dtype == torch.uint8,
         FP8=fp8,
         FP8_IN=act8,
+        GATED=gated,
         USE_PDL=pdl,
         BLOCK_M=block_m(m),
         BLOCK_N=block_n,
@@ -378,7 +415,11 @@ def _plan(
         STAGES=stages,
         num_warps=warps,
     )
-    return (triton.cdiv(n, block_n), split), k_slice, meta
+    return (
+        (triton.cdiv(n // 2 if gated else n, block_n // 2 if gated else block_n), split),
+        k_slice,
+        meta,
+    )
 
 
 def compile_skinny(
@@ -423,6 +464,7 @@ def skinny_linear(
     scale: torch.Tensor | None = None,
     fp8_activations: bool = True,
     keep_slices: bool = False,
+    gated: bool = False,
 ) -> torch.Tensor | SplitK:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] in x's dtype (what F.linear returns), with
     fp32 accumulation. `config` overrides `skinny_config`. `pdl`: programmatic dependent launch
@@ -431,7 +473,10 @@ def skinny_linear(
     `scale` their scales' words; [N] float32: the weight is fp8 with those row scales, and x is
     quantized to fp8 first (W8A8: quantization.fp8_activations_linear), or with
     `fp8_activations` False each weight chunk is widened to x's dtype (W8A16). `keep_slices`: a
-    product split along K (no bias) returns its slices unsummed (`SplitK`), for a norm to add."""
+    product split along K (no bias) returns its slices unsummed (`SplitK`), for a norm to add.
+    `gated`: the weight is a gate/up projection's (gate's N / 2 rows, then up's), and the result
+    is silu(gate) * up [M, N / 2], taken in the epilogue: each program streams the gate and up
+    rows of the same columns (no SiLU-and-mul kernel after it)."""
     m, k = x.shape
     n = weight.shape[0]
     q4, fp8 = weight.dtype == torch.uint8, weight.dtype == FP8
@@ -450,11 +495,11 @@ def skinny_linear(
     pdl = pdl_applies(x.device, pdl)
     blocks = weight.dtype if scale is not None else None
     grid, k_slice, meta = _plan(
-        m, n, k, x.dtype, bias is not None, config, pdl, blocks, fp8_activations
+        m, n, k, x.dtype, bias is not None, config, pdl, blocks, fp8_activations, gated
     )
     # whole Q8_0 blocks per chunk; Q4_K: whole 64-weight groups
     assert blocks not in (torch.int8, torch.uint8) or meta["BLOCK_K"] % (64 if q4 else 32) == 0
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     if meta["FP8_IN"]:
         x, xs = quantize_activations_triton(x, pdl)
     split = grid[1]

@@ -183,10 +183,7 @@ class DecoderLayer(nn.Module):
         """o_proj of the heads' outputs, then the MLP: (h, residual) for the next layer."""
         mlp = self.mlp
         h, residual = ops.project_add(self.self_attn.o_proj, heads, residual)
-        gate_up, residual = ops.norm_project(
-            self.post_attention_layernorm, mlp.gate_up_proj, h, residual
-        )
-        return ops.project_add(mlp.down_proj, gate_up, residual, silu=True)
+        return ops.feed_forward(self.post_attention_layernorm, mlp, h, residual)
 
 
 class DecoderModel(nn.Module):

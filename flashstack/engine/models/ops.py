@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from flashstack.engine.kernels.triton_skinny import SplitK
     from flashstack.engine.models.layers import RMSNorm
     from flashstack.engine.models.linear import Linear
-    from flashstack.engine.models.llama import Attention, DecoderModel
+    from flashstack.engine.models.llama import Attention, DecoderModel, GatedMLP
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,14 @@ class TorchOps:
             x = nn.functional.silu(gate) * up
         return self._linear(proj, x), residual
 
+    def feed_forward(
+        self, norm: RMSNorm, mlp: GatedMLP, h: torch.Tensor | SplitK | None, residual: torch.Tensor
+    ) -> Stream:
+        """The MLP of norm(residual + h): down(silu(gate) * up), to be added to the residual by the
+        next norm."""
+        gate_up, residual = self.norm_project(norm, mlp.gate_up_proj, h, residual)
+        return self.project_add(mlp.down_proj, gate_up, residual, silu=True)
+
     def final_norm(
         self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
     ) -> torch.Tensor:
@@ -155,10 +163,11 @@ class TritonOps(TorchOps):
         return y
 
     def _product(
-        self, proj: Linear, x: torch.Tensor, into_norm: bool = False
+        self, proj: Linear, x: torch.Tensor, into_norm: bool = False, gated: bool = False
     ) -> torch.Tensor | SplitK:
         # into_norm: the output only feeds an RMSNorm, which can add a split product's slices
-        # itself (KernelOptions.split_k_in_norm)
+        # itself (KernelOptions.split_k_in_norm). gated: a gate/up product whose skinny GEMM
+        # returns silu(gate) * up (`_gated`).
         if proj.tp is not None:
             return proj(x)  # a row-parallel layer reduces across ranks in its forward
         from flashstack.engine.kernels.triton_skinny import (
@@ -185,7 +194,9 @@ class TritonOps(TorchOps):
                     scale=proj.weight_scale if blocks else None,
                     fp8_activations=act8,
                     keep_slices=into_norm and self.kernels.split_k_in_norm,
+                    gated=gated,
                 )
+        assert not gated, "silu(gate) * up in the epilogue: the skinny GEMM only (_gated)"
         if act8:  # the skinny GEMM is off: the same numbers in plain torch
             return super()._linear(proj, x)
         if not self.kernels.triton_gemv:
@@ -280,6 +291,43 @@ class TritonOps(TorchOps):
         # whether this step's decode kernel takes the q/k/v kernel's work (KernelOptions.decode_qkv)
         fused = self.kernels.decode_qkv and rows <= self.kernels.decode_qkv_rows
         return self.triton_attention and meta.is_decode_only and fused
+
+    def _gated(self, proj: Linear, rows: int) -> bool:
+        """Whether the gate/up product of `rows` rows takes silu(gate) * up in its skinny GEMM's
+        epilogue (KernelOptions.gate_up_swiglu): where `_product` takes the skinny GEMM, in one
+        K slice."""
+        from flashstack.engine.kernels.triton_skinny import fp8_tensor_cores, gated_applies
+
+        fp8 = proj.weight.dtype == FP8
+        blocks = proj.weight.dtype in (torch.int8, torch.uint8) or fp8
+        return (
+            self.kernels.gate_up_swiglu
+            and self.kernels.skinny_gemm
+            and proj.tp is None
+            and (proj.weight_scale is None or blocks)
+            and not (fp8 and not fp8_tensor_cores(proj.weight.device))
+            and gated_applies(
+                rows,
+                proj.out_features,
+                proj.in_features,
+                blocks=blocks,
+                act8=self._fp8_activations(proj, rows),
+            )
+        )
+
+    def feed_forward(
+        self, norm: RMSNorm, mlp: GatedMLP, h: torch.Tensor | SplitK | None, residual: torch.Tensor
+    ) -> Stream:
+        if not self._gated(mlp.gate_up_proj, residual.shape[0]):
+            return super().feed_forward(norm, mlp, h, residual)
+        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+        assert h is not None
+        out, residual = rmsnorm_triton(
+            h, norm.weight, norm.eps, residual, pdl=self.kernels.elementwise_pdl
+        )
+        act = self._product(mlp.gate_up_proj, out, gated=True)
+        return self.project_add(mlp.down_proj, act, residual)
 
     def project_add(
         self, proj: Linear, x: torch.Tensor, residual: torch.Tensor, silu: bool = False

@@ -11,9 +11,12 @@ import torch
 pytest.importorskip("triton")
 
 from flashstack.engine.config import KernelOptions  # noqa: E402
-from flashstack.engine.kernels import triton_skinny  # noqa: E402
+from flashstack.engine.kernels import triton_elementwise, triton_skinny  # noqa: E402
 from flashstack.engine.kernels.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton  # noqa: E402
+from flashstack.engine.kernels.triton_elementwise import (  # noqa: E402
+    rmsnorm_triton,
+    silu_and_mul_triton,
+)
 from flashstack.engine.kernels.triton_skinny import (  # noqa: E402
     SplitK,
     skinny_applies,
@@ -54,6 +57,43 @@ def test_half_precision_accumulates_in_float32(device, dtype, m, n, k, config):
     assert got.dtype == dtype and got.shape == (m, n)
     want = (x.double() @ w.double().T + b.double()).to(dtype)
     torch.testing.assert_close(got, want)
+
+
+# the interpreter's elementwise kernels take float32 only
+GATED_DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+# (M, N, K, config): gate/up weights [N, K], one K slice
+GATED_SHAPES = [
+    (3, 70, 200, (32, 64, 1, 4, 2)),  # N / 2 not a multiple of the half tile, uneven K
+    (5, 100, 384, (16, 128, 1, 4, 3)),
+    (17, 64, 512, None),  # past one row tile; the default configuration
+    (8, 512, 256, None),
+]
+
+
+@pytest.mark.parametrize("dtype", GATED_DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("m,n,k,config", GATED_SHAPES)
+def test_gated_epilogue_is_the_product_then_the_silu_kernel(
+    device, dtype, with_bias, m, n, k, config
+):
+    """silu(gate) * up taken in the gate/up product's epilogue: bit for bit the product rounded,
+    then the SiLU-and-mul kernel; and near the float64 reference."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if with_bias else None
+    fused = skinny_linear(x, w, b, config, gated=True)
+    assert fused.shape == (m, n // 2) and fused.dtype == dtype
+    assert torch.equal(fused, silu_and_mul_triton(skinny_linear(x, w, b, config)))
+    y = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    want = torch.nn.functional.silu(y[:, : n // 2]) * y[:, n // 2 :]
+    torch.testing.assert_close(fused.double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_gated_epilogue_refuses_a_split_k(device):
+    x, w = torch.ones(2, 64, device=device), torch.ones(32, 64, device=device)
+    with pytest.raises(AssertionError):
+        skinny_linear(x, w, None, (16, 32, 2, 4, 2), gated=True)
 
 
 def test_split_k_and_one_pass_agree(device):
@@ -200,6 +240,31 @@ def test_down_slices_added_by_the_next_norm_change_no_bit(device, monkeypatch):
     }
     # o and down, once a layer a step each, and nothing else: their outputs go to a norm alone
     assert kept.count(True) == 2 * 4 * args.num_layers
+    assert runs[True][0] == runs[False][0]
+    assert torch.equal(runs[True][1], runs[False][1])
+
+
+@torch.inference_mode()
+def test_gate_up_epilogue_changes_no_bit_and_drops_the_silu_kernel(device, monkeypatch):
+    """KernelOptions.gate_up_swiglu: the gate/up products return silu(gate) * up; the decode
+    steps give exactly the logits of the SiLU-and-mul kernel, which then no longer runs."""
+    monkeypatch.setattr(triton_skinny, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(triton_skinny, "MIN_PROGRAMS", 1)
+    silu_kernels = []
+    kernel = triton_elementwise.silu_and_mul_triton
+    monkeypatch.setattr(
+        triton_elementwise,
+        "silu_and_mul_triton",
+        lambda *a, **k: (silu_kernels.append(1), kernel(*a, **k))[1],
+    )
+    model, block = _model(device), 4
+    args = model.args
+    cache = torch.randn(3 * 8, 2, block, args.num_kv_heads, args.head_dim, device=device)
+    runs = {}
+    for on in (True, False):
+        silu_kernels.clear()
+        runs[on] = _greedy(model, cache, block, device, KernelOptions(gate_up_swiglu=on))
+        assert len(silu_kernels) == (0 if on else 4 * args.num_layers)  # 4 steps
     assert runs[True][0] == runs[False][0]
     assert torch.equal(runs[True][1], runs[False][1])
 
