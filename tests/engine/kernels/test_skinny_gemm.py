@@ -90,6 +90,25 @@ def test_gated_epilogue_is_the_product_then_the_silu_kernel(
     torch.testing.assert_close(fused.double(), want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "fp8_w8a16", "q8_0", "q4_k"])
+def test_gated_epilogue_of_quantized_weights_is_the_product_then_the_silu_kernel(device, kind):
+    """The quantized gate/up weights pair their rows' scales with the rows: the same bits as
+    the unfused product and the SiLU-and-mul kernel (fp8 with and without fp8 activations)."""
+    from flashstack.engine.quantization import quantize_blocks, quantize_q4_k, quantize_rows
+
+    dtype = GATED_DTYPES[-1]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 256, generator=g).to(device, dtype)
+    w = (torch.randn(64, 256, generator=g) / 16).to(device)
+    quantize = {"q8_0": quantize_blocks, "q4_k": quantize_q4_k}.get(kind, quantize_rows)
+    q, scale = quantize(w)
+    act8 = kind == "fp8"
+    fused = skinny_linear(x, q, scale=scale, fp8_activations=act8, gated=True)
+    unfused = skinny_linear(x, q, scale=scale, fp8_activations=act8)
+    assert fused.shape == (5, 32)
+    assert torch.equal(fused, silu_and_mul_triton(unfused))
+
+
 def test_gated_epilogue_refuses_a_split_k(device):
     x, w = torch.ones(2, 64, device=device), torch.ones(32, 64, device=device)
     with pytest.raises(AssertionError):
