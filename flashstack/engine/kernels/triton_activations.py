@@ -1,5 +1,6 @@
 """The SwiGLU activation as every kernel computes it, so that a product taking silu(gate) * up in
-its input prologue rounds exactly as the SiLU-and-mul kernel before it would."""
+its prologue (the batch-1 GEMV) or its epilogue (the skinny GEMM) rounds exactly as the
+SiLU-and-mul kernel would."""
 
 from __future__ import annotations
 

@@ -329,13 +329,12 @@ def skinny_applies(rows: int, n: int, k: int, blocks: bool = False) -> bool:
     return size >= MIN_WEIGHT and triton.cdiv(n, block_n) * split >= MIN_PROGRAMS
 
 
-def gated_applies(rows: int, n: int, k: int, blocks: bool = False, act8: bool = False) -> bool:
-    """Whether a gate/up product of `rows` rows with an [n, k] weight (gate's n / 2 rows, then
-    up's) can take silu(gate) * up in its epilogue (`skinny_linear(gated=True)`): it takes the
-    skinny GEMM, in one K slice. `act8`: its activations are quantized to fp8 (W8A8)."""
-    if n % 2 or not skinny_applies(rows, n, k, blocks):
-        return False
-    return (fp8_skinny_config if act8 else skinny_config)(rows, n, k)[2] == 1
+def gated_fits(rows: int, n: int, k: int, act8: bool = False) -> bool:
+    """Whether a gate/up product the skinny GEMM takes (`skinny_applies`), of `rows` rows with an
+    [n, k] weight (gate's n / 2 rows, then up's), can return silu(gate) * up from its epilogue
+    (`skinny_linear(gated=True)`): its sums whole in one K slice. `act8`: its activations are
+    quantized to fp8 (W8A8)."""
+    return n % 2 == 0 and (fp8_skinny_config if act8 else skinny_config)(rows, n, k)[2] == 1
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
@@ -421,11 +420,7 @@ def _plan(
         STAGES=stages,
         num_warps=warps,
     )
-    return (
-        (triton.cdiv(n // 2 if gated else n, block_n // 2 if gated else block_n), split),
-        k_slice,
-        meta,
-    )
+    return (triton.cdiv(n, block_n), split), k_slice, meta  # gated: n / 2 columns, half a tile
 
 
 def compile_skinny(

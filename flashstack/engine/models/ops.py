@@ -162,6 +162,21 @@ class TritonOps(TorchOps):
         assert isinstance(y, torch.Tensor)
         return y
 
+    def _takes_skinny(self, proj: Linear, rows: int) -> bool:
+        """Whether a product of `rows` rows with proj's weight takes the skinny GEMM: one GPU,
+        16-bit, Q8_0, Q4_K or fp8 weights (fp8 where the device has fp8 tensor cores), few rows."""
+        from flashstack.engine.kernels.triton_skinny import fp8_tensor_cores, skinny_applies
+
+        fp8 = proj.weight.dtype == FP8
+        blocks = proj.weight.dtype in (torch.int8, torch.uint8) or fp8
+        return (
+            proj.tp is None
+            and self.kernels.skinny_gemm
+            and (proj.weight_scale is None or blocks)
+            and not (fp8 and not fp8_tensor_cores(proj.weight.device))
+            and skinny_applies(rows, proj.out_features, proj.in_features, blocks=blocks)
+        )
+
     def _product(
         self, proj: Linear, x: torch.Tensor, into_norm: bool = False, gated: bool = False
     ) -> torch.Tensor | SplitK:
@@ -170,11 +185,7 @@ class TritonOps(TorchOps):
         # returns silu(gate) * up (`_gated`).
         if proj.tp is not None:
             return proj(x)  # a row-parallel layer reduces across ranks in its forward
-        from flashstack.engine.kernels.triton_skinny import (
-            fp8_tensor_cores,
-            skinny_applies,
-            skinny_linear,
-        )
+        from flashstack.engine.kernels.triton_skinny import fp8_tensor_cores, skinny_linear
 
         # Q8_0, Q4_K and fp8 W8A16: the skinny GEMM dequantizes in registers; fp8 W8A8: no
         # conversion, the fp8 tensor cores (Ada, Hopper and later; elsewhere plain torch's W8A8)
@@ -182,20 +193,17 @@ class TritonOps(TorchOps):
         act8 = self._fp8_activations(proj, x.shape[0])
         if fp8 and not fp8_tensor_cores(x.device):
             return super()._linear(proj, x)
-        blocks = proj.weight.dtype in (torch.int8, torch.uint8) or fp8
-        if self.kernels.skinny_gemm and (proj.weight_scale is None or blocks) and x.stride(-1) == 1:
-            shape = (proj.out_features, proj.in_features)
-            if skinny_applies(x.shape[0], *shape, blocks=blocks):  # a few rows: a weight stream
-                return skinny_linear(
-                    x,
-                    proj.weight,
-                    proj.bias,
-                    pdl=self.kernels.pdl,
-                    scale=proj.weight_scale if blocks else None,
-                    fp8_activations=act8,
-                    keep_slices=into_norm and self.kernels.split_k_in_norm,
-                    gated=gated,
-                )
+        if x.stride(-1) == 1 and self._takes_skinny(proj, x.shape[0]):  # a weight stream
+            return skinny_linear(
+                x,
+                proj.weight,
+                proj.bias,
+                pdl=self.kernels.pdl,
+                scale=proj.weight_scale,
+                fp8_activations=act8,
+                keep_slices=into_norm and self.kernels.split_k_in_norm,
+                gated=gated,
+            )
         assert not gated, "silu(gate) * up in the epilogue: the skinny GEMM only (_gated)"
         if act8:  # the skinny GEMM is off: the same numbers in plain torch
             return super()._linear(proj, x)
@@ -206,6 +214,18 @@ class TritonOps(TorchOps):
         # one-row products: the Triton GEMV
         return linear(x, proj.weight, proj.bias, pdl=self.kernels.pdl, scale=proj.weight_scale)
 
+    def _norm(
+        self, norm: RMSNorm, h: torch.Tensor | SplitK | None, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + h), residual + h): the next product's input and the new residual."""
+        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+
+        assert h is not None
+        out, new_residual = rmsnorm_triton(
+            h, norm.weight, norm.eps, residual, pdl=self.kernels.elementwise_pdl
+        )
+        return out, (h if residual is None else new_residual)
+
     def norm_project(
         self,
         norm: RMSNorm,
@@ -213,13 +233,8 @@ class TritonOps(TorchOps):
         h: torch.Tensor | SplitK | None,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
-
-        assert h is not None
-        out, new_residual = rmsnorm_triton(
-            h, norm.weight, norm.eps, residual, pdl=self.kernels.elementwise_pdl
-        )
-        return self._linear(proj, out), (h if residual is None else new_residual)
+        out, residual = self._norm(norm, h, residual)
+        return self._linear(proj, out), residual
 
     def attend(
         self,
@@ -296,22 +311,13 @@ class TritonOps(TorchOps):
         """Whether the gate/up product of `rows` rows takes silu(gate) * up in its skinny GEMM's
         epilogue (KernelOptions.gate_up_swiglu): where `_product` takes the skinny GEMM, in one
         K slice."""
-        from flashstack.engine.kernels.triton_skinny import fp8_tensor_cores, gated_applies
+        from flashstack.engine.kernels.triton_skinny import gated_fits
 
-        fp8 = proj.weight.dtype == FP8
-        blocks = proj.weight.dtype in (torch.int8, torch.uint8) or fp8
         return (
             self.kernels.gate_up_swiglu
-            and self.kernels.skinny_gemm
-            and proj.tp is None
-            and (proj.weight_scale is None or blocks)
-            and not (fp8 and not fp8_tensor_cores(proj.weight.device))
-            and gated_applies(
-                rows,
-                proj.out_features,
-                proj.in_features,
-                blocks=blocks,
-                act8=self._fp8_activations(proj, rows),
+            and self._takes_skinny(proj, rows)
+            and gated_fits(
+                rows, proj.out_features, proj.in_features, self._fp8_activations(proj, rows)
             )
         )
 
@@ -320,12 +326,7 @@ class TritonOps(TorchOps):
     ) -> Stream:
         if not self._gated(mlp.gate_up_proj, residual.shape[0]):
             return super().feed_forward(norm, mlp, h, residual)
-        from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
-
-        assert h is not None
-        out, residual = rmsnorm_triton(
-            h, norm.weight, norm.eps, residual, pdl=self.kernels.elementwise_pdl
-        )
+        out, residual = self._norm(norm, h, residual)
         act = self._product(mlp.gate_up_proj, out, gated=True)
         return self.project_add(mlp.down_proj, act, residual)
 
