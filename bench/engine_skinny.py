@@ -1,6 +1,7 @@
 """Skinny GEMM per 8B projection at M = 8..128 rows, Triton vs cuBLAS: docs/benchmarks.md,
-"Skinny GEMM". `--fp8`: the same weights quantized to fp8 (one scale per row), the skinny GEMM with
-fp8 activations (W8A8, the activation quantization kernel timed with it) and without (W8A16) beside
+"Skinny GEMM"; `--shapes small --no-sweep`: the small models' projections at their defaults.
+`--fp8`: the same weights quantized to fp8 (one scale per row), the skinny GEMM with fp8
+activations (W8A8, the activation quantization kernel timed with it) and without (W8A16) beside
 bf16's figures: docs/benchmarks.md, "fp8 weights"."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from flashstack.engine.kernels.triton_skinny import (
     block_m,
     compile_skinny,
     fp8_skinny_config,
+    row_tile,
+    skinny_applies,
     skinny_config,
     skinny_linear,
 )
@@ -35,6 +38,22 @@ TILES = [
     (64, 256, 4, 4),
     (128, 128, 8, 4),
 ]
+# The small models' projections (N, K), for `--shapes small`: SmolLM2-135M, the Qwen3-0.6B shape,
+# the Llama-3.2-1B shape (its gate/up, over LARGE_WEIGHT, is sized like the 8B's rules).
+SMALL_SHAPES = {
+    "smollm2_qkv": (960, 576),
+    "smollm2_o": (576, 576),
+    "smollm2_gate_up": (3072, 576),
+    "smollm2_down": (576, 1536),
+    "qwen3_qkv": (4096, 1024),
+    "qwen3_o": (1024, 2048),
+    "qwen3_gate_up": (6144, 1024),
+    "qwen3_down": (1024, 3072),
+    "llama1b_qkv": (3072, 2048),
+    "llama1b_o": (2048, 2048),
+    "llama1b_gate_up": (16384, 2048),
+    "llama1b_down": (2048, 8192),
+}
 WIDE_M_TILES = [(64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) swept for fp8 weights and activations (one byte a
 # value: longer chunks and more stages fit shared memory)
@@ -121,7 +140,10 @@ def shape_rows(name: str, n: int, k: int, ms: list[int], sweep: bool) -> dict:
             "cublas_us": round(
                 graph_us(lambda i: torch.nn.functional.linear(x, ws[i % len(ws)])), 2
             ),
-            "default": "n{}_k{}_s{}_w{}_st{}".format(*skinny_config(m, n, k)),
+            "default": "m{}_n{}_k{}_s{}_w{}_st{}".format(
+                row_tile(m, n, k), *skinny_config(m, n, k)
+            ),
+            "engine_takes_it": skinny_applies(m, n, k, small_weights=True),
             "default_us": round(graph_us(lambda i: skinny_linear(x, ws[i % len(ws)])), 2),
         }
         if sweep:
@@ -194,7 +216,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--ms", default="8,16,32,64,128")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help=f"comma-separated, of {sorted(SHAPES)} (the 8B's), {sorted(SMALL_SHAPES)}, or "
+        "small (every small model's)",
+    )
     ap.add_argument("--workers", type=int, default=14, help="processes compiling the sweep")
     ap.add_argument("--no-sweep", action="store_true", help="only the default configurations")
     ap.add_argument("--fp8", action="store_true", help="also fp8 weights, W8A8 and W8A16")
@@ -203,7 +230,11 @@ def main() -> None:
     )
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    known = {**SHAPES, **SMALL_SHAPES}
+    names = [
+        n for name in args.shapes.split(",") for n in (SMALL_SHAPES if name == "small" else [name])
+    ]
+    shapes = {name: known[name] for name in names}
     result: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": 4.26}
     if not args.no_sweep:
         try:

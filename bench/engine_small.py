@@ -1,4 +1,5 @@
-"""Small models' batch-1 decode step by kernel: docs/benchmarks.md, "Engine small-model profile"."""
+"""Small models' decode step by kernel (batch 1, or `--batch` sequences at once):
+docs/benchmarks.md, "Engine small-model profile"."""
 
 from __future__ import annotations
 
@@ -145,22 +146,28 @@ def graph_profile(graphs, context: int, layers: int, iters: int = 20) -> dict[st
     }
 
 
-def replay_us(graphs, context: int, iters: int = 200) -> float:
-    """One replay of the batch-1 graph a `context`-token step takes (the short-context one here)."""
-    return graph_replay_ms(graphs, 1, context, iters, key=graphs.key_for(1, context)) * 1000
+def replay_us(graphs, context: int, iters: int = 200, batch: int = 1) -> float:
+    """One replay of the graph a `context`-token step of `batch` sequences takes (the
+    short-context one at batch 1)."""
+    bucket = graphs.bucket_for(batch)
+    key = graphs.key_for(bucket, context)
+    return graph_replay_ms(graphs, bucket, context, iters, key=key) * 1000
 
 
-def decode_steps(llm, prompt: list[int], new_tokens: int, between=None) -> tuple[float, int]:
-    """(µs per decode step, steps) through the engine's step loop, prefill excluded; `between`
-    (a context manager factory) wraps the decode steps."""
+def decode_steps(
+    llm, prompt: list[int] | list[list[int]], new_tokens: int, between=None
+) -> tuple[float, int]:
+    """(µs per decode step, steps) through the engine's step loop, prefill excluded; a list of
+    prompts decodes together. `between` (a context manager factory) wraps the decode steps."""
     import contextlib
 
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
-    engine.add_request(
-        prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    )
+    for p in prompt if isinstance(prompt[0], list) else [prompt]:
+        engine.add_request(
+            p, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        )
     while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
     torch.cuda.synchronize()
@@ -248,12 +255,13 @@ def measure(
     from flashstack.engine import LLM
 
     context = args.prompt_len + args.new_tokens // 2
-    floor = (wbytes + kv_bytes(shape, context)) / COPY_BW * 1e6
+    batch = args.batch
+    floor = (wbytes + batch * kv_bytes(shape, context)) / COPY_BW * 1e6
     out: dict[str, Any] = {"weight_bytes": wbytes, "floor_us": round(floor, 1), "kernels": kernels}
     llm = LLM(
         str(path),
         block_size=256,
-        max_num_seqs=1,
+        max_num_seqs=batch,
         dtype="bfloat16",
         gpu_memory_utilization=0.5,
         max_model_len=4096,
@@ -261,12 +269,13 @@ def measure(
         device="cuda",
         kernels=kernels,
     )
-    prompt = prompts(1, args.prompt_len, seed=1)[0]
-    steps = [decode_steps(llm, prompt, args.new_tokens)[0] for _ in range(3)]
+    batch_prompts = prompts(batch, args.prompt_len, seed=1)
+    prompt = batch_prompts[0]
+    steps = [decode_steps(llm, batch_prompts, args.new_tokens)[0] for _ in range(3)]
     out["step_us"] = round(min(steps), 1)
     out["fraction_of_floor"] = round(floor / min(steps), 3)
     graphs = llm.engine.runner.graphs
-    out["replay_us"] = round(min(replay_us(graphs, context) for _ in range(3)), 1)
+    out["replay_us"] = round(min(replay_us(graphs, context, batch=batch) for _ in range(3)), 1)
     decoders = getattr(llm.engine.runner.ops.for_tokens(1), "_decoders", {})
     if kernels.get("persistent_decoder"):  # dropped after a failed first-run check: say so
         kept = [d for d in decoders.values() if d is not None]
@@ -308,7 +317,9 @@ def main() -> None:
         "before the wait: kernels.gemv_l2_prefetch_bytes=0), l2pf2 / l2pf4 / l2pf16 / l2pf64 "
         "(batch-1 GEMVs of weights up to 2 / 4 / 16 / 64 MiB ask the L2 for them before the "
         "wait: kernels.gemv_l2_prefetch_bytes), nopreload (decode attention's splits fetch their "
-        "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0)",
+        "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0), "
+        "noskinnysmall (products of 2-32 rows on cuBLAS, not the skinny GEMM: "
+        "kernels.skinny_small_weights=False)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -319,8 +330,16 @@ def main() -> None:
         help="with --no-profile: still the host's time per step by part (once the GPU's step "
         "is short, whether the host keeps up)",
     )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences decoding together (past 1: step and replay only, with --no-profile)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.batch > 1 and (args.profile or args.host):
+        ap.error("--batch past 1 measures step and replay only: add --no-profile, drop --host")
     variants = {
         "default": {},
         "nopdl": {"pdl": False},
@@ -342,10 +361,12 @@ def main() -> None:
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
         "nopreload": {"decode_preload_rows": 0},
+        "noskinnysmall": {"skinny_small_weights": False},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
+        "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "copy_bw_tb_s": COPY_BW / 1e12,

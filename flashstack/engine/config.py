@@ -26,6 +26,13 @@ class KernelOptions:
     # cuBLAS (kernels/triton_skinny.py); tensor parallelism keeps its own. 8B decode
     # step on the H200: batch 8 4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms.
     skinny_gemm: bool = True
+    # A small model's projections (weights under 16M values: SmolLM2-135M, Qwen3-0.6B, the
+    # Llama-3.2-1B shape's q/k/v and o) take the skinny GEMM from 2 to 32 rows too, in 16-row tiles
+    # where the weight has at most 2,048 outputs; False: cuBLAS, which launches without PDL. Decode
+    # step on the H100 at batch 8 / 32: SmolLM2-135M 953 -> 691 / 1,083 -> 791 µs, Qwen3-0.6B shape
+    # 1,432 -> 1,195 / 2,020 -> 1,773 µs (bench/engine_small.py --batch 8 --variants
+    # default,noskinnysmall).
+    skinny_small_weights: bool = True
     # Products of 2 to 128 rows on fp8 weights quantize their activations to e4m3 (one scale per
     # row, dynamic) and multiply on the fp8 tensor cores (W8A8, engine/quantization.py), as
     # vLLM's fp8 does on Hopper; False: W8A16, each weight chunk widened to 16 bits in registers.

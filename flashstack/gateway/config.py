@@ -33,6 +33,7 @@ class KernelSwitches(BaseModel):
 
     triton_gemv: bool | None = None
     skinny_gemm: bool | None = None
+    skinny_small_weights: bool | None = None
     fp8_activations: bool | None = None
     pdl: bool | None = None
     decode_qkv: bool | None = None

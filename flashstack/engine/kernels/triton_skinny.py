@@ -21,7 +21,10 @@ Against cuBLAS on the H200 (docs/benchmarks.md, "Skinny GEMM"), at 8 to 32 rows:
 time on o and lm_head, 0.94-1.01x on q/k/v, 0.98-0.99x on down, 1.01-1.02x on gate/up; at 64 rows
 faster on gate/up, down and lm_head only, and at 128 slower everywhere, so past 32 rows q/k/v and o
 stay on cuBLAS and past 64 rows everything does (`skinny_applies`). In the 8B decode step: batch 8
-4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms.
+4.951 -> 4.840 ms, batch 32 5.505 -> 5.311 ms. A small model's weights take it from 2 to 32 rows
+(KernelOptions.skinny_small_weights); a weight with few outputs (a small model's o and down) then
+spreads the rows over 16-row tiles (`row_tile`), a program per (column tile, row tile), as its
+column tiles alone would leave most SMs idle.
 
 Q8_0 weights (int8 with a float16 scale per 32 weights: engine/quantization.py) are dequantized
 chunk by chunk into the activations' dtype, in registers, before the tensor-core product: the
@@ -189,7 +192,7 @@ def _skinny_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # a row tile (one up to 64 rows)
     # Out-of-range columns and rows read the last valid one instead of masking: the weight stream
     # stays unmasked; their results are never stored.
     if GATED:  # the first half of the tile: gate's rows; the second: the same columns' up rows
@@ -261,7 +264,7 @@ def _skinny_kernel(
         acc *= w_scale * x_scale
     elif FP8:
         acc *= w_scale
-    out = (tl.arange(0, BLOCK_M) < M)[None, :] & (cols < N)[:, None]
+    out = (rows < M)[None, :] & (cols < N)[:, None]
     if PARTIAL:  # y_ptr is the float32 [SPLIT_K, M, N] workspace
         tl.store(y_ptr + pid_k * M * N + rows[None, :] * N + cols[:, None], acc, mask=out)
     else:
@@ -316,17 +319,40 @@ MIN_PROGRAMS = 64  # o's 4096 rows over 64 per program
 BLOCKS_MAX_ROWS = FP8_ACT_MAX_ROWS
 
 
-def skinny_applies(rows: int, n: int, k: int, blocks: bool = False) -> bool:
+# A small model's weights (under MIN_WEIGHT: SmolLM2-135M's, the Qwen3-0.6B shape's, the
+# Llama-3.2-1B shape's q/k/v and o) take it from 2 to 32 rows (KernelOptions.skinny_small_weights):
+# on the H100, in graphs of calls launched with PDL, 0.3-0.9 µs (4-22 %) under cuBLAS's 3-7 µs on
+# every such shape (docs/benchmarks.md, "Skinny GEMM"). Those of at most ROW_TILED_MAX_N outputs
+# spread the rows over ROW_TILE-row tiles, as their few column tiles alone leave most SMs idle.
+SMALL_MODEL_ROWS = 32
+ROW_TILED_MAX_N = 2048
+ROW_TILE = 16
+
+
+def skinny_applies(
+    rows: int, n: int, k: int, blocks: bool = False, small_weights: bool = False
+) -> bool:
     """Whether a product of `rows` activation rows with an [n, k] weight takes the skinny GEMM (one
     row takes the GEMV). `blocks`: Q8_0, Q4_K or fp8 weights, up to BLOCKS_MAX_ROWS rows whatever
-    the weight's size."""
+    the weight's size. `small_weights`: a weight under MIN_WEIGHT takes it up to SMALL_MODEL_ROWS
+    rows (else cuBLAS)."""
     if blocks:
         return 2 <= rows <= BLOCKS_MAX_ROWS
     size = n * k
+    if size < MIN_WEIGHT:
+        return small_weights and 2 <= rows <= SMALL_MODEL_ROWS
     if not 2 <= rows <= (MAX_ROWS if size >= LARGE_WEIGHT else SMALL_WEIGHT_ROWS):
         return False
     block_n, _, split, _, _ = skinny_config(rows, n, k)
-    return size >= MIN_WEIGHT and triton.cdiv(n, block_n) * split >= MIN_PROGRAMS
+    return triton.cdiv(n, block_n) * split >= MIN_PROGRAMS
+
+
+def row_tile(m: int, n: int, k: int) -> int:
+    """Activation rows per program of a 16-bit product: all M (padded to the tensor cores' 16), or
+    ROW_TILE-row tiles for a small model's weight of at most ROW_TILED_MAX_N outputs."""
+    if n * k < MIN_WEIGHT and n <= ROW_TILED_MAX_N:
+        return ROW_TILE
+    return block_m(m)
 
 
 def gated_fits(rows: int, n: int, k: int, act8: bool = False) -> bool:
@@ -354,9 +380,13 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for an [m, k] x [n, k]^T product, the best of the
     H200 sweep (bench/engine_skinny.py) on the Llama-3-8B shapes at 8 to 64 rows: very many weight
     rows (gate/up, lm_head) 128 per program in 128-wide chunks on 8 warps; the rest 64 per program
-    in 256-wide chunks (128-wide past 32 rows); long rows (down) split in two; four stages."""
+    in 256-wide chunks (128-wide past 32 rows); long rows (down) split in two; four stages. A small
+    model's rows shorter than 1,024 (SmolLM2's 576) take 128-wide chunks: 0.6-0.8 µs faster on the
+    H100 than 256-wide ones, whose second chunk is mostly masked."""
     if n >= 16384:
         return 128, 128, 1, 8, 4
+    if n * k < MIN_WEIGHT and k < 1024:
+        return 64, 128, 1, 4, 4
     return 64, 256 if block_m(m) <= 32 else 128, 2 if k > 8192 else 1, 4, 4
 
 
@@ -414,13 +444,14 @@ def _plan(
         FP8_IN=act8,
         GATED=gated,
         USE_PDL=pdl,
-        BLOCK_M=block_m(m),
+        BLOCK_M=row_tile(m, n, k) if weight_dtype is None else block_m(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         STAGES=stages,
         num_warps=warps,
     )
-    return (triton.cdiv(n, block_n), split), k_slice, meta  # gated: n / 2 columns, half a tile
+    # gated: n / 2 columns, half a tile
+    return (triton.cdiv(n, block_n), split, triton.cdiv(m, meta["BLOCK_M"])), k_slice, meta
 
 
 def compile_skinny(

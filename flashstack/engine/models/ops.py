@@ -174,7 +174,13 @@ class TritonOps(TorchOps):
             and self.kernels.skinny_gemm
             and (proj.weight_scale is None or blocks)
             and not (fp8 and not fp8_tensor_cores(proj.weight.device))
-            and skinny_applies(rows, proj.out_features, proj.in_features, blocks=blocks)
+            and skinny_applies(
+                rows,
+                proj.out_features,
+                proj.in_features,
+                blocks=blocks,
+                small_weights=self.kernels.skinny_small_weights,
+            )
         )
 
     def _product(

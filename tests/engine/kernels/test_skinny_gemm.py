@@ -19,6 +19,7 @@ from flashstack.engine.kernels.triton_elementwise import (  # noqa: E402
 )
 from flashstack.engine.kernels.triton_skinny import (  # noqa: E402
     SplitK,
+    row_tile,
     skinny_applies,
     skinny_config,
     skinny_linear,
@@ -33,6 +34,8 @@ SHAPES = [
     (5, 100, 384, (32, 64, 3, 4, 3)),  # split-K in three even slices
     (2, 48, 330, (16, 64, 2, 4, 2)),  # split-K, the last slice short and not chunk-aligned
     (17, 64, 512, None),  # past one row tile of 16; the default configuration
+    (40, 48, 330, (16, 64, 2, 4, 2)),  # three row tiles, each split along K
+    (20, 2100, 64, None),  # over ROW_TILED_MAX_N outputs: every row in one tile of 32
 ]
 
 
@@ -67,6 +70,7 @@ GATED_SHAPES = [
     (5, 100, 384, (16, 128, 1, 4, 3)),
     (17, 64, 512, None),  # past one row tile; the default configuration
     (8, 512, 256, None),
+    (40, 96, 128, None),  # three row tiles
 ]
 
 
@@ -132,7 +136,20 @@ def test_only_long_rows_split_k_and_only_few_rows_take_it():
     assert not skinny_applies(1, 4096, 4096)  # one row: the GEMV
     assert skinny_applies(32, 4096, 4096) and not skinny_applies(33, 4096, 4096)  # o
     assert skinny_applies(64, 4096, 14336) and not skinny_applies(65, 4096, 14336)  # down
-    assert not skinny_applies(8, 2048, 2048)  # a weight smaller than any measured: cuBLAS
+    assert not skinny_applies(8, 2048, 2048)  # a small model's weight: cuBLAS unless asked
+    assert skinny_applies(2, 2048, 2048, small_weights=True)
+    assert skinny_applies(32, 576, 576, small_weights=True)
+    assert not skinny_applies(33, 2048, 2048, small_weights=True)
+    # the Llama-3.2-1B shape's down: 32 programs of 64 columns, too few: cuBLAS
+    assert not skinny_applies(8, 2048, 8192, small_weights=True)
+
+
+def test_row_tiles_only_for_a_small_weight_of_few_outputs():
+    assert row_tile(32, 1024, 2048) == 16  # Qwen3-0.6B's o: 16 column tiles, so two row tiles
+    assert row_tile(32, 4096, 1024) == 32  # its q/k/v: 64 column tiles fill the SMs already
+    assert row_tile(24, 4096, 4096) == 32  # the 8B's o: every row in one tile
+    assert skinny_config(8, 960, 576)[1] == 128  # SmolLM2's short rows: 128-wide chunks
+    assert skinny_config(8, 1024, 3072)[1] == 256
 
 
 @pytest.mark.gpu
