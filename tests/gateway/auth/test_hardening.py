@@ -142,16 +142,19 @@ async def _first_token_then_abort(responses: list[httpx.Response]) -> None:
     await asyncio.gather(*(one(r) for r in responses))
 
 
-def _upstream_calls(upstreams, marker: str) -> int:
-    return sum(marker.encode() in r.raw for r in upstreams["openai"].requests)
+def _upstream_calls(upstreams, marker: str, since: int) -> int:
+    """Requests with `marker` the upstream received from its `since`-th on. The upstreams serve
+    the whole session, and a 4-hex-digit marker also turns up in earlier requests' trace ids."""
+    return sum(marker.encode() in r.raw for r in upstreams["openai"].requests[since:])
 
 
-async def _until_upstream_cancelled(upstreams, marker: str, n: int) -> None:
-    """Wait until the gateway has closed `n` upstream streams (their turns settle a moment
-    later: `_settled`)."""
+async def _until_upstream_cancelled(upstreams, marker: str, n: int, since: int) -> None:
+    """Wait until the gateway has closed `n` upstream streams of the requests from the
+    `since`-th on (their turns settle a moment later: `_settled`)."""
     log = upstreams["openai"]
     for _ in range(100):
-        if sum(marker.encode() in log.requests[i].raw for i, _ in log.cancelled) >= n:
+        closed = (i for i, _ in log.cancelled if i >= since)
+        if sum(marker.encode() in log.requests[i].raw for i in closed) >= n:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the gateway did not close the aborted upstream streams")
@@ -178,6 +181,7 @@ async def test_concurrent_requests_on_a_tpm_key_admit_only_what_fits(gw, upstrea
     # fit in 30 reach the upstream; the rest get 429 with retry-after, in the caller's format.
     created = create_key(gw.url, name="tpm-burst", tpm=30)
     key, marker = created["key"], uuid.uuid4().hex[:4]
+    since = len(upstreams["openai"].requests)
     text, max_tokens = f"[[slow:0.2]] {marker}", 1
     hold = _estimate(text, max_tokens)
     fit = 30 // hold
@@ -188,12 +192,12 @@ async def test_concurrent_requests_on_a_tpm_key_admit_only_what_fits(gw, upstrea
         for r in refused:
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
             assert int(r.headers["retry-after"]) >= 1 and "tokens" in r.json()["error"]["message"]
-        assert _upstream_calls(upstreams, marker) == fit  # nothing refused went upstream
+        assert _upstream_calls(upstreams, marker, since) == fit  # nothing refused went upstream
         # Abort each admitted stream after its first token: each is charged what it held.
         await _first_token_then_abort(admitted)
     finally:
         await client.aclose()
-    await _until_upstream_cancelled(upstreams, marker, fit)
+    await _until_upstream_cancelled(upstreams, marker, fit, since)
     held, used = await _settled(gw, created["id"])
     assert held == 0 and used >= fit * hold  # settled, each at least what it held
     r = await asyncio.to_thread(_chat, gw.url, key, "hi", max_tokens=1)
@@ -308,6 +312,7 @@ async def test_concurrent_streams_across_two_gateways_sharing_redis(upstreams, t
     try:
         key = create_key(gateways[0].url, name="tpm-replicas", tpm=30)["key"]
         marker = uuid.uuid4().hex[:4]
+        since = len(upstreams["openai"].requests)
         text, max_tokens = f"[[slow:0.2]] {marker}", 1
         fit = 30 // _estimate(text, max_tokens)
         opened = await asyncio.gather(
@@ -316,12 +321,12 @@ async def test_concurrent_streams_across_two_gateways_sharing_redis(upstreams, t
         try:
             assert sum(len(admitted) for _, admitted, _ in opened) == fit
             assert all(r.status_code == 429 for _, _, refused in opened for r in refused)
-            assert _upstream_calls(upstreams, marker) == fit
+            assert _upstream_calls(upstreams, marker, since) == fit
             await asyncio.gather(*(_first_token_then_abort(admitted) for _, admitted, _ in opened))
         finally:
             for client, _, _ in opened:
                 await client.aclose()
-        await _until_upstream_cancelled(upstreams, marker, fit)
+        await _until_upstream_cancelled(upstreams, marker, fit, since)
         for g in gateways:  # charged on both replicas' shared window
             assert (
                 await asyncio.to_thread(_chat, g.url, key, "hi", max_tokens=1)
