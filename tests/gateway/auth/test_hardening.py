@@ -142,10 +142,15 @@ async def _first_token_then_abort(responses: list[httpx.Response]) -> None:
     await asyncio.gather(*(one(r) for r in responses))
 
 
-def _upstream_calls(upstreams, marker: str, since: int) -> int:
-    """Requests with `marker` the upstream received from its `since`-th on. The upstreams serve
-    the whole session, and a 4-hex-digit marker also turns up in earlier requests' trace ids."""
-    return sum(marker.encode() in r.raw for r in upstreams["openai"].requests[since:])
+def _upstream_calls(upstreams, marker: str, since: int) -> list:
+    """The requests with `marker` in their body the upstream received from its `since`-th on
+    (the upstreams serve the whole session: earlier tests' bodies are not this test's)."""
+    return [r for r in upstreams["openai"].requests[since:] if marker.encode() in r.raw]
+
+
+def _described(calls: list) -> list[str]:
+    """The recorded requests as an assertion shows them."""
+    return [f"{r.method} {r.path} {r.headers.get('traceparent')} {r.raw[:200]!r}" for r in calls]
 
 
 async def _until_upstream_cancelled(upstreams, marker: str, n: int, since: int) -> None:
@@ -192,7 +197,8 @@ async def test_concurrent_requests_on_a_tpm_key_admit_only_what_fits(gw, upstrea
         for r in refused:
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
             assert int(r.headers["retry-after"]) >= 1 and "tokens" in r.json()["error"]["message"]
-        assert _upstream_calls(upstreams, marker, since) == fit  # nothing refused went upstream
+        calls = _upstream_calls(upstreams, marker, since)
+        assert len(calls) == fit, _described(calls)  # nothing refused went upstream
         # Abort each admitted stream after its first token: each is charged what it held.
         await _first_token_then_abort(admitted)
     finally:
@@ -321,7 +327,8 @@ async def test_concurrent_streams_across_two_gateways_sharing_redis(upstreams, t
         try:
             assert sum(len(admitted) for _, admitted, _ in opened) == fit
             assert all(r.status_code == 429 for _, _, refused in opened for r in refused)
-            assert _upstream_calls(upstreams, marker, since) == fit
+            calls = _upstream_calls(upstreams, marker, since)
+            assert len(calls) == fit, _described(calls)
             await asyncio.gather(*(_first_token_then_abort(admitted) for _, admitted, _ in opened))
         finally:
             for client, _, _ in opened:
