@@ -18,7 +18,6 @@ import torch
 
 from bench.engine_gemv import SHAPES, graph_us
 from flashstack.engine.kernels.triton_skinny import (
-    block_m,
     compile_skinny,
     fp8_skinny_config,
     row_tile,
@@ -104,8 +103,8 @@ def precompile(shapes: dict, ms: list[int], workers: int) -> dict:
     # one job per distinct kernel: its row tile and constants (M itself is not specialized)
     unique = {}
     for job in sorted(jobs, key=str):
-        m, _, _, _, c = job
-        unique.setdefault((block_m(m), c[:2], c[2] > 1, c[3:]), job)
+        m, n, k, _, c = job
+        unique.setdefault((row_tile(m, n, k), c[:2], c[2] > 1, c[3:]), job)
     t = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
