@@ -192,7 +192,7 @@ def _skinny_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # a row tile (one up to 64 rows)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's row tile
     # Out-of-range columns and rows read the last valid one instead of masking: the weight stream
     # stays unmasked; their results are never stored.
     if GATED:  # the first half of the tile: gate's rows; the second: the same columns' up rows
@@ -305,8 +305,8 @@ def _split_sum_kernel(
 
 
 # Where the skinny GEMM measured at least as fast as cuBLAS on the H200 (the Llama-3-8B shapes): up
-# to 64 rows for the larger weights (gate/up, down, lm_head), up to 32 for q/k/v and o. Weights
-# smaller than o's, or too few programs to spread over the 132 SMs, were not measured: cuBLAS.
+# to 64 rows for the larger weights (gate/up, down, lm_head), up to 32 for q/k/v and o. Too few
+# programs to spread over the 132 SMs: cuBLAS. Weights smaller than o's: SMALL_MODEL_ROWS below.
 MAX_ROWS = 64
 SMALL_WEIGHT_ROWS = 32
 LARGE_WEIGHT = 32 * 1024 * 1024  # elements: above q/k/v's 6144 x 4096, below down's 4096 x 14336
@@ -321,9 +321,11 @@ BLOCKS_MAX_ROWS = FP8_ACT_MAX_ROWS
 
 # A small model's weights (under MIN_WEIGHT: SmolLM2-135M's, the Qwen3-0.6B shape's, the
 # Llama-3.2-1B shape's q/k/v and o) take it from 2 to 32 rows (KernelOptions.skinny_small_weights):
-# on the H100, in graphs of calls launched with PDL, 0.3-0.9 µs (4-22 %) under cuBLAS's 3-7 µs on
-# every such shape (docs/benchmarks.md, "Skinny GEMM"). Those of at most ROW_TILED_MAX_N outputs
-# spread the rows over ROW_TILE-row tiles, as their few column tiles alone leave most SMs idle.
+# on the H100, in graphs of calls launched with PDL, 0.1-1.1 µs (1-26 %) under cuBLAS's 3-7.6 µs
+# on every such shape (docs/benchmarks.md, "Skinny GEMM"), and in a decode step far more, as
+# cuBLAS launches without PDL (SmolLM2-135M's step at batch 8 953 -> 691 µs). Those of at most
+# ROW_TILED_MAX_N outputs spread the rows over ROW_TILE-row tiles, as their few column tiles alone
+# leave most SMs idle.
 SMALL_MODEL_ROWS = 32
 ROW_TILED_MAX_N = 2048
 ROW_TILE = 16
@@ -382,7 +384,7 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     rows (gate/up, lm_head) 128 per program in 128-wide chunks on 8 warps; the rest 64 per program
     in 256-wide chunks (128-wide past 32 rows); long rows (down) split in two; four stages. A small
     model's rows shorter than 1,024 (SmolLM2's 576) take 128-wide chunks: 0.6-0.8 µs faster on the
-    H100 than 256-wide ones, whose second chunk is mostly masked."""
+    H100 than 256-wide ones, whose third chunk is mostly masked."""
     if n >= 16384:
         return 128, 128, 1, 8, 4
     if n * k < MIN_WEIGHT and k < 1024:
