@@ -154,17 +154,15 @@ def replay_us(graphs, context: int, iters: int = 200, batch: int = 1) -> float:
     return graph_replay_ms(graphs, bucket, context, iters, key=key) * 1000
 
 
-def decode_steps(
-    llm, prompt: list[int] | list[list[int]], new_tokens: int, between=None
-) -> tuple[float, int]:
-    """(µs per decode step, steps) through the engine's step loop, prefill excluded; a list of
-    prompts decodes together. `between` (a context manager factory) wraps the decode steps."""
+def decode_steps(llm, prompts: list[list[int]], new_tokens: int, between=None) -> tuple[float, int]:
+    """(µs per decode step, steps) through the engine's step loop, prefill excluded, the prompts
+    decoding together. `between` (a context manager factory) wraps the decode steps."""
     import contextlib
 
     from flashstack.engine import SamplingParams
 
     engine = llm.engine
-    for p in prompt if isinstance(prompt[0], list) else [prompt]:
+    for p in prompts:
         engine.add_request(
             p, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         )
@@ -198,9 +196,9 @@ def host_parts(llm, prompt: list[int], new_tokens: int) -> dict[str, float]:
         (outputs.RequestState, "update_text"),
     ]
     with Clock().wrapping(parts) as clock:
-        step, steps = decode_steps(llm, prompt, new_tokens)
+        step, steps = decode_steps(llm, [prompt], new_tokens)
         clock.total.clear()
-        step, steps = decode_steps(llm, prompt, new_tokens)
+        step, steps = decode_steps(llm, [prompt], new_tokens)
     us = {k: round(v / steps * 1e6, 1) for k, v in clock.total.items()}
     us["step (instrumented)"] = round(step, 1)
     us["host, not waiting"] = round(step - us.get("wait", 0.0), 1)

@@ -418,8 +418,9 @@ def _plan(
     weight_dtype: torch.dtype | None = None,
     fp8_activations: bool = True,
     gated: bool = False,
-) -> tuple[tuple[int, int], int, dict]:
-    """(grid, K slice, constexprs and launch options) of `_skinny_kernel` for one product."""
+) -> tuple[tuple[int, int, int], int, dict]:
+    """(grid: column tiles x K slices x row tiles, K slice, constexprs and launch options) of
+    `_skinny_kernel` for one product."""
     fp8 = weight_dtype == FP8
     act8 = fp8 and fp8_activations
     # fp8 weights with 16-bit activations: tiles as small as bf16's, bf16's configurations
@@ -452,7 +453,7 @@ def _plan(
         STAGES=stages,
         num_warps=warps,
     )
-    # gated: n / 2 columns, half a tile
+    # gated as well: each column tile is n / 2's output columns, half a tile of them
     return (triton.cdiv(n, block_n), split, triton.cdiv(m, meta["BLOCK_M"])), k_slice, meta
 
 
