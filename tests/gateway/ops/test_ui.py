@@ -230,6 +230,9 @@ def test_console_in_a_browser(upstream, tmp_path):
             page.set_default_timeout(10_000)
             page.goto(gw.url + "/ui")
             page.screenshot(path=shots / "signin.png")
+            # signed out, the nav is not shown: its visibility below is what proves the sign-in
+            expect(page.locator("#signin")).to_be_visible()
+            expect(page.locator("#nav")).to_be_hidden()
             page.fill("#master-key", MASTER_KEY)
             page.click("#signin-form button")
             expect(page.locator("#nav")).to_be_visible()  # signed in: the cookie is set by now
