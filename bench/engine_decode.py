@@ -344,10 +344,6 @@ def main() -> None:
         "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight before the "
         "wait: kernels.gemv_l2_prefetch_bytes=0), l2pf16 / l2pf64 (batch-1 GEMVs of weights up "
         "to 16 / 64 MiB ask the L2 for them before the wait: kernels.gemv_l2_prefetch_bytes), "
-        "l2attn8 / l2attn16 / l2attn32 / l2attn48 (batch-1 decode attention asks the L2 for the "
-        "layer's next weights, up to 8 / 16 / 32 / 48 MiB, after its wait: "
-        "kernels.decode_l2_prefetch_bytes; suffix i / ie / z: from the idle splits after / "
-        "before the wait, or the active ones at their end: kernels.decode_l2_prefetch_from), "
         "nopreload / preload8 / preload32 (decode attention of up to 0 / 8 / 32 sequences "
         "fetches its splits' first K and V tiles before the wait: kernels.decode_preload_rows), "
         "noswiglu (a SiLU-and-mul kernel after each skinny gate/up product: "
@@ -456,12 +452,6 @@ def main() -> None:
         "nol2pf": {"gemv_l2_prefetch_bytes": 0},
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
-        **{f"l2attn{n}": {"decode_l2_prefetch_bytes": n << 20} for n in (8, 16, 32, 48)},
-        **{
-            f"l2attn{n}{tag}": {"decode_l2_prefetch_bytes": n << 20, "decode_l2_prefetch_from": f}
-            for n in (8, 16, 32, 48)
-            for tag, f in (("i", "idle"), ("ie", "idle_early"), ("z", "end"))
-        },
         "nopreload": {"decode_preload_rows": 0},
         "preload8": {"decode_preload_rows": 8},
         "preload32": {"decode_preload_rows": 32},

@@ -58,8 +58,6 @@ VARIANTS: dict[str, str | None] = {
     "fp8_w8a16": "fp8",
     "fp8_fusedsilu": "fp8",
     "fp8_l2pf": "fp8",
-    **{f"fp8_l2attn{n}{t}": "fp8" for n in (16, 32) for t in ("", "i", "ie", "z")},
-    **{f"bf16_l2attn{n}{t}": None for n in (16, 32) for t in ("", "i", "ie", "z")},
     "q8_0": "q8_0",
     "q4_k": "q4_k",
 }
@@ -69,13 +67,6 @@ VARIANT_KERNELS: dict[str, dict[str, Any]] = {
     "fp8_fusedsilu": {"fp8_silu_kernel": False},  # the down GEMV computes its SiLU input itself
     # q/k/v and o (at most 32 MB of fp8) asked of the L2 before their GEMVs' PDL wait
     "fp8_l2pf": {"gemv_l2_prefetch_bytes": 32 << 20},
-    # the layer's next weights, up to n MiB, asked of the L2 by batch-1 decode attention
-    **{
-        f"{w}_l2attn{n}{t}": {"decode_l2_prefetch_bytes": n << 20, "decode_l2_prefetch_from": f}
-        for w in ("fp8", "bf16")
-        for n in (16, 32)
-        for t, f in (("", "active"), ("i", "idle"), ("ie", "idle_early"), ("z", "end"))
-    },
 }
 
 # Perplexity text: the openings of two public-domain novels (Dickens, 1859; Austen, 1813).

@@ -314,12 +314,7 @@ def main() -> None:
         "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight "
         "before the wait: kernels.gemv_l2_prefetch_bytes=0), l2pf2 / l2pf4 / l2pf16 / l2pf64 "
         "(batch-1 GEMVs of weights up to 2 / 4 / 16 / 64 MiB ask the L2 for them before the "
-        "wait: kernels.gemv_l2_prefetch_bytes), "
-        "l2attn8 / l2attn16 / l2attn32 / l2attn48 (batch-1 decode attention asks the L2 for the "
-        "layer's next weights, up to 8 / 16 / 32 / 48 MiB, after its wait: "
-        "kernels.decode_l2_prefetch_bytes; suffix i / ie / z: from the idle splits after / "
-        "before the wait, or the active ones at their end: kernels.decode_l2_prefetch_from), "
-        "nopreload (decode attention's splits fetch their "
+        "wait: kernels.gemv_l2_prefetch_bytes), nopreload (decode attention's splits fetch their "
         "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0), "
         "noskinnysmall (products of 2-32 rows on cuBLAS, not the skinny GEMM: "
         "kernels.skinny_small_weights=False)",
@@ -363,12 +358,6 @@ def main() -> None:
         "l2pf4": {"gemv_l2_prefetch_bytes": 4 << 20},
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
-        **{f"l2attn{n}": {"decode_l2_prefetch_bytes": n << 20} for n in (8, 16, 32, 48)},
-        **{
-            f"l2attn{n}{tag}": {"decode_l2_prefetch_bytes": n << 20, "decode_l2_prefetch_from": f}
-            for n in (8, 16, 32, 48)
-            for tag, f in (("i", "idle"), ("ie", "idle_early"), ("z", "end"))
-        },
         "nopreload": {"decode_preload_rows": 0},
         "noskinnysmall": {"skinny_small_weights": False},
     }

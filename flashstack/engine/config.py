@@ -167,14 +167,6 @@ class KernelOptions:
     # (Llama-3.2-1B shape 1051 -> 1085 µs at 16 MiB, the 8B's fp8 q/k/v and o 3.25 -> 3.45 ms);
     # bench/engine_small.py --variants default,nol2pf,l2pf4,l2pf16; docs/benchmarks.md.
     gemv_l2_prefetch_bytes: int = 7 << 19  # 3.5 MiB
-    # A batch-1 decode attention launch asks the L2 for the layer's next weights (o, gate/up, then
-    # down) up to this many bytes, after its PDL wait: HBM is otherwise idle while attention reads
-    # a short context and its splits merge, so the o GEMV and the MLP find them there
-    # (kernels/triton_gemv.l2_weight_ranges); 0: none.
-    decode_l2_prefetch_bytes: int = 0
-    # Which splits ask: "active" ones after the wait, "idle" ones (past the context) after it or
-    # before it ("idle_early"), or the active ones at their "end"
-    decode_l2_prefetch_from: str = "active"
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"
@@ -207,16 +199,6 @@ class KernelOptions:
             raise ValueError(
                 "kernels.gemv_l2_prefetch_bytes must be 0 (no prefetch) or more, got "
                 f"{self.gemv_l2_prefetch_bytes}"
-            )
-        if self.decode_l2_prefetch_bytes < 0:
-            raise ValueError(
-                "kernels.decode_l2_prefetch_bytes must be 0 (no prefetch) or more, got "
-                f"{self.decode_l2_prefetch_bytes}"
-            )
-        if self.decode_l2_prefetch_from not in ("active", "idle", "idle_early", "end"):
-            raise ValueError(
-                "kernels.decode_l2_prefetch_from must be 'active', 'idle', 'idle_early' or 'end', "
-                f"got {self.decode_l2_prefetch_from!r}"
             )
         if self.decode_preload_rows < 0:
             raise ValueError(

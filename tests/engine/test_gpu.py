@@ -182,10 +182,8 @@ def test_multi_row_decode_qkv_matches_transformers(family: str, hf_checkpoints) 
         ("decode_unmasked_v", (False, True)),
         ("decode_idle_exit", (False, True)),
         ("decode_preload_rows", (0, 3)),
-        ("decode_l2_prefetch_bytes", (0, 64 << 20)),
-        *(("decode_l2_prefetch_from", (f, f)) for f in ("idle", "idle_early", "end")),
     ],
-    ids=["unmasked_v", "idle_exit", "preload", "l2_weights", "l2_idle", "l2_idle_early", "l2_end"],
+    ids=["unmasked_v", "idle_exit", "preload"],
 )
 def test_attention_options_change_no_token(
     family: str, option: str, values: tuple, hf_checkpoints
@@ -194,16 +192,12 @@ def test_attention_options_change_no_token(
     graphs (block size 256: TMA tiles) at batch 1 and 3: kernels.decode_unmasked_v (V's tiles
     feed P @ V with their rows past the context as fetched: the engine's zeroed cache holds only
     finite values there, each weighing exactly 0), kernels.decode_idle_exit (splits past the
-    context return before the wait), kernels.decode_preload_rows (each split's first K and V
-    tiles fetched before the wait) and kernels.decode_l2_prefetch_bytes (the layer's next weights
-    asked of the L2: a hint)."""
+    context return before the wait) and kernels.decode_preload_rows (each split's first K and V
+    tiles fetched before the wait)."""
     path, _ = hf_checkpoints[family]
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 153)), list(range(40, 100))]
     runs = []
     for value in values:
-        kernels = {option: value}
-        if option == "decode_l2_prefetch_from":  # those splits ask the L2 against none asking
-            kernels["decode_l2_prefetch_bytes"] = (64 << 20) * len(runs)
         llm = LLM(
             path,
             block_size=256,  # TMA tiles lie inside a block
@@ -211,7 +205,7 @@ def test_attention_options_change_no_token(
             dtype="bfloat16",
             show_progress=False,
             max_num_seqs=3,
-            kernels=kernels,
+            kernels={option: value},
         )
         runs.append(
             [run_checked(llm, [prompts[0]], greedy(24))[0], *run_checked(llm, prompts, greedy(24))]

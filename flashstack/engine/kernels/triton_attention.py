@@ -45,18 +45,12 @@ from flashstack.engine.kernels.attention import (
     sdpa_prefill_applies,
 )
 from flashstack.engine.kernels.pdl import pdl_applies, wait_for_previous_kernel
-from flashstack.engine.kernels.triton_gemv import l2_ranges, prefetch_share_to_l2
 
 # Programs per SM the split heuristic aims for: enough to hide memory latency, few enough that the
 # merge stays negligible.
 _PROGRAMS_PER_SM = 2
 # Programs per SM in one wave of a decode launch, at most (tma_launch: one or two).
 _WAVE_PROGRAMS = 2
-
-
-# Which of a batch-1 decode launch's splits ask the L2 for the layer's next weights, as
-# KernelOptions.decode_l2_prefetch_from names them (the kernel's L2_FROM is the index)
-L2_PREFETCH_FROM = ("active", "idle", "idle_early", "end")
 
 
 @triton.jit
@@ -360,7 +354,6 @@ def _decode_kernel(
     out_ptr,
     part_ptr,
     lse_ptr,
-    l2_ranges_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -408,16 +401,12 @@ def _decode_kernel(
     FP8_PAIRS: tl.constexpr = False,
     FP8_ASM: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
-    L2_RANGES: tl.constexpr = 0,
-    L2_FROM: tl.constexpr = 0,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     if FP8:  # the layer's scales: fixed for the engine's life, safe before the wait
         k_scale = tl.load(kvs_ptr)
         v_scale = tl.load(kvs_ptr + 1)
-    if L2_RANGES > 0:  # the weights' addresses: fixed too
-        l2_weights = l2_ranges(l2_ranges_ptr, L2_RANGES)
     # Where the sequence is known before the wait (its context length and block table are step
     # inputs), they load before it, and so does its split's table entries below.
     EARLY: tl.constexpr = ORDER_READY or not ORDERED
@@ -443,13 +432,6 @@ def _decode_kernel(
         # SM slot through the wait, q's rotation and an empty loop (a graph's grid is sized for
         # the longest context its bound allows, so a short one leaves many splits idle).
         if split >= active:
-            if L2_RANGES > 0 and (L2_FROM == 1 or L2_FROM == 2):
-                # the idle splits ask the L2 for the layer's next weights (after the wait: 1)
-                if L2_FROM == 1:
-                    wait_for_previous_kernel(USE_PDL)
-                idle = tl.num_programs(2) - active
-                part = hkv * idle + split - active
-                prefetch_share_to_l2(l2_weights, part, tl.num_programs(1) * idle, L2_RANGES)
             return
     # A split past the context (lo >= ctx) runs an empty loop and writes nothing.
     lo = split * tokens_per_split
@@ -485,13 +467,6 @@ def _decode_kernel(
         first = lo
     if EARLY:
         wait_for_previous_kernel(USE_PDL)  # q (and the new k/v) are the previous kernel's output
-    if L2_RANGES > 0 and L2_FROM == 0:
-        # One sequence (the host's word): its active splits ask the L2 for the layer's next
-        # weights, an equal share each, which HBM, otherwise idle while a short context is read,
-        # streams in before the o GEMV and the MLP ask for them.
-        if split < active:
-            part = hkv * active + split
-            prefetch_share_to_l2(l2_weights, part, tl.num_programs(1) * active, L2_RANGES)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     gmask = g < G
@@ -649,9 +624,6 @@ def _decode_kernel(
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=omask)
-        if L2_RANGES > 0 and L2_FROM == 3:  # the active splits, once their own tiles are read
-            part = hkv * active + split
-            prefetch_share_to_l2(l2_weights, part, tl.num_programs(1) * active, L2_RANGES)
 
 
 @triton.jit
@@ -1041,8 +1013,6 @@ def paged_decode_triton(
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     order_ready: bool = False,
-    l2_prefetch: torch.Tensor | None = None,
-    l2_prefetch_from: str = "active",
 ) -> torch.Tensor:
     """One query per sequence, q [batch, heads, head_dim], over the paged cache, launched as `plan`
     says (plan_decode); returns [batch, heads, head_dim] in q's dtype (into `out` when given): the
@@ -1054,11 +1024,6 @@ def paged_decode_triton(
     With `new`, q is the unrotated q straight from the q/k/v projection and the new k/v are not in
     the cache yet: the kernel rotates them, stores them and attends with them (see NewTokens).
     `kv_scale`: an fp8 cache's [k_scale, v_scale].
-    `l2_prefetch`: int64 [R, 2] (address, length) byte ranges, R a power of two
-    (triton_gemv.l2_weight_ranges): one sequence's launch asks the L2 for them after its PDL wait,
-    a share a split (Hopper; ignored elsewhere and for more sequences): `l2_prefetch_from`
-    "active" splits after the wait, "idle" splits (past the context) after it or before it
-    ("idle_early"), or the active splits at their "end" (KernelOptions.decode_l2_prefetch_from).
     """
     fp8 = check_kv_scale(kv_cache, kv_scale)
     batch, heads, dim = q.shape
@@ -1103,11 +1068,6 @@ def paged_decode_triton(
             rows = rows.view(torch.int16)
         width = rows.shape[-1]
         desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, 1, width])
-    prefetch = l2_prefetch is not None and plan.pdl and batch == 1
-    if prefetch and l2_prefetch_from.startswith("idle") and not plan.idle_exit:
-        prefetch = False  # idle splits run the loop empty instead of leaving: nothing asks
-    if prefetch:
-        assert l2_prefetch.dtype == torch.int64 and l2_prefetch.shape[1] == 2
     _decode_kernel[(batch, kv_heads, num_splits)](
         q,
         k,
@@ -1126,7 +1086,6 @@ def paged_decode_triton(
         out,
         part,
         lse,
-        l2_prefetch if prefetch else context_lens,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -1173,8 +1132,6 @@ def paged_decode_triton(
         FP8_ASM=plan.fp8_pairs and not triton.knobs.runtime.interpret and _kv_dot(q) == tl.float16,
         # the sequence known before the wait (no order, or one an earlier layer made)
         PRELOAD=plan.preload and new is not None and (order is None or order_ready),
-        L2_RANGES=l2_prefetch.shape[0] if prefetch else 0,
-        L2_FROM=L2_PREFETCH_FROM.index(l2_prefetch_from),
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None

@@ -80,12 +80,7 @@ _L2_PREFETCH_PIECE = tl.constexpr(1 << 16)
 def prefetch_to_l2(ptr, nbytes):
     """Ask the L2 for `nbytes` (a multiple of 16) from `ptr` (16-byte aligned) without waiting for
     them (`cp.async.bulk.prefetch.L2`, Hopper): one thread of the program asks, in 64 KB pieces."""
-    _prefetch_address_to_l2(ptr.to(tl.int64, bitcast=True), nbytes)
-
-
-@triton.jit
-def _prefetch_address_to_l2(base, nbytes):
-    # prefetch_to_l2 from an address held as an int64
+    base = ptr.to(tl.int64, bitcast=True)
     for off in range(0, nbytes, _L2_PREFETCH_PIECE):
         size = tl.minimum(nbytes - off, _L2_PREFETCH_PIECE).to(tl.int32)
         tl.inline_asm_elementwise(
@@ -97,29 +92,6 @@ def _prefetch_address_to_l2(base, nbytes):
             is_pure=False,
             pack=1,
         )
-
-
-@triton.jit
-def l2_ranges(ranges_ptr, NUM_RANGES: tl.constexpr):
-    """NUM_RANGES int64 (address, length) pairs from `ranges_ptr`, as one vector for
-    `prefetch_share_to_l2` (loaded early: they are fixed for the engine's life)."""
-    i = tl.arange(0, 2 * NUM_RANGES)
-    return tl.load(ranges_ptr + i)
-
-
-@triton.jit
-def prefetch_share_to_l2(ranges, part, parts, NUM_RANGES: tl.constexpr):
-    """Ask the L2 for share `part` of `parts` of each byte range in `ranges` (`l2_ranges`;
-    addresses 16-byte aligned, lengths multiples of 16): the programs of one kernel warm the L2
-    with weights a later kernel streams (`prefetch_to_l2`)."""
-    i = tl.arange(0, 2 * NUM_RANGES)
-    for r in tl.static_range(NUM_RANGES):
-        base = tl.sum(tl.where(i == 2 * r, ranges, 0))
-        nbytes = tl.sum(tl.where(i == 2 * r + 1, ranges, 0))
-        share = (tl.cdiv(nbytes, parts) + 15) // 16 * 16
-        off = part * share
-        if off < nbytes:
-            _prefetch_address_to_l2(base + off, tl.minimum(share, nbytes - off))
 
 
 @triton.jit
@@ -615,24 +587,3 @@ def l2_prefetch_plan(weight: torch.Tensor, programs: int, max_bytes: int, sm_cou
     if not 0 < nbytes <= max_bytes or not weight.is_contiguous() or not aligned:
         return 0
     return triton.cdiv(weight.shape[0], min(programs, sm_count))
-
-
-def l2_weight_ranges(weights: list[torch.Tensor], max_bytes: int) -> torch.Tensor | None:
-    """The (address, length) byte ranges of `weights`, in order, up to `max_bytes` in all (the last
-    one cut short), as int64 [R, 2] on their device with R padded to a power of two by empty
-    ranges, for `prefetch_share_to_l2`; None where nothing applies. Each range starts 16-byte
-    aligned and its length is cut to a multiple of 16 (the bulk prefetch's unit); a weight that is
-    not contiguous ends the list."""
-    ranges: list[tuple[int, int]] = []
-    left = max_bytes
-    for w in weights:
-        if left < 16 or not w.is_contiguous() or w.data_ptr() % 16:
-            break
-        nbytes = min(w.numel() * w.element_size(), left) // 16 * 16
-        ranges.append((w.data_ptr(), nbytes))
-        left -= nbytes
-    if not ranges:
-        return None
-    while len(ranges) & (len(ranges) - 1):
-        ranges.append((0, 0))
-    return torch.tensor(ranges, dtype=torch.int64, device=weights[0].device)

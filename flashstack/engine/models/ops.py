@@ -153,8 +153,6 @@ class TritonOps(TorchOps):
         self.batch1 = (
             Batch1Ops(backend) if self.triton_attention and self.kernels.triton_gemv else None
         )
-        # each layer's weights its decode attention asks the L2 for, by id(Attention) (Batch1Ops)
-        self.l2_weights: dict[int, torch.Tensor | None] = {}
 
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self.batch1 if num_tokens == 1 and self.batch1 is not None else self
@@ -283,8 +281,6 @@ class TritonOps(TorchOps):
                 kv_scale=attn.kv_scale,
                 order=order,
                 order_ready=ready,
-                l2_prefetch=self.l2_weights.get(id(attn)),
-                l2_prefetch_from=self.kernels.decode_l2_prefetch_from,
             )
             return out.reshape(n, -1)
         if self.triton_attention:  # one launch for q/k-norm, rotary and the KV store
@@ -373,7 +369,6 @@ class Batch1Ops(TritonOps):
     def __init__(self, backend: AttentionBackend) -> None:
         TorchOps.__init__(self, backend)
         self.triton_attention, self.batch1 = True, None
-        self.l2_weights = {}
         # the persistent decoder of each (model, KV caches), None where it does not apply
         self._decoders: dict[tuple[int, int], PersistentDecoder | None] = {}
 
@@ -389,7 +384,6 @@ class Batch1Ops(TritonOps):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor | None:
         """Every layer in one persistent kernel (KernelOptions.persistent_decoder)."""
-        self._plan_l2_weights(model)
         if not self.kernels.persistent_decoder:
             return None
         key = (id(model), kv_caches[0].data_ptr())
@@ -423,20 +417,6 @@ class Batch1Ops(TritonOps):
         log.error("persistent decoder %s: its layers run one by one from now on", problem)
         self._decoders[key] = None
         return residual
-
-    def _plan_l2_weights(self, model: DecoderModel) -> None:
-        """What each layer's decode attention asks the L2 for (KernelOptions.
-        decode_l2_prefetch_bytes): the o, gate/up and down weights it reads next, in that order.
-        Made on the first step, an eager warm-up before any graph capture."""
-        budget = self.kernels.decode_l2_prefetch_bytes
-        if not budget or id(model.layers[0].self_attn) in self.l2_weights:
-            return
-        from flashstack.engine.kernels.triton_gemv import l2_weight_ranges
-
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights = [attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-            self.l2_weights[id(attn)] = l2_weight_ranges(weights, budget)
 
     def _persistent_decoder(
         self, model: DecoderModel, kv_caches: list[torch.Tensor]
