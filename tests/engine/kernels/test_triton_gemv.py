@@ -69,16 +69,22 @@ def test_linear_is_f_linear_for_every_shape(device):
 CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 512, 4, 3), (4, 1024, 4, 2)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", CONFIGS)
-def test_norm_prologue_is_rmsnorm_then_gemv(device, dtype, config):
-    from flashstack.engine.kernels.triton_elementwise import rmsnorm_reference, rmsnorm_triton
-
+def _norm_case(device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # a weight [40, 2100] (ragged rows and chunks), an input row and a norm weight
     torch.manual_seed(1)
     n, k = 40, 2100
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
     x = torch.randn(1, k, dtype=dtype, device=device) * 3
     g = torch.rand(k, dtype=dtype, device=device) + 0.5
+    return w, x, g
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_norm_prologue_is_rmsnorm_then_gemv(device, dtype, config):
+    from flashstack.engine.kernels.triton_elementwise import rmsnorm_reference, rmsnorm_triton
+
+    w, x, g = _norm_case(device, dtype)
     fused = tg.gemv_triton(w, x, None, config, norm=(g, 1e-5))
     # Same rounding as the unfused kernels, same accumulation order: the same bits.
     torch.testing.assert_close(
@@ -94,11 +100,7 @@ def test_late_norm_is_rmsnorm_unrounded(device, dtype, config):
     # norm_late: rstd on the rows' sums, x * g unrounded: RMSNorm then the product in exact
     # arithmetic, to the output's rounding (float32: the sums' order), closer than the rounded
     # prologue where the activations are 16-bit.
-    torch.manual_seed(1)
-    n, k = 40, 2100
-    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
-    x = torch.randn(1, k, dtype=dtype, device=device) * 3
-    g = torch.rand(k, dtype=dtype, device=device) + 0.5
+    w, x, g = _norm_case(device, dtype)
     late = tg.gemv_triton(w, x, None, config, norm=(g, 1e-5), norm_late=True)
     x64, g64, w64 = x.double(), g.double(), w.double()
     normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * g64
