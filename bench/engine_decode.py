@@ -344,7 +344,6 @@ def main() -> None:
         "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight before the "
         "wait: kernels.gemv_l2_prefetch_bytes=0), l2pf16 / l2pf64 (batch-1 GEMVs of weights up "
         "to 16 / 64 MiB ask the L2 for them before the wait: kernels.gemv_l2_prefetch_bytes), "
-        "normlate (batch-1 GEMVs apply the RMSNorm's rstd to their sums: kernels.gemv_norm_late), "
         "nopreload / preload8 / preload32 (decode attention of up to 0 / 8 / 32 sequences "
         "fetches its splits' first K and V tiles before the wait: kernels.decode_preload_rows), "
         "noswiglu (a SiLU-and-mul kernel after each skinny gate/up product: "
@@ -453,7 +452,6 @@ def main() -> None:
         "nol2pf": {"gemv_l2_prefetch_bytes": 0},
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
-        "normlate": {"gemv_norm_late": True},
         "nopreload": {"decode_preload_rows": 0},
         "preload8": {"decode_preload_rows": 8},
         "preload32": {"decode_preload_rows": 32},

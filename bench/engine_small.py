@@ -314,9 +314,7 @@ def main() -> None:
         "kernels.decode_idle_exit=False), nol2pf (no GEMV asks the L2 for its weight "
         "before the wait: kernels.gemv_l2_prefetch_bytes=0), l2pf2 / l2pf4 / l2pf16 / l2pf64 "
         "(batch-1 GEMVs of weights up to 2 / 4 / 16 / 64 MiB ask the L2 for them before the "
-        "wait: kernels.gemv_l2_prefetch_bytes), "
-        "normlate (batch-1 GEMVs apply the RMSNorm's rstd to their sums: kernels.gemv_norm_late), "
-        "nopreload (decode attention's splits fetch their "
+        "wait: kernels.gemv_l2_prefetch_bytes), nopreload (decode attention's splits fetch their "
         "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0), "
         "noskinnysmall (products of 2-32 rows on cuBLAS, not the skinny GEMM: "
         "kernels.skinny_small_weights=False)",
@@ -360,7 +358,6 @@ def main() -> None:
         "l2pf4": {"gemv_l2_prefetch_bytes": 4 << 20},
         "l2pf16": {"gemv_l2_prefetch_bytes": 16 << 20},
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
-        "normlate": {"gemv_norm_late": True},
         "nopreload": {"decode_preload_rows": 0},
         "noskinnysmall": {"skinny_small_weights": False},
     }

@@ -167,12 +167,6 @@ class KernelOptions:
     # (Llama-3.2-1B shape 1051 -> 1085 µs at 16 MiB, the 8B's fp8 q/k/v and o 3.25 -> 3.45 ms);
     # bench/engine_small.py --variants default,nol2pf,l2pf4,l2pf16; docs/benchmarks.md.
     gemv_l2_prefetch_bytes: int = 7 << 19  # 3.5 MiB
-    # A batch-1 GEMV with the RMSNorm in its prologue takes x * g unnormalized and multiplies the
-    # rows' sums by rstd, the row's mean square gathered beside the products: no pass over the
-    # input between the PDL wait and the first product (in every program), and the norm's two
-    # roundings to the activation dtype not taken (kernels/triton_gemv.py; float16 fp8 products,
-    # Q8_0 and Q4_K keep the pass).
-    gemv_norm_late: bool = False
     # Tensor-parallel all-reduces and gathers of decode steps: "push" over NVLink peer memory
     # (kernels/triton_collectives.py, GPUs only), or "nccl" for everything.
     tp_all_reduce: str = "push"

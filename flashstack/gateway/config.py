@@ -60,7 +60,6 @@ class KernelSwitches(BaseModel):
     persistent_decoder_tagged: bool | None = None
     fp8_silu_kernel: bool | None = None
     gemv_l2_prefetch_bytes: int | None = Field(None, ge=0)
-    gemv_norm_late: bool | None = None
     tp_all_reduce: Literal["push", "nccl"] | None = None
     tp_all_reduce_block: int | None = Field(None, ge=64)
     tp_all_reduce_warps: Literal[1, 2, 4, 8, 16] | None = None

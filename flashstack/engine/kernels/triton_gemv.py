@@ -137,14 +137,6 @@ def row_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _squares(x_ptr, k, K, BLOCK_K: tl.constexpr):
-    # one chunk of the input's squares, for the row's mean square (NORM_LATE)
-    cols = k + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    return x * x
-
-
-@triton.jit
 def _product(w, x, HALF: tl.constexpr, PRESCALED: tl.constexpr = False):
     # One chunk's products. HALF (fp8 weights, 16-bit activations): in float16, one e4m3 -> f16
     # conversion per weight and the input pre-scaled by 2^-8 so that 448 * x stays in range
@@ -212,16 +204,10 @@ def _chunk(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRESCALED: tl.constexpr,
-    NORM_LATE: tl.constexpr = False,
 ):
     # What one weight chunk (storage columns k .. k + BLOCK_K) adds to the accumulator: products,
     # Q8_0's scaled block sums or Q4_K's, with the activations it multiplies.
     cols = k + tl.arange(0, BLOCK_K)
-    if NORM_LATE:  # x * g as it is, in float32: the row's rstd multiplies the sums at the end
-        cmask = cols < K
-        x = tl.load(x_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        return _product(w, x * g, False)
     if Q4:  # byte b holds input (b // 32) * 64 + b % 32 and, in its high nibble, 32 further on
         x_cols = cols // 32 * 64 + cols % 32
         x_lo = input_chunk(x_ptr, g_ptr, x_cols, x_cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
@@ -271,7 +257,6 @@ def _gemv_kernel(
     PREFETCH_L2: tl.constexpr = False,
     pf_rows=0,
     pf_row_bytes=0,
-    NORM_LATE: tl.constexpr = False,
 ):
     # K: the input's length; KW: a weight row's, in stored elements (K / 2 bytes for Q4_K)
     pid = tl.program_id(0)
@@ -301,11 +286,8 @@ def _gemv_kernel(
     if ADD_OUT:
         old = tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     rstd = 1.0
-    if NORM_IN and not NORM_LATE:  # the row's mean square first: rstd scales every chunk
+    if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
         rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
-    # NORM_LATE: the mean square gathered chunk by chunk beside the products, rstd applied to
-    # the rows' sums: no pass over the input between the wait and the first product
-    sq = tl.zeros([BLOCK_K], tl.float32)
     if STAGES > 1:
         # The rest streams through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner,
         # asynchronous copies): more bytes in flight per program without holding them in registers.
@@ -328,10 +310,7 @@ def _gemv_kernel(
             BLOCK_N,
             BLOCK_K,
             PRESCALED,
-            NORM_LATE,
         )
-        if NORM_LATE:
-            sq += _squares(x_ptr, 0, K, BLOCK_K)
         for k in tl.range(BLOCK_K, KW, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
             w = tl.load(
@@ -356,10 +335,7 @@ def _gemv_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 PRESCALED,
-                NORM_LATE,
             )
-            if NORM_LATE:
-                sq += _squares(x_ptr, k, K, BLOCK_K)
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
         if Q8 or Q4:
@@ -386,15 +362,10 @@ def _gemv_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 PRESCALED,
-                NORM_LATE,
             )
-            if NORM_LATE:
-                sq += _squares(x_ptr, k, K, BLOCK_K)
             nxt = k + cols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < KW)[None, :], other=0.0)
     y = tl.sum(acc.to(tl.float32), 1)
-    if NORM_LATE:
-        y *= tl.rsqrt(tl.sum(sq, 0) / K + eps)
     if HAS_SCALE:  # fp8 weights: each row's scale (and the input's 2^-8 back, HALF)
         y *= row_scale * (256.0 if HALF else 1.0)
     if HAS_BIAS:
@@ -503,7 +474,6 @@ def gemv_triton(
     half_products: bool | None = None,
     prescaled: bool = False,
     l2_prefetch_bytes: int = 0,
-    norm_late: bool = False,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
@@ -520,11 +490,7 @@ def gemv_triton(
     float16 products take it (silu_and_mul_triton's `out_scale`), so that no program converts it;
     the result is then in `residual`'s or `out`'s dtype. `l2_prefetch_bytes`: a weight of at most
     this many bytes is asked of the L2 whole before the PDL wait
-    (KernelOptions.gemv_l2_prefetch_bytes; `l2_prefetch_plan`). `norm_late`: with `norm`, the
-    products take x * g unnormalized in float32 and the row's rstd multiplies their sums, its mean
-    square gathered beside them (KernelOptions.gemv_norm_late): no pass over x before the first
-    product, and RMSNorm's two roundings to x's dtype not taken; 16-bit fp8 products, Q8_0 and
-    Q4_K keep the pass."""
+    (KernelOptions.gemv_l2_prefetch_bytes; `l2_prefetch_plan`)."""
     n, kw = weight.shape
     q8, q4 = weight.dtype == torch.int8, weight.dtype == torch.uint8
     k = 2 * kw if q4 else kw
@@ -604,7 +570,6 @@ def gemv_triton(
         PREFETCH_L2=pf_rows > 0,
         pf_rows=pf_rows,
         pf_row_bytes=weight.stride(0) * weight.element_size(),
-        NORM_LATE=norm is not None and norm_late and not (half or q8 or q4),
         num_warps=warps,
         launch_pdl=pdl,
     )

@@ -458,7 +458,6 @@ class Batch1Ops(TritonOps):
             pdl=self.kernels.pdl,
             scale=proj.weight_scale,
             l2_prefetch_bytes=self.kernels.gemv_l2_prefetch_bytes,
-            norm_late=self.kernels.gemv_norm_late,
         )
         return out, residual
 

@@ -69,22 +69,16 @@ def test_linear_is_f_linear_for_every_shape(device):
 CONFIGS = [(16, 1024, 8), (2, 1024, 4), (8, 512, 4), (4, 1024, 4), (8, 512, 4, 3), (4, 1024, 4, 2)]
 
 
-def _norm_case(device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # a weight [40, 2100] (ragged rows and chunks), an input row and a norm weight
-    torch.manual_seed(1)
-    n, k = 40, 2100
-    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
-    x = torch.randn(1, k, dtype=dtype, device=device) * 3
-    g = torch.rand(k, dtype=dtype, device=device) + 0.5
-    return w, x, g
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_norm_prologue_is_rmsnorm_then_gemv(device, dtype, config):
     from flashstack.engine.kernels.triton_elementwise import rmsnorm_reference, rmsnorm_triton
 
-    w, x, g = _norm_case(device, dtype)
+    torch.manual_seed(1)
+    n, k = 40, 2100
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(1, k, dtype=dtype, device=device) * 3
+    g = torch.rand(k, dtype=dtype, device=device) + 0.5
     fused = tg.gemv_triton(w, x, None, config, norm=(g, 1e-5))
     # Same rounding as the unfused kernels, same accumulation order: the same bits.
     torch.testing.assert_close(
@@ -92,45 +86,6 @@ def test_norm_prologue_is_rmsnorm_then_gemv(device, dtype, config):
     )
     want = torch.nn.functional.linear(rmsnorm_reference(x, g, 1e-5)[0].float(), w.float()).to(dtype)
     torch.testing.assert_close(fused, want, **_tol(dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", CONFIGS)
-def test_late_norm_is_rmsnorm_unrounded(device, dtype, config):
-    # norm_late: rstd on the rows' sums, x * g unrounded: RMSNorm then the product in exact
-    # arithmetic, to the output's rounding (float32: the sums' order), closer than the rounded
-    # prologue where the activations are 16-bit.
-    w, x, g = _norm_case(device, dtype)
-    late = tg.gemv_triton(w, x, None, config, norm=(g, 1e-5), norm_late=True)
-    x64, g64, w64 = x.double(), g.double(), w.double()
-    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * g64
-    exact = torch.nn.functional.linear(normed, w64)
-    torch.testing.assert_close(late.double(), exact, **_tol(dtype))
-    rounded = tg.gemv_triton(w, x, None, config, norm=(g, 1e-5))
-    if dtype != torch.float32:
-        assert (late.double() - exact).abs().mean() < (rounded.double() - exact).abs().mean()
-
-
-def test_late_norm_on_fp8_weights(device):
-    # fp8 weights with 16-bit activations take float16 products of pre-normalized inputs: the
-    # mean square's pass stays, and norm_late changes no bit; with float32 activations the
-    # late norm applies, to float32's rounding of the exact product.
-    torch.manual_seed(2)
-    n, k = 48, 1024
-    w = (torch.randn(n, k, device=device) / k**0.5).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, dtype=torch.float32, device=device) + 0.5
-    x = torch.randn(1, k, dtype=torch.float16, device=device)
-    g = torch.rand(k, dtype=torch.float16, device=device) + 0.5
-    runs = [
-        tg.gemv_triton(w, x, scale=scale, norm=(g, 1e-5), norm_late=late) for late in (False, True)
-    ]
-    torch.testing.assert_close(runs[0], runs[1], atol=0, rtol=0)
-    x32, g32 = x.float(), g.float()
-    late = tg.gemv_triton(w, x32, scale=scale, norm=(g32, 1e-5), norm_late=True)
-    x64 = x32.double()
-    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * g32.double()
-    exact = torch.nn.functional.linear(normed, w.double() * scale.double()[:, None])
-    torch.testing.assert_close(late.double(), exact, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
