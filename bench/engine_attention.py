@@ -52,6 +52,29 @@ FP8_LAUNCHES = {
     "pairs s3": {"fp8_pairs": True, "unmasked_v": True, "num_stages": 3},
     "pairs s4": {"fp8_pairs": True, "unmasked_v": True, "num_stages": 4},
     "pairs w8": {"fp8_pairs": True, "unmasked_v": True, "num_warps": 8},
+    # more programs in flight an SM: more splits, or 64-token tiles (half the shared memory)
+    "pairs x2 splits": {"fp8_pairs": True, "unmasked_v": True, "splits_factor": 2},
+    "pairs x3 splits": {"fp8_pairs": True, "unmasked_v": True, "splits_factor": 3},
+    "pairs bn64": {"fp8_pairs": True, "unmasked_v": True, "block_n": 64},
+    "pairs bn64 x2 splits": {
+        "fp8_pairs": True,
+        "unmasked_v": True,
+        "block_n": 64,
+        "splits_factor": 2,
+    },
+    "pairs bn64 x4 splits": {
+        "fp8_pairs": True,
+        "unmasked_v": True,
+        "block_n": 64,
+        "splits_factor": 4,
+    },
+    "pairs bn64 s3 x2 splits": {
+        "fp8_pairs": True,
+        "unmasked_v": True,
+        "block_n": 64,
+        "num_stages": 3,
+        "splits_factor": 2,
+    },
     "qk fp8": {"qk_fp8": True},
     "qk fp8 s2": {"qk_fp8": True, "num_stages": 2},
     "qk fp8 w8": {"qk_fp8": True, "num_warps": 8},
@@ -135,15 +158,20 @@ def mixed_main(json_path: Path | None) -> None:
                 json_path.write_text(json.dumps(result, indent=1))
 
 
-def fp8_main(json_path: Path | None) -> None:
-    """bf16 and fp8 KV side by side: each workload's default launch and a few others."""
+def fp8_main(json_path: Path | None, only: list[str] | None = None) -> None:
+    """bf16 and fp8 KV side by side: each workload's default launch and a few others (`only`:
+    those FP8_LAUNCHES labels beside the default)."""
+    unknown = sorted(set(only or ()) - set(FP8_LAUNCHES))
+    if unknown:
+        raise SystemExit(f"unknown --launches {unknown}: pick from {sorted(FP8_LAUNCHES)}")
+    chosen = {k: v for k, v in FP8_LAUNCHES.items() if not only or k == "default" or k in only}
     result: dict = {}
     for name, (batch, ctx, heads, kv_heads, grid) in FP8_WORKLOADS.items():
         row: dict = {}
         for kv_dtype in ("bf16", "fp8"):
             runs = {}
             # bf16: its measured default (docs/benchmarks.md, "Decode attention launch")
-            launches = FP8_LAUNCHES if kv_dtype == "fp8" else {"default": {}}
+            launches = chosen if kv_dtype == "fp8" else {"default": {}}
             for label, launch in launches.items():
                 try:
                     runs[label] = decode_kernel_bandwidth(
@@ -232,6 +260,10 @@ def main() -> None:
         action="store_true",
         help="kernels.decode_unmasked_v off and on, interleaved (WORKLOADS and FP8_WORKLOADS)",
     )
+    ap.add_argument(
+        "--launches",
+        help="--fp8: comma-separated FP8_LAUNCHES labels to run beside the default (all if unset)",
+    )
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3")
@@ -240,7 +272,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.fp8:
-        fp8_main(args.json)
+        fp8_main(args.json, args.launches.split(",") if args.launches else None)
         return
     if args.mixed:
         mixed_main(args.json)
