@@ -198,6 +198,14 @@ def attend_new_token(q, k_new, v_new, m, row_sum, acc, q_scale, pv_dtype: tl.con
 
 
 @triton.jit
+def _word_pairs_asm(t, asm: tl.constexpr):
+    # two 16-bit words a register in ($2), two float16 pairs out ($0: even columns, $1: odd)
+    return tl.inline_asm_elementwise(
+        asm, "=r,=r,r", [t], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+    )
+
+
+@triton.jit
 def fp8_pairs(t, dtype: tl.constexpr, ASM: tl.constexpr):
     """An fp8 tile read as 16-bit words [N, D / 2], each two neighbouring values of a row (the
     even column in the low byte): the even and the odd columns, each [N, D / 2] in `dtype`.
@@ -205,15 +213,11 @@ def fp8_pairs(t, dtype: tl.constexpr, ASM: tl.constexpr):
     for each two values of a column, where the compiler's own took a mask, a permute and a
     multiply-add before each conversion."""
     if ASM:
-        even, odd = tl.inline_asm_elementwise(
+        even, odd = _word_pairs_asm(
+            t,
             # bytes e0 o0 e1 o1 -> e0 e1 | o0 o1, each half two values to convert
             "{ .reg .b32 w; .reg .b16 e, o; prmt.b32 w, $2, 0, 0x3120; mov.b32 {e, o}, w; "
             "cvt.rn.f16x2.e4m3x2 $0, e; cvt.rn.f16x2.e4m3x2 $1, o; }",
-            "=r,=r,r",
-            [t],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
         )
     else:
         even = (t & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
@@ -233,18 +237,14 @@ def fp8_pairs_bits(t, ASM: tl.constexpr):
     register, each output register two masks, a shift and an or (LOP3s on the integer pipe, where
     the conversions go through a narrower one)."""
     if ASM:
-        even, odd = tl.inline_asm_elementwise(
+        even, odd = _word_pairs_asm(
+            t,
             # bytes e0 o0 e1 o1: o0 o1 already sit in each half's high byte, e0 e1 after << 8
             "{ .reg .b32 s, m; "
             "and.b32 m, $2, 0x7F007F00; shr.b32 m, m, 1; and.b32 s, $2, 0x80008000; "
             "or.b32 $1, s, m; shl.b32 s, $2, 8; "
             "and.b32 m, s, 0x7F007F00; shr.b32 m, m, 1; and.b32 s, s, 0x80008000; "
             "or.b32 $0, s, m; }",
-            "=r,=r,r",
-            [t],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
         )
     else:
         w = t.to(tl.int32) & 0xFFFF
