@@ -46,17 +46,18 @@ def floor_seconds(
     return seconds
 
 
-def phases(t0: float, ends: list[float], replayed: list[bool]) -> dict:
-    """Wall time until the step after the last one with prompt tokens (steps queue one ahead, so a
-    step's end marks the one before it finishing on the device), the decode-only rest, and the
-    run in tenths of its steps."""
-    eager = [i for i, r in enumerate(replayed) if not r]
-    cut = min(len(ends) - 1, eager[-1] + 1) if eager else -1
+def phases(t0: float, ends: list[float], prompted: list[bool]) -> dict:
+    """Wall time until the step after the last one that scheduled prompt tokens (steps queue one
+    ahead, so a step's end marks the one before it finishing on the device), the decode-only
+    rest, and the run in tenths of its steps. (Graph replays are not the test: the last few
+    steps of a shrinking batch run eagerly too.)"""
+    with_prompt = [i for i, p in enumerate(prompted) if p]
+    cut = min(len(ends) - 1, with_prompt[-1] + 1) if with_prompt else -1
     prompt = ends[cut] - t0 if cut >= 0 else 0.0
     n = len(ends)
     marks = [t0] + [ends[max(0, (i + 1) * n // 10 - 1)] for i in range(10)]
     return {
-        "prompt_steps": len(eager),
+        "prompt_steps": len(with_prompt),
         "until_last_prompt_step": round(prompt, 3),
         "decode_rest": round(ends[-1] - t0 - prompt, 3) if ends else 0.0,
         "tenths_of_the_steps": [round(b - a, 3) for a, b in zip(marks, marks[1:])],
@@ -85,6 +86,15 @@ def profile_run(
     clock.wrap(model_runner, "sample", "sample + read back (steps run one at a time)")
     clock.wrap(engine.runner, "launch", "launch: stage, replay, sample (queued)")
     clock.wrap(model_runner.PendingStep, "wait", "wait for a queued step's tokens")
+    scheduled_prompt = [False]  # whether a schedule call of the current step took prompt tokens
+    schedule = engine.scheduler.schedule
+
+    def noting_prompts(*a, **kw):
+        batch = schedule(*a, **kw)
+        scheduled_prompt[0] |= any(n > 1 for n in batch.num_new_tokens)
+        return batch
+
+    engine.scheduler.schedule = noting_prompts
     graphs = engine.runner.graphs
     if graphs is not None:
         inner = graphs.run
@@ -98,10 +108,10 @@ def profile_run(
     for p, sp in zip(prompts, sampling):
         engine.add_request(p, sp)
     steps, kernels, window_s = 0, [], 0.0
-    ends, replayed = [], []  # each step's end, and whether it was a graph replay (decode only)
+    ends, prompted = [], []  # each step's end, and whether it scheduled prompt tokens
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        before = calls["graph steps"]
+        scheduled_prompt[0] = False
         if steps == window[0]:
             if on_gpu:
                 torch.cuda.synchronize()
@@ -111,7 +121,7 @@ def profile_run(
         engine.step()
         steps += 1
         ends.append(time.perf_counter())
-        replayed.append(calls["graph steps"] > before)
+        prompted.append(scheduled_prompt[0])
         if steps == window[1]:
             if on_gpu:
                 torch.cuda.synchronize()
@@ -148,7 +158,7 @@ def profile_run(
         "seconds": round(total, 2),
         "steps": steps,
         "graph_steps": calls["graph steps"],
-        "phases_s": phases(t0, ends, replayed),
+        "phases_s": phases(t0, ends, prompted),
         "host_parts_s": parts,
         "window_steps": list(window),
         "window_wall_ms_per_step": round(window_s / (window[1] - window[0]) * 1e3, 3),
