@@ -318,8 +318,8 @@ def test_fp8_word_pairs_are_planned_for_fp8_tma_tiles_only():
 
 
 @triton.jit
-def _pair_columns_kernel(t_ptr, even_ptr, odd_ptr, N: tl.constexpr, ASM: tl.constexpr):
-    i = tl.arange(0, N)
+def _pair_columns_kernel(t_ptr, even_ptr, odd_ptr, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     even, odd = tk.fp8_pairs_bits(tl.load(t_ptr + i), ASM)
     tl.store(even_ptr + i, even)
     tl.store(odd_ptr + i, odd)
@@ -335,7 +335,7 @@ def test_fp8_values_by_bit_operations_are_exact(device):
     t = (words - ((words >> 15) << 16)).to(torch.int16).to(device)  # the bits as signed 16-bit
     even = torch.empty(t.numel(), dtype=torch.float16, device=device)
     odd = torch.empty_like(even)
-    _pair_columns_kernel[(1,)](t, even, odd, N=t.numel(), ASM=ON_GPU)
+    _pair_columns_kernel[(t.numel() // 1024,)](t, even, odd, BLOCK=1024, ASM=ON_GPU)
     for got, byte in ((even, low), (odd, high)):
         want = byte.to(torch.uint8).view(FP8).float()
         finite = want.isfinite()
