@@ -227,7 +227,7 @@ def fp8_pairs(t, dtype: tl.constexpr, ASM: tl.constexpr):
 
 # Every e4m3 value times 2^-8 is a float16 whose bits are the e4m3's sign at bit 15 and its seven
 # exponent and mantissa bits at bits 7-13 (exponent biases 7 and 15, subnormals alike): exact.
-FP8_BITS_SCALE: tl.constexpr = 256.0
+FP8_BITS_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
