@@ -75,8 +75,6 @@ FP8_LAUNCHES = {
         "num_stages": 3,
         "splits_factor": 2,
     },
-    # the words' values made float16 by bit operations, no conversion (kernels.decode_fp8_bits)
-    "pairs bits": {"fp8_pairs": True, "unmasked_v": True, "fp8_bits": True},
     "qk fp8": {"qk_fp8": True},
     "qk fp8 s2": {"qk_fp8": True, "num_stages": 2},
     "qk fp8 w8": {"qk_fp8": True, "num_warps": 8},

@@ -127,11 +127,6 @@ class KernelOptions:
     # 29.3 µs, batch 4 at 32K 101.3 -> 94.8 µs, batch 32 at 4K 94.6 -> 91.3 µs
     # (bench/engine_attention.py --fp8; docs/benchmarks.md, "fp8 KV cache").
     decode_fp8_pairs: bool = True
-    # Those words' values made float16 by bit operations (each value times 2^-8, exact; the
-    # scores and the output multiplied back), no conversion instruction: more programs an SM did
-    # not read a 32K fp8 context faster (H100), so the conversions' own pipe is the suspect. Off
-    # until measured faster (bench/engine_attention.py --fp8, "pairs bits").
-    decode_fp8_bits: bool = False
     # Decode attention of up to this many sequences over a 16-bit cache fetches each split's first
     # K and V tiles (TMA) before its PDL wait where the kernel takes the new token's k/v from
     # registers (decode_qkv_rows): old tokens' rows, which nothing in the step writes, arrive

@@ -52,7 +52,6 @@ class KernelSwitches(BaseModel):
     argmax_in_graph: bool | None = None
     decode_fp8_qk: bool | None = None
     decode_fp8_pairs: bool | None = None
-    decode_fp8_bits: bool | None = None
     decode_preload_rows: int | None = Field(None, ge=0)
     sample_in_graph: bool | None = None
     persistent_decoder: bool | None = None

@@ -198,14 +198,6 @@ def attend_new_token(q, k_new, v_new, m, row_sum, acc, q_scale, pv_dtype: tl.con
 
 
 @triton.jit
-def _word_pairs_asm(t, asm: tl.constexpr):
-    # two 16-bit words a register in ($2), two float16 pairs out ($0: even columns, $1: odd)
-    return tl.inline_asm_elementwise(
-        asm, "=r,=r,r", [t], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
-    )
-
-
-@triton.jit
 def fp8_pairs(t, dtype: tl.constexpr, ASM: tl.constexpr):
     """An fp8 tile read as 16-bit words [N, D / 2], each two neighbouring values of a row (the
     even column in the low byte): the even and the odd columns, each [N, D / 2] in `dtype`.
@@ -213,55 +205,20 @@ def fp8_pairs(t, dtype: tl.constexpr, ASM: tl.constexpr):
     for each two values of a column, where the compiler's own took a mask, a permute and a
     multiply-add before each conversion."""
     if ASM:
-        even, odd = _word_pairs_asm(
-            t,
+        even, odd = tl.inline_asm_elementwise(
             # bytes e0 o0 e1 o1 -> e0 e1 | o0 o1, each half two values to convert
             "{ .reg .b32 w; .reg .b16 e, o; prmt.b32 w, $2, 0, 0x3120; mov.b32 {e, o}, w; "
             "cvt.rn.f16x2.e4m3x2 $0, e; cvt.rn.f16x2.e4m3x2 $1, o; }",
+            "=r,=r,r",
+            [t],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
         )
     else:
         even = (t & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
         odd = ((t >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
     return even, odd
-
-
-# Every e4m3 value times 2^-8 is a float16 whose bits are the e4m3's sign at bit 15 and its seven
-# exponent and mantissa bits at bits 7-13 (exponent biases 7 and 15, subnormals alike): exact.
-FP8_BITS_SCALE = tl.constexpr(256.0)
-
-
-@triton.jit
-def fp8_pairs_bits(t, ASM: tl.constexpr):
-    """fp8_pairs by bit operations, no conversion instruction: the even and the odd columns as
-    float16 times 2^-8 (the caller multiplies by FP8_BITS_SCALE). ASM (compiled): two words a
-    register, each output register two masks, a shift and an or (LOP3s on the integer pipe, where
-    the conversions go through a narrower one)."""
-    if ASM:
-        even, odd = _word_pairs_asm(
-            t,
-            # bytes e0 o0 e1 o1: o0 o1 already sit in each half's high byte, e0 e1 after << 8
-            "{ .reg .b32 s, m; "
-            "and.b32 m, $2, 0x7F007F00; shr.b32 m, m, 1; and.b32 s, $2, 0x80008000; "
-            "or.b32 $1, s, m; shl.b32 s, $2, 8; "
-            "and.b32 m, s, 0x7F007F00; shr.b32 m, m, 1; and.b32 s, s, 0x80008000; "
-            "or.b32 $0, s, m; }",
-        )
-    else:
-        w = t.to(tl.int32) & 0xFFFF
-        even = ((w & 0x80) << 8) | ((w & 0x7F) << 7)
-        odd = (w & 0x8000) | ((w & 0x7F00) >> 1)
-        even = even.to(tl.uint16).to(tl.float16, bitcast=True)
-        odd = odd.to(tl.uint16).to(tl.float16, bitcast=True)
-    return even, odd
-
-
-@triton.jit
-def fp8_pair_columns(t, dtype: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr):
-    # the even and odd columns of a word tile, times 2^-8 when BITS (float16 only)
-    if BITS:
-        return fp8_pairs_bits(t, ASM)
-    else:
-        return fp8_pairs(t, dtype, ASM)
 
 
 @triton.jit
@@ -346,7 +303,6 @@ def _fp8_pair_tiles(
     MASK_V: tl.constexpr,
     ASM: tl.constexpr,
     PREC: tl.constexpr,
-    BITS: tl.constexpr,
 ):
     # An fp8 cache's TMA tiles as 16-bit words (fp8_pairs): each word's two values go to the dot
     # products' operands by register, where a byte-wide tile went through shared memory a byte at
@@ -361,16 +317,14 @@ def _fp8_pair_tiles(
         nmask = (n >= lo) & (n < hi)
         blk = tl.sum(tl.where(span == start // block_size - first_blk, blks, 0))
         krow = blk * 2 * block_size + start % block_size
-        k_even, k_odd = fp8_pair_columns(
-            cache_desc.load([krow, hkv, 0]).reshape(BLOCK_N, HALF), KV_DOT, ASM, BITS
+        k_even, k_odd = fp8_pairs(
+            cache_desc.load([krow, hkv, 0]).reshape(BLOCK_N, HALF), KV_DOT, ASM
         )
         qk = tl.dot(q_even, tl.trans(k_even), input_precision=PREC)
         qk = tl.dot(q_odd, tl.trans(k_odd), qk, input_precision=PREC)
-        if BITS:  # K's tiles came times 2^-8: a power of two, so the scores are the same bits
-            qk = qk * FP8_BITS_SCALE
         p, alpha, m, row_sum = softmax_step(qk, nmask, m, row_sum)
-        v_even, v_odd = fp8_pair_columns(
-            cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, HALF), KV_DOT, ASM, BITS
+        v_even, v_odd = fp8_pairs(
+            cache_desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, HALF), KV_DOT, ASM
         )
         if MASK_V:
             v_even = tl.where(nmask[:, None], v_even, 0.0)
@@ -378,10 +332,7 @@ def _fp8_pair_tiles(
         p = p.to(KV_DOT)
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision=PREC)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=PREC)
-    acc = tl.reshape(tl.join(acc_even, acc_odd), (G_PAD, D_PAD))
-    if BITS:  # V's tiles likewise
-        acc = acc * FP8_BITS_SCALE
-    return m, row_sum, acc
+    return m, row_sum, tl.reshape(tl.join(acc_even, acc_odd), (G_PAD, D_PAD))
 
 
 @triton.jit
@@ -450,7 +401,6 @@ def _decode_kernel(
     FP8_PAIRS: tl.constexpr = False,
     FP8_ASM: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
-    FP8_BITS: tl.constexpr = False,
 ):
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -589,7 +539,6 @@ def _decode_kernel(
             MASK_V,
             FP8_ASM,
             PREC,
-            FP8_BITS,
         )
     else:
         loop_first = first
@@ -927,9 +876,6 @@ class DecodePlan:
     # a split's first K and V tiles fetched before the PDL wait where the new token's k/v come
     # from registers (KernelOptions.decode_preload_rows; a 16-bit cache's TMA tiles)
     preload: bool = False
-    # those words' values made float16 by bit operations, no conversion instruction
-    # (KernelOptions.decode_fp8_bits; fp8_pairs launches over float16 dot products)
-    fp8_bits: bool = False
 
 
 def plan_decode(
@@ -952,7 +898,6 @@ def plan_decode(
     idle_exit: bool = False,
     fp8_pairs: bool = False,
     preload: bool = False,
-    fp8_bits: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
@@ -966,10 +911,8 @@ def plan_decode(
     a sequence's context return first thing (KernelOptions.decode_idle_exit). `fp8_pairs`: an fp8
     cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`).
     `preload`: a 16-bit cache's TMA split fetches its first K and V tiles before the PDL wait
-    when the kernel takes the new token from registers (KernelOptions.decode_preload_rows).
-    `fp8_bits`: the `fp8_pairs` words' values made float16 by bit operations
-    (KernelOptions.decode_fp8_bits). The other arguments override the measured defaults
-    (benchmarks and tests)."""
+    when the kernel takes the new token from registers (KernelOptions.decode_preload_rows). The
+    other arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
     fp8 = kv_cache.dtype == FP8
@@ -1021,7 +964,6 @@ def plan_decode(
         idle_exit and num_splits > 1,
         pairs and tma,
         preload and tma and not fp8,
-        fp8_bits and pairs and tma,
     )
 
 
@@ -1190,7 +1132,6 @@ def paged_decode_triton(
         FP8_ASM=plan.fp8_pairs and not triton.knobs.runtime.interpret and _kv_dot(q) == tl.float16,
         # the sequence known before the wait (no order, or one an earlier layer made)
         PRELOAD=plan.preload and new is not None and (order is None or order_ready),
-        FP8_BITS=plan.fp8_bits and _kv_dot(q) == tl.float16,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1424,7 +1365,6 @@ def plan_step_decode(
         idle_exit=kernels.decode_idle_exit,
         fp8_pairs=kernels.decode_fp8_pairs,
         preload=meta.num_seqs <= kernels.decode_preload_rows,
-        fp8_bits=kernels.decode_fp8_bits,
     )
 
 
@@ -1474,7 +1414,6 @@ def _mixed_in_graph(
             idle_exit=kernels.decode_idle_exit,
             fp8_pairs=kernels.decode_fp8_pairs,
             preload=rows <= kernels.decode_preload_rows,
-            fp8_bits=kernels.decode_fp8_bits,
         )
         order, ready = step_order(meta, lens, plan)
         paged_decode_triton(

@@ -6,8 +6,6 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from flashstack.engine.kernels import triton_attention as tk
 from flashstack.engine.kernels.attention import (
@@ -315,74 +313,3 @@ def test_fp8_word_pairs_are_planned_for_fp8_tma_tiles_only():
     assert not tk.plan_decode(
         1, fp8, 64, unmasked_v=True, **{**launch, "fp8_pairs": False}
     ).unmasked_v
-
-
-@triton.jit
-def _pair_columns_kernel(t_ptr, even_ptr, odd_ptr, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    even, odd = tk.fp8_pairs_bits(tl.load(t_ptr + i), ASM)
-    tl.store(even_ptr + i, even)
-    tl.store(odd_ptr + i, odd)
-
-
-def test_fp8_values_by_bit_operations_are_exact(device):
-    """KernelOptions.decode_fp8_bits: every pair of e4m3 bytes (a 16-bit word, the even column in
-    the low byte) comes out as float16 values of exactly 2^-8 times the e4m3 values, subnormals,
-    zeros and signs included; the NaN bytes come out finite (what the tiles' masks then drop)."""
-    every = torch.arange(256, dtype=torch.int32)
-    low, high = every.repeat(256), every.repeat_interleave(256)
-    words = low | (high << 8)
-    t = (words - ((words >> 15) << 16)).to(torch.int16).to(device)  # the bits as signed 16-bit
-    even = torch.empty(t.numel(), dtype=torch.float16, device=device)
-    odd = torch.empty_like(even)
-    _pair_columns_kernel[(t.numel() // 1024,)](t, even, odd, BLOCK=1024, ASM=ON_GPU)
-    for got, byte in ((even, low), (odd, high)):
-        want = byte.to(torch.uint8).view(FP8).float()
-        finite = want.isfinite()
-        got = got.cpu().float()
-        assert torch.equal(got[finite] * 256, want[finite])
-        assert got[~finite].isfinite().all()
-
-
-@pytest.mark.parametrize("new_tokens", [False, True])
-def test_fp8_bits_give_the_conversions_bits(device, new_tokens):
-    """The word pairs' values made float16 by bit operations (times 2^-8, the scores and the
-    output multiplied back by a power of two) give the conversions' output bit for bit."""
-    from flashstack.engine.models.layers import RotaryEmbedding
-
-    torch.manual_seed(7)
-    heads, kv_heads, dim, bs, ctx = 8, 2, 64, 32, [1, 45, 100, 33]
-    kv_scale, cache, tables, meta = _case(kv_heads, dim, bs, ctx, device)
-    launch = dict(tma=True, num_splits=3, block_n=16, min_split=16, unmasked_v=True)
-    q = torch.randn(len(ctx), heads, dim, dtype=torch.float16, device=device)
-    new = None
-    if new_tokens:
-        positions = torch.tensor([c - 1 for c in ctx], device=device)
-        slots = torch.stack(
-            [tables[i, (c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(ctx)]
-        ).long()
-        rope = RotaryEmbedding(dim, {"rope_theta": 1e4, "rope_type": "default"}).to(device)
-        cos, sin = rope(positions, torch.float16)
-        k = torch.randn(len(ctx), kv_heads, dim, dtype=torch.float16, device=device)
-        v = torch.randn(len(ctx), kv_heads, dim, dtype=torch.float16, device=device)
-        new = tk.NewTokens(k, v, cos, sin, slots)
-    outs = []
-    for bits in (False, True):
-        plan = tk.plan_decode(len(ctx), cache, max(ctx), fp8_pairs=True, fp8_bits=bits, **launch)
-        assert plan.fp8_pairs and plan.fp8_bits == bits
-        outs.append(
-            tk.paged_decode_triton(
-                q,
-                cache.clone(),
-                tables,
-                meta.context_lens,
-                dim**-0.5,
-                plan,
-                new=new,
-                kv_scale=kv_scale,
-            )
-        )
-    assert outs[0].isfinite().all()
-    assert torch.equal(outs[0], outs[1])
-    # bit operations only where the word pairs are read
-    assert not tk.plan_decode(1, cache, 64, fp8_bits=True, **launch).fp8_bits
