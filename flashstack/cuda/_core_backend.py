@@ -44,6 +44,24 @@ def _cugraph(graph: Any) -> Any:
     return graph.handle if isinstance(graph, cc.graph.GraphDefinition) else graph
 
 
+def _as_cugraph(graph: Any) -> Any:
+    """A CUgraph from a captured graph, a GraphDefinition or a raw cudaGraph_t address (torch's
+    `CUDAGraph.raw_cuda_graph()`)."""
+    return driver.CUgraph(graph) if isinstance(graph, int) else _cugraph(graph)
+
+
+def _edge_data(programmatic: bool, from_port: int) -> Any:
+    data = driver.CUgraphEdgeData()
+    kinds = driver.CUgraphDependencyType
+    data.type = (
+        kinds.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        if programmatic
+        else kinds.CU_GRAPH_DEPENDENCY_TYPE_DEFAULT
+    )
+    data.from_port = from_port
+    return data
+
+
 _KINDS = ("cubin", "ptx", "fatbin")
 
 
@@ -284,3 +302,25 @@ class CoreBackend:
 
     def graph_launch(self, exe: Any, stream: Any) -> None:
         _check(driver.cuGraphLaunch(exe, stream.handle))
+
+    def graph_edges(self, graph: Any) -> list[tuple[Any, Any, bool, int]]:
+        g = _as_cugraph(graph)
+        *_, count = _check(driver.cuGraphGetEdges(g, 0))
+        if not count:
+            return []
+        sources, targets, data, count = _check(driver.cuGraphGetEdges(g, count))
+        programmatic = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        return [
+            (s, t, d.type == programmatic, int(d.from_port))
+            for s, t, d in zip(sources[:count], targets[:count], data[:count], strict=True)
+        ]
+
+    def graph_move_edges(
+        self, graph: Any, edges: Sequence[tuple[Any, Any, bool, int]], port: int
+    ) -> None:
+        g = _as_cugraph(graph)
+        sources, targets = [e[0] for e in edges], [e[1] for e in edges]
+        old = [_edge_data(programmatic, from_port) for _, _, programmatic, from_port in edges]
+        new = [_edge_data(programmatic, port) for _, _, programmatic, _ in edges]
+        _check(driver.cuGraphRemoveDependencies(g, sources, targets, old, len(edges)))
+        _check(driver.cuGraphAddDependencies(g, sources, targets, new, len(edges)))

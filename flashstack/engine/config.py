@@ -57,6 +57,12 @@ class KernelOptions:
     # multi-row decode layer waits for its predecessor to drain before it launches. 8B decode step
     # on the H200: batch 8 4.766 -> 4.621 ms, batch 32 5.191 -> 4.984 ms.
     elementwise_pdl: bool = True
+    # In the decode graphs, a PDL kernel behind one that started after everything before it had
+    # finished (cuBLAS's products, launched without PDL) launches once that kernel's blocks have
+    # all started, CUDA's launch-completion port, not once they have exited: its launch and
+    # ramp-up leave the critical path, its own PDL wait still holds it before what that kernel
+    # writes (flashstack/cuda/graph_edges.py). Off until measured.
+    pdl_on_launch_completion: bool = False
     # Decode attention over more than one wave of programs starts the longest contexts first, so
     # the shortest fill the last wave (a batch of mixed lengths). nano-vllm's throughput workload
     # on the H200 (Qwen3-0.6B shape, two runs each, interleaved): 6.11 / 6.12 -> 5.97 / 6.04 s.

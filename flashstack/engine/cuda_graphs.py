@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashstack.cuda.graph_edges import open_at_launch_completion
 from flashstack.engine.kernels.attention import AttentionMetadata
 from flashstack.engine.models.ops import Ops
 from flashstack.engine.staging import to_device
@@ -102,6 +103,10 @@ class DecodeGraphs:
         self.sample_in_graph = ops.kernels.sample_in_graph
         self.tokens_in_graph = ops.kernels.argmax_in_graph or self.sample_in_graph
         self.tokens: dict[int, torch.Tensor | None] = {}
+        # KernelOptions.pdl_on_launch_completion: each graph's edges opened at their source's
+        # launch completion, by key (a graph without PDL launches has none to move)
+        self.launch_edges = ops.kernels.pdl_on_launch_completion
+        self.opened_edges: dict[int, int] = {}
         self.pool = None
         # rank 0 of a tensor-parallel group announces the step
         self.before_replay: StepHook | None = None
@@ -192,10 +197,14 @@ class DecodeGraphs:
             # warm-up: Triton compiles and autotunes outside the capture
             self._tokens(bs, self._forward(bs, max_context_len))
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
+            # kept uninstantiated when its edges are to be moved before the first replay
+            graph = torch.cuda.CUDAGraph(keep_graph=self.launch_edges)
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[key] = logits = self._forward(bs, max_context_len)
                 self.tokens[key] = self._tokens(bs, logits)
+            if self.launch_edges:
+                self.opened_edges[key] = open_at_launch_completion(graph.raw_cuda_graph())
+                graph.instantiate()
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[key] = graph

@@ -41,6 +41,7 @@ class KernelSwitches(BaseModel):
     decode_tma: bool | None = None
     attention_pdl: bool | None = None
     elementwise_pdl: bool | None = None
+    pdl_on_launch_completion: bool | None = None
     decode_longest_first: bool | None = None
     decode_deep_tma: bool | None = None
     decode_wave_tma: bool | None = None

@@ -214,6 +214,29 @@ def test_attention_options_change_no_token(
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_launch_completion_edges_keep_transformers_tokens(family: str, hf_checkpoints) -> None:
+    """kernels.pdl_on_launch_completion: 40 rows a step (past the skinny GEMM's 32, so cuBLAS's
+    products sit between PDL kernels), the edges behind them moved in every graph, and the
+    greedy tokens still transformers'."""
+    path, model = hf_checkpoints[family]
+    prompts = [list(range(10 + i, 14 + i + i % 7)) for i in range(40)]
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    llm = LLM(
+        path,
+        block_size=16,
+        device="cuda",
+        dtype="float32",
+        show_progress=False,
+        max_num_seqs=40,
+        kernels={"pdl_on_launch_completion": True},
+    )
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.opened_edges
+    assert graphs.opened_edges[graphs.key_for(40, 64)] > 0
+    assert run_checked(llm, prompts, greedy(12)) == refs
+
+
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
