@@ -348,8 +348,8 @@ def main() -> None:
         "fetches its splits' first K and V tiles before the wait: kernels.decode_preload_rows), "
         "noswiglu (a SiLU-and-mul kernel after each skinny gate/up product: "
         "kernels.gate_up_swiglu=False), splits1 (decode attention in one split a sequence, no "
-        "merge: kernels.decode_splits=1), lc (a PDL kernel behind a cuBLAS product launches "
-        "once the product's blocks have started: kernels.pdl_on_launch_completion)",
+        "merge: kernels.decode_splits=1), nolc (a PDL kernel behind a cuBLAS product launches "
+        "once the product's blocks have exited: kernels.pdl_on_launch_completion=False)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -457,7 +457,7 @@ def main() -> None:
         "preload8": {"decode_preload_rows": 8},
         "preload32": {"decode_preload_rows": 32},
         "noswiglu": {"gate_up_swiglu": False},
-        "lc": {"pdl_on_launch_completion": True},
+        "nolc": {"pdl_on_launch_completion": False},
         "splits1": {"decode_splits": 1},
     }
     runs = [

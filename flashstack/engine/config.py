@@ -61,8 +61,9 @@ class KernelOptions:
     # finished (cuBLAS's products, launched without PDL) launches once that kernel's blocks have
     # all started, CUDA's launch-completion port, not once they have exited: its launch and
     # ramp-up leave the critical path, its own PDL wait still holds it before what that kernel
-    # writes (flashstack/cuda/graph_edges.py). Off until measured.
-    pdl_on_launch_completion: bool = False
+    # writes (flashstack/cuda/graph_edges.py). nano-vllm's workload on the H100: 7.14 -> 7.06 s;
+    # the 8B step at batch 8 / 32 / 128 level (docs/benchmarks.md, "Throughput").
+    pdl_on_launch_completion: bool = True
     # Decode attention over more than one wave of programs starts the longest contexts first, so
     # the shortest fill the last wave (a batch of mixed lengths). nano-vllm's throughput workload
     # on the H200 (Qwen3-0.6B shape, two runs each, interleaved): 6.11 / 6.12 -> 5.97 / 6.04 s.

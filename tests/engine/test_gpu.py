@@ -216,9 +216,9 @@ def test_attention_options_change_no_token(
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_launch_completion_edges_keep_transformers_tokens(family: str, hf_checkpoints) -> None:
-    """kernels.pdl_on_launch_completion: 40 rows a step (past the skinny GEMM's 32, so cuBLAS's
-    products sit between PDL kernels), the edges behind them moved in every graph, and the
-    greedy tokens still transformers'."""
+    """kernels.pdl_on_launch_completion (the default): 40 rows a step (past the skinny GEMM's
+    32, so cuBLAS's products sit between PDL kernels), the edges behind them moved in every
+    graph, and the greedy tokens still transformers'."""
     path, model = hf_checkpoints[family]
     prompts = [list(range(10 + i, 14 + i + i % 7)) for i in range(40)]
     refs = [hf_greedy(model, p, 12) for p in prompts]
