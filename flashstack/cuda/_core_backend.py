@@ -40,14 +40,11 @@ def _check(result: tuple[Any, ...]) -> Any:
 
 
 def _cugraph(graph: Any) -> Any:
-    """The driver CUgraph of a captured graph or a cuda.core GraphDefinition."""
+    """The driver CUgraph of a captured graph, a cuda.core GraphDefinition or a raw cudaGraph_t
+    address (torch's `CUDAGraph.raw_cuda_graph()`)."""
+    if isinstance(graph, int):
+        return driver.CUgraph(graph)
     return graph.handle if isinstance(graph, cc.graph.GraphDefinition) else graph
-
-
-def _as_cugraph(graph: Any) -> Any:
-    """A CUgraph from a captured graph, a GraphDefinition or a raw cudaGraph_t address (torch's
-    `CUDAGraph.raw_cuda_graph()`)."""
-    return driver.CUgraph(graph) if isinstance(graph, int) else _cugraph(graph)
 
 
 def _edge_data(programmatic: bool, from_port: int) -> Any:
@@ -304,7 +301,7 @@ class CoreBackend:
         _check(driver.cuGraphLaunch(exe, stream.handle))
 
     def graph_edges(self, graph: Any) -> list[tuple[Any, Any, bool, int]]:
-        g = _as_cugraph(graph)
+        g = _cugraph(graph)
         *_, count = _check(driver.cuGraphGetEdges(g, 0))
         if not count:
             return []
@@ -318,7 +315,7 @@ class CoreBackend:
     def graph_move_edges(
         self, graph: Any, edges: Sequence[tuple[Any, Any, bool, int]], port: int
     ) -> None:
-        g = _as_cugraph(graph)
+        g = _cugraph(graph)
         sources, targets = [e[0] for e in edges], [e[1] for e in edges]
         old = [_edge_data(programmatic, from_port) for _, _, programmatic, from_port in edges]
         new = [_edge_data(programmatic, port) for _, _, programmatic, _ in edges]

@@ -42,20 +42,16 @@ class GraphEdge:
     port: EdgePort = EdgePort.DEFAULT
 
 
-def _node_id(node: Any) -> int:
-    return int(node)
-
-
 def edges_to_open(edges: Sequence[GraphEdge]) -> list[GraphEdge]:
     """The programmatic edges on a programmatic port whose source has only full dependencies into
     it (no programmatic edge in): those may open at the source's launch completion."""
-    behind_programmatic = {_node_id(e.target) for e in edges if e.programmatic}
+    behind_programmatic = {int(e.target) for e in edges if e.programmatic}
     return [
         e
         for e in edges
         if e.programmatic
         and e.port == EdgePort.PROGRAMMATIC
-        and _node_id(e.source) not in behind_programmatic
+        and int(e.source) not in behind_programmatic
     ]
 
 
