@@ -140,7 +140,7 @@ def profile_run(
                     "us_per_step": round(us(e) / n, 1),
                     "count_per_step": e.count / n,
                 }
-                for e in rows[:15]
+                for e in rows[:25]
             ]
     total = time.perf_counter() - t0
     parts = {k: round(v, 3) for k, v in clock.total.items()}
@@ -229,6 +229,13 @@ def main() -> None:
         action="store_true",
         help="then run the workload again with host parts timed and a window of steps profiled",
     )
+    ap.add_argument(
+        "--profile-window",
+        type=lambda t: tuple(int(x) for x in t.split(",")),
+        default=(300, 310),
+        metavar="FIRST,END",
+        help="the steps --profile profiles (0,22: the prompt phase; default 300,310: decode only)",
+    )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument(
         "--variants",
@@ -295,7 +302,7 @@ def main() -> None:
                 sampling = [
                     SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outputs
                 ]
-                result["profile"] = profile_run(llm, prompts, sampling)
+                result["profile"] = profile_run(llm, prompts, sampling, args.profile_window)
             del llm
             gc.collect()
             torch.cuda.empty_cache()
