@@ -199,7 +199,14 @@ def test_vault_down_at_renewal_keeps_serving_until_expiry(
         assert "cannot reach Vault" in ready.json()["tls"]["error"]
         assert "keeps serving until" in tls_log.text
         delays = [float(d) for d in re.findall(r"retrying in ([\d.]+) s", tls_log.text)]
-        assert len(delays) >= 3 and delays[0] < delays[1] < delays[2], f"no backoff: {delays}"
+        # doubling from retry_min up to retry_max, each wait jittered down to half (logged to
+        # 0.01 s): the ranges of two attempts in a row touch, so only the bounds are exact
+        bases = [min(cfg.vault.retry_max, cfg.vault.retry_min * 2**i) for i in range(3)]
+        assert len(delays) >= 3, f"no retries logged: {delays}"
+        assert all(b / 2 - 0.005 <= d <= b + 0.005 for d, b in zip(delays, bases)), (
+            f"no backoff: {delays} against {bases}"
+        )
+        assert delays[2] > delays[0], f"no backoff: {delays}"
 
         while time.time() < not_after + 0.3:
             time.sleep(0.1)
