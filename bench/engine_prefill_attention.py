@@ -48,6 +48,102 @@ def setup(
     return cache, table, meta, q
 
 
+def prompts_step(
+    lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, device: str, dtype
+):
+    """A step of fresh prompts of these lengths (nothing cached), each in its own scattered blocks:
+    what the throughput workload's prompt steps run."""
+    from flashstack.engine.kernels.attention import AttentionMetadata
+
+    per_seq = [math.ceil(n / block_size) for n in lens]
+    cache = torch.randn(sum(per_seq) + 1, 2, block_size, kv_heads, dim, dtype=dtype, device=device)
+    order = (torch.randperm(sum(per_seq)) + 1).tolist()  # block 0 unused
+    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(per_seq):
+        table[i, :k] = torch.tensor(order[at : at + k], dtype=torch.int32)
+        at += k
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        context_lens=lens_t,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        block_size=block_size,
+        max_query_len=max(lens),
+        max_context_len=max(lens),
+        query_lens_host=list(lens),
+        context_lens_host=list(lens),
+    )
+    q = torch.randn(starts[-1], heads, dim, dtype=dtype, device=device)
+    return cache, meta, q
+
+
+def workload_lens(tokens: int, seed: int = 0) -> list[int]:
+    """Prompt lengths uniform in 100-1024 (the throughput workload's), as many as fit `tokens`."""
+    import random
+
+    rng = random.Random(seed)
+    lens: list[int] = []
+    while True:
+        n = rng.randint(100, 1024)
+        if sum(lens) + n > tokens:
+            return lens
+        lens.append(n)
+
+
+def sweep_launches(args) -> dict:
+    """Each PrefillLaunch on a step of the throughput workload's prompts (Qwen3-0.6B heads) and on
+    one long chunk (the 8B's heads), checked against the reference first."""
+    from itertools import product
+
+    from flashstack.engine.kernels import triton_attention as ta
+    from flashstack.engine.kernels.attention import paged_attention_reference
+
+    cases = {
+        "qwen3_prompts": (workload_lens(args.step_tokens), 16, 8),
+        "llama8b_chunk2048": ([2048], 32, 8),
+    }
+    result: dict = {}
+    for name, (lens, heads, kv_heads) in cases.items():
+        if name not in args.cases.split(","):
+            continue
+        cache, meta, q = prompts_step(lens, 256, heads, kv_heads, 128, "cuda", torch.bfloat16)
+        want = paged_attention_reference(q, cache, meta, 128**-0.5)
+        pairs = sum(n * (n + 1) / 2 for n in lens)
+        flops = 4 * heads * 128 * pairs
+        rows = {}
+        group = heads // kv_heads
+        for per, bn, warps, stages, tma in product(
+            (1, 2, 4), (64, 128), (4, 8), args.stages, (False, True)
+        ):
+            if group % per:
+                continue
+            launch = ta.PrefillLaunch(per, bn, warps, stages, tma)
+            label = f"p{per}/n{bn}/w{warps}/s{stages}" + ("/tma" if tma else "")
+            try:
+                fn = lambda: ta.paged_prefill_triton(q, cache, meta, 128**-0.5, launch=launch)  # noqa: E731
+                torch.testing.assert_close(fn(), want, atol=2e-2, rtol=2e-2)
+                ms = timed_ms(fn, args.iters)
+            except Exception as e:  # out of shared memory or registers: say so, go on
+                rows[label] = {"error": str(e).splitlines()[0][:160]}
+                continue
+            rows[label] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+            print(name, label, rows[label], flush=True)
+        best = min((r["ms"], k) for k, r in rows.items() if "ms" in r)
+        result[name] = {
+            "seqs": len(lens),
+            "tokens": sum(lens),
+            "default": ta.prefill_launch(group).__dict__,
+            "best": best[1],
+            "rows": rows,
+        }
+    return result
+
+
 def gather_kv(
     cache: torch.Tensor, table: torch.Tensor, context: int, heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +188,27 @@ def main() -> None:
     ap.add_argument("--contexts", default="8192,16384,24576,32768")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test under Triton's interpreter")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time every PrefillLaunch on a step of the throughput workload's prompts and on one "
+        "2,048-token chunk, instead of the contexts",
+    )
+    ap.add_argument("--step-tokens", type=int, default=8192, help="--sweep's prompt step")
+    ap.add_argument("--cases", default="qwen3_prompts,llama8b_chunk2048", help="--sweep's cases")
+    ap.add_argument(
+        "--stages",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[2, 3],
+        help="--sweep's pipeline depths",
+    )
     args = ap.parse_args()
+    if args.sweep:
+        result = sweep_launches(args)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: (v["best"], v["rows"][v["best"]]) for k, v in result.items()}))
+        return
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         from tests.engine.kernels.conftest import _fix_interpreter_scalars

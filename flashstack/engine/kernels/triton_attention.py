@@ -27,6 +27,7 @@ Hopper, and the decode kernel at 32K measured 58 us with bf16 tiles against bf16
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -1160,9 +1161,83 @@ def paged_decode_triton(
 
 
 @triton.jit
+def _prefill_tile(
+    q,
+    m,
+    row_sum,
+    acc,
+    head_ptr,
+    desc,
+    table_ptr,
+    start,
+    last,
+    qpos,
+    window,
+    hkv,
+    d,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    block_size,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """One tile of BLOCK_N keys into the running softmax (base 2: q carries log2(e)). Unmasked
+    tiles lie wholly before the program's first query and inside the window: no compare, no
+    select, no guarded load."""
+    n = start + tl.arange(0, BLOCK_N)
+    nmask = n < last
+    if TMA:  # a tile inside one block (BLOCK_N divides it): rows [blocks * 2 * bs, kv_heads, D]
+        krow = tl.load(table_ptr + start // block_size) * 2 * block_size + start % block_size
+        k = desc.load([krow, hkv, 0]).reshape(BLOCK_N, D_PAD)
+        v = desc.load([krow + block_size, hkv, 0]).reshape(BLOCK_N, D_PAD)
+    else:
+        if MASKED:
+            blk = tl.load(table_ptr + n // block_size, mask=nmask, other=0)
+        else:
+            blk = tl.load(table_ptr + n // block_size)
+        kv_ptrs = head_ptr + (blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs)[:, None]
+        kv_mask = nmask[:, None] & (d < D)[None, :]  # unmasked tiles: every row inside
+        if MASKED or D_PAD != D:
+            k = tl.load(kv_ptrs + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(kv_ptrs + stride_ckv + d[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(kv_ptrs + d[None, :])
+            v = tl.load(kv_ptrs + stride_ckv + d[None, :])
+    if FP8:
+        k = k.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if MASKED:
+        allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
+        if window > 0:
+            allowed = allowed & (n[None, :] > qpos[:, None] - window)
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with no key yet (window)
+        if TMA:  # a stale NaN past the context must not reach the sum: weight 0 times V
+            v = tl.where(nmask[:, None], v, 0.0)
+    else:
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = m_new
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    if FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, row_sum, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
+    desc,
     kvs_ptr,
     tables_ptr,
     ctx_ptr,
@@ -1182,6 +1257,7 @@ def _prefill_kernel(
     block_size,
     window,
     G: tl.constexpr,
+    P: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -1190,8 +1266,11 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     KV_DOT: tl.constexpr,
     TILED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    h = tl.program_id(1)
+    # A program takes P query heads of one KV head (P divides G) for BLOCK_M queries: its rows are
+    # (query, head) pairs, query-major, so each K/V tile feeds P heads' products.
+    h0 = tl.program_id(1) * P
     if TILED:  # a fixed grid (a CUDA graph's): each program reads its (sequence, query tile)
         seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
         mtile = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
@@ -1205,60 +1284,102 @@ def _prefill_kernel(
     if mtile * BLOCK_M >= q_len:
         return
     ctx = tl.load(ctx_ptr + seq)
-    hkv = h // G
-    i = mtile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence's chunk
+    hkv = h0 // G
+    r = tl.arange(0, BLOCK_M * P)
+    i = mtile * BLOCK_M + r // P  # query index within the sequence's chunk
+    head = h0 + r % P
     imask = i < q_len
     qpos = ctx - q_len + i  # absolute position of each query
     d = tl.arange(0, D_PAD)
     dmask = d < D
     q = tl.load(
-        q_ptr + (q_begin + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        q_ptr + (q_begin + i)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=imask[:, None] & dmask[None, :],
         other=0.0,
     )
+    # the softmax runs in base 2: log2(e) folded into the queries' scale
     if FP8:  # as in _decode_kernel: dequantized tiles, k_scale on q, v_scale on the output
-        q = (q * (scale * tl.load(kvs_ptr))).to(KV_DOT)
+        q = (q * (scale * 1.4426950408889634 * tl.load(kvs_ptr))).to(KV_DOT)
     else:
-        q = (q * scale).to(cache_ptr.dtype.element_ty)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        q = (q * (scale * 1.4426950408889634)).to(cache_ptr.dtype.element_ty)
+    m = tl.full([BLOCK_M * P], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M * P], tl.float32)
+    acc = tl.zeros([BLOCK_M * P, D_PAD], tl.float32)
     tile_pos = ctx - q_len + mtile * BLOCK_M  # position of the tile's first query
     last = tl.minimum(ctx, tile_pos + BLOCK_M)  # causal: no key past the tile's last query
     first = tl.where(window > 0, tl.maximum(tile_pos - window + 1, 0), 0)
     first = (first // BLOCK_N) * BLOCK_N
-    for start in range(first, last, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        nmask = n < last
-        blk = tl.load(tables_ptr + seq * stride_tb + n // block_size, mask=nmask, other=0)
-        row = blk.to(tl.int64) * stride_cb + (n % block_size) * stride_cs + hkv * stride_ch
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
-        if window > 0:
-            allowed = allowed & (n[None, :] > qpos[:, None] - window)
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_ckv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
+    # key tiles every query sees whole: before the first query, and no window to cut them
+    full_end = tl.where(window > 0, first, ((tile_pos + 1) // BLOCK_N) * BLOCK_N)
+    for masked in tl.static_range(2):  # the unmasked tiles' loop, then the diagonal's
+        for start in range(full_end if masked else first, last if masked else full_end, BLOCK_N):
+            m, row_sum, acc = _prefill_tile(
+                q,
+                m,
+                row_sum,
+                acc,
+                cache_ptr + hkv * stride_ch,
+                desc,
+                tables_ptr + seq * stride_tb,
+                start,
+                last,
+                qpos,
+                window,
+                hkv,
+                d,
+                stride_cb,
+                stride_ckv,
+                stride_cs,
+                block_size,
+                D,
+                D_PAD,
+                BLOCK_N,
+                PREC,
+                FP8,
+                masked,
+                TMA,
+            )
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     if FP8:
         out = out * tl.load(kvs_ptr + 1)
     tl.store(
-        out_ptr + (q_begin + i)[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out_ptr + (q_begin + i)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=imask[:, None] & dmask[None, :],
     )
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """How paged_prefill_triton tiles a step: query heads a program takes (dividing the group),
+    keys a tile, warps, pipeline stages, and whether K/V tiles come through the TMA where the
+    cache allows (prefill_tma_fits)."""
+
+    heads_per_program: int = 1
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    tma: bool = False
+
+
+def prefill_tma_fits(kv_cache: torch.Tensor, block_n: int, fp8: bool) -> bool:
+    """Whether prefill tiles can come through the TMA: a contiguous, aligned 16-bit cache (or
+    fp32, for the interpreter's checks) whose blocks hold whole tiles, a power-of-two head size,
+    Hopper or later where the cache is on a GPU."""
+    dim = kv_cache.shape[-1]
+    return (
+        not fp8
+        and (not kv_cache.is_cuda or device_for(kv_cache.device).compute_capability >= (9, 0))
+        and kv_cache.is_contiguous()
+        and kv_cache.data_ptr() % 16 == 0
+        and kv_cache.shape[2] % block_n == 0
+        and dim & (dim - 1) == 0
+    )
+
+
+def prefill_launch(group: int) -> PrefillLaunch:
+    """The launch paged_prefill_triton takes by default for a query-head group of `group`."""
+    return PrefillLaunch()
 
 
 def paged_prefill_triton(
@@ -1268,9 +1389,10 @@ def paged_prefill_triton(
     scale: float,
     sliding_window: int | None = None,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
     kv_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    launch: PrefillLaunch | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [num_tokens, heads, head_dim] over the paged cache,
     cached prefixes included (the queries are the last query_len positions of each context).
@@ -1280,16 +1402,29 @@ def paged_prefill_triton(
     fp8 = check_kv_scale(kv_cache, kv_scale)
     num_tokens, heads, dim = q.shape
     group = heads // kv_cache.shape[3]
+    launch = launch or prefill_launch(group)
+    if block_n is not None:
+        launch = dataclasses.replace(launch, block_n=block_n)
+    per_program = launch.heads_per_program
+    if group % per_program:
+        raise ValueError(f"{per_program} query heads a program do not divide the group of {group}")
     out = torch.empty_like(q) if out is None else out
     tiles = meta.prefill_tiles
     if tiles is not None:
         assert block_m == PREFILL_BLOCK_M, "the tile map is laid out for PREFILL_BLOCK_M"
-        grid: tuple[int, ...] = (tiles.shape[0] // 2, heads)
+        grid: tuple[int, ...] = (tiles.shape[0] // 2, heads // per_program)
     else:
-        grid = (meta.num_seqs, heads, triton.cdiv(meta.max_query_len, block_m))
+        grid = (meta.num_seqs, heads // per_program, triton.cdiv(meta.max_query_len, block_m))
+    desc = None
+    if launch.tma and prefill_tma_fits(kv_cache, launch.block_n, fp8):
+        rows = kv_cache.view(-1, *kv_cache.shape[3:])  # [blocks * 2 * block_size, kv_heads, D]
+        desc = TensorDescriptor(
+            rows, list(rows.shape), list(rows.stride()), [launch.block_n, 1, dim]
+        )
     _prefill_kernel[grid](
         q,
         kv_cache,
+        desc,
         kv_scale if fp8 else meta.context_lens,
         meta.block_tables,
         meta.context_lens,
@@ -1309,14 +1444,18 @@ def paged_prefill_triton(
         kv_cache.shape[2],
         sliding_window or 0,
         G=group,
+        P=per_program,
         D=dim,
         D_PAD=triton.next_power_of_2(dim),
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=launch.block_n,
         PREC=_precision(kv_cache, q),
         FP8=fp8,
         KV_DOT=_kv_dot(q),
         TILED=tiles is not None,
+        TMA=desc is not None,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out
 

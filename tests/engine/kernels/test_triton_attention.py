@@ -341,6 +341,43 @@ def test_prefill_with_cached_prefix_matches_reference(
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("per_program,tma", [(1, False), (2, False), (4, False), (2, True)])
+@pytest.mark.parametrize(
+    "dim,window", [(64, None), (80, None), (64, 9)], ids=["64", "80", "window"]
+)
+def test_prefill_launch_matches_reference(device, per_program, tma, dim, window):
+    """Every launch paged_prefill_triton may take: query heads of one group together in a program,
+    a head size that is no power of two (padded columns in the unmasked tiles too; the TMA then
+    falls back to plain loads), key tiles wholly before the queries (unmasked) and along the
+    diagonal, a window that cuts both; through the TMA, the slots past a context hold NaN, which
+    must not reach the output."""
+    torch.manual_seed(5)
+    dtype = DTYPES[0]
+    query_lens, ctx, bs = [5, 40, 1], [5, 77, 18], 16
+    num_blocks = sum(math.ceil(c / bs) for c in ctx) + 2
+    cache = _cache(num_blocks, bs, 2, dim, dtype, device)
+    tables = _tables(ctx, bs, num_blocks, device)
+    meta = _meta(query_lens, ctx, tables, bs, device)
+    q = torch.randn(sum(query_lens), 8, dim, dtype=dtype, device=device)
+    want = paged_attention_reference(q, cache, meta, dim**-0.5, window)
+    if tma:  # never-written slots after each context's last token
+        for row, c in zip(tables.tolist(), ctx):
+            cache[row[(c - 1) // bs], :, (c - 1) % bs + 1 :] = float("nan")
+    launch = tk.PrefillLaunch(per_program, block_n=16, num_warps=4, tma=tma)
+    got = tk.paged_prefill_triton(q, cache, meta, dim**-0.5, window, block_m=16, launch=launch)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+def test_prefill_refuses_heads_a_program_that_split_a_group(device):
+    dtype = DTYPES[0]
+    cache = _cache(4, 16, 2, 64, dtype, device)
+    tables = _tables([8], 16, 4, device)
+    meta = _meta([8], [8], tables, 16, device)
+    q = torch.randn(8, 6, 64, dtype=dtype, device=device)  # a group of 3
+    with pytest.raises(ValueError, match="do not divide the group of 3"):
+        tk.paged_prefill_triton(q, cache, meta, 0.125, launch=tk.PrefillLaunch(2))
+
+
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["prefill-only", "decodes-split"])
 def test_mixed_step_on_fixed_grids_matches_reference(device, window, decode_kernel):
