@@ -1379,7 +1379,10 @@ def prefill_tma_fits(kv_cache: torch.Tensor, block_n: int, fp8: bool) -> bool:
 
 def prefill_launch(group: int) -> PrefillLaunch:
     """The launch paged_prefill_triton takes by default for a query-head group of `group`."""
-    return PrefillLaunch()
+    # TMA tiles, one query head a program: the fastest of the sweep on the H100 (2026-12-07,
+    # docs/benchmarks.md "Prefill attention"), 0.222 -> 0.127 ms on a step of the throughput
+    # workload's prompts against the kernel before these options.
+    return PrefillLaunch(tma=True)
 
 
 def paged_prefill_triton(
