@@ -137,7 +137,7 @@ def sweep_launches(args) -> dict:
         result[name] = {
             "seqs": len(lens),
             "tokens": sum(lens),
-            "default": ta.prefill_launch(group).__dict__,
+            "default": ta.PrefillLaunch().__dict__,
             "best": best[1],
             "rows": rows,
         }

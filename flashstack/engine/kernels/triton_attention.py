@@ -1359,7 +1359,10 @@ class PrefillLaunch:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    tma: bool = False
+    # TMA tiles, one query head a program: the fastest of the sweep on the H100 (2026-12-07,
+    # docs/benchmarks.md "Prefill attention"), 0.222 -> 0.127 ms on a step of the throughput
+    # workload's prompts against the kernel before these options.
+    tma: bool = True
 
 
 def prefill_tma_fits(kv_cache: torch.Tensor, block_n: int, fp8: bool) -> bool:
@@ -1367,22 +1370,18 @@ def prefill_tma_fits(kv_cache: torch.Tensor, block_n: int, fp8: bool) -> bool:
     fp32, for the interpreter's checks) whose blocks hold whole tiles, a power-of-two head size,
     Hopper or later where the cache is on a GPU."""
     dim = kv_cache.shape[-1]
+    # on a GPU only what was measured there: 16-bit tiles; fp32 only in the interpreter
+    on_gpu = kv_cache.dtype in (torch.bfloat16, torch.float16) and (
+        device_for(kv_cache.device).compute_capability >= (9, 0)
+    )
     return (
         not fp8
-        and (not kv_cache.is_cuda or device_for(kv_cache.device).compute_capability >= (9, 0))
+        and (not kv_cache.is_cuda or on_gpu)
         and kv_cache.is_contiguous()
         and kv_cache.data_ptr() % 16 == 0
         and kv_cache.shape[2] % block_n == 0
         and dim & (dim - 1) == 0
     )
-
-
-def prefill_launch(group: int) -> PrefillLaunch:
-    """The launch paged_prefill_triton takes by default for a query-head group of `group`."""
-    # TMA tiles, one query head a program: the fastest of the sweep on the H100 (2026-12-07,
-    # docs/benchmarks.md "Prefill attention"), 0.222 -> 0.127 ms on a step of the throughput
-    # workload's prompts against the kernel before these options.
-    return PrefillLaunch(tma=True)
 
 
 def paged_prefill_triton(
@@ -1405,7 +1404,7 @@ def paged_prefill_triton(
     fp8 = check_kv_scale(kv_cache, kv_scale)
     num_tokens, heads, dim = q.shape
     group = heads // kv_cache.shape[3]
-    launch = launch or prefill_launch(group)
+    launch = launch or PrefillLaunch()
     if block_n is not None:
         launch = dataclasses.replace(launch, block_n=block_n)
     per_program = launch.heads_per_program
