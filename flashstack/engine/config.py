@@ -317,6 +317,11 @@ class EngineConfig:
     # never idles while the host schedules and streams (vLLM's async scheduling). False: one step
     # at a time.
     async_scheduling: bool = True
+    # With async_scheduling, a burst's next step of prompts is queued too while the one before it
+    # runs (none of its inputs is a token still being sampled), so the device does not wait for
+    # the host to schedule and pack 8K-token steps between them. False: burst steps run one at a
+    # time.
+    burst_lookahead: bool = True
     show_progress: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (GPUs, or CPU processes over gloo) sharing one model

@@ -173,6 +173,8 @@ class ModelRunner:
         (Scheduler.lookahead)."""
         if ahead is not None and len(ahead) != len(batch.seqs):
             return None  # admissions too: a mixed step
+        if batch.in_flight is not None:
+            return None  # prompt chunks behind a burst step's
         bs = self.config.block_size
         ids, positions, slots, lens = [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -257,9 +259,10 @@ class ModelRunner:
         if not self.can_launch(batch):
             return None
         ids_from, ahead = None, None
+        rows = batch.lookahead_rows if after is not None else None
         if after is not None:
-            rows = batch.lookahead_rows
             assert rows is not None, "a step queued behind another comes from Scheduler.lookahead"
+        if after is not None and rows:  # none: prompt chunks only, no input waits for `after`
             ids_from = after.tokens
             if len(rows) != len(after.batch.seqs):
                 ids_from = after.tokens[self._tensor(rows, torch.int64)]
@@ -310,9 +313,11 @@ class ModelRunner:
         """Pack the batch's new tokens and attention metadata, the one-token rows first (a mixed
         step's graph gives them to the decode kernel: mixed_graphs.py). `ahead`: the leading
         sequences are a step past their computed tokens by ahead[i] (a lookahead step), their
-        ids 0 here (the caller fills them in on the device). Sampled rows in batch order."""
+        ids 0 here (the caller fills them in on the device); `batch.in_flight`: prompt chunks
+        that start past a queued step's. Sampled rows in batch order."""
         bs = self.config.block_size
         offsets = ahead or []
+        queued = batch.in_flight or [0] * len(batch.seqs)
         input_ids, positions, slot_mapping, samples = [], [], [], []
         query_lens, context_lens = [], []
         lens = batch.num_new_tokens
@@ -322,7 +327,7 @@ class ModelRunner:
         for i in order:
             seq, n = batch.seqs[i], lens[i]
             off = offsets[i] if i < len(offsets) else 0
-            start = seq.num_computed_tokens + off
+            start = seq.num_computed_tokens + off + queued[i]
             end = start + n
             input_ids.extend(seq.token_ids[start:end] if not off else [0] * n)
             positions.extend(range(start, end))

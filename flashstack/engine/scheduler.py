@@ -4,7 +4,9 @@ running decodes; a burst's prompts ahead of the decodes), swap or recompute pree
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from flashstack.engine.block_manager import BlockManager
@@ -25,6 +27,10 @@ class ScheduledBatch:
     # Set by Scheduler.lookahead: for each of the leading sequences, its row in the previous step,
     # whose sampled token is this step's input (the sequences after them are admissions).
     lookahead_rows: list[int] | None = None
+    # Set by Scheduler.lookahead behind a burst step: per sequence, the prompt tokens that the
+    # step queued before this one computes first; its chunk starts past them.
+    in_flight: list[int] | None = None
+    burst: bool = False  # prompts only, the running decodes sitting it out (burst_prefill_steps)
 
     @property
     def num_tokens(self) -> int:
@@ -149,6 +155,7 @@ class Scheduler:
             batch = self._schedule_burst()
             if batch:
                 self.burst_steps += 1
+                batch.burst = True
                 return batch
         self.burst_steps = 0
         batch = ScheduledBatch()
@@ -181,9 +188,10 @@ class Scheduler:
         return self._queue_over(queued, cfg.max_num_batched_tokens, free)
 
     def _outranked_by_running(self) -> bool:
-        # A stream served before the queue's first request never waits for that queue.
+        # A stream served before the queue's first request never waits for that queue. (0
+        # uncomputed: a prompt that a step in flight completes, a stream from then on.)
         head = self.waiting[0].priority
-        return any(seq.priority < head for seq in self.running if seq.num_uncomputed_tokens == 1)
+        return any(seq.priority < head for seq in self.running if seq.num_uncomputed_tokens <= 1)
 
     def _queue_over(self, queued: int, tokens: int, first: int | None = None) -> bool:
         # Of the `first` waiting requests (None: all); stops at `tokens`: a burst's queue is long.
@@ -225,7 +233,8 @@ class Scheduler:
         (a length limit), and waiting sequences are admitted into what budget is left. None
         whenever the step after could differ from that: `batch` leaves a prompt chunk for later,
         sequences are swapped out, or a new block is not free for every sequence (a preemption
-        may be due).
+        may be due). Where the step after is a burst's (prompts only), it is that step
+        (`_burst_ahead`, with `burst_lookahead`).
 
         The slots are allocated here. A sequence that `batch` ends on a stop token or string
         still runs in the lookahead step; its row is dropped afterwards, and its blocks are only
@@ -233,7 +242,9 @@ class Scheduler:
         """
         if self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
             return None
-        if self._in_burst(0):
+        if self.config.burst_lookahead and (step := self._burst_ahead(batch)) is not None:
+            return step
+        if batch.burst or self._in_burst(0):
             return None  # the next step takes the burst's prompts without these decodes
         # `batch` may itself be a lookahead step holding rows of sequences that ended meanwhile.
         live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
@@ -259,6 +270,40 @@ class Scheduler:
         if self.waiting:
             tokens = self.config.max_num_batched_tokens - len(seqs)
             self._schedule_waiting(step, StepBudget(tokens, self._prefill_budget(True, 0)))
+        return step
+
+    def _burst_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The step after `batch` where it is a burst's, scheduled while `batch` still runs: none of
+        its inputs is a token `batch` samples (the sequences `batch` samples for sit it out with
+        the other streams), so it can be queued behind it. Its chunk tails start past `batch`'s
+        chunks (`in_flight`). None whenever schedule() could decide otherwise: the step after is
+        no burst's, or a chunk tail needs blocks that are not free (a preemption may be due)."""
+        with _computed(batch):
+            decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
+            queued = sum(n for seq in self.running if (n := seq.num_uncomputed_tokens) > 1)
+            if not (decoding and self._in_burst(queued)):
+                return None
+            tokens = self.config.max_num_batched_tokens
+            budget = StepBudget(tokens, tokens)
+            tails = []
+            for seq in sorted(self.running, key=self._running_order):
+                wanted = seq.num_uncomputed_tokens
+                if wanted > 1 and (n := budget.allows(wanted)):
+                    budget.take(wanted, n)
+                    tails.append((seq, n))
+            bm = self.block_manager
+            if sum(bm.num_blocks_needed(seq, n) for seq, n in tails) > bm.num_free_blocks:
+                return None
+            step = ScheduledBatch(lookahead_rows=[], burst=True)
+            for seq, n in tails:
+                bm.append_slots(seq, n)
+                self._add_to_batch(step, seq, n)
+            self._schedule_waiting(step, budget)
+        if not step.seqs:
+            return None
+        self.burst_steps += 1
+        ahead = dict(zip((seq.seq_id for seq in batch.seqs), batch.num_new_tokens))
+        step.in_flight = [ahead.get(seq.seq_id, 0) for seq in step.seqs]
         return step
 
     def _ends_next(self, seq: Sequence) -> bool:
@@ -366,3 +411,16 @@ class Scheduler:
         if self.config.max_model_len is not None and len(seq) >= self.config.max_model_len:
             return "length"
         return None
+
+
+@contextlib.contextmanager
+def _computed(batch: ScheduledBatch) -> Iterator[None]:
+    """While inside, `batch`'s chunks count as computed (a step scheduled behind it sees the state
+    it leaves; the tokens it samples are not known yet)."""
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+    try:
+        yield
+    finally:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens -= n

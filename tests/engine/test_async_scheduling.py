@@ -155,16 +155,20 @@ def test_rows_needing_the_host_run_one_step_at_a_time(tiny_model_dir, monkeypatc
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
 
 
-def _staggered(engine, arrivals: dict[int, tuple[str, SamplingParams]]):
-    """Run `engine` to the end, adding arrivals[k] after its k-th step; tokens and finish reasons
-    per request."""
+Arrival = tuple[str, SamplingParams]
+
+
+def _staggered(engine, arrivals: dict[int, Arrival | list[Arrival]]):
+    """Run `engine` to the end, adding arrivals[k] (one request or several) after its k-th step;
+    tokens and finish reasons per request."""
     tokens: dict[str, list[int]] = {}
     finish: dict[str, str | None] = {}
     step = 0
     while engine.has_pending_output() or step in arrivals:
         if step in arrivals:
-            prompt, params = arrivals[step]
-            engine.add_request(prompt, params, request_id=f"at{step}")
+            batch = arrivals[step]
+            for i, (prompt, params) in enumerate(batch if isinstance(batch, list) else [batch]):
+                engine.add_request(prompt, params, request_id=f"at{step}.{i}")
         for d in engine.step():
             tokens.setdefault(d.request_id, []).extend(d.token_ids)
             finish[d.request_id] = d.finish_reason
@@ -245,3 +249,28 @@ def test_a_burst_prefilled_ahead_of_the_decodes_gives_the_same_tokens(tiny_model
     outs = llm.generate(prompts, params)
     assert [(o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in outs] == mixed
     assert max(sat_out) >= 2  # the streams sat out steps in a row while the burst went in
+
+
+def test_a_bursts_steps_are_queued_one_behind_the_other(tiny_model_dir, monkeypatch) -> None:
+    # Each burst step after the first is queued before the one in flight is read back (its
+    # chunks start past that one's), and the tokens are those of one step at a time.
+    behind = [0]
+    inner = ModelRunner.launch
+
+    def counted(self, batch, after=None):
+        step = inner(self, batch, after)
+        behind[0] += step is not None and after is not None and batch.burst
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", counted)
+    prompts = [f"{i} {p} {i}" for i in range(4) for p in PROMPTS]  # 16 prompts, 7 to 12 tokens each
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(16)]
+    params[5] = SamplingParams(temperature=0.9, seed=11, max_tokens=9, ignore_eos=True)
+    kw = {"max_num_batched_tokens": 20, "decode_step_prefill_tokens": 4}
+    arrivals = {0: (PROMPTS[0], params[0]), 3: list(zip(prompts, params))}
+    logs = []
+    for flag in (False, True):
+        engine = _llm(tiny_model_dir, flag, **kw).engine
+        logs.append(_staggered(engine, arrivals))
+    assert logs[0] == logs[1]
+    assert behind[0] >= 2

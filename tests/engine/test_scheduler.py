@@ -234,17 +234,92 @@ def test_a_queue_behind_full_slots_is_admitted_beside_the_decodes() -> None:
     assert batch.seqs[:2] == streams and batch.num_new_tokens == [1, 1, 20]
 
 
-def test_no_lookahead_over_a_burst() -> None:
+def test_the_step_behind_decodes_is_a_bursts_when_one_arrives() -> None:
     s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
     _decoding(s, 2)
     batch = s.schedule()
     assert s.lookahead(batch) is not None  # nothing waits: the step behind is scheduled now
-    s2 = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
-    _decoding(s2, 2)
-    batch = s2.schedule()
-    for _ in range(2):
-        s2.add(seq(20))
-    assert s2.lookahead(batch) is None  # the next step is the burst's, without these decodes
+    for flag in (True, False):
+        s2 = make(
+            num_blocks=256,
+            max_num_batched_tokens=32,
+            decode_step_prefill_tokens=8,
+            burst_lookahead=flag,
+        )
+        streams = _decoding(s2, 2)
+        batch = s2.schedule()
+        queued = [seq(20), seq(20)]
+        for q in queued:
+            s2.add(q)
+        ahead = s2.lookahead(batch)  # the next step is the burst's, without these decodes
+        if flag:
+            assert ahead is not None and ahead.burst and ahead.seqs == queued
+            assert ahead.num_new_tokens == [20, 12] and ahead.in_flight == [0, 0]
+            assert [q.num_computed_tokens for q in streams] == [3, 3]
+        else:
+            assert ahead is None
+
+
+def _burst(s: Scheduler, prompts: int, length: int = 20) -> list[Sequence]:
+    """Two streams decoding and `prompts` distinct prompts queued behind them (no shared prefix)."""
+    _decoding(s, 2)
+    queued = [
+        Sequence(list(range(100 * i + 1, 100 * i + 1 + length)), SamplingParams())
+        for i in range(prompts)
+    ]
+    for q in queued:
+        s.add(q)
+    return queued
+
+
+def test_a_bursts_next_step_is_scheduled_behind_the_one_in_flight() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    queued = _burst(s, 4)  # 80 prompt tokens: two and a half steps
+    batch = s.schedule()
+    assert batch.burst and batch.num_new_tokens == [20, 12]
+    ahead = s.lookahead(batch)
+    assert ahead is not None and ahead.burst and ahead.lookahead_rows == []
+    # the tail of the prompt chunked in flight first, past its 12 tokens there; then admissions
+    assert ahead.seqs == queued[1:] and ahead.num_new_tokens == [8, 20, 4]
+    assert ahead.in_flight == [12, 0, 0]
+    assert [q.num_computed_tokens for q in queued] == [0, 0, 0, 0]  # nothing counted twice
+    assert s.burst_steps == 2
+    for b in (batch, ahead):
+        s.postprocess(
+            b,
+            [
+                7 if q.num_computed_tokens + n == len(q) else None
+                for q, n in zip(b.seqs, b.num_new_tokens)
+            ],
+        )
+        s.block_manager.check_invariants(s.seqs)
+    assert [q.num_computed_tokens for q in queued] == [20, 20, 20, 4]
+
+
+def test_no_step_behind_a_burst_step_that_ends_the_burst() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    _burst(s, 2)  # 40 prompt tokens: after the first step 8 are left, and the streams decode
+    batch = s.schedule()
+    assert batch.burst and s.lookahead(batch) is None
+    s = make(num_blocks=256, max_num_batched_tokens=32, burst_prefill_steps=1)
+    _burst(s, 4)  # the streams may sit out one step only
+    assert s.lookahead(s.schedule()) is None
+    s = make(num_blocks=256, max_num_batched_tokens=32, burst_lookahead=False)
+    _burst(s, 4)
+    assert s.lookahead(s.schedule()) is None
+
+
+def test_no_step_behind_a_burst_step_when_its_blocks_are_short() -> None:
+    # 2 streams hold 2 blocks; the burst's first step takes 8 of the 10 left (20 + 12 tokens):
+    # the chunked prompt's tail needs 2 more, free, the next admission then finds none
+    s = make(num_blocks=12, max_num_batched_tokens=32)
+    queued = _burst(s, 4)
+    batch = s.schedule()
+    ahead = s.lookahead(batch)
+    assert ahead is not None and ahead.seqs == [queued[1]] and ahead.num_new_tokens == [8]
+    s = make(num_blocks=11, max_num_batched_tokens=32)  # the tail's 2 blocks are not free: no step
+    _burst(s, 4)
+    assert s.lookahead(s.schedule()) is None
 
 
 def test_a_lookahead_step_ends_the_run_of_steps_sat_out() -> None:
