@@ -319,8 +319,8 @@ class EngineConfig:
     async_scheduling: bool = True
     # With async_scheduling, a burst's next step of prompts is queued too while the one before it
     # runs (none of its inputs is a token still being sampled), so the device does not wait for
-    # the host to schedule and pack 8K-token steps between them. False: burst steps run one at a
-    # time.
+    # the host to schedule and pack 8K-token steps between them. False: a burst's steps run one
+    # at a time.
     burst_lookahead: bool = True
     show_progress: bool = True
     seed: int = 0

@@ -229,11 +229,12 @@ class Scheduler:
 
     def lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The step after `batch`, scheduled while `batch` still runs (its tokens unknown): every
-        sequence of `batch` decodes one position further, less those `batch` certainly finishes
-        (a length limit), and waiting sequences are admitted into what budget is left. None
-        whenever the step after could differ from that: `batch` leaves a prompt chunk for later,
-        sequences are swapped out, or a new block is not free for every sequence (a preemption
-        may be due). Where the step after is a burst's (prompts only), it is that step
+        sequence `batch` samples for decodes one position further, less those `batch` certainly
+        finishes (a length limit), a prompt `batch` leaves unfinished takes its next chunk past
+        the one in flight (`in_flight`), and waiting sequences are admitted into what budget is
+        left. None whenever the step after could differ from that: a running sequence sits
+        `batch` out, sequences are swapped out, or a new block is not free for every sequence (a
+        preemption may be due). Where the step after is a burst's (prompts only), it is that step
         (`_burst_ahead`, with `burst_lookahead`).
 
         The slots are allocated here. A sequence that `batch` ends on a stop token or string
@@ -250,26 +251,46 @@ class Scheduler:
         live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
         if len(live) != len(self.running):
             return None
-        # Every sequence must sample in `batch`: its chunk reaches its last token.
-        chunks = [(batch.seqs[i], batch.num_new_tokens[i]) for i in live]
-        if any(seq.num_computed_tokens + n != len(seq) for seq, n in chunks):
-            return None
-        rows = [i for i in live if not self._ends_next(batch.seqs[i])]
-        if not rows:
+        # A sequence whose chunk reaches its last token samples in `batch` and decodes next, its
+        # input the token sampled (a row); one whose prompt goes on (a chunk tail) takes its next
+        # chunk past the one in flight, its ids the prompt's.
+        sampled = [
+            i for i in live if batch.num_new_tokens[i] == batch.seqs[i].num_uncomputed_tokens
+        ]
+        tails = [i for i in live if batch.num_new_tokens[i] < batch.seqs[i].num_uncomputed_tokens]
+        rows = [i for i in sampled if not self._ends_next(batch.seqs[i])]
+        if not rows and not tails:
             return None
         seqs = [batch.seqs[i] for i in rows]
-        # Past the computed tokens: `batch`'s, then the lookahead step's one.
+        # Past the computed tokens: `batch`'s, then the lookahead step's.
         ahead = [batch.num_new_tokens[i] + 1 for i in rows]
+        with _computed(batch):
+            queued = sum(batch.seqs[i].num_uncomputed_tokens for i in tails)
+            tokens = self.config.max_num_batched_tokens - len(seqs)
+            budget = StepBudget(tokens, self._prefill_budget(True, queued))
+            chunks = []  # (tail, its next chunk)
+            for i in tails:
+                seq = batch.seqs[i]
+                if n := budget.allows(seq.num_uncomputed_tokens):
+                    budget.take(seq.num_uncomputed_tokens, n)
+                    chunks.append((i, n))
+        needed = [(s, n) for s, n in zip(seqs, ahead)]
+        needed += [(batch.seqs[i], batch.num_new_tokens[i] + n) for i, n in chunks]
         bm = self.block_manager
-        if sum(bm.num_blocks_needed(s, n) for s, n in zip(seqs, ahead)) > bm.num_free_blocks:
+        if sum(bm.num_blocks_needed(s, n) for s, n in needed) > bm.num_free_blocks:
             return None
-        for seq, n in zip(seqs, ahead):
+        for seq, n in needed:
             bm.append_slots(seq, n)
         step = ScheduledBatch(seqs, [1] * len(seqs), lookahead_rows=rows)
+        with _computed(batch):
+            for i, n in chunks:
+                self._add_to_batch(step, batch.seqs[i], n)
         self.burst_steps = 0  # the streams decode in it: their steps sat out are no longer in a row
         if self.waiting:
-            tokens = self.config.max_num_batched_tokens - len(seqs)
-            self._schedule_waiting(step, StepBudget(tokens, self._prefill_budget(True, 0)))
+            self._schedule_waiting(step, budget)
+        if chunks:
+            in_flight = {batch.seqs[i].seq_id: batch.num_new_tokens[i] for i, _ in chunks}
+            step.in_flight = [in_flight.get(seq.seq_id, 0) for seq in step.seqs]
         return step
 
     def _burst_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:

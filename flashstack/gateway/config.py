@@ -91,6 +91,7 @@ class EngineOptions(BaseModel):
     enforce_eager: bool | None = None
     mixed_step_graph_tokens: int | None = Field(None, ge=0)  # 0: prefill steps run eagerly
     async_scheduling: bool | None = None
+    burst_lookahead: bool | None = None
     show_progress: bool | None = None
     seed: int | None = None
     tensor_parallel_size: int | None = Field(None, ge=1)

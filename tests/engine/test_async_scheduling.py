@@ -274,3 +274,26 @@ def test_a_bursts_steps_are_queued_one_behind_the_other(tiny_model_dir, monkeypa
         logs.append(_staggered(engine, arrivals))
     assert logs[0] == logs[1]
     assert behind[0] >= 2
+
+
+def test_a_prompt_chunked_beside_the_decodes_is_queued_behind(tiny_model_dir, monkeypatch):
+    # A long prompt arriving mid-decode goes in chunks beside the streams; each chunk after the
+    # first is queued behind the step in flight (past that step's chunk), the streams' ids taken
+    # on the device, and the tokens are those of one step at a time.
+    behind = [0]
+    inner = ModelRunner.launch
+
+    def counted(self, batch, after=None):
+        step = inner(self, batch, after)
+        tail = batch.in_flight is not None and batch.lookahead_rows and not batch.burst
+        behind[0] += step is not None and after is not None and bool(tail)
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", counted)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    arrivals = {0: [(PROMPTS[0], greedy), (PROMPTS[1], seeded)], 4: (PROMPTS[2] * 3, greedy)}
+    kw = {"max_num_batched_tokens": 32, "decode_step_prefill_tokens": 6}
+    logs = [_staggered(_llm(tiny_model_dir, flag, **kw).engine, arrivals) for flag in (False, True)]
+    assert logs[0] == logs[1]
+    assert behind[0] >= 3

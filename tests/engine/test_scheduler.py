@@ -322,6 +322,29 @@ def test_no_step_behind_a_burst_step_when_its_blocks_are_short() -> None:
     assert s.lookahead(s.schedule()) is None
 
 
+def test_a_prompt_chunked_beside_decodes_goes_on_in_the_step_behind() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
+    streams = _decoding(s, 2)
+    long = seq(30)  # one request: chunked beside the streams, 8 prompt tokens a step
+    s.add(long)
+    batch = s.schedule()
+    assert batch.seqs == [*streams, long] and batch.num_new_tokens == [1, 1, 8]
+    ahead = s.lookahead(batch)
+    assert ahead is not None and ahead.lookahead_rows == [0, 1]
+    assert ahead.seqs == [*streams, long] and ahead.num_new_tokens == [1, 1, 8]
+    assert ahead.in_flight == [0, 0, 8] and long.num_computed_tokens == 0
+    for b in (batch, ahead):
+        s.postprocess(
+            b,
+            [
+                7 if q.num_computed_tokens + n == len(q) else None
+                for q, n in zip(b.seqs, b.num_new_tokens)
+            ],
+        )
+        s.block_manager.check_invariants(s.seqs)
+    assert long.num_computed_tokens == 16 and all(q.num_output_tokens == 3 for q in streams)
+
+
 def test_a_lookahead_step_ends_the_run_of_steps_sat_out() -> None:
     s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
     _decoding(s, 2)
