@@ -69,8 +69,62 @@ class Clock:
                     setattr(owner, name, original)
 
 
+def burst(steps: int) -> dict[str, Any]:
+    """The host work of a burst's prompt steps (nano-vllm's workload: 256 prompts of 100-1,024
+    tokens, 8,192 a step) and which of the first `steps` steps were queued behind the one in
+    flight (Scheduler.lookahead) or ran one at a time, where the device waits for that work."""
+    from bench.engine_throughput import workload
+
+    llm = LLM(
+        _tiny_checkpoint(4096),
+        device="cpu",
+        block_size=256,
+        max_num_seqs=256,
+        max_model_len=4096,
+        kv_cache_memory_gb=4,
+        show_progress=False,
+    )
+    engine = llm.engine
+    queued: list[bool] = []
+    launch = engine.runner.launch
+
+    def noting(batch, after=None):
+        queued.append(after is not None)
+        return launch(batch, after)
+
+    engine.runner.launch = noting
+    prompts, outputs = workload(256, 100, 1024)
+    for prompt, n in zip(prompts, outputs):
+        tokens = [t % 500 + 5 for t in prompt]  # the tiny vocabulary
+        engine.add_request(tokens, SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True))
+    clock = Clock()
+    parts = [(engine.scheduler, "schedule"), (engine.scheduler, "lookahead")]
+    parts += [(engine.scheduler, "postprocess"), (engine.runner, "prepare")]
+    per_step = []
+    with clock.wrapping(parts):
+        for _ in range(steps):
+            before = sum(clock.total.values())
+            engine.step()
+            per_step.append(sum(clock.total.values()) - before)
+    engine.abort_all()
+    prompt_steps = [ms * 1e3 for ms in per_step[:16]]
+    return {
+        "host_ms_per_prompt_step (schedule, lookahead, prepare, postprocess)": [
+            round(ms, 2) for ms in prompt_steps
+        ],
+        "steps_run_one_at_a_time": [i for i, behind in enumerate(queued[:steps]) if not behind],
+        "steps": steps,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument(
+        "--burst",
+        type=int,
+        metavar="STEPS",
+        help="instead: the first STEPS steps of nano-vllm's workload, its burst of prompts",
+    )
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--decode", type=int, default=400, help="decode steps before measuring")
@@ -78,6 +132,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=256)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the model's time is not the point: keep it from competing
+    if args.burst:
+        print(json.dumps(burst(args.burst), indent=2))
+        return
     max_len = args.prompt + args.decode + args.steps + 8
     llm = LLM(
         _tiny_checkpoint(max_len),
