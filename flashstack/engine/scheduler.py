@@ -27,8 +27,8 @@ class ScheduledBatch:
     # Set by Scheduler.lookahead: for each of the leading sequences, its row in the previous step,
     # whose sampled token is this step's input (the sequences after them are admissions).
     lookahead_rows: list[int] | None = None
-    # Set by Scheduler.lookahead behind a burst step: per sequence, the prompt tokens that the
-    # step queued before this one computes first; its chunk starts past them.
+    # Set by Scheduler.lookahead over a prompt chunk in flight: per sequence, the prompt tokens
+    # that the step queued before this one computes first; its chunk starts past them.
     in_flight: list[int] | None = None
     burst: bool = False  # prompts only, the running decodes sitting it out (burst_prefill_steps)
 
@@ -254,44 +254,52 @@ class Scheduler:
         # A sequence whose chunk reaches its last token samples in `batch` and decodes next, its
         # input the token sampled (a row); one whose prompt goes on (a chunk tail) takes its next
         # chunk past the one in flight, its ids the prompt's.
-        sampled = [
-            i for i in live if batch.num_new_tokens[i] == batch.seqs[i].num_uncomputed_tokens
-        ]
-        tails = [i for i in live if batch.num_new_tokens[i] < batch.seqs[i].num_uncomputed_tokens]
-        rows = [i for i in sampled if not self._ends_next(batch.seqs[i])]
+        rows, tails = [], []
+        for i in live:
+            seq = batch.seqs[i]
+            if batch.num_new_tokens[i] < seq.num_uncomputed_tokens:
+                tails.append(seq)
+            elif not self._ends_next(seq):
+                rows.append(i)
         if not rows and not tails:
             return None
         seqs = [batch.seqs[i] for i in rows]
+        tokens = self.config.max_num_batched_tokens - len(seqs)
+        budget = StepBudget(tokens, self._prefill_budget(True, 0))
+        chunks: list[tuple[Sequence, int]] = []
+        if tails:
+            with _computed(batch):
+                queued = sum(seq.num_uncomputed_tokens for seq in tails)
+                budget = StepBudget(tokens, self._prefill_budget(True, queued))
+                chunks = _next_chunks(tails, budget)
         # Past the computed tokens: `batch`'s, then the lookahead step's.
         ahead = [batch.num_new_tokens[i] + 1 for i in rows]
-        with _computed(batch):
-            queued = sum(batch.seqs[i].num_uncomputed_tokens for i in tails)
-            tokens = self.config.max_num_batched_tokens - len(seqs)
-            budget = StepBudget(tokens, self._prefill_budget(True, queued))
-            chunks = []  # (tail, its next chunk)
-            for i in tails:
-                seq = batch.seqs[i]
-                if n := budget.allows(seq.num_uncomputed_tokens):
-                    budget.take(seq.num_uncomputed_tokens, n)
-                    chunks.append((i, n))
-        needed = [(s, n) for s, n in zip(seqs, ahead)]
-        needed += [(batch.seqs[i], batch.num_new_tokens[i] + n) for i, n in chunks]
-        bm = self.block_manager
-        if sum(bm.num_blocks_needed(s, n) for s, n in needed) > bm.num_free_blocks:
+        sent = _sent(batch) if chunks else {}
+        needed = list(zip(seqs, ahead)) + [(seq, sent[seq.seq_id] + n) for seq, n in chunks]
+        if not self._allocate(needed):
             return None
-        for seq, n in needed:
-            bm.append_slots(seq, n)
         step = ScheduledBatch(seqs, [1] * len(seqs), lookahead_rows=rows)
-        with _computed(batch):
-            for i, n in chunks:
-                self._add_to_batch(step, batch.seqs[i], n)
+        if chunks:
+            with _computed(batch):
+                for seq, n in chunks:
+                    self._add_to_batch(step, seq, n)
         self.burst_steps = 0  # the streams decode in it: their steps sat out are no longer in a row
         if self.waiting:
             self._schedule_waiting(step, budget)
-        if chunks:
-            in_flight = {batch.seqs[i].seq_id: batch.num_new_tokens[i] for i, _ in chunks}
-            step.in_flight = [in_flight.get(seq.seq_id, 0) for seq in step.seqs]
+        if chunks:  # the rows' offsets are `ahead`, passed to the runner by `launch`
+            tail_ids = {seq.seq_id for seq, _ in chunks}
+            step.in_flight = [sent[s.seq_id] if s.seq_id in tail_ids else 0 for s in step.seqs]
         return step
+
+    def _allocate(self, needed: list[tuple[Sequence, int]]) -> bool:
+        """Slots for (sequence, tokens past its computed ones) each, or none at all and False
+        where the free blocks do not hold them all."""
+        bm = self.block_manager
+        if sum(bm.num_blocks_needed(seq, n) for seq, n in needed) > bm.num_free_blocks:
+            return False
+        for seq, n in needed:
+            bm.append_slots(seq, n)
+        return True
 
     def _burst_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The step after `batch` where it is a burst's, scheduled while `batch` still runs: none of
@@ -299,6 +307,8 @@ class Scheduler:
         the other streams), so it can be queued behind it. Its chunk tails start past `batch`'s
         chunks (`in_flight`). None whenever schedule() could decide otherwise: the step after is
         no burst's, or a chunk tail needs blocks that are not free (a preemption may be due)."""
+        if len(self.waiting) < 2:
+            return None  # no burst (_in_burst), and the decode steps' lookahead costs no more
         with _computed(batch):
             decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
             queued = sum(n for seq in self.running if (n := seq.num_uncomputed_tokens) > 1)
@@ -306,25 +316,19 @@ class Scheduler:
                 return None
             tokens = self.config.max_num_batched_tokens
             budget = StepBudget(tokens, tokens)
-            tails = []
-            for seq in sorted(self.running, key=self._running_order):
-                wanted = seq.num_uncomputed_tokens
-                if wanted > 1 and (n := budget.allows(wanted)):
-                    budget.take(wanted, n)
-                    tails.append((seq, n))
-            bm = self.block_manager
-            if sum(bm.num_blocks_needed(seq, n) for seq, n in tails) > bm.num_free_blocks:
+            tails = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+            chunks = _next_chunks(sorted(tails, key=self._running_order), budget)
+            if not self._allocate(chunks):
                 return None
             step = ScheduledBatch(lookahead_rows=[], burst=True)
-            for seq, n in tails:
-                bm.append_slots(seq, n)
+            for seq, n in chunks:
                 self._add_to_batch(step, seq, n)
             self._schedule_waiting(step, budget)
         if not step.seqs:
             return None
         self.burst_steps += 1
-        ahead = dict(zip((seq.seq_id for seq in batch.seqs), batch.num_new_tokens))
-        step.in_flight = [ahead.get(seq.seq_id, 0) for seq in step.seqs]
+        sent = _sent(batch)
+        step.in_flight = [sent.get(seq.seq_id, 0) for seq in step.seqs]
         return step
 
     def _ends_next(self, seq: Sequence) -> bool:
@@ -445,3 +449,18 @@ def _computed(batch: ScheduledBatch) -> Iterator[None]:
     finally:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens -= n
+
+
+def _next_chunks(tails: list[Sequence], budget: StepBudget) -> list[tuple[Sequence, int]]:
+    """Each prompt's next chunk, in order, while `budget` lasts (spending it)."""
+    chunks = []
+    for seq in tails:
+        if n := budget.allows(seq.num_uncomputed_tokens):
+            budget.take(seq.num_uncomputed_tokens, n)
+            chunks.append((seq, n))
+    return chunks
+
+
+def _sent(batch: ScheduledBatch) -> dict[int, int]:
+    """Tokens `batch` computes, by sequence id."""
+    return dict(zip((seq.seq_id for seq in batch.seqs), batch.num_new_tokens))
