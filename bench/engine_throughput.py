@@ -86,15 +86,21 @@ def profile_run(
     clock.wrap(model_runner, "sample", "sample + read back (steps run one at a time)")
     clock.wrap(engine.runner, "launch", "launch: stage, replay, sample (queued)")
     clock.wrap(model_runner.PendingStep, "wait", "wait for a queued step's tokens")
-    scheduled_prompt = [False]  # whether a schedule call of the current step took prompt tokens
-    schedule = engine.scheduler.schedule
+    # whether the current step scheduled prompt tokens: its own schedule or the lookahead that
+    # queues the step behind it (a burst's next prompt step, a chunk tail)
+    scheduled_prompt = [False]
 
-    def noting_prompts(*a, **kw):
-        batch = schedule(*a, **kw)
-        scheduled_prompt[0] |= any(n > 1 for n in batch.num_new_tokens)
-        return batch
+    def noting_prompts(method):
+        def scheduled(*a, **kw):
+            batch = method(*a, **kw)
+            if batch is not None:
+                scheduled_prompt[0] |= any(n > 1 for n in batch.num_new_tokens)
+            return batch
 
-    engine.scheduler.schedule = noting_prompts
+        return scheduled
+
+    engine.scheduler.schedule = noting_prompts(engine.scheduler.schedule)
+    engine.scheduler.lookahead = noting_prompts(engine.scheduler.lookahead)
     graphs = engine.runner.graphs
     if graphs is not None:
         inner = graphs.run

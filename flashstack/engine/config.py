@@ -139,7 +139,8 @@ class KernelOptions:
     # registers (decode_qkv_rows): old tokens' rows, which nothing in the step writes, arrive
     # while the kernel before drains; 0: none. Batch-1 step on the H100: Llama-3.2-1B shape
     # 1,051 -> 1,034 µs, Qwen3-0.6B shape 893 -> 884 µs, SmolLM2-135M level (bench/
-    # engine_small.py --variants default,nopreload); launches of more sequences not measured.
+    # engine_small.py --variants default,nopreload); the 8B's batch 8 / 32 with 32 level to 0.3 %
+    # slower (bench/engine_decode.py --gemv triton,preload32).
     decode_preload_rows: int = 1
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
