@@ -320,8 +320,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # With async_scheduling, a burst's next step of prompts is queued too while the one before it
     # runs (none of its inputs is a token still being sampled), so the device does not wait for
-    # the host to schedule and pack 8K-token steps between them. False: a burst's steps run one
-    # at a time.
+    # the host to schedule and pack 8K-token steps between them; so is the step after its last,
+    # where the streams that sat the burst out decode the host's tokens beside the prompts it
+    # completes. False: a burst's steps run one at a time.
     burst_lookahead: bool = True
     show_progress: bool = True
     seed: int = 0

@@ -245,13 +245,13 @@ class DecodeGraphs:
         tokens [n] (int64) when it takes them (else None): drawn at `temperatures` (one a row, 0:
         greedy) from `seed` where the graph samples (sample_in_graph), else the logits' argmax.
         Both are the graph's own memory, valid until its next replay: what reads them must be
-        queued before that. `ids_from`, a device tensor [n], replaces `input_ids` (the previous
-        step's samples, never read back)."""
+        queued before that. `ids_from`, a device tensor [k], replaces the first k `input_ids`
+        (the previous step's samples, never read back)."""
         bs = self.stage(
             input_ids, positions, slot_mapping, block_tables, context_lens, temperatures, seed
         )
         if ids_from is not None:
-            self.packed[: len(input_ids)].copy_(ids_from)
+            self.packed[: ids_from.shape[0]].copy_(ids_from)
         key = self.key_for(bs, max(context_lens))
         if self.before_replay is not None:
             self.before_replay(key, self.packed[: self.packed_size(bs)])

@@ -168,17 +168,17 @@ class ModelRunner:
         self, batch: ScheduledBatch, ahead: list[int] | None
     ) -> tuple[list[int], list[int], list[int], list[int]] | None:
         """(ids, positions, slots, context lengths) of a plain decode step, or None when the batch
-        is not one. `ahead`: the step after the sequences' current one, which computes ahead[i]
-        tokens of sequence i; the ids (0 here) come from the device, the slots are allocated
-        (Scheduler.lookahead)."""
-        if ahead is not None and len(ahead) != len(batch.seqs):
-            return None  # admissions too: a mixed step
+        is not one. `ahead`: the step after the leading sequences' current one, which computes
+        ahead[i] tokens of sequence i; their ids (0 here) come from the device, the slots are
+        allocated (Scheduler.lookahead). The sequences past them decode the host's tokens (the
+        streams a burst's last step left out)."""
         if batch.in_flight is not None:
             return None  # prompt chunks behind a burst step's
         bs = self.config.block_size
+        offsets = ahead or []
         ids, positions, slots, lens = [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            off = ahead[i] if ahead is not None else 0
+            off = offsets[i] if i < len(offsets) else 0
             p = seq.num_computed_tokens + off
             if n != 1 or p + 1 != len(seq.token_ids) + int(off > 0):
                 return None
@@ -231,7 +231,11 @@ class ModelRunner:
         meta, (ids_d, positions_d) = self._metadata(
             batch.seqs, slots, [1] * len(ids), lens, [(ids, i64), (positions, i64)]
         )
-        input_ids = ids_from if ids_from is not None else ids_d
+        input_ids = ids_d
+        if ids_from is not None and ids_from.shape[0] == len(ids):
+            input_ids = ids_from  # every row decodes the previous step's token
+        elif ids_from is not None:  # the leading rows do; the rest, the host's tokens
+            ids_d[: ids_from.shape[0]].copy_(ids_from)
         hidden = self.model(input_ids, positions_d, meta, self.kv_caches, self.ops)
         return self.model.compute_logits(hidden, self.ops)
 

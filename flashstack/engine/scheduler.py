@@ -232,10 +232,11 @@ class Scheduler:
         sequence `batch` samples for decodes one position further, less those `batch` certainly
         finishes (a length limit), a prompt `batch` leaves unfinished takes its next chunk past
         the one in flight (`in_flight`), and waiting sequences are admitted into what budget is
-        left. None whenever the step after could differ from that: a running sequence sits
-        `batch` out, sequences are swapped out, or a new block is not free for every sequence (a
-        preemption may be due). Where the step after is a burst's (prompts only), it is that step
-        (`_burst_ahead`, with `burst_lookahead`).
+        left. None whenever the step after could differ from that: a chunk tail sits `batch` out,
+        sequences are swapped out, or a new block is not free for every sequence (a preemption
+        may be due). Where the step after is a burst's (prompts only), it is that step
+        (`_burst_ahead`); where `batch` is a burst's last, the streams that sat it out decode in
+        the step after too, their inputs the host's tokens (both with `burst_lookahead`).
 
         The slots are allocated here. A sequence that `batch` ends on a stop token or string
         still runs in the lookahead step; its row is dropped afterwards, and its blocks are only
@@ -243,13 +244,14 @@ class Scheduler:
         """
         if self.swapped or batch.preempted or batch.swap_out or batch.swap_in:
             return None
-        if self.config.burst_lookahead and (step := self._burst_ahead(batch)) is not None:
-            return step
-        if batch.burst or self._in_burst(0):
-            return None  # the next step takes the burst's prompts without these decodes
+        if self._burst_next(batch):  # the next step takes the burst's prompts, not these decodes
+            return self._burst_ahead(batch) if self.config.burst_lookahead else None
+        if (batch.burst and not self.config.burst_lookahead) or self._in_burst(0):
+            return None  # (a burst's prompts without decodes: schedule() gives them every token)
         # `batch` may itself be a lookahead step holding rows of sequences that ended meanwhile.
         live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
-        if len(live) != len(self.running):
+        sat_out = self._sat_out(batch, live)
+        if sat_out is None:
             return None
         # A sequence whose chunk reaches its last token samples in `batch` and decodes next, its
         # input the token sampled (a row); one whose prompt goes on (a chunk tail) takes its next
@@ -261,10 +263,10 @@ class Scheduler:
                 tails.append(seq)
             elif not self._ends_next(seq):
                 rows.append(i)
-        if not rows and not tails:
+        if not rows and not tails and not sat_out:
             return None
         seqs = [batch.seqs[i] for i in rows]
-        tokens = self.config.max_num_batched_tokens - len(seqs)
+        tokens = self.config.max_num_batched_tokens - len(seqs) - len(sat_out)
         budget = StepBudget(tokens, self._prefill_budget(True, 0))
         chunks: list[tuple[Sequence, int]] = []
         if tails:
@@ -275,10 +277,14 @@ class Scheduler:
         # Past the computed tokens: `batch`'s, then the lookahead step's.
         ahead = [batch.num_new_tokens[i] + 1 for i in rows]
         sent = _sent(batch) if chunks else {}
-        needed = list(zip(seqs, ahead)) + [(seq, sent[seq.seq_id] + n) for seq, n in chunks]
+        needed = list(zip(seqs, ahead)) + [(seq, 1) for seq in sat_out]
+        needed += [(seq, sent[seq.seq_id] + n) for seq, n in chunks]
         if not self._allocate(needed):
             return None
+        # the rows first: their ids are `batch`'s samples, the leading inputs (ModelRunner.launch)
         step = ScheduledBatch(seqs, [1] * len(seqs), lookahead_rows=rows)
+        for seq in sat_out:
+            self._add_to_batch(step, seq, 1)
         if chunks:
             with _computed(batch):
                 for seq, n in chunks:
@@ -301,19 +307,35 @@ class Scheduler:
             bm.append_slots(seq, n)
         return True
 
-    def _burst_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The step after `batch` where it is a burst's, scheduled while `batch` still runs: none of
-        its inputs is a token `batch` samples (the sequences `batch` samples for sit it out with
-        the other streams), so it can be queued behind it. Its chunk tails start past `batch`'s
-        chunks (`in_flight`). None whenever schedule() could decide otherwise: the step after is
-        no burst's, or a chunk tail needs blocks that are not free (a preemption may be due)."""
+    def _burst_next(self, batch: ScheduledBatch) -> bool:
+        """Whether schedule() makes the step after `batch` a burst's (prompts only), `batch`'s
+        tokens counted as computed."""
         if len(self.waiting) < 2:
-            return None  # no burst (_in_burst), and the decode steps' lookahead costs no more
+            return False  # no burst (_in_burst), and the decode steps' lookahead costs no more
         with _computed(batch):
             decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
             queued = sum(n for seq in self.running if (n := seq.num_uncomputed_tokens) > 1)
-            if not (decoding and self._in_burst(queued)):
-                return None
+            return decoding and self._in_burst(queued)
+
+    def _sat_out(self, batch: ScheduledBatch, live: list[int]) -> list[Sequence] | None:
+        """The running sequences `batch` leaves out (`live`: its rows still running): the streams
+        a burst's step leaves to decode after it, their next input known to the host. None where
+        one is a chunk tail waiting a step, which schedule() places."""
+        if len(live) == len(self.running):
+            return []  # every running sequence is in `batch`: the decode steps' path
+        ids = {batch.seqs[i].seq_id for i in live}
+        sat_out = [seq for seq in self.running if seq.seq_id not in ids]
+        if len(sat_out) + len(live) != len(self.running):
+            return None
+        return sat_out if all(seq.num_uncomputed_tokens == 1 for seq in sat_out) else None
+
+    def _burst_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The step after `batch` where it is a burst's (`_burst_next`), scheduled while `batch`
+        still runs: none of its inputs is a token `batch` samples (the sequences `batch` samples
+        for sit it out with the other streams), so it can be queued behind it. Its chunk tails
+        start past `batch`'s chunks (`in_flight`). None where a chunk tail needs blocks that are
+        not free (a preemption may be due)."""
+        with _computed(batch):
             tokens = self.config.max_num_batched_tokens
             budget = StepBudget(tokens, tokens)
             tails = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]

@@ -263,17 +263,62 @@ def test_a_bursts_steps_are_queued_one_behind_the_other(tiny_model_dir, monkeypa
         return step
 
     monkeypatch.setattr(ModelRunner, "launch", counted)
-    prompts = [f"{i} {p} {i}" for i in range(4) for p in PROMPTS]  # 16 prompts, 7 to 12 tokens each
-    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(16)]
-    params[5] = SamplingParams(temperature=0.9, seed=11, max_tokens=9, ignore_eos=True)
-    kw = {"max_num_batched_tokens": 20, "decode_step_prefill_tokens": 4}
-    arrivals = {0: (PROMPTS[0], params[0]), 3: list(zip(prompts, params))}
-    logs = []
-    for flag in (False, True):
-        engine = _llm(tiny_model_dir, flag, **kw).engine
-        logs.append(_staggered(engine, arrivals))
+    logs = _burst_logs(tiny_model_dir)
     assert logs[0] == logs[1]
     assert behind[0] >= 2
+
+
+def _burst_logs(model_dir, **kw) -> list:
+    """The logs of one step at a time, then of async scheduling: two streams decoding, then 16
+    prompts of 7 to 12 tokens arriving together (a burst: a step's budget is 20 tokens), one of
+    them and one stream sampled with a seed."""
+    prompts = [f"{i} {p} {i}" for i in range(4) for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(16)]
+    params[5] = SamplingParams(temperature=0.9, seed=11, max_tokens=9, ignore_eos=True)
+    settings = {"max_num_batched_tokens": 20, "decode_step_prefill_tokens": 4, **kw}
+    arrivals = {
+        0: [(PROMPTS[0], params[0]), (PROMPTS[1], params[5])],
+        3: list(zip(prompts, params)),
+    }
+    return [
+        _staggered(_llm(model_dir, flag, **settings).engine, arrivals) for flag in (False, True)
+    ]
+
+
+def _check_streams_after_a_burst(model_dir, monkeypatch, **kw) -> None:
+    # The step after a burst's last is queued behind it: the prompts it completes decode their
+    # sampled tokens (taken on the device), the streams that sat the burst out decode the
+    # host's; the tokens are those of one step at a time.
+    behind = [0]
+    inner = ModelRunner.launch
+
+    def counted(self, batch, after=None):
+        step = inner(self, batch, after)
+        if step is not None and after is not None and not batch.burst:
+            rows = len(batch.lookahead_rows or [])
+            host = zip(batch.seqs[rows:], batch.num_new_tokens[rows:])
+            behind[0] += any(n == 1 and seq not in after.batch.seqs for seq, n in host)
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", counted)
+    logs = _burst_logs(model_dir, **kw)
+    assert logs[0] == logs[1]
+    assert behind[0] >= 1
+
+
+def test_the_streams_a_burst_left_out_decode_in_the_step_queued_behind_it(
+    tiny_model_dir, monkeypatch
+) -> None:
+    _check_streams_after_a_burst(tiny_model_dir, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_streams_a_burst_left_out_decode_behind_it_on_the_gpu(tiny_model_dir, monkeypatch):
+    # The same through CUDA graphs (the decode graph's leading ids from the device) and mixed steps.
+    _check_streams_after_a_burst(
+        tiny_model_dir, monkeypatch, device="cuda", dtype="float32", block_size=16
+    )
 
 
 def test_a_prompt_chunked_beside_the_decodes_is_queued_behind(tiny_model_dir, monkeypatch):

@@ -296,14 +296,47 @@ def test_a_bursts_next_step_is_scheduled_behind_the_one_in_flight() -> None:
     assert [q.num_computed_tokens for q in queued] == [20, 20, 20, 4]
 
 
-def test_no_step_behind_a_burst_step_that_ends_the_burst() -> None:
+def _run_to_host(s: Scheduler, *batches) -> None:
+    """Postprocess `batches` in order, as the engine reads them back: token 7 wherever a prompt's
+    last chunk runs or a sequence decodes."""
+    for b in batches:
+        s.postprocess(
+            b,
+            [
+                7 if q.num_computed_tokens + n == len(q) else None
+                for q, n in zip(b.seqs, b.num_new_tokens)
+            ],
+        )
+        s.block_manager.check_invariants(s.seqs)
+
+
+def test_the_step_behind_a_bursts_last_decodes_every_stream() -> None:
     s = make(num_blocks=256, max_num_batched_tokens=32, decode_step_prefill_tokens=8)
-    _burst(s, 2)  # 40 prompt tokens: after the first step 8 are left, and the streams decode
+    streams = _decoding(s, 2)
+    queued = [Sequence(list(range(100 * i + 1, 100 * i + 21)), SamplingParams()) for i in range(2)]
+    for q in queued:
+        s.add(q)  # 40 prompt tokens: after the first step 8 are left, and the streams decode
     batch = s.schedule()
-    assert batch.burst and s.lookahead(batch) is None
+    assert batch.burst and batch.seqs == queued and batch.num_new_tokens == [20, 12]
+    ahead = s.lookahead(batch)
+    # the prompt the burst completes decodes its sampled token (a row), the streams that sat the
+    # burst out decode theirs (the host's), the chunked prompt goes on past its 12 tokens
+    assert ahead is not None and not ahead.burst and ahead.lookahead_rows == [0]
+    assert ahead.seqs == [queued[0], *streams, queued[1]]
+    assert ahead.num_new_tokens == [1, 1, 1, 8] and ahead.in_flight == [0, 0, 0, 12]
+    assert s.burst_steps == 0
+    _run_to_host(s, batch, ahead)
+    assert queued[0].num_output_tokens == 2 and queued[1].num_computed_tokens == 20
+    assert [q.num_output_tokens for q in streams] == [2, 2]
+
+
+def test_no_step_behind_a_burst_step_without_burst_lookahead() -> None:
     s = make(num_blocks=256, max_num_batched_tokens=32, burst_prefill_steps=1)
-    _burst(s, 4)  # the streams may sit out one step only
-    assert s.lookahead(s.schedule()) is None
+    _burst(s, 4)
+    streams = list(s.running)  # the two decoding
+    batch = s.schedule()  # the streams may sit out one step only: they decode in the next
+    ahead = s.lookahead(batch)
+    assert batch.burst and ahead is not None and ahead.seqs[:3] == [batch.seqs[0], *streams]
     s = make(num_blocks=256, max_num_batched_tokens=32, burst_lookahead=False)
     _burst(s, 4)
     assert s.lookahead(s.schedule()) is None
