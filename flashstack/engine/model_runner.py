@@ -267,9 +267,13 @@ class ModelRunner:
         if after is not None:
             assert rows is not None, "a step queued behind another comes from Scheduler.lookahead"
         if after is not None and rows:  # none: prompt chunks only, no input waits for `after`
+            picks = rows
+            if after.rows is not None:  # a token row per sequence `after` sampled, in its order
+                index = {row: i for i, row in enumerate(after.rows)}
+                picks = [index[row] for row in rows]
             ids_from = after.tokens
-            if len(rows) != len(after.batch.seqs):
-                ids_from = after.tokens[self._tensor(rows, torch.int64)]
+            if len(picks) != after.tokens.shape[0]:  # ascending: the same length, every row
+                ids_from = after.tokens[self._tensor(picks, torch.int64)]
             ahead = [after.batch.num_new_tokens[r] for r in rows]
         seqs = batch.seqs
         params = [s.params for s in seqs]

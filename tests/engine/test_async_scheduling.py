@@ -285,6 +285,19 @@ def _burst_logs(model_dir, **kw) -> list:
     ]
 
 
+def test_a_one_token_prompt_admitted_behind_a_chunk_takes_its_own_token(tiny_model_dir) -> None:
+    # A long prompt chunked beside the streams spends the step's prompt budget; a one-token
+    # prompt still fits and samples, after that chunk, which samples nothing. The step queued
+    # behind takes each row's token from the sampled rows only, not by batch position.
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    arrivals = {0: [(PROMPTS[0], greedy), (PROMPTS[1], greedy)]}
+    arrivals[3] = [(PROMPTS[2] * 3, greedy), ([5], greedy)]
+    kw = {"max_num_batched_tokens": 32, "decode_step_prefill_tokens": 6}
+    logs = [_staggered(_llm(tiny_model_dir, flag, **kw).engine, arrivals) for flag in (False, True)]
+    assert logs[0] == logs[1]
+    assert len(logs[1][0]["at3.1"]) == 12
+
+
 def _check_streams_after_a_burst(model_dir, monkeypatch, **kw) -> None:
     # The step after a burst's last is queued behind it: the prompts it completes decode their
     # sampled tokens (taken on the device), the streams that sat the burst out decode the
