@@ -68,14 +68,6 @@ class KernelOptions:
     # the shortest fill the last wave (a batch of mixed lengths). nano-vllm's throughput workload
     # on the H200 (Qwen3-0.6B shape, two runs each, interleaved): 6.11 / 6.12 -> 5.97 / 6.04 s.
     decode_longest_first: bool = True
-    # Decode graphs of at least this many rows run the step as two micro-batches, each half's
-    # layers on a stream of its own and every attention on one shared stream (engine/overlap.py):
-    # one half's products run while the other half's attention reads the KV cache, at the cost
-    # of reading the weights twice. 0: never.
-    decode_overlap_rows: int = 0
-    # The halves' streams at the device's highest priority, attention's at its lowest, so that
-    # a product's blocks take the SMs an attention's programs leave first.
-    decode_overlap_priority: int = 1
     # Decode launches of 128 or more (sequence, KV head) pairs over a 16-bit cache read 64-token
     # tiles three stages deep through the TMA (kernels/triton_attention.deep_tma_launch): one layer
     # over 208 mixed-length sequences on the H200 231 -> 217 µs; 64-128 sequences all of one
@@ -220,11 +212,6 @@ class KernelOptions:
             raise ValueError(
                 "kernels.decode_preload_rows must be 0 (no launch preloads) or more, got "
                 f"{self.decode_preload_rows}"
-            )
-        if self.decode_overlap_rows < 0:
-            raise ValueError(
-                "kernels.decode_overlap_rows must be 0 (never) or more, got "
-                f"{self.decode_overlap_rows}"
             )
         if self.decode_qkv_rows < 1:
             raise ValueError(

@@ -26,9 +26,7 @@ import torch
 
 from flashstack.cuda.graph_edges import open_at_launch_completion
 from flashstack.engine.kernels.attention import AttentionMetadata
-from flashstack.engine.models.llama import DecoderModel
 from flashstack.engine.models.ops import Ops
-from flashstack.engine.overlap import OverlapStreams, overlapped_hidden, split_decode
 from flashstack.engine.staging import to_device
 from flashstack.engine.step import ShareInputs, StepHook
 
@@ -109,10 +107,6 @@ class DecodeGraphs:
         # launch completion, by key (a graph without PDL launches has none to move)
         self.launch_edges = ops.kernels.pdl_on_launch_completion
         self.opened_edges: dict[int, int] = {}
-        # KernelOptions.decode_overlap_rows: buckets of at least this many rows run as two
-        # micro-batches (engine/overlap.py); 0: none
-        self.overlap_rows = ops.kernels.decode_overlap_rows
-        self.overlap_streams: OverlapStreams | None = None
         self.pool = None
         # rank 0 of a tensor-parallel group announces the step
         self.before_replay: StepHook | None = None
@@ -163,24 +157,9 @@ class DecodeGraphs:
         self.context_lens[:bs].copy_(v.context_lens)
         self.block_tables[:bs].copy_(v.block_tables)
         meta = self._meta(bs, v.slot_mapping, max_context_len)
-        if self._overlaps(bs):
-            if self.overlap_streams is None:
-                priority = self.ops.kernels.decode_overlap_priority
-                self.overlap_streams = OverlapStreams(self.device, priority)
-            halves = split_decode(v.input_ids, v.positions, meta, bs // 2)
-            hidden = overlapped_hidden(
-                self.model.model, halves, self.kv_caches, self.ops, self.overlap_streams
-            )
-        else:
-            hidden = self.model(v.input_ids, v.positions, meta, self.kv_caches, self.ops)
+        hidden = self.model(v.input_ids, v.positions, meta, self.kv_caches, self.ops)
         # None on ranks other than a group's rank 0
         return self.model.compute_logits(hidden, self.ops)
-
-    def _overlaps(self, bs: int) -> bool:
-        # one GPU only: a tensor-parallel rank's collectives keep one order on one stream
-        rows = self.overlap_rows
-        decoder = isinstance(getattr(self.model, "model", None), DecoderModel)
-        return rows > 0 and bs >= max(rows, 2) and self.share_inputs is None and decoder
 
     def _tokens(self, bs: int, logits: torch.Tensor | None) -> torch.Tensor | None:
         if logits is None or not self.tokens_in_graph:

@@ -43,8 +43,6 @@ class KernelSwitches(BaseModel):
     elementwise_pdl: bool | None = None
     pdl_on_launch_completion: bool | None = None
     decode_longest_first: bool | None = None
-    decode_overlap_rows: int | None = Field(None, ge=0)
-    decode_overlap_priority: bool | None = None
     decode_deep_tma: bool | None = None
     decode_wave_tma: bool | None = None
     decode_splits: int | None = Field(None, ge=0)

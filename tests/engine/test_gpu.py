@@ -237,29 +237,6 @@ def test_launch_completion_edges_keep_transformers_tokens(family: str, hf_checkp
     assert run_checked(llm, prompts, greedy(12)) == refs
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_overlapped_decode_graphs_keep_transformers_tokens(family: str, hf_checkpoints) -> None:
-    """kernels.decode_overlap_rows: graphs of 16 rows and more run each step as two halves on
-    streams of their own, every attention on a third (engine/overlap.py); 40 rows a step (cuBLAS's
-    products, their edges at launch completion), and the greedy tokens still transformers'."""
-    path, model = hf_checkpoints[family]
-    prompts = [list(range(10 + i, 14 + i + i % 7)) for i in range(40)]
-    refs = [hf_greedy(model, p, 12) for p in prompts]
-    llm = LLM(
-        path,
-        block_size=16,
-        device="cuda",
-        dtype="float32",
-        show_progress=False,
-        max_num_seqs=40,
-        kernels={"decode_overlap_rows": 16},
-    )
-    graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs.overlap_streams is not None
-    assert graphs._overlaps(40) and not graphs._overlaps(8)
-    assert run_checked(llm, prompts, greedy(12)) == refs
-
-
 def test_cuda_preemption_under_memory_pressure_matches(hf_checkpoints) -> None:
     path, model = hf_checkpoints["qwen3"]
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
