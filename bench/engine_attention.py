@@ -56,6 +56,15 @@ FP8_LAUNCHES = {
     "pairs x2 splits": {"fp8_pairs": True, "unmasked_v": True, "splits_factor": 2},
     "pairs x3 splits": {"fp8_pairs": True, "unmasked_v": True, "splits_factor": 3},
     "pairs bn64": {"fp8_pairs": True, "unmasked_v": True, "block_n": 64},
+    # fewer, longer tiles: a tile loop's fixed chain (the row maximum, the rescale) over twice
+    # the tokens, one program an SM
+    "pairs bn256": {"fp8_pairs": True, "unmasked_v": True, "block_n": 256},
+    "pairs bn256 half splits": {
+        "fp8_pairs": True,
+        "unmasked_v": True,
+        "block_n": 256,
+        "splits_factor": 0.5,
+    },
     "pairs bn64 x2 splits": {
         "fp8_pairs": True,
         "unmasked_v": True,

@@ -34,7 +34,7 @@ def decode_kernel_bandwidth(
     grid_context: int | None = None,
     calls_per_graph: int = 10,
     kv_dtype: str = "bf16",
-    splits_factor: int | None = None,
+    splits_factor: float | None = None,
     contexts: list[int] | None = None,
     **launch,
 ) -> dict:
@@ -44,8 +44,9 @@ def decode_kernel_bandwidth(
     `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
     goes to plan_decode (num_splits, min_split, block_n, num_warps, num_stages, tma).
     `kv_dtype="fp8"`: the cache in float8_e4m3fn with its scales; `splits_factor` multiplies the
-    planned splits. `contexts`: each sequence's own length (a batch of mixed lengths, `batch` and
-    `context` then unused); `longest_first` in `launch` orders the programs as the engine does."""
+    planned splits (at least one). `contexts`: each sequence's own length (a batch of mixed
+    lengths, `batch` and `context` then unused); `longest_first` in `launch` orders the programs
+    as the engine does."""
     from flashstack.engine.kernels.triton_attention import (
         decode_order,
         paged_decode_triton,
@@ -72,7 +73,7 @@ def decode_kernel_bandwidth(
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
     plan = plan_decode(batch, cache, grid_context or context, **launch)
     if splits_factor:
-        splits = plan.num_splits * splits_factor
+        splits = max(1, round(plan.num_splits * splits_factor))
         plan = plan_decode(batch, cache, grid_context or context, num_splits=splits, **launch)
     order = decode_order(lens) if plan.longest_first else None
     run = lambda: paged_decode_triton(  # noqa: E731
