@@ -18,7 +18,9 @@ def test_a_chain_is_stored_per_key(gw, key_a, key_b, upstreams):
         two = s.get_final_response()
     three = alice.responses.create(model="gpt", input="third", previous_response_id=two.id)
     assert three.output_text == "echo: third"
-    sent = upstreams["openai"].requests[-1].body["messages"]
+    # the last chat request: the gateway's health probes (GET /v1/models) may come after it
+    chats = [r for r in upstreams["openai"].requests if r.path == "/v1/chat/completions"]
+    sent = chats[-1].body["messages"]
     assert [m["content"] for m in sent] == [
         "first",
         "echo: first",
