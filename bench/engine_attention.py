@@ -98,6 +98,7 @@ MIXED = {"batch": 208, "lengths": (100, 2000), "heads": 16, "kv_heads": 8, "grid
 MIXED_LAUNCHES = {
     "grid order": {},
     "longest first (the engine's)": {"longest_first": True},
+    "longest first, sequences first": {"longest_first": True, "heads_first": False},
     "longest first, two stages (decode_deep_tma off)": {"longest_first": True, "deep": False},
     "longest first, 128-token tiles": {"longest_first": True, "block_n": 128},
     "longest first, 2 splits of >= 512": {"longest_first": True, "num_splits": 2, "min_split": 512},

@@ -42,11 +42,13 @@ def decode_kernel_bandwidth(
     cache. The graph replays `calls_per_graph` launches back to back, as a decode step's graph runs
     its layers, so a graph launch is not counted against each call (`calls_per_graph=1` counts it).
     `grid_context` sizes the grid as a captured graph does (the engine's max_model_len); `launch`
-    goes to plan_decode (num_splits, min_split, block_n, num_warps, num_stages, tma).
+    goes to plan_decode (num_splits, min_split, block_n, num_warps, num_stages, tma; heads_first
+    as the engine's KernelOptions unless given).
     `kv_dtype="fp8"`: the cache in float8_e4m3fn with its scales; `splits_factor` multiplies the
     planned splits (at least one). `contexts`: each sequence's own length (a batch of mixed
     lengths, `batch` and `context` then unused); `longest_first` in `launch` orders the programs
     as the engine does."""
+    from flashstack.engine.config import KernelOptions
     from flashstack.engine.kernels.triton_attention import (
         decode_order,
         paged_decode_triton,
@@ -54,6 +56,7 @@ def decode_kernel_bandwidth(
     )
     from flashstack.engine.quantization import FP8, quantize_fp8
 
+    launch.setdefault("heads_first", KernelOptions().decode_heads_first)
     if contexts is None:
         contexts = [context] * batch
     batch, context = len(contexts), max(contexts)

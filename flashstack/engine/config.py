@@ -142,6 +142,15 @@ class KernelOptions:
     # engine_small.py --variants default,nopreload); the 8B's batch 8 / 32 with 32 level to 0.3 %
     # slower (bench/engine_decode.py --gemv triton,preload32).
     decode_preload_rows: int = 1
+    # Decode attention's grid puts the KV heads first, (kv_heads, batch, splits), not the
+    # sequences: programs start in grid order, and a cache row holds every KV head's values of a
+    # token, so one sequence's heads starting together read whole rows between them, where one
+    # head's programs over many sequences each read a slice of every row. It matters where the
+    # programs take several waves. One layer on the H100, sequences first -> heads first: the
+    # 8B's heads over 128 mixed contexts 185 -> 173 µs, nano-vllm's 208 mixed 316 -> 311 µs, the
+    # 8B at batch 128 103.7 -> 102.3 µs, one wave (batch 32) level; the 8B's batch-128 step 9.19
+    # -> 9.16 ms, nano-vllm's workload level (docs/benchmarks.md, "Decode attention launch").
+    decode_heads_first: bool = True
     # Decode graphs draw the tokens themselves where every row is greedy or sampled at a
     # temperature alone (no top-k/p, min-p or seed): the inverse-CDF sampler (kernels/
     # triton_sampling.py) reads the temperatures and the seed from the step's staged inputs, in

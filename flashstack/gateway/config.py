@@ -54,6 +54,7 @@ class KernelSwitches(BaseModel):
     decode_fp8_qk: bool | None = None
     decode_fp8_pairs: bool | None = None
     decode_preload_rows: int | None = Field(None, ge=0)
+    decode_heads_first: bool | None = None
     sample_in_graph: bool | None = None
     persistent_decoder: bool | None = None
     persistent_decoder_programs_per_sm: int | None = Field(None, ge=1)

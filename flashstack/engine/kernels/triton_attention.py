@@ -402,8 +402,16 @@ def _decode_kernel(
     FP8_PAIRS: tl.constexpr = False,
     FP8_ASM: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False,
 ):
-    hkv = tl.program_id(1)
+    # HEADS_FIRST: the grid is (kv_heads, batch, splits), so the programs that start together
+    # are one sequence's KV heads, whose tiles interleave in the cache's rows (see DecodePlan)
+    if HEADS_FIRST:
+        seq_pid = tl.program_id(1)
+        hkv = tl.program_id(0)
+    else:
+        seq_pid = tl.program_id(0)
+        hkv = tl.program_id(1)
     split = tl.program_id(2)
     if FP8:  # the layer's scales: fixed for the engine's life, safe before the wait
         k_scale = tl.load(kvs_ptr)
@@ -418,10 +426,10 @@ def _decode_kernel(
         # after the wait), by the time of the others' long done (ORDER_READY: before it).
         if not ORDER_READY:
             wait_for_previous_kernel(USE_PDL)
-        b = tl.load(order_ptr + tl.program_id(0))
+        b = tl.load(order_ptr + seq_pid)
         ctx = tl.load(ctx_ptr + b)
     else:
-        b = tl.program_id(0)
+        b = seq_pid
         # a step input, written before the forward pass: safe before the wait
         ctx = tl.load(ctx_ptr + b)
     # This sequence's own share per split (whole tiles, at least `min_split` tokens), not the
@@ -877,6 +885,11 @@ class DecodePlan:
     # a split's first K and V tiles fetched before the PDL wait where the new token's k/v come
     # from registers (KernelOptions.decode_preload_rows; a 16-bit cache's TMA tiles)
     preload: bool = False
+    # the grid's first axis the KV heads, not the sequences (KernelOptions.decode_heads_first):
+    # a cache row holds every KV head's values of a token, so one sequence's heads, started
+    # together, read whole rows between them, where the sequences' programs of one head each
+    # read a slice of every row
+    heads_first: bool = False
 
 
 def plan_decode(
@@ -899,6 +912,7 @@ def plan_decode(
     idle_exit: bool = False,
     fp8_pairs: bool = False,
     preload: bool = False,
+    heads_first: bool = False,
 ) -> DecodePlan:
     """The launch for `batch` sequences of contexts up to `max_context_len` over `kv_cache`.
 
@@ -912,7 +926,8 @@ def plan_decode(
     a sequence's context return first thing (KernelOptions.decode_idle_exit). `fp8_pairs`: an fp8
     cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`).
     `preload`: a 16-bit cache's TMA split fetches its first K and V tiles before the PDL wait
-    when the kernel takes the new token from registers (KernelOptions.decode_preload_rows). The
+    when the kernel takes the new token from registers (KernelOptions.decode_preload_rows).
+    `heads_first`: the grid's first axis the KV heads (KernelOptions.decode_heads_first). The
     other arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
@@ -965,6 +980,7 @@ def plan_decode(
         idle_exit and num_splits > 1,
         pairs and tma,
         preload and tma and not fp8,
+        heads_first,
     )
 
 
@@ -1069,7 +1085,8 @@ def paged_decode_triton(
             rows = rows.view(torch.int16)
         width = rows.shape[-1]
         desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, 1, width])
-    _decode_kernel[(batch, kv_heads, num_splits)](
+    grid = (kv_heads, batch, num_splits) if plan.heads_first else (batch, kv_heads, num_splits)
+    _decode_kernel[grid](
         q,
         k,
         v,
@@ -1133,6 +1150,7 @@ def paged_decode_triton(
         FP8_ASM=plan.fp8_pairs and not triton.knobs.runtime.interpret and _kv_dot(q) == tl.float16,
         # the sequence known before the wait (no order, or one an earlier layer made)
         PRELOAD=plan.preload and new is not None and (order is None or order_ready),
+        HEADS_FIRST=plan.heads_first,
         launch_pdl=plan.pdl,
         **{
             k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None
@@ -1506,6 +1524,7 @@ def plan_step_decode(
         idle_exit=kernels.decode_idle_exit,
         fp8_pairs=kernels.decode_fp8_pairs,
         preload=meta.num_seqs <= kernels.decode_preload_rows,
+        heads_first=kernels.decode_heads_first,
     )
 
 
@@ -1555,6 +1574,7 @@ def _mixed_in_graph(
             idle_exit=kernels.decode_idle_exit,
             fp8_pairs=kernels.decode_fp8_pairs,
             preload=rows <= kernels.decode_preload_rows,
+            heads_first=kernels.decode_heads_first,
         )
         order, ready = step_order(meta, lens, plan)
         paged_decode_triton(

@@ -232,6 +232,33 @@ def test_first_tile_fetched_before_the_wait_changes_nothing(
     )
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("new_tokens", [False, True])
+def test_heads_first_grid_changes_nothing(device, window, new_tokens):
+    """KernelOptions.decode_heads_first: the grid (kv_heads, batch, splits) reads and writes every
+    (sequence, KV head) pair's own rows, stores the new tokens and merges the splits as the
+    sequence-first grid does: the reference's answer, through TMA tiles."""
+    _check_tma_decode(device, window, new_tokens, 32, 16, 3, float("nan"), heads_first=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_heads_first_grid_longest_first_and_plain_loads(device, num_splits, monkeypatch):
+    """The heads-first grid over plain loads, its sequences started longest context first: the
+    order indexes the grid's second axis."""
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 4)  # several waves of programs
+    torch.manual_seed(4)
+    dtype, bs, heads, kv_heads, dim, ctx = DTYPES[0], 16, 8, 4, 64, [7, 90, 33, 150, 1]
+    cache = _cache(sum(math.ceil(c / bs) for c in ctx) + 1, bs, kv_heads, dim, dtype, device)
+    tables = _tables(ctx, bs, cache.shape[0], device)
+    meta = _meta([1] * len(ctx), ctx, tables, bs, device)
+    q = torch.randn(len(ctx), heads, dim, dtype=dtype, device=device)
+    launch = {"tma": False, "num_splits": num_splits, "longest_first": True, "heads_first": True}
+    plan = tk.plan_decode(len(ctx), cache, max(ctx), **launch)
+    assert plan.heads_first and plan.longest_first
+    got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
+    torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
+
+
 def test_idle_splits_leaving_first_through_plain_loads(device):
     torch.manual_seed(3)
     dtype, bs, heads, kv_heads, dim, ctx = DTYPES[0], 16, 8, 2, 64, [3, 90, 20]
@@ -256,6 +283,7 @@ def _check_tma_decode(
     unmasked_v=False,
     idle_exit=False,
     preload=False,
+    heads_first=False,
 ):
     torch.manual_seed(5)
     dtype, heads, kv_heads, dim = DTYPES[0], 8, 2, 64
@@ -269,9 +297,16 @@ def _check_tma_decode(
     meta = _meta([1] * len(ctx), ctx, tables, block_size, device)
     scale = dim**-0.5
     launch = {"num_splits": splits, "block_n": block_n, "min_split": block_n, "tma": True}
-    launch.update(unmasked_v=unmasked_v, idle_exit=idle_exit, preload=preload)
+    launch.update(
+        unmasked_v=unmasked_v, idle_exit=idle_exit, preload=preload, heads_first=heads_first
+    )
     plan = tk.plan_decode(len(ctx), cache, max(ctx), **launch)
-    assert (plan.unmasked_v, plan.idle_exit, plan.preload) == (unmasked_v, idle_exit, preload)
+    assert (plan.unmasked_v, plan.idle_exit, plan.preload, plan.heads_first) == (
+        unmasked_v,
+        idle_exit,
+        preload,
+        heads_first,
+    )
     if new_tokens:  # the new token comes from registers; its slot is stored by the kernel
         from flashstack.engine.models.layers import RotaryEmbedding, apply_rotary
 
