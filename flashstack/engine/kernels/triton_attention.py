@@ -892,6 +892,11 @@ class DecodePlan:
     heads_first: bool = False
 
 
+# A CUDA grid's second axis holds at most this many programs: a heads-first grid of more
+# sequences keeps them on the first axis.
+GRID_Y_MAX = 65535
+
+
 def plan_decode(
     batch: int,
     kv_cache: torch.Tensor,
@@ -927,7 +932,8 @@ def plan_decode(
     cache's TMA tiles as 16-bit words (KernelOptions.decode_fp8_pairs; not with `qk_fp8`).
     `preload`: a 16-bit cache's TMA split fetches its first K and V tiles before the PDL wait
     when the kernel takes the new token from registers (KernelOptions.decode_preload_rows).
-    `heads_first`: the grid's first axis the KV heads (KernelOptions.decode_heads_first). The
+    `heads_first`: the grid's first axis the KV heads (KernelOptions.decode_heads_first), up to
+    GRID_Y_MAX sequences. The
     other arguments override the measured defaults (benchmarks and tests)."""
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     short = short_decode(batch, max_context_len)
@@ -980,7 +986,7 @@ def plan_decode(
         idle_exit and num_splits > 1,
         pairs and tma,
         preload and tma and not fp8,
-        heads_first,
+        heads_first and batch <= GRID_Y_MAX,
     )
 
 

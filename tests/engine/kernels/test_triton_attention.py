@@ -257,6 +257,8 @@ def test_heads_first_grid_longest_first_and_plain_loads(device, num_splits, monk
     assert plan.heads_first and plan.longest_first
     got = tk.paged_decode_triton(q, cache, tables, meta.context_lens, 0.125, plan)
     torch.testing.assert_close(got, paged_attention_reference(q, cache, meta, 0.125), **_tol(dtype))
+    # more sequences than a grid's second axis holds stay on its first
+    assert not tk.plan_decode(tk.GRID_Y_MAX + 1, cache, max(ctx), **launch).heads_first
 
 
 def test_idle_splits_leaving_first_through_plain_loads(device):
