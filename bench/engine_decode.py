@@ -350,7 +350,9 @@ def main() -> None:
         "kernels.gate_up_swiglu=False), splits1 (decode attention in one split a sequence, no "
         "merge: kernels.decode_splits=1), nolc (a PDL kernel behind a cuBLAS product launches "
         "once the product's blocks have exited: kernels.pdl_on_launch_completion=False), "
-        "seqfirst (decode attention's grid sequences first: kernels.decode_heads_first=False)",
+        "seqfirst (decode attention's grid sequences first: kernels.decode_heads_first=False), "
+        "fetch (each graph fetches its inputs from pinned host slots: "
+        "kernels.graph_fetches_inputs=True)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -461,6 +463,7 @@ def main() -> None:
         "nolc": {"pdl_on_launch_completion": False},
         "splits1": {"decode_splits": 1},
         "seqfirst": {"decode_heads_first": False},
+        "fetch": {"graph_fetches_inputs": True},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

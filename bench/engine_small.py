@@ -317,7 +317,8 @@ def main() -> None:
         "wait: kernels.gemv_l2_prefetch_bytes), nopreload (decode attention's splits fetch their "
         "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0), "
         "noskinnysmall (products of 2-32 rows on cuBLAS, not the skinny GEMM: "
-        "kernels.skinny_small_weights=False)",
+        "kernels.skinny_small_weights=False), fetch (each graph fetches its inputs from pinned "
+        "host slots: kernels.graph_fetches_inputs=True)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -360,6 +361,7 @@ def main() -> None:
         "l2pf64": {"gemv_l2_prefetch_bytes": 64 << 20},
         "nopreload": {"decode_preload_rows": 0},
         "noskinnysmall": {"skinny_small_weights": False},
+        "fetch": {"graph_fetches_inputs": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

@@ -4,7 +4,11 @@ A captured graph replays the whole forward pass (and the logits) with one launch
 a step no longer depends on the model's depth. A step's inputs travel as one packed int64 tensor
 (ids, positions, slots, context lengths, block-table rows, then the sampler's temperatures and
 seed: `bucket * (5 + width) + 1` values): one asynchronous copy from a pooled pinned block
-(engine/staging.py), and under tensor parallelism one broadcast to the other ranks. Each bucket's
+(engine/staging.py), and under tensor parallelism one broadcast to the other ranks. With
+KernelOptions.graph_fetches_inputs (one GPU) the graph's first kernel reads them from a ring of
+pinned slots instead, and the previous step's tokens from where the graph before wrote them
+(engine/input_ring.py, kernels/triton_step_inputs.py): nothing is queued between two replays but
+the tokens' copy to the host. Each bucket's
 graph reads the packed buffer in its own layout and converts the two int32 inputs of the attention
 kernels itself. Padded rows write nothing (slot -1), read one harmless slot (context length 1) and
 are greedy.
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from flashstack.cuda.graph_edges import open_at_launch_completion
+from flashstack.engine.input_ring import InputRing
 from flashstack.engine.kernels.attention import AttentionMetadata
 from flashstack.engine.models.ops import Ops
 from flashstack.engine.staging import to_device
@@ -69,6 +74,7 @@ class DecodeGraphs:
         max_model_len: int,
         max_num_seqs: int,
         device: torch.device,
+        fetch_inputs: bool = False,
     ) -> None:
         self.model, self.kv_caches, self.ops = model, kv_caches, ops
         backend = ops.backend
@@ -81,6 +87,11 @@ class DecodeGraphs:
             dtype=torch.int64,
             device=device,
         )
+        # fetch_inputs: each graph's first kernel takes its inputs from `ring`, and the tokens of
+        # every graph go to `last_tokens`, where the next step's ids are read
+        self.ring = InputRing(self.packed.numel(), device) if fetch_inputs else None
+        self._slot = 0  # the ring slot the last `stage` wrote
+        self.last_tokens = torch.zeros(top, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
@@ -151,6 +162,13 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int, max_context_len: int) -> torch.Tensor | None:
+        if self.ring is not None:
+            from flashstack.engine.kernels.triton_step_inputs import fetch_step_inputs
+
+            ring = self.ring
+            fetch_step_inputs(
+                ring.host, ring.state, self.packed, self.last_tokens, self.packed_size(bs), bs
+            )
         if self.share_inputs is not None:
             self.share_inputs(self.packed[: self.packed_size(bs)])
         v = self._views(bs)
@@ -166,10 +184,11 @@ class DecodeGraphs:
             return None
         from flashstack.engine.kernels.triton_sampling import argmax_triton, sample_triton
 
+        out = self.last_tokens[:bs] if self.ring is not None else None
         if not self.sample_in_graph:
-            return argmax_triton(logits)
+            return argmax_triton(logits, out)
         v = self._views(bs)
-        return sample_triton(logits, v.temperatures, v.seed)
+        return sample_triton(logits, v.temperatures, v.seed, out=out)
 
     def _pad(self, bs: int) -> None:
         """Fill bucket `bs`'s inputs with padding rows (what warm-up and capture run on)."""
@@ -247,6 +266,9 @@ class DecodeGraphs:
         Both are the graph's own memory, valid until its next replay: what reads them must be
         queued before that. `ids_from`, a device tensor [k], replaces the first k `input_ids`
         (the previous step's samples, never read back)."""
+        if ids_from is not None and self.ring is not None:
+            input_ids = self._ids_from_last_tokens(input_ids, ids_from)
+            ids_from = None
         bs = self.stage(
             input_ids, positions, slot_mapping, block_tables, context_lens, temperatures, seed
         )
@@ -256,6 +278,8 @@ class DecodeGraphs:
         if self.before_replay is not None:
             self.before_replay(key, self.packed[: self.packed_size(bs)])
         self.graphs[key].replay()
+        if self.ring is not None:
+            self.ring.queued(self._slot)
         logits, tokens = self.logits[key], self.tokens[key]
         assert logits is not None, "only the rank that samples replays through run()"
         n = len(input_ids)
@@ -271,8 +295,9 @@ class DecodeGraphs:
         temperatures: list[float] | None = None,
         seed: int = 0,
     ) -> int:
-        """Pack one step's inputs, padded to its bucket, into `packed`; returns the bucket.
-        Without `temperatures` every row is greedy."""
+        """Pack one step's inputs, padded to its bucket, into `packed` (with a ring: into its
+        next slot, which the next replay takes); returns the bucket. Without `temperatures` every
+        row is greedy. An input id -1 - j (a ring only): row j of the tokens the last graph took."""
         n = len(input_ids)
         bs = self.bucket_for(n)
         pad, width = bs - n, self.width
@@ -287,8 +312,20 @@ class DecodeGraphs:
         values += float32_bits(temperatures) if temperatures else [0] * n
         values += [0] * pad
         values.append(seed)
-        to_device(values, torch.int64, self.device, out=self.packed)
+        if self.ring is not None:
+            self._slot = self.ring.write(values)
+        else:
+            to_device(values, torch.int64, self.device, out=self.packed)
         return bs
+
+    def _ids_from_last_tokens(self, input_ids: list[int], ids_from: torch.Tensor) -> list[int]:
+        """`input_ids` with its first k ids (k = len(ids_from)) as references to the last graph's
+        tokens, which the next graph reads on the device. Tokens from anywhere else (a gather of
+        some rows, an eager step's sampler) are copied there first."""
+        k = ids_from.shape[0]
+        if ids_from.data_ptr() != self.last_tokens.data_ptr() or not ids_from.is_contiguous():
+            self.last_tokens[:k].copy_(ids_from)
+        return [-1 - j for j in range(k)] + list(input_ids[k:])
 
     def replay_received(self, key: int) -> None:
         """Replay graph `key` (rank 0's choice) on inputs another rank has just written into

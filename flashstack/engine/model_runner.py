@@ -132,6 +132,9 @@ class ModelRunner:
             max_model_len,
             self.config.max_num_seqs,
             self.device,
+            # a group's ranks take rank 0's inputs (share_inputs, or NCCL before each replay)
+            fetch_inputs=self.config.kernels.graph_fetches_inputs
+            and self.config.tensor_parallel_size == 1,
         )
         self.graphs.share_inputs = share_inputs
         self.graphs.capture(on_bucket)

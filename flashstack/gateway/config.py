@@ -56,6 +56,7 @@ class KernelSwitches(BaseModel):
     decode_preload_rows: int | None = Field(None, ge=0)
     decode_heads_first: bool | None = None
     sample_in_graph: bool | None = None
+    graph_fetches_inputs: bool | None = None
     persistent_decoder: bool | None = None
     persistent_decoder_programs_per_sm: int | None = Field(None, ge=1)
     persistent_decoder_warps: Literal[1, 2, 4, 8, 16] | None = None

@@ -129,24 +129,30 @@ def sample_triton(
     temperatures: torch.Tensor,
     seed: int | torch.Tensor,
     chunk: int = _CHUNK,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] (any float dtype), drawn from softmax(logits / T)
     with T = `temperatures` [n] (0: the row's first maximum; int64: float32 bit patterns); `seed`
     picks the draws (a one-element int64 device tensor: read when the kernel runs, as a CUDA
-    graph replays it). Returns int64 [n] on the device. `chunk`: entries a program reads (a power
-    of two)."""
+    graph replays it). Returns int64 [n] on the device (`out` when given). `chunk`: entries a
+    program reads (a power of two)."""
     if temperatures.dtype != torch.int64:
         temperatures = temperatures.float()
-    return _launch(logits, temperatures.contiguous(), seed, chunk)
+    return _launch(logits, temperatures.contiguous(), seed, chunk, out)
 
 
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum, as torch.argmax(logits, -1) gives it (int64 [n], on the device)."""
-    return _launch(logits, None, 0, _CHUNK)
+def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's first maximum, as torch.argmax(logits, -1) gives it (int64 [n], on the device;
+    `out` when given)."""
+    return _launch(logits, None, 0, _CHUNK, out)
 
 
 def _launch(
-    logits: torch.Tensor, temps: torch.Tensor | None, seed: int | torch.Tensor, chunk: int
+    logits: torch.Tensor,
+    temps: torch.Tensor | None,
+    seed: int | torch.Tensor,
+    chunk: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # temps None: every row greedy, no temperatures read and no sums taken
     n, vocab = logits.shape
@@ -155,7 +161,8 @@ def _launch(
     num_chunks = triton.cdiv(vocab, chunk)
     tops = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     args = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
-    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+    tokens = torch.empty(n, dtype=torch.int64, device=logits.device) if out is None else out
+    assert tokens.shape == (n,) and tokens.dtype == torch.int64 and tokens.is_contiguous()
     greedy = temps is None
     # a greedy launch reads no temperatures and writes no sums: any tensor fills those slots
     sums = tops if greedy else torch.empty_like(tops)
