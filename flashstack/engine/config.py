@@ -158,11 +158,12 @@ class KernelOptions:
     # nano-vllm's workload on the H100 (7.31 -> 7.28 s, within two runs' spread), so off.
     sample_in_graph: bool = False
     # A decode graph's first kernel reads the step's packed inputs from a ring of pinned host
-    # slots, and the previous step's tokens from where the graph before wrote them (engine/
-    # input_ring.py, kernels/triton_step_inputs.py), where otherwise a copy from the host and a
-    # copy of the tokens run on the stream between two replays (~11 and ~5 µs of device time a
-    # step on the H100, bench/engine_step_ops.py). One GPU only: a tensor-parallel group's ranks
-    # take rank 0's inputs. Not measured in a decode step yet, so off.
+    # slots, and the previous step's tokens from where the graph before wrote them; the graph's
+    # sampler writes the tokens into the ring for the host (engine/input_ring.py, kernels/
+    # triton_step_inputs.py). Otherwise a copy from the host, a copy of the tokens into the
+    # inputs and a copy back run on the stream between two replays (~11, ~5 and ~5 µs of device
+    # time a step on the H100, bench/engine_step_ops.py). One GPU only: a tensor-parallel
+    # group's ranks take rank 0's inputs. Not measured in a decode step yet, so off.
     graph_fetches_inputs: bool = False
     # A batch-1 step's decoder layers as one persistent kernel (kernels/triton_decoder.py): no
     # kernel boundary inside the stack, each stage's weights streaming while the stage before

@@ -6,9 +6,9 @@ a step no longer depends on the model's depth. A step's inputs travel as one pac
 seed: `bucket * (5 + width) + 1` values): one asynchronous copy from a pooled pinned block
 (engine/staging.py), and under tensor parallelism one broadcast to the other ranks. With
 KernelOptions.graph_fetches_inputs (one GPU) the graph's first kernel reads them from a ring of
-pinned slots instead, and the previous step's tokens from where the graph before wrote them
-(engine/input_ring.py, kernels/triton_step_inputs.py): nothing is queued between two replays but
-the tokens' copy to the host. Each bucket's
+pinned slots instead, and the previous step's tokens from where the graph before wrote them, and
+its sampler writes the tokens into the ring for the host (engine/input_ring.py,
+kernels/triton_step_inputs.py): nothing is queued between two replays. Each bucket's
 graph reads the packed buffer in its own layout and converts the two int32 inputs of the attention
 kernels itself. Padded rows write nothing (slot -1), read one harmless slot (context length 1) and
 are greedy.
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flashstack.cuda.graph_edges import open_at_launch_completion
-from flashstack.engine.input_ring import InputRing
+from flashstack.engine.input_ring import InputRing, TokensRead
 from flashstack.engine.kernels.attention import AttentionMetadata
 from flashstack.engine.models.ops import Ops
 from flashstack.engine.staging import to_device
@@ -89,7 +89,7 @@ class DecodeGraphs:
         )
         # fetch_inputs: each graph's first kernel takes its inputs from `ring`, and the tokens of
         # every graph go to `last_tokens`, where the next step's ids are read
-        self.ring = InputRing(self.packed.numel(), device) if fetch_inputs else None
+        self.ring = InputRing(self.packed.numel(), device, rows=top) if fetch_inputs else None
         self._slot = 0  # the ring slot the last `stage` wrote
         self.last_tokens = torch.zeros(top, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
@@ -184,11 +184,13 @@ class DecodeGraphs:
             return None
         from flashstack.engine.kernels.triton_sampling import argmax_triton, sample_triton
 
-        out = self.last_tokens[:bs] if self.ring is not None else None
+        ring = self.ring
+        out = self.last_tokens[:bs] if ring is not None else None
+        host = (ring.tokens, ring.state) if ring is not None else None
         if not self.sample_in_graph:
-            return argmax_triton(logits, out)
+            return argmax_triton(logits, out, host)
         v = self._views(bs)
-        return sample_triton(logits, v.temperatures, v.seed, out=out)
+        return sample_triton(logits, v.temperatures, v.seed, out=out, host_ring=host)
 
     def _pad(self, bs: int) -> None:
         """Fill bucket `bs`'s inputs with padding rows (what warm-up and capture run on)."""
@@ -317,6 +319,11 @@ class DecodeGraphs:
         else:
             to_device(values, torch.int64, self.device, out=self.packed)
         return bs
+
+    def tokens_read(self, n: int) -> TokensRead | None:
+        """With a ring, the host's read of the last `run`'s n tokens (which the graph's sampler
+        wrote into the ring: no copy back to queue); else None."""
+        return self.ring.tokens_read(n) if self.ring is not None else None
 
     def _ids_from_last_tokens(self, input_ids: list[int], ids_from: torch.Tensor) -> list[int]:
         """`input_ids` with its first k ids (k = len(ids_from)) as references to the last graph's

@@ -32,6 +32,7 @@ from flashstack.engine.swap import SwapSpace
 
 if TYPE_CHECKING:
     from flashstack.cuda.torch_interop import HostCopy
+    from flashstack.engine.input_ring import TokensRead
 
 
 def mixed_graph_tokens(config: EngineConfig) -> int:
@@ -64,7 +65,8 @@ class PendingStep:
 
     batch: ScheduledBatch
     tokens: torch.Tensor  # int64 on the device, a row per sampling sequence: next step's input ids
-    host: HostCopy | None  # the tokens' copy into pinned host memory; None on the CPU
+    # the tokens' copy into pinned host memory (or the graph's own write there); None on the CPU
+    host: HostCopy | TokensRead | None
     # The batch positions the rows of `tokens` belong to, ascending; None: every sequence's.
     rows: list[int] | None = None
 
@@ -286,8 +288,9 @@ class ModelRunner:
             logits, tokens = replayed
             if tokens is not None and (temperatures is not None or all(p.greedy for p in params)):
                 # the graph drew the tokens, or took the argmax of greedy rows (can_launch leaves
-                # no penalties): nothing to launch
-                return PendingStep(batch, tokens, to_host(tokens))
+                # no penalties): nothing to launch; with a ring, the graph wrote them to the host
+                read = self.graphs.tokens_read(len(tokens)) if self.graphs is not None else None
+                return PendingStep(batch, tokens, read or to_host(tokens))
         else:
             logits = self._eager_decode_logits(batch, ids_from, ahead)
         if logits is None:

@@ -81,9 +81,13 @@ def _pick_kernel(
     vocab,
     num_chunks,
     seed,
+    ring_ptr,
+    seq_ptr,
+    ring_stride,
     GREEDY: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNKS: tl.constexpr,
+    RING_SLOTS: tl.constexpr,
 ):
     row = tl.program_id(0)
     inv_t = 0.0 if GREEDY else _inverse_temperature(temp_ptr, row)
@@ -122,6 +126,9 @@ def _pick_kernel(
         # possible entry then
         token = tl.where(hit < vocab, hit, tl.max(tl.where(p > 0, cols, 0), 0))
     tl.store(token_ptr + row, token.to(tl.int64))
+    if RING_SLOTS:  # and into the host's row of this step, over the bus
+        slot = tl.load(seq_ptr) % RING_SLOTS
+        tl.store(ring_ptr + slot * ring_stride + row, token.to(tl.int64))
 
 
 def sample_triton(
@@ -130,21 +137,28 @@ def sample_triton(
     seed: int | torch.Tensor,
     chunk: int = _CHUNK,
     out: torch.Tensor | None = None,
+    host_ring: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] (any float dtype), drawn from softmax(logits / T)
     with T = `temperatures` [n] (0: the row's first maximum; int64: float32 bit patterns); `seed`
     picks the draws (a one-element int64 device tensor: read when the kernel runs, as a CUDA
     graph replays it). Returns int64 [n] on the device (`out` when given). `chunk`: entries a
-    program reads (a power of two)."""
+    program reads (a power of two). `host_ring` (rows [slots, width] int64 in pinned host memory,
+    seq: an int64 device tensor): the tokens also go to row seq[0] % slots, read when the kernel
+    runs (a decode graph's step number: engine/input_ring.py)."""
     if temperatures.dtype != torch.int64:
         temperatures = temperatures.float()
-    return _launch(logits, temperatures.contiguous(), seed, chunk, out)
+    return _launch(logits, temperatures.contiguous(), seed, chunk, out, host_ring)
 
 
-def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_triton(
+    logits: torch.Tensor,
+    out: torch.Tensor | None = None,
+    host_ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Each row's first maximum, as torch.argmax(logits, -1) gives it (int64 [n], on the device;
-    `out` when given)."""
-    return _launch(logits, None, 0, _CHUNK, out)
+    `out` when given; `host_ring` as `sample_triton`'s)."""
+    return _launch(logits, None, 0, _CHUNK, out, host_ring)
 
 
 def _launch(
@@ -153,6 +167,7 @@ def _launch(
     seed: int | torch.Tensor,
     chunk: int,
     out: torch.Tensor | None = None,
+    host_ring: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     # temps None: every row greedy, no temperatures read and no sums taken
     n, vocab = logits.shape
@@ -169,6 +184,11 @@ def _launch(
     temps = tops if greedy else temps
     warps = max(1, min(8, chunk // 1024))
     common = (logits.stride(0), vocab, num_chunks)
+    ring_slots, ring_args = 0, (tokens, tokens, 0)  # no ring: any tensors fill the slots
+    if host_ring is not None:
+        rows, seq = host_ring
+        assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.shape[1] >= n
+        ring_slots, ring_args = rows.shape[0], (rows, seq, rows.shape[1])
     _slice_softmax_kernel[(n, num_chunks)](
         logits, temps, tops, args, sums, *common, GREEDY=greedy, CHUNK=chunk, num_warps=warps
     )
@@ -181,9 +201,11 @@ def _launch(
         tokens,
         *common,
         seed,
+        *ring_args,
         GREEDY=greedy,
         CHUNK=chunk,
         CHUNKS=max(2, triton.next_power_of_2(num_chunks)),
+        RING_SLOTS=ring_slots,
         num_warps=warps,
     )
     return tokens

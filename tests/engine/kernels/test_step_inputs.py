@@ -121,3 +121,25 @@ def test_a_fetched_step_is_the_step_a_copy_stages(gathered):
     n = fetched.packed_size(bs)
     fetch_step_inputs(ring.host, ring.state, fetched.packed, fetched.last_tokens, n, bs)
     assert torch.equal(fetched.packed[:n], plain.packed[:n])
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["argmax", "sampler"])
+def test_the_sampler_writes_the_steps_tokens_into_its_host_row(device, sampled):
+    """With a ring, the graph's sampler writes each token to the device and into row
+    (step number % slots) of the ring's tokens, where the host reads them without a copy."""
+    from flashstack.engine.kernels.triton_sampling import argmax_triton, sample_triton
+
+    ring = InputRing(8, device, slots=3, rows=4)
+    ring.state[0] = 5  # the step the graph took: row 5 % 3
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)).to(device)
+    out = torch.zeros(4, dtype=torch.int64, device=device)
+    host = (ring.tokens, ring.state)
+    if sampled:
+        temps = torch.tensor([0.0, 0.9, 0.0], device=device)
+        tokens = sample_triton(logits, temps, 3, out=out[:3], host_ring=host)
+    else:
+        tokens = argmax_triton(logits, out[:3], host)
+        assert tokens.tolist() == logits.argmax(-1).tolist()
+    assert tokens.data_ptr() == out.data_ptr()
+    assert ring.tokens[2, :3].tolist() == tokens.tolist()
+    assert ring.tokens[0].eq(0).all() and ring.tokens[1].eq(0).all()
