@@ -162,18 +162,19 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int, max_context_len: int) -> torch.Tensor | None:
-        if self.ring is not None:
-            from flashstack.engine.kernels.triton_step_inputs import fetch_step_inputs
-
-            ring = self.ring
-            fetch_step_inputs(
-                ring.host, ring.state, self.packed, self.last_tokens, self.packed_size(bs), bs
-            )
         if self.share_inputs is not None:
             self.share_inputs(self.packed[: self.packed_size(bs)])
         v = self._views(bs)
-        self.context_lens[:bs].copy_(v.context_lens)
-        self.block_tables[:bs].copy_(v.block_tables)
+        if self.ring is not None:  # the fetch writes the int32 inputs too
+            from flashstack.engine.kernels.triton_step_inputs import fetch_step_inputs
+
+            ring = self.ring
+            lens, tables = self.context_lens[:bs], self.block_tables[:bs]
+            n = self.packed_size(bs)
+            fetch_step_inputs(ring.host, ring.state, self.packed, self.last_tokens, lens, tables, n)
+        else:
+            self.context_lens[:bs].copy_(v.context_lens)
+            self.block_tables[:bs].copy_(v.block_tables)
         meta = self._meta(bs, v.slot_mapping, max_context_len)
         hidden = self.model(v.input_ids, v.positions, meta, self.kv_caches, self.ops)
         # None on ranks other than a group's rank 0
@@ -203,6 +204,8 @@ class DecodeGraphs:
             (v.block_tables, 0),
             (v.temperatures, 0),
             (v.seed, 0),
+            (self.context_lens[:bs], 1),  # a fetch writes these itself: none in a warm-up
+            (self.block_tables[:bs], 0),
         ):
             t.fill_(value)
 

@@ -14,7 +14,10 @@ from flashstack.engine.kernels.triton_step_inputs import fetch_step_inputs  # no
 
 
 def _fetch(ring: InputRing, packed: torch.Tensor, tokens: torch.Tensor, n: int, ids: int) -> None:
-    fetch_step_inputs(ring.host, ring.state, packed, tokens, n, ids)  # pinned: read over the bus
+    # `ids` rows: their int32 context lengths and one-block tables lie past these tests' values
+    lens = torch.zeros(ids, dtype=torch.int32, device=packed.device)
+    tables = torch.zeros(ids, 1, dtype=torch.int32, device=packed.device)
+    fetch_step_inputs(ring.host, ring.state, packed, tokens, lens, tables, n)  # pinned: the bus
 
 
 def test_a_staged_step_is_taken_once_with_its_token_references_resolved(device):
@@ -119,8 +122,14 @@ def test_a_fetched_step_is_the_step_a_copy_stages(gathered):
     assert fetched.stage(ids, **rows) == bs
     ring = fetched.ring
     n = fetched.packed_size(bs)
-    fetch_step_inputs(ring.host, ring.state, fetched.packed, fetched.last_tokens, n, bs)
+    lens, tables = fetched.context_lens[:bs], fetched.block_tables[:bs]
+    fetch_step_inputs(ring.host, ring.state, fetched.packed, fetched.last_tokens, lens, tables, n)
     assert torch.equal(fetched.packed[:n], plain.packed[:n])
+    # the int32 inputs the attention kernels read, which the copy path converts in the graph
+    views = plain._views(bs)
+    assert torch.equal(lens, views.context_lens.to(torch.int32))
+    assert torch.equal(tables, views.block_tables.to(torch.int32))
+    assert tables[2, :2].tolist() == [2, 3] and lens.tolist() == [4, 10, 21, 1]  # bucket 4
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["argmax", "sampler"])
