@@ -351,8 +351,8 @@ def main() -> None:
         "merge: kernels.decode_splits=1), nolc (a PDL kernel behind a cuBLAS product launches "
         "once the product's blocks have exited: kernels.pdl_on_launch_completion=False), "
         "seqfirst (decode attention's grid sequences first: kernels.decode_heads_first=False), "
-        "fetch (each graph fetches its inputs from pinned host slots: "
-        "kernels.graph_fetches_inputs=True)",
+        "fetch / nofetch (each graph fetches its inputs from pinned host slots, or they are "
+        "copied on the stream: kernels.graph_fetches_inputs)",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument(
@@ -464,6 +464,7 @@ def main() -> None:
         "splits1": {"decode_splits": 1},
         "seqfirst": {"decode_heads_first": False},
         "fetch": {"graph_fetches_inputs": True},
+        "nofetch": {"graph_fetches_inputs": False},
     }
     runs = [
         (bs, False, gemv) for bs in (int(x) for x in args.block_sizes.split(",")) for gemv in gemvs

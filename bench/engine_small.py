@@ -317,8 +317,8 @@ def main() -> None:
         "wait: kernels.gemv_l2_prefetch_bytes), nopreload (decode attention's splits fetch their "
         "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0), "
         "noskinnysmall (products of 2-32 rows on cuBLAS, not the skinny GEMM: "
-        "kernels.skinny_small_weights=False), fetch (each graph fetches its inputs from pinned "
-        "host slots: kernels.graph_fetches_inputs=True)",
+        "kernels.skinny_small_weights=False), fetch / nofetch (each graph fetches its inputs "
+        "from pinned host slots, or they are copied on the stream: kernels.graph_fetches_inputs)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -362,6 +362,7 @@ def main() -> None:
         "nopreload": {"decode_preload_rows": 0},
         "noskinnysmall": {"skinny_small_weights": False},
         "fetch": {"graph_fetches_inputs": True},
+        "nofetch": {"graph_fetches_inputs": False},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

@@ -162,9 +162,11 @@ class KernelOptions:
     # sampler writes the tokens into the ring for the host (engine/input_ring.py, kernels/
     # triton_step_inputs.py). Otherwise a copy from the host, a copy of the tokens into the
     # inputs and a copy back run on the stream between two replays (~11, ~5 and ~5 µs of device
-    # time a step on the H100, bench/engine_step_ops.py). One GPU only: a tensor-parallel
-    # group's ranks take rank 0's inputs. Not measured in a decode step yet, so off.
-    graph_fetches_inputs: bool = False
+    # time a step on the H100, bench/engine_step_ops.py), and the host queues them. One GPU only:
+    # a tensor-parallel group's ranks take rank 0's inputs. Decode step on the H100, off -> on:
+    # SmolLM2-135M 471 -> 444 µs, Qwen3-0.6B shape 882 -> 875 µs, the 8B at batch 1 / 8 / 32
+    # 5.120 / 5.603 / 6.283 -> 5.109 / 5.582 / 6.268 ms (docs/benchmarks.md, "Decode step").
+    graph_fetches_inputs: bool = True
     # A batch-1 step's decoder layers as one persistent kernel (kernels/triton_decoder.py): no
     # kernel boundary inside the stack, each stage's weights streaming while the stage before
     # finishes. For the small models, whose layers cost six kernels' fixed latency each; slower
