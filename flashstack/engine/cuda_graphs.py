@@ -271,6 +271,9 @@ class DecodeGraphs:
         Both are the graph's own memory, valid until its next replay: what reads them must be
         queued before that. `ids_from`, a device tensor [k], replaces the first k `input_ids`
         (the previous step's samples, never read back)."""
+        # the graph first: a step staged in the ring and never replayed would be the next
+        # replay's inputs
+        key = self.key_for(self.bucket_for(len(input_ids)), max(context_lens))
         if ids_from is not None and self.ring is not None:
             input_ids = self._ids_from_last_tokens(input_ids, ids_from)
             ids_from = None
@@ -279,7 +282,6 @@ class DecodeGraphs:
         )
         if ids_from is not None:
             self.packed[: ids_from.shape[0]].copy_(ids_from)
-        key = self.key_for(bs, max(context_lens))
         if self.before_replay is not None:
             self.before_replay(key, self.packed[: self.packed_size(bs)])
         self.graphs[key].replay()

@@ -152,3 +152,14 @@ def test_the_sampler_writes_the_steps_tokens_into_its_host_row(device, sampled):
     assert tokens.data_ptr() == out.data_ptr()
     assert ring.tokens[2, :3].tolist() == tokens.tolist()
     assert ring.tokens[0].eq(0).all() and ring.tokens[1].eq(0).all()
+
+
+def test_a_step_no_graph_holds_stages_nothing():
+    """A step whose context no graph's grid holds fails before its inputs reach the ring: staged
+    and never replayed, they would be the next replay's."""
+    if torch.cuda.is_available():
+        pytest.skip("DecodeGraphs staged on the host here; test_gpu.py runs the graphs")
+    graphs = _graphs(True)
+    with pytest.raises(StopIteration):
+        graphs.run([1], [100], [100], [[0]], [graphs.max_model_len + 1])
+    assert graphs.ring.written == 0 and graphs.ring.host[:, 0].eq(0).all()
