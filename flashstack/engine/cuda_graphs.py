@@ -264,19 +264,23 @@ class DecodeGraphs:
         ids_from: torch.Tensor | None = None,
         temperatures: list[float] | None = None,
         seed: int = 0,
+        picks: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [n, vocab] of one decode step of n sequences (n ≤ max_batch), and the graph's
         tokens [n] (int64) when it takes them (else None): drawn at `temperatures` (one a row, 0:
         greedy) from `seed` where the graph samples (sample_in_graph), else the logits' argmax.
         Both are the graph's own memory, valid until its next replay: what reads them must be
         queued before that. `ids_from`, a device tensor [k], replaces the first k `input_ids`
-        (the previous step's samples, never read back)."""
+        (the previous step's samples, never read back); with `picks`, its rows `picks` replace
+        the first len(picks)."""
         # the graph first: a step staged in the ring and never replayed would be the next
         # replay's inputs
         key = self.key_for(self.bucket_for(len(input_ids)), max(context_lens))
         if ids_from is not None and self.ring is not None:
-            input_ids = self._ids_from_last_tokens(input_ids, ids_from)
+            input_ids = self._ids_from_last_tokens(input_ids, ids_from, picks)
             ids_from = None
+        elif ids_from is not None and picks is not None:
+            ids_from = ids_from[to_device(picks, torch.int64, self.device)]
         bs = self.stage(
             input_ids, positions, slot_mapping, block_tables, context_lens, temperatures, seed
         )
@@ -330,14 +334,21 @@ class DecodeGraphs:
         wrote into the ring: no copy back to queue); else None."""
         return self.ring.tokens_read(n) if self.ring is not None else None
 
-    def _ids_from_last_tokens(self, input_ids: list[int], ids_from: torch.Tensor) -> list[int]:
-        """`input_ids` with its first k ids (k = len(ids_from)) as references to the last graph's
-        tokens, which the next graph reads on the device. Tokens from anywhere else (a gather of
-        some rows, an eager step's sampler) are copied there first."""
-        k = ids_from.shape[0]
-        if ids_from.data_ptr() != self.last_tokens.data_ptr() or not ids_from.is_contiguous():
-            self.last_tokens[:k].copy_(ids_from)
-        return [-1 - j for j in range(k)] + list(input_ids[k:])
+    def _ids_from_last_tokens(
+        self, input_ids: list[int], ids_from: torch.Tensor, picks: list[int] | None
+    ) -> list[int]:
+        """`input_ids` with its leading ids as references to the last graph's tokens, which the
+        next graph reads on the device: row picks[i] of them (every row, in order, without
+        `picks`). Tokens from anywhere else (an eager step's sampler, a gather) are picked and
+        copied there first."""
+        if ids_from.data_ptr() == self.last_tokens.data_ptr() and ids_from.is_contiguous():
+            rows = picks if picks is not None else range(ids_from.shape[0])
+        else:
+            if picks is not None:
+                ids_from = ids_from[to_device(picks, torch.int64, self.device)]
+            rows = range(ids_from.shape[0])
+            self.last_tokens[: len(rows)].copy_(ids_from)
+        return [-1 - j for j in rows] + list(input_ids[len(rows) :])
 
     def replay_received(self, key: int) -> None:
         """Replay graph `key` (rank 0's choice) on inputs another rank has just written into

@@ -197,6 +197,7 @@ class ModelRunner:
         self,
         batch: ScheduledBatch,
         ids_from: torch.Tensor | None = None,
+        picks: list[int] | None = None,
         ahead: list[int] | None = None,
         temperatures: list[float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -212,7 +213,7 @@ class ModelRunner:
         ids, positions, slots, lens = rows
         tables = [s.block_table for s in batch.seqs]
         seed = draw_seed() if temperatures is not None else 0
-        return graphs.run(ids, positions, slots, tables, lens, ids_from, temperatures, seed)
+        return graphs.run(ids, positions, slots, tables, lens, ids_from, temperatures, seed, picks)
 
     def _graph_temperatures(self, params: list[SamplingParams]) -> list[float] | None:
         """The rows' temperatures where the decode graph draws this step's tokens itself
@@ -267,7 +268,7 @@ class ModelRunner:
         """
         if not self.can_launch(batch):
             return None
-        ids_from, ahead = None, None
+        ids_from, picks, ahead = None, None, None
         rows = batch.lookahead_rows if after is not None else None
         if after is not None:
             assert rows is not None, "a step queued behind another comes from Scheduler.lookahead"
@@ -277,13 +278,15 @@ class ModelRunner:
                 index = {row: i for i, row in enumerate(after.rows)}
                 picks = [index[row] for row in rows]
             ids_from = after.tokens
-            if len(picks) != after.tokens.shape[0]:  # ascending: the same length, every row
-                ids_from = after.tokens[self._tensor(picks, torch.int64)]
+            if len(picks) == after.tokens.shape[0]:  # ascending: the same length, every row
+                picks = None
             ahead = [after.batch.num_new_tokens[r] for r in rows]
         seqs = batch.seqs
         params = [s.params for s in seqs]
         temperatures = self._graph_temperatures(params)
-        replayed = self._graph_logits(batch, ids_from, ahead, temperatures)
+        replayed = self._graph_logits(batch, ids_from, picks, ahead, temperatures)
+        if picks is not None and replayed is None:  # eager steps take the picked rows
+            ids_from = ids_from[self._tensor(picks, torch.int64)]
         if replayed is not None:
             logits, tokens = replayed
             if tokens is not None and (temperatures is not None or all(p.greedy for p in params)):

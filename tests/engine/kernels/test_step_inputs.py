@@ -96,17 +96,24 @@ def _graphs(fetch: bool):
     return DecodeGraphs(torch.nn.Identity(), [], backend, 16, 64, 16, cpu, fetch_inputs=fetch)
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["last-tokens", "gathered"])
-def test_a_fetched_step_is_the_step_a_copy_stages(gathered):
+@pytest.mark.parametrize("source", ["last-tokens", "gathered", "picked", "picked-elsewhere"])
+def test_a_fetched_step_is_the_step_a_copy_stages(source):
     """DecodeGraphs with a ring: the step the fetch kernel leaves in `packed` is, value for value,
-    the one the stream copy stages, the leading ids the previous tokens'. Tokens from elsewhere
-    (a gather of some rows) are copied where the next graph reads them."""
+    the one the stream copy stages, the leading ids the previous tokens'. Rows picked from the
+    last graph's tokens are referenced where they lie; tokens from elsewhere (a gather of some
+    rows, another step's sampler) are copied where the next graph reads them."""
+    gathered = source != "last-tokens"
     if torch.cuda.is_available():
         pytest.skip("DecodeGraphs staged on the host here; test_gpu.py runs the graphs")
     plain, fetched = _graphs(False), _graphs(True)
     previous = torch.tensor([41, 42, 43], dtype=torch.int64)
     fetched.last_tokens[:3] = previous
     ids_from = previous[[1, 0]] if gathered else fetched.last_tokens[:2]
+    picks = [1, 0] if source.startswith("picked") else None
+    if source == "picked":  # the rows of the last graph's tokens, left where they are
+        ids_from = fetched.last_tokens[:3]
+    elif source == "picked-elsewhere":
+        ids_from = previous.clone()
     rows = dict(
         positions=[3, 9, 20],
         slot_mapping=[3, 25, 52],
@@ -117,8 +124,11 @@ def test_a_fetched_step_is_the_step_a_copy_stages(gathered):
     )
     taken = previous[[1, 0]].tolist() if gathered else previous[:2].tolist()
     bs = plain.stage(taken + [7], **rows)
-    ids = fetched._ids_from_last_tokens([0, 0, 7], ids_from)
-    assert ids == [-1, -2, 7]
+    ids = fetched._ids_from_last_tokens([0, 0, 7], ids_from, picks)
+    if source == "picked":
+        assert ids == [-2, -1, 7] and fetched.last_tokens[:3].tolist() == [41, 42, 43]
+    else:
+        assert ids == [-1, -2, 7]
     assert fetched.stage(ids, **rows) == bs
     ring = fetched.ring
     n = fetched.packed_size(bs)
