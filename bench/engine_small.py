@@ -318,7 +318,8 @@ def main() -> None:
         "first K and V tiles after the wait, in the loop: kernels.decode_preload_rows=0), "
         "noskinnysmall (products of 2-32 rows on cuBLAS, not the skinny GEMM: "
         "kernels.skinny_small_weights=False), fetch / nofetch (each graph fetches its inputs "
-        "from pinned host slots, or they are copied on the stream: kernels.graph_fetches_inputs)",
+        "from pinned host slots, or they are copied on the stream: kernels.graph_fetches_inputs), "
+        "fusedmlp (each layer's MLP one kernel, down's sums by atomics: kernels.fused_mlp)",
     )
     ap.add_argument(
         "--no-profile", dest="profile", action="store_false", help="step and replay times only"
@@ -363,6 +364,7 @@ def main() -> None:
         "noskinnysmall": {"skinny_small_weights": False},
         "fetch": {"graph_fetches_inputs": True},
         "nofetch": {"graph_fetches_inputs": False},
+        "fusedmlp": {"fused_mlp": True},
     }
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     result: dict[str, Any] = {

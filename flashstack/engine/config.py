@@ -182,6 +182,12 @@ class KernelOptions:
     # transformers' tokens on the GPU; tagged words measured slower (SmolLM2-135M on the H100:
     # 930.8 against 671.6 µs a step; docs/benchmarks.md).
     persistent_decoder_tagged: bool = False
+    # A batch-1 step's MLP as one kernel, gate/up, SiLU-and-mul and down (kernels/triton_mlp.py):
+    # five kernels a layer, not six. The down product's partial sums meet in a float32 row by
+    # atomics, which the next readers of the residual stream add in; their order is the
+    # hardware's, so the last bit of a step can differ run to run. 16- and 32-bit MLP weights,
+    # one GPU.
+    fused_mlp: bool = False
     # A batch-1 step's fp8 down projection takes silu(gate) * up from a SiLU-and-mul kernel of its
     # own, in float16 pre-scaled, instead of computing and converting it in every GEMV program:
     # the fp8 GEMV is bound by conversions (kernels/triton_gemv.py). 8B batch-1 step on the H200:
@@ -279,6 +285,7 @@ class KernelOptions:
                 decode_deep_tma=False,
                 decode_wave_tma=False,
                 persistent_decoder=False,
+                fused_mlp=False,
             )
         from flashstack.cuda.torch_interop import device_for
 

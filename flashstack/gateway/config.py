@@ -61,6 +61,7 @@ class KernelSwitches(BaseModel):
     persistent_decoder_programs_per_sm: int | None = Field(None, ge=1)
     persistent_decoder_warps: Literal[1, 2, 4, 8, 16] | None = None
     persistent_decoder_tagged: bool | None = None
+    fused_mlp: bool | None = None
     fp8_silu_kernel: bool | None = None
     gemv_l2_prefetch_bytes: int | None = Field(None, ge=0)
     tp_all_reduce: Literal["push", "nccl"] | None = None

@@ -214,6 +214,23 @@ def test_attention_options_change_no_token(
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_mlp_keeps_transformers_tokens(family: str, hf_checkpoints) -> None:
+    """kernels.fused_mlp: batch-1 steps (graphs and eager) with each MLP one kernel and its
+    float32 row taken in by the next layer: transformers' greedy tokens in float32, and, with
+    batch-1 steps beside multi-row ones, every sequence's."""
+    path, model = hf_checkpoints[family]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 53))]
+    refs = [hf_greedy(model, p, 16) for p in prompts]
+    opts: dict = dict(device="cuda", dtype="float32", show_progress=False, block_size=16)
+    llm = LLM(path, max_num_seqs=4, kernels={"fused_mlp": True}, **opts)
+    assert [run_checked(llm, [p], greedy(16))[0] for p in prompts] == refs
+    assert run_checked(llm, prompts, greedy(16)) == refs
+    del llm
+    eager = LLM(path, enforce_eager=True, kernels={"fused_mlp": True}, **opts)
+    assert run_checked(eager, [prompts[0]], greedy(16))[0] == refs[0]
+
+
 @pytest.mark.parametrize("fetch", [True, False], ids=["fetched", "copied"])
 @pytest.mark.parametrize("sample_in_graph", [False, True], ids=["argmax", "sampler"])
 def test_graphs_fetching_their_inputs_keep_transformers_tokens(

@@ -35,6 +35,7 @@ def _rmsnorm_kernel(
     USE_PDL: tl.constexpr,
     BLOCK: tl.constexpr,
     SLICES: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -42,7 +43,7 @@ def _rmsnorm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: safe before the wait
     wait_for_previous_kernel(USE_PDL)  # x and the residual are the previous kernel's output
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if SLICES > 1:  # x is a split product's float32 slices: their sum, rounded as the product's
+    if SPLIT:  # x is a split product's float32 slices: their sum, rounded as the product's
         for s in tl.static_range(1, SLICES):
             x += tl.load(x_ptr + s * stride_slice + row * stride_x + cols, mask=mask, other=0.0)
         x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -95,6 +96,7 @@ def rmsnorm_triton(
         USE_PDL=pdl,
         BLOCK=triton.next_power_of_2(x2.shape[1]),
         SLICES=slices.shape[0] if slices is not None else 1,
+        SPLIT=slices is not None,
         launch_pdl=pdl,
     )
     shape = x.shape

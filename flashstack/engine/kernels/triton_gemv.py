@@ -95,6 +95,17 @@ def prefetch_to_l2(ptr, nbytes):
 
 
 @triton.jit
+def stream_values(x_ptr, p_ptr, offs, mask, PENDING: tl.constexpr = False):
+    """The residual stream x at `offs`; with PENDING, plus a fused MLP's float32 sum p not yet
+    added (kernels/triton_mlp.py), rounded as the down GEMV's residual epilogue rounds them."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PENDING:
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(x.dtype).to(tl.float32)
+        x = (p + x.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def input_chunk(
     x_ptr,
     g_ptr,
@@ -105,33 +116,35 @@ def input_chunk(
     act_dtype,
     NORM_IN: tl.constexpr,
     SILU_IN: tl.constexpr,
+    p_ptr=None,
+    PENDING: tl.constexpr = False,
 ):
     """The activations that multiply one weight chunk (columns `kcols`), with the input prologue
-    applied: RMSNorm (NORM_IN: times the norm's weight g, at `rstd`) or silu(gate) * up (SILU_IN:
-    x holds gate then up), rounded as the unfused kernels round, in float32."""
+    applied: RMSNorm (NORM_IN: of the residual stream x, PENDING: plus p's sum, `stream_values`;
+    times the norm's weight g, at `rstd`) or silu(gate) * up (SILU_IN: x holds gate then up),
+    rounded as the unfused kernels round, in float32."""
     if SILU_IN:
         gate = tl.load(x_ptr + kcols, mask=cmask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + kcols, mask=cmask, other=0.0)
         x = silu_mul(gate, up)
+    elif NORM_IN:  # x is the residual stream
+        x = stream_values(x_ptr, p_ptr, kcols, cmask, PENDING)
+        x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(act_dtype)
     else:
         x = tl.load(x_ptr + kcols, mask=cmask, other=0.0)
-        if NORM_IN:
-            x = tl.load(g_ptr + kcols, mask=cmask, other=0.0) * (x.to(tl.float32) * rstd).to(
-                act_dtype
-            )
     return x.to(act_dtype).to(tl.float32)
 
 
 @triton.jit
-def row_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the row x [K], summed in BLOCK_K-wide chunks (RMSNorm's
-    scale, as the norm prologues take it)."""
+def row_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr, p_ptr=None, PENDING: tl.constexpr = False):
+    """1 / sqrt(mean(x^2) + eps) of the row x [K] (PENDING: plus p's sum, `stream_values`),
+    summed in BLOCK_K-wide chunks (RMSNorm's scale, as the norm prologues take it)."""
     cols = tl.arange(0, BLOCK_K)
     sq = tl.zeros([BLOCK_K], tl.float32)
     # unrolled: with K a launch argument, a plain loop issued each chunk's load only after the
     # previous one had arrived (one L2 round trip a chunk, between the wait and the first product)
     for k in tl.range(0, K, BLOCK_K, loop_unroll_factor=4):
-        xs = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+        xs = stream_values(x_ptr, p_ptr, k + cols, k + cols < K, PENDING).to(tl.float32)
         sq += xs * xs
     return tl.rsqrt(tl.sum(sq, 0) / K + eps)
 
@@ -204,22 +217,38 @@ def _chunk(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRESCALED: tl.constexpr,
+    p_ptr=None,
+    PENDING: tl.constexpr = False,
 ):
     # What one weight chunk (storage columns k .. k + BLOCK_K) adds to the accumulator: products,
     # Q8_0's scaled block sums or Q4_K's, with the activations it multiplies.
     cols = k + tl.arange(0, BLOCK_K)
     if Q4:  # byte b holds input (b // 32) * 64 + b % 32 and, in its high nibble, 32 further on
         x_cols = cols // 32 * 64 + cols % 32
-        x_lo = input_chunk(x_ptr, g_ptr, x_cols, x_cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+        x_lo = input_chunk(
+            x_ptr, g_ptr, x_cols, x_cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN, p_ptr, PENDING
+        )
         x_hi = input_chunk(
-            x_ptr, g_ptr, x_cols + 32, x_cols + 32 < K, K, rstd, act_dtype, NORM_IN, SILU_IN
+            x_ptr,
+            g_ptr,
+            x_cols + 32,
+            x_cols + 32 < K,
+            K,
+            rstd,
+            act_dtype,
+            NORM_IN,
+            SILU_IN,
+            p_ptr,
+            PENDING,
         )
         p = _q4k_product(w, x_lo, x_hi, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
     else:
         if PRESCALED:  # float16, already times 2^-8 (_product): as stored
             p = _product(w, tl.load(x_ptr + cols, mask=cols < K, other=0.0), HALF, PRESCALED)
         else:
-            x = input_chunk(x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN)
+            x = input_chunk(
+                x_ptr, g_ptr, cols, cols < K, K, rstd, act_dtype, NORM_IN, SILU_IN, p_ptr, PENDING
+            )
             if Q8:
                 p = _block_product(w, x, s_ptr, rows, rmask, k, K, BLOCK_N, BLOCK_K)
             else:
@@ -257,6 +286,8 @@ def _gemv_kernel(
     PREFETCH_L2: tl.constexpr = False,
     pf_rows=0,
     pf_row_bytes=0,
+    p_ptr=None,
+    PENDING: tl.constexpr = False,
 ):
     # K: the input's length; KW: a weight row's, in stored elements (K / 2 bytes for Q4_K)
     pid = tl.program_id(0)
@@ -283,11 +314,11 @@ def _gemv_kernel(
             span = tl.minimum(N - first, pf_rows).to(tl.int64) * pf_row_bytes
             prefetch_to_l2(w_ptr + first.to(tl.int64) * stride_w, span)
     wait_for_previous_kernel(USE_PDL)  # our input is the previous kernel's output
-    if ADD_OUT:
-        old = tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if ADD_OUT:  # PENDING: the residual, with a fused MLP's sum added as it is taken in
+        old = stream_values(r_ptr, p_ptr, rows, rmask, PENDING).to(tl.float32)
     rstd = 1.0
     if NORM_IN:  # the row's mean square first: rstd scales every chunk of the main loop
-        rstd = row_rstd(x_ptr, K, eps, BLOCK_K)
+        rstd = row_rstd(x_ptr, K, eps, BLOCK_K, p_ptr, PENDING)
     if STAGES > 1:
         # The rest streams through shared memory, STAGES - 1 chunks ahead (Triton's pipeliner,
         # asynchronous copies): more bytes in flight per program without holding them in registers.
@@ -310,6 +341,8 @@ def _gemv_kernel(
             BLOCK_N,
             BLOCK_K,
             PRESCALED,
+            p_ptr,
+            PENDING,
         )
         for k in tl.range(BLOCK_K, KW, BLOCK_K, num_stages=STAGES):
             kcols = k + cols
@@ -335,6 +368,8 @@ def _gemv_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 PRESCALED,
+                p_ptr,
+                PENDING,
             )
     else:
         # One chunk ahead, in registers: the next chunk loads while this one multiplies.
@@ -362,6 +397,8 @@ def _gemv_kernel(
                 BLOCK_N,
                 BLOCK_K,
                 PRESCALED,
+                p_ptr,
+                PENDING,
             )
             nxt = k + cols + BLOCK_K  # past the end on the last pass: fully masked, reads nothing
             w = tl.load(w_rows + nxt[None, :], mask=rmask[:, None] & (nxt < KW)[None, :], other=0.0)
@@ -474,6 +511,7 @@ def gemv_triton(
     half_products: bool | None = None,
     prescaled: bool = False,
     l2_prefetch_bytes: int = 0,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype (what F.linear returns).
 
@@ -490,7 +528,9 @@ def gemv_triton(
     float16 products take it (silu_and_mul_triton's `out_scale`), so that no program converts it;
     the result is then in `residual`'s or `out`'s dtype. `l2_prefetch_bytes`: a weight of at most
     this many bytes is asked of the L2 whole before the PDL wait
-    (KernelOptions.gemv_l2_prefetch_bytes; `l2_prefetch_plan`)."""
+    (KernelOptions.gemv_l2_prefetch_bytes; `l2_prefetch_plan`). `pending` [1, K or N] float32: a
+    fused MLP's sum not yet in the residual stream (kernels/triton_mlp.py), added where the stream
+    is read: to x before `norm`, to `residual` before the product goes in."""
     n, kw = weight.shape
     q8, q4 = weight.dtype == torch.int8, weight.dtype == torch.uint8
     k = 2 * kw if q4 else kw
@@ -530,6 +570,11 @@ def gemv_triton(
         if residual is not None
         else torch.empty(1, n, dtype=x.dtype, device=x.device)
     )
+    if pending is not None:
+        stream = residual if residual is not None else x
+        assert (norm is not None) != (residual is not None), "pending: with `norm` or `residual`"
+        assert pending.shape == stream.shape and pending.dtype == torch.float32
+        assert pending.is_contiguous()
     norm_weight, eps = norm if norm is not None else (y, 0.0)
     pdl = pdl_applies(x.device, pdl)
     if half_products is None:
@@ -570,6 +615,8 @@ def gemv_triton(
         PREFETCH_L2=pf_rows > 0,
         pf_rows=pf_rows,
         pf_row_bytes=weight.stride(0) * weight.element_size(),
+        p_ptr=pending if pending is not None else y,
+        PENDING=pending is not None,
         num_warps=warps,
         launch_pdl=pdl,
     )

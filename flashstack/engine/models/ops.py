@@ -364,13 +364,67 @@ class TritonOps(TorchOps):
 class Batch1Ops(TritonOps):
     """One token: the residual stream is one row that every layer adds into (in place on one GPU,
     through the all-reduce under tensor parallelism: `project_add`). Same rounding as TritonOps on
-    one GPU (kernels/triton_gemv.py)."""
+    one GPU (kernels/triton_gemv.py).
+
+    With KernelOptions.fused_mlp an MLP is one kernel (kernels/triton_mlp.py) whose output is a
+    float32 row, one a layer, zeroed as a step starts; the stream carries it as h, and the next
+    layer's q/k/v GEMV (its norm's input) and o GEMV (into the residual) take it in, or the final
+    norm."""
 
     def __init__(self, backend: AttentionBackend) -> None:
         TorchOps.__init__(self, backend)
         self.triton_attention, self.batch1 = True, None
         # the persistent decoder of each (model, KV caches), None where it does not apply
         self._decoders: dict[tuple[int, int], PersistentDecoder | None] = {}
+        # fused_mlp: each model's rows [layers, 1, hidden], this step's, and the next row to use
+        self._mlp_sums: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._step_sums: torch.Tensor | None = None
+        self._next_sum = 0
+        # an MLP's row the q/k/v GEMV has read and the o GEMV is still to add into the residual
+        self._pending: torch.Tensor | None = None
+
+    def _start_step(self, model: DecoderModel, h: torch.Tensor) -> None:
+        """A step's first layer is next: its MLPs' rows zeroed (fused_mlp)."""
+        self._pending, self._next_sum, self._step_sums = None, 0, None
+        if not self.kernels.fused_mlp or self.kernels.persistent_decoder:
+            return
+        key = (id(model), h.device)
+        if key not in self._mlp_sums:
+            rows = (len(model.layers), 1, h.shape[-1])
+            self._mlp_sums[key] = torch.zeros(rows, dtype=torch.float32, device=h.device)
+        self._step_sums = self._mlp_sums[key]
+        self._step_sums.zero_()
+
+    def _fuses_mlp(self, mlp: GatedMLP, residual: torch.Tensor) -> bool:
+        from flashstack.engine.kernels.triton_mlp import fused_mlp_applies
+
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        return (
+            self._step_sums is not None
+            and gate_up.tp is None
+            and down.tp is None
+            and gate_up.weight_scale is None
+            and down.weight_scale is None
+            and gate_up.bias is None
+            and down.bias is None
+            and residual.dtype == gate_up.weight.dtype
+            and fused_mlp_applies(residual.shape[-1], gate_up.weight, down.weight)
+        )
+
+    def feed_forward(
+        self, norm: RMSNorm, mlp: GatedMLP, h: torch.Tensor | SplitK | None, residual: torch.Tensor
+    ) -> Stream:
+        if not self._fuses_mlp(mlp, residual):
+            return super().feed_forward(norm, mlp, h, residual)
+        from flashstack.engine.kernels.triton_mlp import fused_mlp_triton
+
+        assert h is None and self._step_sums is not None, "o added into the residual in place"
+        row = self._step_sums[self._next_sum]
+        self._next_sum += 1
+        weights = (mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        return fused_mlp_triton(
+            residual, (norm.weight, norm.eps), *weights, row, self.kernels.pdl
+        ), (residual)
 
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self
@@ -384,6 +438,7 @@ class Batch1Ops(TritonOps):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor | None:
         """Every layer in one persistent kernel (KernelOptions.persistent_decoder)."""
+        self._start_step(model, h)
         if not self.kernels.persistent_decoder:
             return None
         key = (id(model), kv_caches[0].data_ptr())
@@ -449,7 +504,8 @@ class Batch1Ops(TritonOps):
 
         if residual is None:  # the embedding row, fresh from the lookup: ours to add into
             assert h is not None
-            residual = h
+            residual, h = h, None
+        self._pending = h  # a fused MLP's row, for the o GEMV to add into the residual
         out = gemv_triton(
             proj.weight,
             residual,
@@ -458,6 +514,7 @@ class Batch1Ops(TritonOps):
             pdl=self.kernels.pdl,
             scale=proj.weight_scale,
             l2_prefetch_bytes=self.kernels.gemv_l2_prefetch_bytes,
+            pending=h,
         )
         return out, residual
 
@@ -474,6 +531,8 @@ class Batch1Ops(TritonOps):
         from flashstack.engine.kernels.triton_gemv import HALF_INPUT_SCALE, gemv_triton
 
         pdl, tp = self.kernels.pdl, proj.tp
+        pending, self._pending = (None, self._pending) if silu else (self._pending, None)
+        assert pending is None or tp is None, "fused MLPs run on one GPU"
         prescaled = (  # one GPU: quantized weights refuse tensor parallelism (EngineConfig)
             silu
             and tp is None
@@ -502,6 +561,7 @@ class Batch1Ops(TritonOps):
                 scale=proj.weight_scale,
                 prescaled=prescaled,
                 l2_prefetch_bytes=self.kernels.gemv_l2_prefetch_bytes,
+                pending=pending,
             )
         driver = tp.is_driver
         fast = tp.fast is not None and tp.fast.fits_shape(tuple(residual.shape), residual.dtype)
@@ -524,8 +584,16 @@ class Batch1Ops(TritonOps):
         self, norm: RMSNorm, h: torch.Tensor | None, residual: torch.Tensor
     ) -> torch.Tensor:
         from flashstack.engine.kernels.triton_elementwise import rmsnorm_triton
+        from flashstack.engine.kernels.triton_skinny import SplitK
 
-        return rmsnorm_triton(residual, norm.weight, norm.eps, pdl=self.kernels.elementwise_pdl)[0]
+        pdl = self.kernels.elementwise_pdl
+        if h is None:
+            return rmsnorm_triton(residual, norm.weight, norm.eps, pdl=pdl)[0]
+        # the last MLP's row, one float32 slice, added to the residual as the GEMVs add it
+        self._pending = None
+        return rmsnorm_triton(
+            SplitK(h[None], residual.dtype), norm.weight, norm.eps, residual, pdl
+        )[0]
 
 
 Ops = TorchOps

@@ -126,6 +126,31 @@ def test_batch1_step_matches_torch_ops(device, qk_norm):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
+@torch.inference_mode()
+def test_fused_mlp_steps_match_torch_ops(device, qk_norm, monkeypatch):
+    """kernels.fused_mlp: each layer's MLP in one kernel, its float32 row taken in by the next
+    layer's q/k/v and o GEMVs and by the final norm: step after step (the rows zeroed as each
+    starts), the plain ops' hidden state and KV."""
+    from flashstack.engine.kernels import triton_mlp
+
+    kernels = dataclasses.replace(KernelOptions(), fused_mlp=True)
+    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+    calls, fused = [], triton_mlp.fused_mlp_triton
+
+    def spy(*a, **kw):
+        calls.append(a[-2])  # the row it adds into
+        return fused(*a, **kw)
+
+    monkeypatch.setattr(triton_mlp, "fused_mlp_triton", spy)
+    model = _model(qk_norm, device)
+    for context in (7, 8):
+        _step_matches_torch_ops(model, ops, device, context=context, blocks=3)
+    layers = model.args.num_layers
+    assert len(calls) == 2 * layers and len({row.data_ptr() for row in calls}) == layers
+    assert ops._pending is None
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("programs_per_sm", [1, 3], ids=["round-robin", "atomic-queue"])
 @pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "counts"])
 @torch.inference_mode()
