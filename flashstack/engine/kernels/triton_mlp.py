@@ -27,8 +27,9 @@ from flashstack.engine.kernels.triton_activations import silu_mul
 from flashstack.engine.kernels.triton_gemv import input_chunk, row_rstd
 
 # Largest down slice (hidden size, padded to a power of two, times the units a program owns) held
-# in registers through the gate/up loop: 32K values are 128 a thread at eight warps.
-MAX_HELD_DOWN = 1 << 15
+# in registers through the gate/up loop: 8K values, 32 a thread at eight warps. A hidden size of
+# 2,048 (8 units) took 162 registers, one program an SM; larger slices spilled (sm_90, Triton 3.6).
+MAX_HELD_DOWN = 1 << 13
 
 
 @triton.jit
@@ -92,11 +93,11 @@ def _mlp_kernel(
 
 
 def mlp_config(hidden: int, intermediate: int) -> tuple[int, int, int, int]:
-    """(units per program, gate/up K chunk, warps, stages) for a model's MLP: 16 units, so that
-    each row of the down slice is one 32-byte sector of 16-bit weights; the whole input in one
-    chunk up to 1,024 values."""
-    block_k = min(1024, triton.next_power_of_2(hidden))
-    return 16, block_k, 8 if triton.next_power_of_2(hidden) * 16 > 8192 else 4, 2
+    """(units per program, gate/up K chunk, warps, stages) for a model's MLP. Compiled for sm_90
+    (Triton 3.6), a hidden size of 1,024: 8 units in 256-wide chunks on 8 warps take 80
+    registers, three programs an SM; 16 units spilled at every chunk and warp count, and wider
+    chunks took 158-255 registers (each chunk's float32 products live at once)."""
+    return 8, min(256, triton.next_power_of_2(hidden)), 8, 2
 
 
 def fused_mlp_applies(hidden: int, weight: torch.Tensor, down: torch.Tensor) -> bool:

@@ -37,11 +37,12 @@ def _stream(x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("hidden", "inter"),
     [(64, 96), (72, 40), (576, 1536), (1100, 48)],
-    ids=["small", "ragged", "smollm2-135m", "two-chunks"],
+    ids=["small", "ragged", "smollm2-135m", "five-chunks"],
 )
 def test_fused_mlp_is_the_unfused_mlp(device, dtype, hidden, inter):
     """RMSNorm, gate/up, SiLU-and-mul and down in one kernel give the residual stream the GEMVs
-    give it: units past the end (`ragged`), a hidden size past one chunk (`two-chunks`)."""
+    give it: units past the end (`ragged`), hidden sizes of several chunks, the last one
+    partial."""
     gate_up, down, x, g = _mlp(hidden, inter, dtype, device)
     residual = x.clone()
     gemv_triton(down, gemv_triton(gate_up, x, norm=(g, 1e-5)), silu=True, residual=residual)
@@ -57,9 +58,11 @@ def test_fused_mlp_is_the_unfused_mlp(device, dtype, hidden, inter):
 def test_fused_mlp_takes_16_and_32_bit_weights_it_can_hold(device):
     w = torch.empty(2 * 1536, 576, dtype=torch.bfloat16)
     assert tm.fused_mlp_applies(576, w, torch.empty(576, 1536, dtype=torch.bfloat16))
-    # a down slice past MAX_HELD_DOWN: hidden 4096 (the 8B) keeps its GEMVs
-    big = torch.empty(2 * 64, 4096, dtype=torch.bfloat16)
-    assert not tm.fused_mlp_applies(4096, big, torch.empty(4096, 64, dtype=torch.bfloat16))
+    qwen3 = torch.empty(2 * 3072, 1024, dtype=torch.bfloat16)
+    assert tm.fused_mlp_applies(1024, qwen3, torch.empty(1024, 3072, dtype=torch.bfloat16))
+    # a down slice past MAX_HELD_DOWN: hidden 2048 (Llama-3.2-1B) keeps its GEMVs
+    big = torch.empty(2 * 64, 2048, dtype=torch.bfloat16)
+    assert not tm.fused_mlp_applies(2048, big, torch.empty(2048, 64, dtype=torch.bfloat16))
     assert not tm.fused_mlp_applies(576, w, torch.empty(576, 1536, dtype=torch.int8))
 
 
