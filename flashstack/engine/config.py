@@ -186,7 +186,8 @@ class KernelOptions:
     # five kernels a layer, not six. The down product's partial sums meet in a float32 row by
     # atomics, which the next readers of the residual stream add in; their order is the
     # hardware's, so the last bit of a step can differ run to run. 16- and 32-bit MLP weights,
-    # one GPU.
+    # hidden sizes up to 1,024, one GPU. Slower on the H100 so far (SmolLM2-135M 443 -> 506 µs,
+    # Qwen3-0.6B shape 874 -> 897 µs a step; docs/benchmarks.md), so off.
     fused_mlp: bool = False
     # A batch-1 step's fp8 down projection takes silu(gate) * up from a SiLU-and-mul kernel of its
     # own, in float16 pre-scaled, instead of computing and converting it in every GEMV program:
