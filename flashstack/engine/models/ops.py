@@ -382,11 +382,13 @@ class Batch1Ops(TritonOps):
         self._next_sum = 0
         # an MLP's row the q/k/v GEMV has read and the o GEMV is still to add into the residual
         self._pending: torch.Tensor | None = None
+        self._mlp_refused: set[str] = set()  # why fused_mlp left MLPs alone, each logged once
 
     def _start_step(self, model: DecoderModel, h: torch.Tensor) -> None:
         """A step's first layer is next: its MLPs' rows zeroed (fused_mlp)."""
         self._pending, self._next_sum, self._step_sums = None, 0, None
         if not self.kernels.fused_mlp or self.kernels.persistent_decoder:
+            # the persistent decoder runs the MLPs itself (KernelOptions.persistent_decoder)
             return
         key = (id(model), h.device)
         if key not in self._mlp_sums:
@@ -395,21 +397,31 @@ class Batch1Ops(TritonOps):
         self._step_sums = self._mlp_sums[key]
         self._step_sums.zero_()
 
-    def _fuses_mlp(self, mlp: GatedMLP, residual: torch.Tensor) -> bool:
+    def _mlp_refusal(self, mlp: GatedMLP, residual: torch.Tensor) -> str | None:
+        """Why fused_mlp_triton cannot take this MLP (None: it can)."""
         from flashstack.engine.kernels.triton_mlp import fused_mlp_applies
 
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        return (
-            self._step_sums is not None
-            and gate_up.tp is None
-            and down.tp is None
-            and gate_up.weight_scale is None
-            and down.weight_scale is None
-            and gate_up.bias is None
-            and down.bias is None
-            and residual.dtype == gate_up.weight.dtype
-            and fused_mlp_applies(residual.shape[-1], gate_up.weight, down.weight)
-        )
+        if gate_up.tp is not None or down.tp is not None:
+            return "tensor parallelism"
+        if gate_up.weight_scale is not None or down.weight_scale is not None:
+            return "quantized MLP weights"
+        if gate_up.bias is not None or down.bias is not None:
+            return "MLP biases"
+        if residual.dtype != gate_up.weight.dtype:
+            return "activations and weights of different dtypes"
+        if not fused_mlp_applies(residual.shape[-1], gate_up.weight, down.weight):
+            return f"hidden size {residual.shape[-1]} past what a program holds (1,024)"
+        return None
+
+    def _fuses_mlp(self, mlp: GatedMLP, residual: torch.Tensor) -> bool:
+        if self._step_sums is None:
+            return False
+        reason = self._mlp_refusal(mlp, residual)
+        if reason is not None and reason not in self._mlp_refused:
+            self._mlp_refused.add(reason)
+            log.info("kernels.fused_mlp off for this model: %s", reason)
+        return reason is None
 
     def feed_forward(
         self, norm: RMSNorm, mlp: GatedMLP, h: torch.Tensor | SplitK | None, residual: torch.Tensor
@@ -422,9 +434,8 @@ class Batch1Ops(TritonOps):
         row = self._step_sums[self._next_sum]
         self._next_sum += 1
         weights = (mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        return fused_mlp_triton(
-            residual, (norm.weight, norm.eps), *weights, row, self.kernels.pdl
-        ), (residual)
+        fused_mlp_triton(residual, (norm.weight, norm.eps), *weights, row, self.kernels.pdl)
+        return row, residual
 
     def for_tokens(self, num_tokens: int) -> TorchOps:
         return self

@@ -150,6 +150,25 @@ def test_fused_mlp_steps_match_torch_ops(device, qk_norm, monkeypatch):
     assert ops._pending is None
 
 
+@torch.inference_mode()
+def test_fused_mlp_says_which_mlps_it_leaves_to_the_gemvs(device, monkeypatch, caplog):
+    """kernels.fused_mlp on a model whose MLPs carry biases: the GEMVs run them, the step is the
+    plain ops', and the log says why, once."""
+    from flashstack.engine.kernels import triton_mlp
+
+    def never(*a, **kw):
+        raise AssertionError("an MLP with biases went to the fused kernel")
+
+    monkeypatch.setattr(triton_mlp, "fused_mlp_triton", never)
+    kernels = dataclasses.replace(KernelOptions(), fused_mlp=True)
+    ops = Batch1Ops(dataclasses.replace(_triton_backend(), kernels=kernels))
+    model = _random_model(dataclasses.replace(_args(False), mlp_bias=True), device)
+    with caplog.at_level("INFO", logger="flashstack.engine.models.ops"):
+        _step_matches_torch_ops(model, ops, device, context=7, blocks=3)
+    said = [r.getMessage() for r in caplog.records if "fused_mlp" in r.getMessage()]
+    assert said == ["kernels.fused_mlp off for this model: MLP biases"]
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("programs_per_sm", [1, 3], ids=["round-robin", "atomic-queue"])
 @pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "counts"])
