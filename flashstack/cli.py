@@ -379,8 +379,7 @@ def _models(args: argparse.Namespace) -> None:
 
 
 def _engine_serve(args: argparse.Namespace) -> None:
-    from flashstack.engine.lifecycle import ServeOptions
-    from flashstack.engine.server import serve
+    from flashstack.engine.config import EngineConfig  # torch-free
 
     extra = {
         "block_size": args.block_size,
@@ -399,6 +398,11 @@ def _engine_serve(args: argparse.Namespace) -> None:
     if args.tp > 1:
         extra["tensor_parallel_size"] = args.tp
     try:
+        # The options' own checks first: a mistake is said before seconds of the engine's imports.
+        EngineConfig(model=str(args.model), device=args.device, dtype=args.dtype, **extra)
+        from flashstack.engine.lifecycle import ServeOptions
+        from flashstack.engine.server import serve
+
         options = ServeOptions(
             served_model_names=args.served_model_name,
             api_key=args.api_key,
