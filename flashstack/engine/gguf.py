@@ -1,12 +1,12 @@
 """A GGUF file (llama.cpp's format) as an engine checkpoint: config, dequantized weights, metadata.
 
-Read with PyPI's `gguf` (llama.cpp's own reader); quantized tensors are dequantized at load by
-`gguf.quants`, except that the decoder's Q8_0 and Q4_K projections may stay as stored
-(`weights(keep)`: Q8_0's int8 values and float16 block scales, Q4_K's values and its headers'
-numbers unpacked, engine/quantization.py). Tensor names are mapped to the
-Hugging Face names the models use, and llama.cpp's permutation of Llama's Q and K rows (its RoPE
-pairs adjacent elements, HF's pairs the two halves of a head) is undone, as transformers' GGUF
-loader does.
+The container is read by engine/gguf_reader.py; PyPI's `gguf` (llama.cpp's own package) gives the
+tensor types, and its `gguf.quants` dequantizes quantized tensors at load, except that the
+decoder's Q8_0 and Q4_K projections may stay as stored (`weights(keep)`: Q8_0's int8 values and
+float16 block scales, Q4_K's values and its headers' numbers unpacked, engine/quantization.py).
+Tensor names are mapped to the Hugging Face names the models use, and llama.cpp's permutation of
+Llama's Q and K rows (its RoPE pairs adjacent elements, HF's pairs the two halves of a head) is
+undone, as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from flashstack.engine.gguf_reader import GGUFFile, GGUFTensor
 
 if TYPE_CHECKING:  # torch is imported for the weights only: the gateway reads metadata without it
     import torch
@@ -101,7 +103,7 @@ class GGUFCheckpoint:
     """An opened GGUF file: metadata values by key, and its tensors (memory-mapped)."""
 
     path: Path
-    reader: Any  # gguf.GGUFReader
+    reader: GGUFFile
     architecture: str
 
     @classmethod
@@ -254,44 +256,23 @@ class GGUFCheckpoint:
         return w
 
 
-@functools.cache
-def _reader_class() -> type:
-    from gguf import GGUFReader
-
-    class Reader(GGUFReader):
-        """GGUFReader over a plain ndarray view of its memory map: the reader slices one small view
-        per metadata value (250K for a 49K-token vocabulary), and np.memmap's per-view bookkeeping
-        made parsing 3.5x slower (1.4 vs 4.8 s on a loaded 2-core machine)."""
-
-        @property
-        def data(self) -> np.ndarray:
-            return self._mapped
-
-        @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._mapped = value.view(np.ndarray)  # the view keeps the mapping alive
-
-    return Reader
-
-
-def _read(path: Path) -> Any:
+def _read(path: Path) -> GGUFFile:
     try:
-        return _reader_class()(path)
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+        return GGUFFile(path)
+    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
         # The reader reports a short or garbled file as a failed reshape or a bad magic number.
         raise GGUFError(
             f"{path}: not a readable GGUF file ({e}); it is truncated or corrupt, so fetch it again"
         ) from None
 
 
-def _field(reader: Any, key: str, path: Path) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(reader: GGUFFile, key: str, path: Path) -> Any:
+    if key not in reader.fields:
         raise GGUFError(f"{path}: metadata lacks {key}; not a model file")
-    return field.contents()
+    return reader.fields[key]
 
 
-def _q8_0_blocks(path: Path, t: Any) -> tuple[np.ndarray, np.ndarray]:
+def _q8_0_blocks(path: Path, t: GGUFTensor) -> tuple[np.ndarray, np.ndarray]:
     """A Q8_0 matrix as stored: int8 values [out, in] and float16 scales [out, in / 32] (each
     34-byte block is its float16 scale, then its 32 int8 values)."""
     rows, cols = (int(n) for n in reversed(t.shape))
@@ -302,7 +283,7 @@ def _q8_0_blocks(path: Path, t: Any) -> tuple[np.ndarray, np.ndarray]:
     return blocks[:, 2:].copy().view(np.int8).reshape(rows, cols), scale
 
 
-def _q4_k_blocks(path: Path, t: Any) -> tuple[np.ndarray, np.ndarray]:
+def _q4_k_blocks(path: Path, t: GGUFTensor) -> tuple[np.ndarray, np.ndarray]:
     """A Q4_K matrix in the engine's layout: the values as stored [out, in / 2] and the headers'
     numbers unpacked into int32 words [out, in / 64 + in / 256] (each 144-byte super-block is its
     16-byte header, d, dmin and 12 bytes of 6-bit scales and mins, then 128 bytes of values)."""
@@ -322,7 +303,7 @@ def _q4_k_blocks(path: Path, t: Any) -> tuple[np.ndarray, np.ndarray]:
 _STORED = {"Q8_0": _q8_0_blocks, "Q4_K": _q4_k_blocks}
 
 
-def _dequantize(path: Path, t: Any) -> np.ndarray:
+def _dequantize(path: Path, t: GGUFTensor) -> np.ndarray:
     """One tensor's values as float32, shaped as torch expects ([out, in] for a matrix)."""
     from gguf import quants
 
@@ -344,7 +325,7 @@ def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
     """GGUFCheckpoint.open, parsed once per process for an unchanged file (the engine reads the
-    config, the tokenizer and the weights from it; parsing the metadata takes over a second)."""
+    config, the tokenizer and the weights from it: one parse, one memory map)."""
     path = Path(path).resolve()
     try:
         st = path.stat()
