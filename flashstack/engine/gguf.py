@@ -259,8 +259,7 @@ class GGUFCheckpoint:
 def _read(path: Path) -> GGUFFile:
     try:
         return GGUFFile(path)
-    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
-        # The reader reports a short or garbled file as a failed reshape or a bad magic number.
+    except (ValueError, OSError) as e:  # GGUFFormatError and UnicodeDecodeError are ValueErrors
         raise GGUFError(
             f"{path}: not a readable GGUF file ({e}); it is truncated or corrupt, so fetch it again"
         ) from None

@@ -22,6 +22,7 @@ import numpy as np
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 # GGUF metadata value types (gguf.GGUFValueType): scalars as struct formats and NumPy dtypes
 _SCALARS = {
@@ -144,6 +145,8 @@ class GGUFFile:
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()
         (n_dims,) = self._unpack("<I")
+        if n_dims > MAX_DIMS:  # a garbled count would have struct build a format that long
+            raise GGUFFormatError(f"tensor {name} has {n_dims} dimensions; GGML's have at most 4")
         dims = self._unpack(f"<{n_dims}Q")
         kind, offset = self._unpack("<IQ")
         return name, dims, kind, offset

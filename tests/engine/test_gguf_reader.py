@@ -100,3 +100,15 @@ def test_a_cut_file_says_it_is_truncated(tmp_path, keep) -> None:
     with pytest.raises(GGUFError, match="truncated") as e:
         open_gguf(cut)
     assert str(cut) in str(e.value)
+
+
+def test_a_garbled_dimension_count_is_refused(tmp_path) -> None:
+    data = bytearray(_written(tmp_path / "all.gguf").read_bytes())
+    name = b"f32"  # the first tensor: its name, then its dimension count
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    data[at : at + 4] = (1 << 31).to_bytes(4, "little")
+    bad = tmp_path / "dims.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match="dimensions") as e:
+        open_gguf(bad)
+    assert str(bad) in str(e.value)
