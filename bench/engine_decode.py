@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._roofline import H200_COPY_BW, card_copy_bandwidth, on_card  # noqa: E402
 from bench._shapes import LLAMA3_8B, plant_head, random_hf_model, save_checkpoint  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,8 +31,6 @@ TINY = {
     "num_key_value_heads": 2,
     "head_dim": 32,
 }
-
-COPY_BW = 4.26e12  # bytes/s, device-to-device copy measured on the H200 (shared/GPU.md)
 
 
 def _sync() -> None:
@@ -379,9 +378,12 @@ def main() -> None:
         "dtype": "bfloat16",
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "copy_bw_tb_s": COPY_BW / 1e12,
+        "copy_bw_tb_s": H200_COPY_BW / 1e12,
         "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
     }
+    card_bw = card_copy_bandwidth() if DEVICE == "cuda" else None  # a CPU run has no card
+    if card_bw:
+        result["card_copy_bw_tb_s"] = round(card_bw / 1e12, 3)
     shape = TINY if args.tiny else LLAMA3_8B
 
     def dump() -> None:
@@ -526,13 +528,15 @@ def main() -> None:
                             entry[f"graph_kernels_b{b}"] = graph_kernel_profile(graphs, b, ctx)
             for b in batches:
                 ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
-                floor = (wbytes + kv_bytes_read(shape, b, ctx)) / COPY_BW * 1000
+                floor = (wbytes + kv_bytes_read(shape, b, ctx)) / H200_COPY_BW * 1000
                 entry["steps"][str(b)] = {
                     "ms_per_step": round(ms, 3),
                     "tokens_per_s": round(b * 1000 / ms, 1),
                     "floor_ms": round(floor, 3),
                     "fraction_of_floor": round(floor / ms, 3),
                 }
+                if card_bw:
+                    entry["steps"][str(b)]["fraction_of_card_floor"] = on_card(floor / ms, card_bw)
                 if "transformers" in result and str(b) in result["transformers"]:
                     entry["steps"][str(b)]["speedup_vs_transformers"] = round(
                         result["transformers"][str(b)] / ms, 1

@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._roofline import H200_COPY_BW, card_copy_bandwidth, on_card  # noqa: E402
 from bench._shapes import LLAMA3_8B, plant_head, random_hf_model, save_checkpoint  # noqa: E402
 from bench.engine_decode import (  # noqa: E402
-    COPY_BW,
     fraction_equal,
     graph_replay_ms,
     kv_bytes_read,
@@ -238,7 +238,7 @@ def chain_sweep(scheme: str, candidates: list[tuple[int, ...]]) -> dict[str, Any
     stored = sum(
         t.numel() * t.element_size() for lw in layers for pair in lw.values() for t in pair
     )
-    floor_ms = stored / COPY_BW * 1e3
+    floor_ms = stored / H200_COPY_BW * 1e3
 
     def chain(configs: dict[str, Any], half: bool = True) -> None:
         residual = x.clone()
@@ -329,13 +329,17 @@ def decode(args: argparse.Namespace, result: dict[str, Any], dump: Any) -> None:
         for b in batches:
             ms = our_step_ms(llm, b, args.prompt_len, args.new_tokens)
             kv = kv_bytes_read(LLAMA3_8B, b, ctx)
-            floor = (wbytes + kv) / COPY_BW * 1000
+            floor = (wbytes + kv) / H200_COPY_BW * 1000
             entry["steps"][str(b)] = {
                 "ms_per_step": round(ms, 4),
                 "bytes_read_per_step": wbytes + kv,
                 "floor_ms": round(floor, 4),
                 "fraction_of_floor": round(floor / ms, 4),
             }
+            if DEVICE == "cuda":
+                entry["steps"][str(b)]["fraction_of_card_floor"] = on_card(
+                    floor / ms, card_copy_bandwidth()
+                )
         result[name] = entry
         dump()
         del llm
@@ -368,8 +372,10 @@ def main() -> None:
     args = ap.parse_args()
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "copy_bw_tb_s": COPY_BW / 1e12,
+        "copy_bw_tb_s": H200_COPY_BW / 1e12,
     }
+    if DEVICE == "cuda":
+        result["card_copy_bw_tb_s"] = round(card_copy_bandwidth() / 1e12, 3)
 
     def dump() -> None:
         text = json.dumps(result, indent=2)

@@ -12,7 +12,6 @@ import torch
 
 from flashstack.engine.kernels.triton_gemv import gemv_triton
 
-COPY_BW = 4.26e12
 SHAPES = {  # name: (N, K) of the weight, as nn.Linear stores it
     "qkv": (6144, 4096),
     "o": (4096, 4096),

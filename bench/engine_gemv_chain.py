@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from bench._roofline import H200_COPY_BW
 from flashstack.engine.kernels.triton_gemv import gemv_config, gemv_triton
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4096, 14336, 32, 8, 128, 32
-COPY_BANDWIDTH = 4.26e12
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 FUSED = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "silu"}
 
@@ -104,7 +104,7 @@ def sweep_world(world: int, candidates: list[tuple[int, int, int]]) -> dict[str,
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
     shapes = {name: tuple(layers[0][name].shape) for name in PROJECTIONS}
     defaults = {name: gemv_config(*shapes[name], FUSED[name]) for name in PROJECTIONS}
-    floor_ms = sum(w.numel() * 2 for lw in layers for w in lw.values()) / COPY_BANDWIDTH * 1e3
+    floor_ms = sum(w.numel() * 2 for lw in layers for w in lw.values()) / H200_COPY_BW * 1e3
 
     def time(configs: dict[str, Any]) -> float:
         return graph_ms(lambda: _chain(layers, configs, world, x, norm))
@@ -150,7 +150,7 @@ def sweep_small(name: str) -> dict[str, Any]:
     x = torch.randn(1, shape[0], generator=gen, device="cuda").to(torch.bfloat16)
     norm = torch.ones(shape[0], dtype=torch.bfloat16, device="cuda")
     defaults = {p: gemv_config(*layers[0][p].shape, FUSED[p]) for p in PROJECTIONS}
-    floor_ms = sum(t.numel() * 2 for lw in layers for t in lw.values()) / COPY_BANDWIDTH * 1e3
+    floor_ms = sum(t.numel() * 2 for lw in layers for t in lw.values()) / H200_COPY_BW * 1e3
     return sweep(
         lambda c: graph_ms(lambda: _chain(layers, c, 1, x, norm)),
         defaults,

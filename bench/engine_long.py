@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._roofline import H200_COPY_BW, card_copy_bandwidth, on_card  # noqa: E402
 from bench._shapes import LLAMA3_8B, random_hf_model, save_checkpoint  # noqa: E402
 
-COPY_BW = 4.26e12
 BF16_PEAK = 790e12  # dense bf16 matmul measured on the H200 (shared/GPU.md)
 
 
@@ -101,7 +101,8 @@ def decode_kernel_bandwidth(
         "us": round(sec * 1e6, 2),
         "kv_bytes": kv_bytes,
         "gb_s": round(kv_bytes / sec / 1e9, 1),
-        "fraction_of_copy_bw": round(kv_bytes / sec / COPY_BW, 3),
+        "fraction_of_copy_bw": round(kv_bytes / sec / H200_COPY_BW, 3),
+        "fraction_of_card_copy_bw": on_card(kv_bytes / sec / H200_COPY_BW, card_copy_bandwidth()),
         "plan": {
             "tma": plan.tma,
             "splits": plan.num_splits,

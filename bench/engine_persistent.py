@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._roofline import H200_COPY_BW  # noqa: E402
 from bench._shapes import LLAMA3_2_1B, LLAMA3_8B, QWEN3_0_6B, SMOLLM2_135M  # noqa: E402
-from bench.engine_decode import COPY_BW  # noqa: E402
 from bench.engine_gemv import graph_us  # noqa: E402
 
 SHAPES = {
@@ -114,7 +114,7 @@ def measure(
         p.numel() * p.element_size() for n, p in body.named_parameters() if "layers." in n
     )
     kv = context * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
-    floor_us = (layer_bytes + kv) / COPY_BW * 1e6
+    floor_us = (layer_bytes + kv) / H200_COPY_BW * 1e6
     ids = torch.tensor([11], device="cuda")
     pos = torch.tensor([context - 1], device="cuda")
     device = torch.device("cuda")
@@ -265,7 +265,7 @@ def main() -> None:
     launches = args.launches.split(",")
     for label in launches:  # a typo fails here, not after the first model's runs
         launch_of(label)
-    result = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": COPY_BW / 1e12}
+    result = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": H200_COPY_BW / 1e12}
     for name in args.models.split(","):
         result[name] = measure(name, args.context, launches, args.iters, args.trace)
         text = json.dumps(result, indent=1)

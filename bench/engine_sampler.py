@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
+from bench._roofline import H200_COPY_BW
 from bench.engine_gemv import graph_us
 from flashstack.engine.kernels.triton_sampling import argmax_triton, sample_triton
 from flashstack.engine.sampling import _exponential_race
 
 VOCAB = 151_936
-COPY_BANDWIDTH = 4.26e12
 CHUNKS = (2048, 4096, 8192, 16384)
 
 
@@ -29,7 +29,7 @@ def timings(rows: int, temperature: float) -> dict:
     """µs per call of each sampler on `rows` rows of random logits."""
     logits = (torch.randn(rows, VOCAB, device="cuda") * 3).to(torch.bfloat16)
     temps = torch.full((rows,), temperature, device="cuda")
-    out: dict = {"floor_us": round(logits.numel() * 2 / COPY_BANDWIDTH * 1e6, 2)}
+    out: dict = {"floor_us": round(logits.numel() * 2 / H200_COPY_BW * 1e6, 2)}
     for chunk in CHUNKS:
         out[f"fused_chunk{chunk}_us"] = round(
             graph_us(lambda i, c=chunk: sample_triton(logits, temps, i, chunk=c), iters=10), 2

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bench._roofline import H200_COPY_BW
 from bench.engine_gemv import SHAPES, graph_us
 from flashstack.engine.kernels.triton_skinny import (
     compile_skinny,
@@ -172,7 +173,7 @@ def fp8_shape_rows(name: str, n: int, k: int, ms: list[int], sweep: bool) -> dic
     w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
     copies = [quantize_rows(w) for _ in range(-(-400_000_000 // (n * k)))]
     xs = torch.randn(max(ms), k, dtype=torch.bfloat16, device="cuda")
-    floor_us = n * k / 4.26e6
+    floor_us = n * k / H200_COPY_BW * 1e6  # fp8: a byte a weight
     rows = {}
     for m in ms:
         x = xs[:m]
@@ -234,7 +235,7 @@ def main() -> None:
         n for name in args.shapes.split(",") for n in (SMALL_SHAPES if name == "small" else [name])
     ]
     shapes = {name: known[name] for name in names}
-    result: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": 4.26}
+    result: dict = {"gpu": torch.cuda.get_device_name(), "copy_bw_tb_s": H200_COPY_BW / 1e12}
     if not args.no_sweep:
         try:
             result["precompile"] = precompile(shapes, ms, args.workers)

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._roofline import H200_COPY_BW, card_copy_bandwidth, on_card  # noqa: E402
 from bench._shapes import (
     LLAMA3_2_1B,
     LLAMA3_8B,
@@ -26,7 +27,7 @@ from bench._shapes import (
     random_hf_model,
     save_checkpoint,
 )  # noqa: E402
-from bench.engine_decode import COPY_BW, graph_replay_ms, prompts, stage_bucket  # noqa: E402
+from bench.engine_decode import graph_replay_ms, prompts, stage_bucket  # noqa: E402
 from bench.engine_host import Clock  # noqa: E402
 
 # The 8B shape is there to check that what helps the small models costs the big one nothing.
@@ -254,7 +255,7 @@ def measure(
 
     context = args.prompt_len + args.new_tokens // 2
     batch = args.batch
-    floor = (wbytes + batch * kv_bytes(shape, context)) / COPY_BW * 1e6
+    floor = (wbytes + batch * kv_bytes(shape, context)) / H200_COPY_BW * 1e6
     out: dict[str, Any] = {"weight_bytes": wbytes, "floor_us": round(floor, 1), "kernels": kernels}
     llm = LLM(
         str(path),
@@ -272,6 +273,7 @@ def measure(
     steps = [decode_steps(llm, batch_prompts, args.new_tokens)[0] for _ in range(3)]
     out["step_us"] = round(min(steps), 1)
     out["fraction_of_floor"] = round(floor / min(steps), 3)
+    out["fraction_of_card_floor"] = on_card(floor / min(steps), card_copy_bandwidth())
     graphs = llm.engine.runner.graphs
     out["replay_us"] = round(min(replay_us(graphs, context, batch=batch) for _ in range(3)), 1)
     decoders = getattr(llm.engine.runner.ops.for_tokens(1), "_decoders", {})
@@ -372,7 +374,8 @@ def main() -> None:
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "copy_bw_tb_s": COPY_BW / 1e12,
+        "copy_bw_tb_s": H200_COPY_BW / 1e12,
+        "card_copy_bw_tb_s": round(card_copy_bandwidth() / 1e12, 3),
     }
     for name in args.models.split(","):
         path, wbytes = checkpoint(name, SHAPES[name], root)

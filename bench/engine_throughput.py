@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._roofline import H200_COPY_BW, card_copy_bandwidth  # noqa: E402
 from bench._shapes import QWEN3_0_6B, random_hf_model, save_checkpoint  # noqa: E402
 
-COPY_BW = 4.26e12
 BF16_PEAK = 790e12
 
 
@@ -32,7 +32,11 @@ def workload(n: int, lo: int, hi: int, seed: int = 0) -> tuple[list[list[int]], 
 
 
 def floor_seconds(
-    weight_bytes: int, params: int, prompts: list[list[int]], outputs: list[int]
+    weight_bytes: int,
+    params: int,
+    prompts: list[list[int]],
+    outputs: list[int],
+    copy_bw: float = H200_COPY_BW,
 ) -> float:
     """Bandwidth floor of the decode steps (all sequences live at once) plus the prefill compute
     floor."""
@@ -41,7 +45,7 @@ def floor_seconds(
     seconds = 0.0
     for t in range(1, max(outputs) + 1):
         live_kv = sum((len(p) + t) for p, o in zip(prompts, outputs) if o >= t) * kv_per_token
-        seconds += (weight_bytes + live_kv) / COPY_BW
+        seconds += (weight_bytes + live_kv) / copy_bw
     seconds += 2 * params * sum(len(p) for p in prompts) / BF16_PEAK
     return seconds
 
@@ -201,12 +205,15 @@ def run_workload(llm, prompts, outputs, weight_bytes: int, params: int) -> dict:
     sec = time.perf_counter() - t
     produced = sum(len(o.token_ids) for o in outs)
     floor = floor_seconds(weight_bytes, params, prompts, outputs)
+    card_floor = floor_seconds(weight_bytes, params, prompts, outputs, card_copy_bandwidth())
     return {
         "seconds": round(sec, 2),
         "output_tokens": produced,
         "tokens_per_s": round(produced / sec, 1),
         "floor_seconds": round(floor, 2),
         "fraction_of_roofline": round(floor / sec, 3),
+        "card_floor_seconds": round(card_floor, 2),
+        "fraction_of_card_roofline": round(card_floor / sec, 3),
     }
 
 
@@ -259,6 +266,7 @@ def main() -> None:
         "shape": "qwen3-0.6b",
         "num_seqs": args.num_seqs,
         "variants": {label: options for label, options in args.variants},
+        "card_copy_bw_tb_s": round(card_copy_bandwidth() / 1e12, 3),
     }
 
     def dump() -> None:

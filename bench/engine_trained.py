@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_decode import COPY_BW  # noqa: E402
+from bench._roofline import H200_COPY_BW, card_copy_bandwidth, on_card  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -185,10 +185,13 @@ def main() -> None:
     context = len(prompts[0]) + 128
     kv = context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2
     step = min(step_ms(llm, prompts[0], 128) for _ in range(3))
-    floor = (weights + kv) / COPY_BW * 1000
+    floor = (weights + kv) / H200_COPY_BW * 1000
     result["batch1_step_ms"] = round(step, 4)
     result["batch1_floor_ms"] = round(floor, 4)
     result["batch1_fraction_of_floor"] = round(floor / step, 4)
+    if torch.cuda.is_available():
+        result["card_copy_bw_tb_s"] = round(card_copy_bandwidth() / 1e12, 3)
+        result["batch1_fraction_of_card_floor"] = on_card(floor / step, card_copy_bandwidth())
     if kernels.get("persistent_decoder"):  # dropped after a failed first-run check: say so
         decoders = getattr(llm.engine.runner.ops.for_tokens(1), "_decoders", {})
         result["persistent_decoder_ran"] = any(d is not None for d in decoders.values())

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench._roofline import H200_COPY_BW
 from bench.engine_gemv_chain import (
-    COPY_BANDWIDTH,
     HEAD_DIM,
     HEADS,
     HIDDEN,
@@ -133,7 +133,7 @@ def main() -> None:
     q = HEADS * HEAD_DIM // args.world
     kv, inter = KV_HEADS * HEAD_DIM // args.world, INTER // args.world
     layer_bytes = 2 * HIDDEN * ((q + 2 * kv) + q + 2 * inter + inter)
-    floor_ms = LAYERS * layer_bytes / COPY_BANDWIDTH * 1e3
+    floor_ms = LAYERS * layer_bytes / H200_COPY_BW * 1e3
     report: dict[str, Any] = {
         "world": args.world,
         "rank0": rank0,
