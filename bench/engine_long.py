@@ -202,6 +202,7 @@ def main() -> None:
     args = ap.parse_args()
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
+        "card_copy_bw_tb_s": round(card_copy_bandwidth() / 1e12, 3),
         "context": args.context,
         "decode_kernel": {},
         "block_sweep": {},
