@@ -151,12 +151,15 @@ class GGUFFile:
         kind, offset = self._unpack("<IQ")
         return name, dims, kind, offset
 
-    def _tensors(self, infos: list[tuple[str, tuple[int, ...], int, int]], start: int) -> list:
+    def _tensors(
+        self, infos: list[tuple[str, tuple[int, ...], int, int]], start: int
+    ) -> list[GGUFTensor]:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import quant_shape_to_byte_shape
 
         whole = np.frombuffer(self._map, dtype=np.uint8)
-        tensors, names = [], set()
+        tensors: list[GGUFTensor] = []
+        names: set[str] = set()
         for name, dims, kind, offset in infos:
             if name in names:
                 raise GGUFFormatError(f"duplicate tensor {name}")
