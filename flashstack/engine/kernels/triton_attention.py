@@ -1211,7 +1211,7 @@ def _prefill_tile(
     MASKED: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """One tile of BLOCK_N keys into the running softmax (base 2: q carries log2(e)). Unmasked
+    """One tile of BLOCK_N keys into the running softmax (base 2: scores times log2(e)). Unmasked
     tiles lie wholly before the program's first query and inside the window: no compare, no
     select, no guarded load."""
     n = start + tl.arange(0, BLOCK_N)
@@ -1235,7 +1235,7 @@ def _prefill_tile(
             v = tl.load(kv_ptrs + stride_ckv + d[None, :])
     if FP8:
         k = k.to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * 1.4426950408889634
     if MASKED:
         allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
         if window > 0:
@@ -1321,11 +1321,12 @@ def _prefill_kernel(
         mask=imask[:, None] & dmask[None, :],
         other=0.0,
     )
-    # the softmax runs in base 2: log2(e) folded into the queries' scale
+    # the softmax runs in base 2, log2(e) applied to the fp32 scores (_prefill_tile): folded into
+    # bf16 queries it cost 0.5 points of greedy agreement on the trained model (1/sqrt(64) is exact)
     if FP8:  # as in _decode_kernel: dequantized tiles, k_scale on q, v_scale on the output
-        q = (q * (scale * 1.4426950408889634 * tl.load(kvs_ptr))).to(KV_DOT)
+        q = (q * (scale * tl.load(kvs_ptr))).to(KV_DOT)
     else:
-        q = (q * (scale * 1.4426950408889634)).to(cache_ptr.dtype.element_ty)
+        q = (q * scale).to(cache_ptr.dtype.element_ty)
     m = tl.full([BLOCK_M * P], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M * P], tl.float32)
     acc = tl.zeros([BLOCK_M * P, D_PAD], tl.float32)
