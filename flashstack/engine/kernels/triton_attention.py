@@ -1187,6 +1187,7 @@ def paged_decode_triton(
 @triton.jit
 def _prefill_tile(
     q,
+    qk_scale,
     m,
     row_sum,
     acc,
@@ -1211,9 +1212,10 @@ def _prefill_tile(
     MASKED: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """One tile of BLOCK_N keys into the running softmax (base 2: scores times log2(e)). Unmasked
-    tiles lie wholly before the program's first query and inside the window: no compare, no
-    select, no guarded load."""
+    """One tile of BLOCK_N keys into the running softmax, in base 2: the scores stay as the dot
+    gives them and `qk_scale` (softmax scale times log2(e)) enters the maximum and, one fused
+    multiply-add a score, the exponent. Unmasked tiles lie wholly before the program's first query
+    and inside the window: no compare, no select, no guarded load."""
     n = start + tl.arange(0, BLOCK_N)
     nmask = n < last
     if TMA:  # a tile inside one block (BLOCK_N divides it): rows [blocks * 2 * bs, kv_heads, D]
@@ -1235,20 +1237,20 @@ def _prefill_tile(
             v = tl.load(kv_ptrs + stride_ckv + d[None, :])
     if FP8:
         k = k.to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * 1.4426950408889634
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASKED:
         allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
         if window > 0:
             allowed = allowed & (n[None, :] > qpos[:, None] - window)
         qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_new = tl.maximum(m, tl.max(qk, 1) * qk_scale)
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with no key yet (window)
         if TMA:  # a stale NaN past the context must not reach the sum: weight 0 times V
             v = tl.where(nmask[:, None], v, 0.0)
     else:
-        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_new = tl.maximum(m, tl.max(qk, 1) * qk_scale)
         m_safe = m_new
-    p = tl.exp2(qk - m_safe[:, None])
+    p = tl.exp2(qk * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
     row_sum = row_sum * alpha + tl.sum(p, 1)
     if FP8:
@@ -1321,12 +1323,13 @@ def _prefill_kernel(
         mask=imask[:, None] & dmask[None, :],
         other=0.0,
     )
-    # the softmax runs in base 2, log2(e) applied to the fp32 scores (_prefill_tile): folded into
-    # bf16 queries it cost 0.5 points of greedy agreement on the trained model (1/sqrt(64) is exact)
+    # the softmax scale and log2(e) are applied to the fp32 scores (_prefill_tile): folded into the
+    # bf16 queries, their rounding cost up to half a point of the trained model's bf16 agreement
+    qk_scale = scale * 1.4426950408889634
     if FP8:  # as in _decode_kernel: dequantized tiles, k_scale on q, v_scale on the output
-        q = (q * (scale * tl.load(kvs_ptr))).to(KV_DOT)
+        q = (q * tl.load(kvs_ptr)).to(KV_DOT)
     else:
-        q = (q * scale).to(cache_ptr.dtype.element_ty)
+        q = q.to(cache_ptr.dtype.element_ty)
     m = tl.full([BLOCK_M * P], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M * P], tl.float32)
     acc = tl.zeros([BLOCK_M * P, D_PAD], tl.float32)
@@ -1340,6 +1343,7 @@ def _prefill_kernel(
         for start in range(full_end if masked else first, last if masked else full_end, BLOCK_N):
             m, row_sum, acc = _prefill_tile(
                 q,
+                qk_scale,
                 m,
                 row_sum,
                 acc,
