@@ -81,8 +81,8 @@ run: install
 # run in TEST_WORKERS processes (pytest-xdist), each file whole on one of them (its module fixtures
 # and servers start once). On 2 cores, with 2 workers, the suite takes 7-11 minutes and `peers`
 # builds in 5-6 more, under the 20 minutes CI allows (its runs took 765-1,197 s on 2026-12-07): a
-# slow test is paid for in that budget. A worker and the servers it starts peak near 9.5 GB, so more workers
-# want more than 24 GB.
+# slow test is paid for in that budget. A worker and the servers it starts peak near 9.5 GB, so more
+# workers want more than 24 GB.
 TEST_WORKERS ?= 2
 test: install peers
 	$(VENV)/bin/ruff check .
